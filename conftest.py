@@ -1,0 +1,3 @@
+"""Root conftest: the course's pytest plugin (LAB_IMPL, markers, Hypothesis profiles, reporting)."""
+
+pytest_plugins = ["course.pytest_plugin"]

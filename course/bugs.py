@@ -1,0 +1,56 @@
+"""Planted bugs: known-wrong edits to the reference that a lab's tests must reject.
+
+Each lab lists its bugs in `planted_bugs.py` as `BUGS = [PlantedBug(...)]`. A bug is a textual
+edit (find exactly once, replace) to a file of the repository, so it works the same for
+`mini_vllm` modules, a lab's own `solution.py` and CUDA sources.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from course.labs import REPO_ROOT, Lab
+
+
+@dataclass(frozen=True)
+class PlantedBug:
+    name: str
+    description: str
+    file: str
+    find: str
+    replace: str
+    requires: str | None = None  # "cuda": only a GPU run can reject it
+
+    def problems(self, root: Path = REPO_ROOT) -> list[str]:
+        """Why this bug cannot be applied as written (empty when it can)."""
+        path = root / self.file
+        if not path.is_file():
+            return [f"{self.name}: file {self.file} does not exist"]
+        count = path.read_text(encoding="utf-8").count(self.find)
+        if count != 1:
+            return [f"{self.name}: `find` occurs {count} times in {self.file}; it must occur once"]
+        if self.find == self.replace:
+            return [f"{self.name}: `replace` equals `find`; the edit changes nothing"]
+        return []
+
+    def apply(self, root: Path) -> None:
+        """Apply the edit to the copy of the repository at `root`."""
+        path = root / self.file
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text.replace(self.find, self.replace, 1), encoding="utf-8")
+
+
+def load_bugs(lab: Lab) -> list[PlantedBug]:
+    """The planted bugs of a lab (an empty list when it has no planted_bugs.py)."""
+    path = lab.path / "planted_bugs.py"
+    if not path.is_file():
+        return []
+    spec = importlib.util.spec_from_file_location(f"course_bugs_{lab.id.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bugs = getattr(module, "BUGS", None)
+    if not isinstance(bugs, list) or not all(isinstance(b, PlantedBug) for b in bugs):
+        raise ValueError(f"{path}: BUGS must be a list of PlantedBug")
+    return bugs

@@ -1,0 +1,282 @@
+"""`python -m course`: the student's dashboard, the instructor's grader, the course's own checks.
+
+    python -m course                 status of every lab against your starter.py files
+    python -m course status --impl solution
+    python -m course grade --out DIR grades.json + one JUnit XML per lab (exit 0 whatever the score)
+    python -m course check           integrity: solution passes, starter fails, same API, bugs caught
+    python -m course list            the labs, in order
+    python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime, timezone
+from pathlib import Path
+
+from course.labs import REPO_ROOT, Lab, discover, select
+from course.runner import LabRun, run_lab
+
+
+class Progress:
+    """One line per finished item; a live "running ..." line on a terminal."""
+
+    def __init__(self, total: int, verb: str):
+        self.total, self.done, self.verb = total, 0, verb
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def started(self, what: str) -> None:
+        if self.tty:
+            sys.stderr.write(f"\r\033[K  {self.verb} {what} ...")
+            sys.stderr.flush()
+
+    def finished(self, line: str) -> None:
+        self.done += 1
+        prefix = "\r\033[K" if self.tty else ""
+        sys.stderr.write(f"{prefix}  [{self.done}/{self.total}] {line}\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write(f"  finished in {time.perf_counter() - self.start:.0f} s\n\n")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(lines)
+
+
+def _workers(n: int | None) -> int:
+    return max(1, n or min(2, os.cpu_count() or 1))
+
+
+def run_labs(labs: list[Lab], impl: str, jobs: int, junit_dir: Path | None = None) -> list[LabRun]:
+    progress = Progress(len(labs), f"running ({impl})")
+    runs: dict[str, LabRun] = {}
+    with ThreadPoolExecutor(_workers(jobs)) as pool:
+        futures = {}
+        for lab in labs:
+            junit = junit_dir / f"lab-{lab.id}.xml" if junit_dir else None
+            futures[pool.submit(run_lab, lab, impl, junit=junit)] = lab
+            progress.started(lab.id)
+        for fut in as_completed(futures):
+            run = fut.result()
+            runs[run.lab.id] = run
+            progress.finished(
+                f"lab {run.lab.id} {run.lab.title}: {run.passed}/{run.total} passed ({run.seconds:.0f} s)"
+            )
+    progress.close()
+    return [runs[lab.id] for lab in labs]
+
+
+def cmd_list(args) -> int:
+    labs = discover()
+    rows = [[f"phase {lab.phase}", lab.id, lab.title, lab.rel] for lab in labs]
+    print(table(["Phase", "Lab", "Title", "Folder"], rows))
+    return 0
+
+
+def cmd_status(args) -> int:
+    labs = select(discover(), args.labs)
+    runs = run_labs(labs, args.impl, args.jobs)
+    rows = []
+    for r in runs:
+        rows.append([r.lab.phase, r.lab.id, r.lab.title, f"{r.passed}/{r.total}", r.status,
+                     r.next_step[:70]])
+    print(table(["Phase", "Lab", "Title", "Tests", "Status", "Next step"], rows))
+    done = sum(r.status == "done" for r in runs)
+    print(f"\n{done} of {len(runs)} labs done ({args.impl}).", end=" ")
+    if args.impl == "starter" and done < len(runs):
+        print("Open the first unfinished lab's README, then run "
+              "`LAB_IMPL=starter pytest <lab folder> -q`.")
+    else:
+        print()
+    broken = [r for r in runs if r.broken]
+    for r in broken:
+        print(f"\nlab {r.lab.id}: the test run itself broke (exit {r.exit_code}):\n{r.output[-2000:]}")
+    return 1 if broken else 0
+
+
+def _git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def cmd_grade(args) -> int:
+    out = Path(args.out)
+    junit_dir = out / "junit"
+    junit_dir.mkdir(parents=True, exist_ok=True)
+    labs = select(discover(), args.labs)
+    runs = run_labs(labs, args.impl, args.jobs, junit_dir)
+    report = {
+        "course": "mini_vllm",
+        "impl": args.impl,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "revision": _git_revision(),
+        "python": platform.python_version(),
+        "labs": [],
+    }
+    total_got = total_max = 0.0
+    for r in runs:
+        got, maximum = r.points
+        total_got, total_max = total_got + got, total_max + maximum
+        report["labs"].append({
+            "id": r.lab.id, "phase": r.lab.phase, "title": r.lab.title, "folder": r.lab.rel,
+            "status": r.status, "passed": r.passed,
+            "failed": len(r.by_outcome("failed")), "not_implemented": len(r.by_outcome("not_implemented")),
+            "skipped": len(r.by_outcome("skipped", graded=False)), "total": r.total,
+            "points": got, "max_points": maximum, "junit": f"junit/lab-{r.lab.id}.xml",
+            "tests": [
+                {"id": t["nodeid"], "outcome": t["outcome"], "graded": not t["starter_ok"],
+                 "points": t["points"] if t["outcome"] == "passed" and not t["starter_ok"] else 0.0,
+                 "max_points": 0.0 if t["starter_ok"] else t["points"], "message": t["message"]}
+                for t in r.tests
+            ],
+            "error": r.output[-4000:] if r.broken else None,
+        })
+    report["points"], report["max_points"] = total_got, total_max
+    (out / "grades.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    rows = [[r.lab.id, r.lab.title, f"{r.passed}/{r.total}", f"{r.points[0]:g}/{r.points[1]:g}",
+             r.status] for r in runs]
+    text = table(["Lab", "Title", "Tests", "Points", "Status"], rows)
+    text += f"\n\nTotal: {total_got:g} / {total_max:g} points"
+    (out / "grades.txt").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    print(f"\nWrote {out / 'grades.json'}, {out / 'grades.txt'} and {junit_dir}/lab-*.xml")
+    # Only a broken grader is an error; a student's failing or crashing code is a score.
+    missing_results = [r for r in runs if r.exit_code not in (0, 1)]
+    for r in missing_results:
+        print(f"\nGRADING ERROR in lab {r.lab.id} (pytest exit {r.exit_code}):\n{r.output[-2000:]}",
+              file=sys.stderr)
+    return 2 if missing_results else 0
+
+
+def cmd_check(args) -> int:
+    from course.integrity import check_course, check_lab
+
+    labs = select(discover(), args.labs)
+    course_problems = [] if args.labs else check_course()
+    progress = Progress(len(labs), "checking")
+    checks = {}
+    with ThreadPoolExecutor(_workers(args.jobs)) as pool:
+        futures = {pool.submit(check_lab, lab, bugs=not args.no_bugs): lab for lab in labs}
+        for lab in labs:
+            progress.started(lab.id)
+        for fut in as_completed(futures):
+            c = fut.result()
+            checks[c.lab.id] = c
+            rejected = sum(b.status == "rejected" for b in c.bugs)
+            progress.finished(f"lab {c.lab.id}: {'ok' if not c.violations else 'VIOLATIONS'}, "
+                              f"{rejected}/{len(c.bugs)} planted bugs rejected")
+    progress.close()
+    rows = []
+    for lab in labs:
+        c = checks[lab.id]
+        sol = c.solution
+        st = c.starter
+        rows.append([
+            lab.id, lab.title,
+            f"{sol.passed}/{sol.total}" if sol else "-",
+            f"{len(st.by_outcome('passed'))}/{st.total}" if st else "-",
+            f"{sum(b.status == 'rejected' for b in c.bugs)}/{len(c.bugs)}",
+            "ok" if not c.violations else f"{len(c.violations)} violation(s)",
+        ])
+    print(table(["Lab", "Title", "Solution passes", "Starter passes", "Bugs rejected", "Result"],
+                rows))
+    print("\nPlanted bugs:")
+    for lab in labs:
+        for b in checks[lab.id].bugs:
+            print(f"  {lab.id}  {b.bug.name:<38} {b.status:<13} {b.detail.splitlines()[0] if b.detail else ''}")
+    for lab in labs:
+        for note in checks[lab.id].notes:
+            print(f"  note: lab {lab.id}: {note}")
+    violations = course_problems + [
+        f"lab {lab.id}: {v}" for lab in labs for v in checks[lab.id].violations
+    ]
+    if violations:
+        print(f"\n{len(violations)} violation(s):")
+        for v in violations:
+            print(f"  - {v}")
+        return 1
+    print(f"\nAll {len(labs)} labs pass the integrity checks.")
+    return 0
+
+
+def cmd_refs(args) -> int:
+    from course.refs import check_against_source, check_consistency, load_map
+
+    problems = check_consistency(REPO_ROOT)
+    refs, _ = load_map(REPO_ROOT)
+    print(f"{len(refs)} map entries; map and repository "
+          f"{'agree' if not problems else 'disagree'}.")
+    checked = 0
+    notes: list[str] = []
+    if args.vllm_src:
+        mismatches, notes, checked = check_against_source([Path(p) for p in args.vllm_src])
+        problems += mismatches
+        print(f"{checked} entries checked against the source; {len(mismatches)} mismatch(es).")
+    for note in notes:
+        print(f"note: {note}")
+    for p in problems:
+        print(f"  - {p}")
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m course", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+
+    def labs_and_jobs(p):
+        p.add_argument("labs", nargs="*", help="lab ids (02-01), folder names or paths; default all")
+        p.add_argument("-j", "--jobs", type=int, default=None, help="labs run in parallel (default 2)")
+
+    p = sub.add_parser("status", help="every lab against your starter (the default)")
+    labs_and_jobs(p)
+    p.add_argument("--impl", choices=("starter", "solution"), default="starter")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("grade", help="grade for CI: grades.json, grades.txt, JUnit XML per lab")
+    labs_and_jobs(p)
+    p.add_argument("--out", required=True, help="folder for the report")
+    p.add_argument("--impl", choices=("starter", "solution"), default="starter")
+    p.set_defaults(func=cmd_grade)
+
+    p = sub.add_parser("check", help="course integrity checks (for course authors and CI)")
+    labs_and_jobs(p)
+    p.add_argument("--lab", dest="labs_opt", action="append", default=[], help="same as a positional lab")
+    p.add_argument("--no-bugs", action="store_true", help="skip the planted-bug runs")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("list", help="the labs, in order, with their titles")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("refs", help="check upstream references (map <-> code; vs. a source tree)")
+    p.add_argument("--vllm-src", action="append", default=[], metavar="DIR",
+                   help="an unpacked vLLM release (repeatable, one per pinned version)")
+    p.set_defaults(func=cmd_refs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["status", *argv]
+    args = parser.parse_args(argv)
+    if getattr(args, "labs_opt", None):
+        args.labs = [*args.labs, *args.labs_opt]
+    return args.func(args)

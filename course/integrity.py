@@ -1,0 +1,169 @@
+"""`python -m course check`: the course integrity checks of DESIGN.md, for every lab.
+
+1. the solution passes every test;
+2. the untouched starter fails every graded test (tests marked `starter_ok` are exempt);
+3. starter.py and solution.py expose the same API;
+4. every planted bug is rejected: with the bug applied to a copy of the repository, at least one
+   of the lab's tests fails.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from course.api import compare
+from course.bugs import PlantedBug, load_bugs
+from course.labs import REPO_ROOT, Lab
+from course.loader import load_module
+from course.refs import check_consistency
+from course.runner import LabRun, run_lab
+
+_COPY_IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", "__pycache__", ".hypothesis", ".pytest_cache", ".ruff_cache", "build",
+    "*.egg-info", "grades", ".ipynb_checkpoints", "results", ".whl", ".gl",
+)
+_RAISE_RE = re.compile(r"raise NotImplementedError\((?P<arg>[^)]*)\)")
+
+
+@dataclass
+class BugResult:
+    bug: PlantedBug
+    status: str  # "rejected", "NOT REJECTED", "not checked", "invalid"
+    detail: str = ""
+
+
+@dataclass
+class LabCheck:
+    lab: Lab
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    bugs: list[BugResult] = field(default_factory=list)
+    solution: LabRun | None = None
+    starter: LabRun | None = None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def check_starter_messages(lab: Lab) -> list[str]:
+    """Each `raise NotImplementedError(...)` in the starter names this lab and a task number."""
+    problems = []
+    text = (lab.path / "starter.py").read_text(encoding="utf-8")
+    expected = re.compile(rf"lab {re.escape(lab.id)}, task \d+: \S")
+    for m in _RAISE_RE.finditer(text):
+        if not expected.search(m["arg"]):
+            line = text.count("\n", 0, m.start()) + 1
+            problems.append(
+                f"starter.py:{line}: NotImplementedError should say \"lab {lab.id}, task N: ...\""
+            )
+    if not _RAISE_RE.search(text) and not (lab.path / "starter.cu").is_file():
+        problems.append("starter.py leaves nothing to implement (no NotImplementedError)")
+    return problems
+
+
+def check_runs(check: LabCheck, root: Path) -> None:
+    lab = check.lab
+    sol = check.solution = run_lab(lab, "solution", root=root)
+    if sol.broken:
+        check.violations.append(f"solution: the test run broke (pytest exit {sol.exit_code}):\n"
+                                + _tail(sol.output))
+    else:
+        for t in sol.by_outcome("failed", "not_implemented", graded=False):
+            check.violations.append(f"solution fails {t['nodeid']}: {t['message']}")
+        skipped = sol.by_outcome("skipped", graded=False)
+        if skipped:
+            check.notes.append(f"{len(skipped)} tests skipped here ({skipped[0]['message']})")
+        if not sol.graded:
+            check.notes.append("no graded test ran on this machine")
+    st = check.starter = run_lab(lab, "starter", root=root)
+    if st.broken:
+        check.violations.append(f"starter: the test run broke (pytest exit {st.exit_code}):\n"
+                                + _tail(st.output))
+    else:
+        for t in st.by_outcome("passed"):
+            check.violations.append(
+                f"passes on the untouched starter, so it proves nothing: {t['nodeid']} "
+                f"(mark it starter_ok if that is intended)"
+            )
+
+
+def check_api(check: LabCheck) -> None:
+    lab = check.lab
+    try:
+        starter = load_module(lab.path, "starter", lab.id)
+        solution = load_module(lab.path, "solution", lab.id)
+    except Exception as exc:
+        check.violations.append(f"cannot import for the API check: {exc}")
+        return
+    check.violations.extend(f"API: {p}" for p in compare(starter, solution))
+
+
+def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT) -> BugResult:
+    problems = bug.problems(root)
+    if problems:
+        return BugResult(bug, "invalid", "; ".join(problems))
+    if bug.requires == "cuda" and not has_cuda:
+        return BugResult(bug, "not checked", "needs a CUDA GPU")
+    with tempfile.TemporaryDirectory(prefix="course-bug-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(root, copy, ignore=_COPY_IGNORE)
+        bug.apply(copy)
+        run = run_lab(lab, "solution", root=copy, extra_args=("-x",))
+    failed = run.by_outcome("failed", "not_implemented", graded=False)
+    if run.exit_code == 1 and failed:
+        return BugResult(bug, "rejected", f"by {failed[0]['nodeid'].split('::', 1)[-1]}")
+    if run.exit_code == 0:
+        return BugResult(bug, "NOT REJECTED", "every test passed with the bug in place")
+    return BugResult(bug, "NOT REJECTED", f"the test run broke instead (exit {run.exit_code}):\n"
+                     + _tail(run.output))
+
+
+def check_bugs(check: LabCheck, has_cuda: bool, root: Path) -> None:
+    try:
+        bugs = load_bugs(check.lab)
+    except Exception as exc:
+        check.violations.append(f"planted_bugs.py: {exc}")
+        return
+    if not bugs:
+        check.violations.append("no planted bugs (planted_bugs.py with BUGS = [...])")
+    names = [b.name for b in bugs]
+    if len(set(names)) != len(names):
+        check.violations.append("planted bug names are not unique")
+    for bug in bugs:
+        result = check_bug(check.lab, bug, has_cuda, root)
+        check.bugs.append(result)
+        if result.status in ("NOT REJECTED", "invalid"):
+            check.violations.append(f"planted bug {bug.name!r}: {result.status}: {result.detail}")
+
+
+def check_lab(lab: Lab, *, bugs: bool = True, root: Path = REPO_ROOT) -> LabCheck:
+    check = LabCheck(lab)
+    missing = lab.missing_files()
+    if missing:
+        check.violations.append(f"missing {', '.join(missing)}")
+        return check
+    check.violations.extend(check_starter_messages(lab))
+    check_api(check)
+    check_runs(check, root)
+    if bugs:
+        check_bugs(check, _cuda_available(), root)
+    return check
+
+
+def check_course() -> list[str]:
+    """Checks that concern the course as a whole rather than one lab."""
+    return [f"upstream refs: {p}" for p in check_consistency(REPO_ROOT)]
+
+
+def _tail(text: str, n: int = 15) -> str:
+    return "\n".join("      " + line for line in text.strip().splitlines()[-n:])

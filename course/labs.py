@@ -1,0 +1,101 @@
+"""Lab discovery: a lab is a folder `phase-PP-*/labs/lab-LL-*/` holding the four contract files."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LAB_FILES = ("README.md", "starter.py", "solution.py", "test_lab.py")
+_PHASE_RE = re.compile(r"^phase-(\d\d)-[\w-]+$")
+_LAB_RE = re.compile(r"^lab-(\d\d)-[\w-]+$")
+
+
+@dataclass(frozen=True)
+class Lab:
+    """One lab folder. `id` is "PP-LL" (phase and lab numbers), e.g. "02-01"."""
+
+    path: Path
+
+    @property
+    def phase_dir(self) -> Path:
+        return self.path.parent.parent
+
+    @property
+    def phase(self) -> str:
+        return _PHASE_RE.match(self.phase_dir.name).group(1)
+
+    @property
+    def number(self) -> str:
+        return _LAB_RE.match(self.path.name).group(1)
+
+    @property
+    def id(self) -> str:
+        return f"{self.phase}-{self.number}"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(REPO_ROOT).as_posix()
+
+    @cached_property
+    def title(self) -> str:
+        """The README's first `# ` heading, without a leading "Lab PP-LL:" label."""
+        readme = self.path / "README.md"
+        if not readme.is_file():
+            return self.name
+        for line in readme.read_text(encoding="utf-8").splitlines():
+            if line.startswith("# "):
+                return re.sub(r"^Lab\s+\d\d-\d\d\s*[:—-]\s*", "", line[2:].strip())
+        return self.name
+
+    @property
+    def test_file(self) -> Path:
+        return self.path / "test_lab.py"
+
+    def missing_files(self) -> list[str]:
+        return [f for f in LAB_FILES if not (self.path / f).is_file()]
+
+
+def discover(root: Path = REPO_ROOT) -> list[Lab]:
+    """Every lab under `root`, ordered by phase then lab number."""
+    labs = []
+    for phase_dir in sorted(root.glob("phase-*")):
+        if not (phase_dir.is_dir() and _PHASE_RE.match(phase_dir.name)):
+            continue
+        for lab_dir in sorted((phase_dir / "labs").glob("lab-*")):
+            if lab_dir.is_dir() and _LAB_RE.match(lab_dir.name):
+                labs.append(Lab(lab_dir))
+    return labs
+
+
+def lab_for_path(path: str | Path) -> Lab:
+    """The lab that contains `path` (a file or folder inside a lab folder)."""
+    p = Path(path).resolve()
+    for candidate in (p, *p.parents):
+        if _LAB_RE.match(candidate.name) and candidate.parent.name == "labs":
+            return Lab(candidate)
+    raise ValueError(f"{path} is not inside a lab folder (phase-PP-*/labs/lab-LL-*/)")
+
+
+def select(labs: list[Lab], wanted: list[str] | None) -> list[Lab]:
+    """Filter labs by id ("02-01"), folder name or path; an unknown name is an error."""
+    if not wanted:
+        return labs
+    chosen = []
+    for w in wanted:
+        matches = [
+            lab
+            for lab in labs
+            if w in (lab.id, lab.name, lab.rel, lab.rel + "/") or lab.path == Path(w).resolve()
+        ]
+        if not matches:
+            known = ", ".join(lab.id for lab in labs)
+            raise SystemExit(f"error: no lab named {w!r}; known labs: {known}")
+        chosen.extend(m for m in matches if m not in chosen)
+    return chosen

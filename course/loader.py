@@ -1,0 +1,122 @@
+"""Load a lab's `starter.py` or `solution.py`, as chosen by the `LAB_IMPL` environment variable.
+
+Tests never import an implementation directly: `lab = load_lab(__file__)` returns a lazy handle
+that loads the chosen file from the test's own lab folder the first time an attribute is read.
+Loading lazily means a starter that does not import fails each test with one clear message,
+instead of breaking test collection for the whole lab.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+from course.labs import lab_for_path
+
+ENV_VAR = "LAB_IMPL"
+IMPLS = ("solution", "starter")
+DEFAULT_IMPL = "solution"
+
+
+class LabImplError(Exception):
+    """LAB_IMPL names no implementation, or the chosen file does not import."""
+
+
+def chosen_impl() -> str:
+    """The implementation that LAB_IMPL selects; anything but the allowed values is an error."""
+    value = os.environ.get(ENV_VAR, DEFAULT_IMPL).strip() or DEFAULT_IMPL
+    if value not in IMPLS:
+        raise LabImplError(
+            f"{ENV_VAR}={value!r} is not a lab implementation; use one of: {', '.join(IMPLS)}"
+        )
+    return value
+
+
+def module_name(lab_id: str, impl: str) -> str:
+    """Unique per lab and implementation, so that many labs' files coexist in one process."""
+    return f"course_labs.lab_{lab_id.replace('-', '_')}.{impl}"
+
+
+def load_module(lab_dir: Path, impl: str, lab_id: str) -> ModuleType:
+    name = module_name(lab_id, impl)
+    if name in sys.modules:
+        return sys.modules[name]
+    path = lab_dir / f"{impl}.py"
+    if not path.is_file():
+        raise LabImplError(f"lab {lab_id}: {path} does not exist")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise LabImplError(
+            f"lab {lab_id}: {path.name} does not import ({type(exc).__name__}: {exc}, "
+            f"at {Path(where.filename).name}:{where.lineno}). Fix that first; every test of "
+            f"this lab needs it."
+        ) from exc
+    return module
+
+
+class LazyLab:
+    """Attribute access loads the lab's chosen implementation once and forwards to it."""
+
+    def __init__(self, lab_dir: Path, lab_id: str, impl: str | None = None):
+        self._lab_dir = lab_dir
+        self._lab_id = lab_id
+        self._impl = impl
+        self._module: ModuleType | None = None
+
+    @property
+    def impl(self) -> str:
+        return self._impl or chosen_impl()
+
+    @property
+    def lab_id(self) -> str:
+        return self._lab_id
+
+    @property
+    def lab_dir(self) -> Path:
+        return self._lab_dir
+
+    @property
+    def source_path(self) -> Path:
+        return self._lab_dir / f"{self.impl}.py"
+
+    @property
+    def module(self) -> ModuleType:
+        if self._module is None:
+            self._module = load_module(self._lab_dir, self.impl, self._lab_id)
+        return self._module
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        module = self.module
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"lab {self._lab_id}: {self.impl}.py has no {name!r}; keep the names the "
+                f"lab's starter.py declares"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"<lab {self._lab_id} ({self.impl}) from {self._lab_dir}>"
+
+
+def load_lab(test_file: str | Path, impl: str | None = None) -> LazyLab:
+    """The lab implementation for the test file `test_file` (pass `__file__`).
+
+    `impl` overrides LAB_IMPL; by default the choice is read when the module first loads.
+    """
+    lab = lab_for_path(test_file)
+    if impl is not None and impl not in IMPLS:
+        raise LabImplError(f"impl={impl!r} is not a lab implementation; use one of: {IMPLS}")
+    return LazyLab(lab.path, lab.id, impl)

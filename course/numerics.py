@@ -1,0 +1,74 @@
+"""One place for numeric comparisons in tests: tolerances keyed by dtype, readable mismatch reports."""
+
+from __future__ import annotations
+
+import torch
+
+# (atol, rtol) by the dtype the computation ran in. fp16 keeps ~3 decimal digits and bf16 ~2, so
+# their tolerances reflect one rounding of an O(1) output, not a loosened bar.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+
+
+def tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance defined for {dtype}; known: {list(TOLERANCES)}")
+    return TOLERANCES[dtype]
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    dtype: torch.dtype | None = None,
+    msg: str = "",
+    show: int = 5,
+) -> None:
+    """Assert |actual - expected| <= atol + rtol * |expected| elementwise.
+
+    Tolerances default to those of `dtype` (by default the less precise of the two inputs).
+    On failure the message gives the shapes, the largest errors and the first mismatching
+    positions with both values, which is what one needs to find an off-by-one.
+    """
+    prefix = f"{msg}: " if msg else ""
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        raise AssertionError(f"{prefix}expected two tensors, got {type(actual)} and {type(expected)}")
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{prefix}shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}"
+        )
+    if dtype is None:
+        a_eps = torch.finfo(actual.dtype).eps if actual.dtype.is_floating_point else 0.0
+        e_eps = torch.finfo(expected.dtype).eps if expected.dtype.is_floating_point else 0.0
+        dtype = actual.dtype if a_eps >= e_eps else expected.dtype
+    d_atol, d_rtol = tolerances(dtype) if dtype.is_floating_point else (0.0, 0.0)
+    atol = d_atol if atol is None else atol
+    rtol = d_rtol if rtol is None else rtol
+
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    nan_mismatch = torch.isnan(a) != torch.isnan(e)
+    err = (a - e).abs()
+    bad = (err > atol + rtol * e.abs()) | nan_mismatch
+    bad &= ~(torch.isnan(a) & torch.isnan(e))
+    if not bool(bad.any()):
+        return
+    finite = torch.where(torch.isfinite(err), err, torch.zeros_like(err))
+    rel = finite / e.abs().clamp_min(1e-12)
+    idx = bad.nonzero()[:show]
+    lines = [
+        f"{prefix}{int(bad.sum())} of {bad.numel()} elements differ beyond "
+        f"atol={atol:g}, rtol={rtol:g} ({dtype}); shape {tuple(actual.shape)}",
+        f"  max abs error {float(finite.max()):.3g}, max rel error {float(rel.max()):.3g}",
+        "  first mismatches (index: actual vs expected):",
+    ]
+    for i in idx.tolist():
+        t = tuple(i)
+        lines.append(f"    {t}: {float(a[t]):.6g} vs {float(e[t]):.6g}")
+    raise AssertionError("\n".join(lines))

@@ -1,0 +1,111 @@
+"""Run one lab's tests in a subprocess and read back every test's outcome."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from course.labs import REPO_ROOT, Lab
+
+# pytest exit codes that mean "the tests ran" (0: all passed, 1: some failed). Anything else
+# (interrupted, internal error, usage error, no tests collected) means the run itself broke.
+RAN_OK = (0, 1)
+
+
+@dataclass
+class LabRun:
+    lab: Lab
+    impl: str
+    exit_code: int
+    tests: list[dict] = field(default_factory=list)
+    output: str = ""
+    seconds: float = 0.0
+
+    @property
+    def broken(self) -> bool:
+        """The run did not produce results (a problem of the run, not of the code under test)."""
+        return self.exit_code not in RAN_OK or (not self.tests and self.exit_code != 0)
+
+    def by_outcome(self, *outcomes: str, graded: bool = True) -> list[dict]:
+        return [
+            t
+            for t in self.tests
+            if t["outcome"] in outcomes and (not graded or not t["starter_ok"])
+        ]
+
+    @property
+    def graded(self) -> list[dict]:
+        return [t for t in self.tests if not t["starter_ok"] and t["outcome"] != "skipped"]
+
+    @property
+    def passed(self) -> int:
+        return len(self.by_outcome("passed"))
+
+    @property
+    def total(self) -> int:
+        return len(self.graded)
+
+    @property
+    def points(self) -> tuple[float, float]:
+        graded = self.graded
+        got = sum(t["points"] for t in graded if t["outcome"] == "passed")
+        return got, sum(t["points"] for t in graded)
+
+    @property
+    def status(self) -> str:
+        if self.broken:
+            return "error"
+        if self.total == 0:
+            return "skipped"
+        if self.passed == self.total:
+            return "done"
+        return "in progress" if self.passed else "not started"
+
+    @property
+    def next_step(self) -> str:
+        for t in self.tests:
+            if t["outcome"] == "not_implemented":
+                return t["message"].replace("NOT IMPLEMENTED  ", "").split("  (")[0]
+        for t in self.tests:
+            if t["outcome"] == "failed" and not t["starter_ok"]:
+                return f"fix {t['nodeid'].split('::', 1)[-1]}"
+        return ""
+
+
+def run_lab(
+    lab: Lab,
+    impl: str,
+    *,
+    root: Path = REPO_ROOT,
+    junit: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+    timeout: float = 1800,
+) -> LabRun:
+    """Run `lab`'s test file against `impl` with `root` as the working directory."""
+    with tempfile.TemporaryDirectory(prefix="course-") as tmp:
+        results = Path(tmp) / "results.json"
+        test_file = root / lab.path.relative_to(lab.path.parents[2]).as_posix() / "test_lab.py"
+        cmd = [
+            sys.executable, "-m", "pytest", str(test_file), "-q", "-rN", "--no-header",
+            f"--course-results={results}", *extra_args,
+        ]
+        if junit is not None:
+            cmd.append(f"--junitxml={junit}")
+        env = dict(os.environ, LAB_IMPL=impl, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+            )
+            code, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, output = -1, f"timed out after {timeout:.0f} s\n{exc.stdout or ''}"
+        seconds = time.perf_counter() - start
+        tests = json.loads(results.read_text())["tests"] if results.is_file() else []
+    return LabRun(lab, impl, code, tests, output, seconds)

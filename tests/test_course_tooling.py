@@ -1,0 +1,221 @@
+"""Tests of the course tooling itself, run on a tiny demo course built in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from course.api import compare
+from course.labs import REPO_ROOT
+from course.refs import check_against_source, check_consistency
+
+FIXTURE = Path(__file__).parent / "fixtures" / "demo_lab"
+LAB = "phase-09-demo/labs/lab-01-demo"
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Path:
+    """A course with one lab (09-01) and the real tooling."""
+    root = tmp_path / "course-repo"
+    root.mkdir()
+    shutil.copytree(REPO_ROOT / "course", root / "course",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "conftest.py", root)
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib -p no:cacheprovider"\n'
+    )
+    shutil.copytree(FIXTURE, root / LAB)
+    (root / "upstream_refs" / "map").mkdir(parents=True)
+    return root
+
+
+def run(root: Path, *args: str, impl: str | None = "solution") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("LAB_IMPL", None)
+    if impl is not None:
+        env["LAB_IMPL"] = impl
+    return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_solution_is_the_default_and_passes(demo):
+    proc = run(demo, "-m", "pytest", LAB, "-q", impl=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3 passed" in proc.stdout
+
+
+def test_starter_failures_are_one_line_not_a_traceback(demo):
+    proc = run(demo, "-m", "pytest", LAB, "-q", impl="starter")
+    out = proc.stdout
+    assert proc.returncode == 1
+    assert "NOT IMPLEMENTED  lab 09-01, task 1: implement add  (starter.py:5, in add)" in out
+    assert "NOT IMPLEMENTED  lab 09-01, task 2: implement Counter.bump" in out
+    assert "Traceback" not in out and "raise NotImplementedError" not in out
+    assert "what to implement next" in out and "Start with lab 09-01, task 1" in out
+    assert "2 failed, 1 passed" in out
+
+
+def test_other_failures_keep_their_full_report(demo):
+    sol = demo / LAB / "solution.py"
+    sol.write_text(sol.read_text().replace("return a + b", "return a * b"))
+    proc = run(demo, "-m", "pytest", LAB, "-q")
+    assert proc.returncode == 1
+    assert "assert 6 == 5" in proc.stdout and "NOT IMPLEMENTED" not in proc.stdout
+
+
+def test_unknown_lab_impl_is_a_one_line_error(demo):
+    proc = run(demo, "-m", "pytest", LAB, "-q", impl="mine")
+    assert proc.returncode == 4
+    err = proc.stderr.strip().splitlines()
+    assert err == ["ERROR: LAB_IMPL='mine' is not a lab implementation; use one of: solution, starter"]
+
+
+def test_a_starter_that_does_not_import_fails_each_test_clearly(demo):
+    (demo / LAB / "starter.py").write_text("def add(:\n")
+    proc = run(demo, "-m", "pytest", LAB, "-q", impl="starter")
+    assert proc.returncode == 1
+    assert "CANNOT LOAD  lab 09-01: starter.py does not import (SyntaxError" in proc.stdout
+
+
+def test_check_passes_and_names_the_rejected_bugs(demo):
+    proc = run(demo, "-m", "course", "check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "add-subtracts" in proc.stdout and "bump-ignores-by" in proc.stdout
+    assert proc.stdout.count("rejected") >= 2
+    assert "All 1 labs pass the integrity checks." in proc.stdout
+
+
+def test_check_reports_a_bug_the_tests_miss(demo):
+    tests = demo / LAB / "test_lab.py"
+    tests.write_text(tests.read_text().replace("and c.bump(3) == 5", ""))
+    proc = run(demo, "-m", "course", "check")
+    assert proc.returncode == 1
+    assert "planted bug 'bump-ignores-by': NOT REJECTED" in proc.stdout
+
+
+def test_check_reports_a_test_that_passes_on_the_starter(demo):
+    tests = demo / LAB / "test_lab.py"
+    tests.write_text(tests.read_text() + "\n\ndef test_trivial():\n    assert lab.Counter(4).value == 4\n")
+    proc = run(demo, "-m", "course", "check", "--no-bugs")
+    assert proc.returncode == 1
+    assert "passes on the untouched starter, so it proves nothing" in proc.stdout
+    assert "test_trivial" in proc.stdout
+
+
+def test_check_reports_api_drift_and_stale_bugs(demo):
+    starter = demo / LAB / "starter.py"
+    starter.write_text(starter.read_text().replace("def bump(self, by: int = 1)", "def bump(self, n=1)"))
+    bugs = demo / LAB / "planted_bugs.py"
+    bugs.write_text(bugs.read_text().replace('find="return a + b"', 'find="return a+b"'))
+    proc = run(demo, "-m", "course", "check")
+    assert proc.returncode == 1
+    assert "API: Counter.bump: starter method(self, n=1) differs" in proc.stdout
+    assert "`find` occurs 0 times" in proc.stdout
+
+
+def test_grade_writes_json_and_junit_and_exits_zero_on_a_low_score(demo):
+    out = demo / "grades"
+    proc = run(demo, "-m", "course", "grade", "--out", str(out), impl=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "grades.json").read_text())
+    (lab,) = report["labs"]
+    assert lab["id"] == "09-01" and lab["status"] == "not started"
+    assert (lab["passed"], lab["not_implemented"], lab["total"]) == (0, 2, 2)
+    assert (lab["points"], lab["max_points"]) == (0, 3)
+    outcomes = {t["id"].split("::")[-1]: t["outcome"] for t in lab["tests"]}
+    assert outcomes == {"test_starter_imports": "passed", "test_add": "not_implemented",
+                        "test_bump": "not_implemented"}
+    assert "<testsuite" in (out / "junit" / "lab-09-01.xml").read_text()
+
+
+def test_status_shows_progress_and_the_next_step(demo):
+    sol = (demo / LAB / "solution.py").read_text()
+    starter = demo / LAB / "starter.py"
+    starter.write_text(starter.read_text().replace(
+        'raise NotImplementedError("lab 09-01, task 1: implement add")', "return a + b"))
+    proc = run(demo, "-m", "course", impl=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[1/1] lab 09-01" in proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("09"))
+    assert "1/2" in row and "in progress" in row and "task 2: implement Counter.bump" in row
+    assert sol  # the solution is untouched
+
+
+def test_list_shows_labs_in_order(demo):
+    shutil.copytree(demo / LAB, demo / "phase-08-first/labs/lab-02-second")
+    proc = run(demo, "-m", "course", "list")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("phase ")]
+    assert [line.split()[2] for line in lines] == ["08-02", "09-01"]
+
+
+def test_api_compare_flags_missing_names_and_signatures():
+    import types
+
+    a, b = types.ModuleType("a"), types.ModuleType("b")
+    exec("__all__ = ['f', 'K']\ndef f(x, y=1): ...\nclass K:\n    def m(self): ...\n", a.__dict__)
+    exec("__all__ = ['f', 'K', 'g']\ndef f(x, y=2): ...\ndef g(): ...\n"
+         "class K:\n    def m(self, z): ...\n    def extra(self): ...\n", b.__dict__)
+    problems = "\n".join(compare(a, b))
+    assert "'g' is exported by solution.py but not by starter.py" in problems
+    assert "f: starter(x, y=1) differs from solution(x, y=2)" in problems
+    assert "K.m: starter method(self) differs" in problems
+    assert "K.extra is in solution.py but not in starter.py" in problems
+
+
+def _synthetic_upstream(tmp_path: Path) -> Path:
+    src = tmp_path / "v9.9.9"
+    (src / "vllm" / "core").mkdir(parents=True)
+    (src / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 9.9.9\n")
+    (src / "vllm" / "core" / "pool.py").write_text("# header\n\nclass Pool:\n    def take(self):\n")
+    return src
+
+
+def _synthetic_repo(tmp_path: Path, docstring_ref: str, map_line: int, text: str) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "mini_vllm").mkdir(parents=True)
+    (repo / "upstream_refs" / "map").mkdir(parents=True)
+    (repo / "mini_vllm" / "pool.py").write_text(f'class Pool:\n    """A pool.\n\n    upstream: {docstring_ref}\n    """\n')
+    (repo / "upstream_refs" / "map" / "pool.toml").write_text(
+        f'[[ref]]\nsymbol = "mini_vllm.pool.Pool"\nfile = "vllm/core/pool.py"\nline = {map_line}\n'
+        f'version = "9.9.9"\ntext = "{text}"\n'
+    )
+    return repo
+
+
+def test_refs_checker_accepts_a_true_reference(tmp_path):
+    src = _synthetic_upstream(tmp_path)
+    repo = _synthetic_repo(tmp_path, "vllm/core/pool.py:3 @ v9.9.9", 3, "class Pool:")
+    assert check_consistency(repo) == []
+    problems, notes, checked = check_against_source([src], repo)
+    assert (problems, notes, checked) == ([], [], 1)
+
+
+def test_refs_checker_finds_a_moved_line_and_says_where_it_went(tmp_path):
+    src = _synthetic_upstream(tmp_path)
+    repo = _synthetic_repo(tmp_path, "vllm/core/pool.py:2 @ v9.9.9", 2, "class Pool:")
+    problems, _, _ = check_against_source([src], repo)
+    assert len(problems) == 1 and "found at line 3" in problems[0]
+
+
+def test_refs_checker_finds_unmapped_and_unused_references(tmp_path):
+    repo = _synthetic_repo(tmp_path, "vllm/core/pool.py:4 @ v9.9.9", 3, "class Pool:")
+    problems = check_consistency(repo)
+    assert any("pool.py:4 @ v9.9.9" in p and "not in the map" in p for p in problems)
+    assert any("pool.py:3 @ v9.9.9" in p and "never used" in p for p in problems)
+
+
+def test_refs_checker_says_which_versions_it_could_not_check(tmp_path):
+    repo = _synthetic_repo(tmp_path, "vllm/core/pool.py:3 @ v9.9.9", 3, "class Pool:")
+    problems, notes, checked = check_against_source([], repo)
+    assert problems == [] and checked == 0 and "not checked" in notes[0]
+
+
+def test_every_upstream_reference_in_the_course_is_mapped_and_every_entry_used():
+    problems = check_consistency(REPO_ROOT)
+    assert not problems, "\n".join(problems)
