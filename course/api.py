@@ -12,9 +12,7 @@ def _signature(obj) -> str | None:
     except (TypeError, ValueError):
         return None
     # Annotations are ignored on purpose: the two files may spell the same type differently.
-    params = [
-        p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
-    ]
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
     return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
 
 

@@ -1,11 +1,11 @@
 """`python -m course`: the student's dashboard, the instructor's grader, the course's own checks.
 
-    python -m course                 status of every lab against your starter.py files
-    python -m course status --impl solution
-    python -m course grade --out DIR grades.json + one JUnit XML per lab (exit 0 whatever the score)
-    python -m course check           integrity: solution passes, starter fails, same API, bugs caught
-    python -m course list            the labs, in order
-    python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
+python -m course                 status of every lab against your starter.py files
+python -m course status --impl solution
+python -m course grade --out DIR grades.json + one JUnit XML per lab (exit 0 whatever the score)
+python -m course check           integrity: solution passes, starter fails, same API, bugs caught
+python -m course list            the labs, in order
+python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def run_labs(labs: list[Lab], impl: str, jobs: int, junit_dir: Path | None = Non
             run = fut.result()
             runs[run.lab.id] = run
             progress.finished(
-                f"lab {run.lab.id} {run.lab.title}: {run.passed}/{run.total} passed ({run.seconds:.0f} s)"
+                f"lab {run.lab.id} {run.lab.title}: {run.passed}/{run.total} passed "
+                f"({run.seconds:.0f} s)"
             )
     progress.close()
     return [runs[lab.id] for lab in labs]
@@ -91,26 +92,39 @@ def cmd_status(args) -> int:
     runs = run_labs(labs, args.impl, args.jobs)
     rows = []
     for r in runs:
-        rows.append([r.lab.phase, r.lab.id, r.lab.title, f"{r.passed}/{r.total}", r.status,
-                     r.next_step[:70]])
+        rows.append(
+            [
+                r.lab.phase,
+                r.lab.id,
+                r.lab.title,
+                f"{r.passed}/{r.total}",
+                r.status,
+                r.next_step[:70],
+            ]
+        )
     print(table(["Phase", "Lab", "Title", "Tests", "Status", "Next step"], rows))
     done = sum(r.status == "done" for r in runs)
     print(f"\n{done} of {len(runs)} labs done ({args.impl}).", end=" ")
     if args.impl == "starter" and done < len(runs):
-        print("Open the first unfinished lab's README, then run "
-              "`LAB_IMPL=starter pytest <lab folder> -q`.")
+        print(
+            "Open the first unfinished lab's README, then run "
+            "`LAB_IMPL=starter pytest <lab folder> -q`."
+        )
     else:
         print()
     broken = [r for r in runs if r.broken]
     for r in broken:
-        print(f"\nlab {r.lab.id}: the test run itself broke (exit {r.exit_code}):\n{r.output[-2000:]}")
+        print(
+            f"\nlab {r.lab.id}: the test run itself broke (exit {r.exit_code}):\n{r.output[-2000:]}"
+        )
     return 1 if broken else 0
 
 
 def _git_revision() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:
         return "unknown"
 
@@ -133,24 +147,49 @@ def cmd_grade(args) -> int:
     for r in runs:
         got, maximum = r.points
         total_got, total_max = total_got + got, total_max + maximum
-        report["labs"].append({
-            "id": r.lab.id, "phase": r.lab.phase, "title": r.lab.title, "folder": r.lab.rel,
-            "status": r.status, "passed": r.passed,
-            "failed": len(r.by_outcome("failed")), "not_implemented": len(r.by_outcome("not_implemented")),
-            "skipped": len(r.by_outcome("skipped", graded=False)), "total": r.total,
-            "points": got, "max_points": maximum, "junit": f"junit/lab-{r.lab.id}.xml",
-            "tests": [
-                {"id": t["nodeid"], "outcome": t["outcome"], "graded": not t["starter_ok"],
-                 "points": t["points"] if t["outcome"] == "passed" and not t["starter_ok"] else 0.0,
-                 "max_points": 0.0 if t["starter_ok"] else t["points"], "message": t["message"]}
-                for t in r.tests
-            ],
-            "error": r.output[-4000:] if r.broken else None,
-        })
+        report["labs"].append(
+            {
+                "id": r.lab.id,
+                "phase": r.lab.phase,
+                "title": r.lab.title,
+                "folder": r.lab.rel,
+                "status": r.status,
+                "passed": r.passed,
+                "failed": len(r.by_outcome("failed")),
+                "not_implemented": len(r.by_outcome("not_implemented")),
+                "skipped": len(r.by_outcome("skipped", graded=False)),
+                "total": r.total,
+                "points": got,
+                "max_points": maximum,
+                "junit": f"junit/lab-{r.lab.id}.xml",
+                "tests": [
+                    {
+                        "id": t["nodeid"],
+                        "outcome": t["outcome"],
+                        "graded": not t["starter_ok"],
+                        "points": t["points"]
+                        if t["outcome"] == "passed" and not t["starter_ok"]
+                        else 0.0,
+                        "max_points": 0.0 if t["starter_ok"] else t["points"],
+                        "message": t["message"],
+                    }
+                    for t in r.tests
+                ],
+                "error": r.output[-4000:] if r.broken else None,
+            }
+        )
     report["points"], report["max_points"] = total_got, total_max
     (out / "grades.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    rows = [[r.lab.id, r.lab.title, f"{r.passed}/{r.total}", f"{r.points[0]:g}/{r.points[1]:g}",
-             r.status] for r in runs]
+    rows = [
+        [
+            r.lab.id,
+            r.lab.title,
+            f"{r.passed}/{r.total}",
+            f"{r.points[0]:g}/{r.points[1]:g}",
+            r.status,
+        ]
+        for r in runs
+    ]
     text = table(["Lab", "Title", "Tests", "Points", "Status"], rows)
     text += f"\n\nTotal: {total_got:g} / {total_max:g} points"
     (out / "grades.txt").write_text(text + "\n", encoding="utf-8")
@@ -159,47 +198,86 @@ def cmd_grade(args) -> int:
     # Only a broken grader is an error; a student's failing or crashing code is a score.
     missing_results = [r for r in runs if r.exit_code not in (0, 1)]
     for r in missing_results:
-        print(f"\nGRADING ERROR in lab {r.lab.id} (pytest exit {r.exit_code}):\n{r.output[-2000:]}",
-              file=sys.stderr)
+        print(
+            f"\nGRADING ERROR in lab {r.lab.id} (pytest exit {r.exit_code}):\n{r.output[-2000:]}",
+            file=sys.stderr,
+        )
     return 2 if missing_results else 0
 
 
 def cmd_check(args) -> int:
-    from course.integrity import check_course, check_lab
+    from course.bugs import load_bugs
+    from course.integrity import _cuda_available, check_bug, check_course, check_lab
 
     labs = select(discover(), args.labs)
     course_problems = [] if args.labs else check_course()
-    progress = Progress(len(labs), "checking")
     checks = {}
+    bug_lists = {}
+    for lab in labs:
+        try:
+            bug_lists[lab.id] = [] if args.no_bugs else load_bugs(lab)
+        except Exception as exc:  # reported as a violation by check_lab
+            bug_lists[lab.id] = []
+            print(f"  lab {lab.id}: cannot read planted_bugs.py: {exc}", file=sys.stderr)
+    has_cuda = _cuda_available()
+    n_units = len(labs) + sum(len(b) for b in bug_lists.values())
+    progress = Progress(n_units, "checking")
+    bug_results: dict[str, list] = {lab.id: [None] * len(bug_lists[lab.id]) for lab in labs}
+    # Every lab's own runs and every planted bug are independent units of work: run them all
+    # through one pool so that both cores stay busy.
     with ThreadPoolExecutor(_workers(args.jobs)) as pool:
-        futures = {pool.submit(check_lab, lab, bugs=not args.no_bugs): lab for lab in labs}
+        futures = {}
         for lab in labs:
-            progress.started(lab.id)
+            futures[pool.submit(check_lab, lab, bugs_required=not args.no_bugs)] = (lab, None)
+            for i, bug in enumerate(bug_lists[lab.id]):
+                futures[pool.submit(check_bug, lab, bug, has_cuda)] = (lab, i)
         for fut in as_completed(futures):
-            c = fut.result()
-            checks[c.lab.id] = c
-            rejected = sum(b.status == "rejected" for b in c.bugs)
-            progress.finished(f"lab {c.lab.id}: {'ok' if not c.violations else 'VIOLATIONS'}, "
-                              f"{rejected}/{len(c.bugs)} planted bugs rejected")
+            lab, i = futures[fut]
+            if i is None:
+                c = checks[lab.id] = fut.result()
+                st = c.starter
+                progress.finished(
+                    f"lab {lab.id}: solution {c.solution.passed if c.solution else '-'}/"
+                    f"{c.solution.total if c.solution else '-'} passed, starter "
+                    f"{len(st.by_outcome('passed')) if st else '-'} passed, "
+                    f"{'ok' if not c.violations else 'VIOLATIONS'}"
+                )
+            else:
+                r = bug_results[lab.id][i] = fut.result()
+                progress.finished(f"lab {lab.id}: planted bug {r.bug.name}: {r.status}")
     progress.close()
+    for lab in labs:
+        c = checks[lab.id]
+        c.bugs = bug_results[lab.id]
+        for r in c.bugs:
+            if r.status in ("NOT REJECTED", "invalid"):
+                c.violations.append(f"planted bug {r.bug.name!r}: {r.status}: {r.detail}")
     rows = []
     for lab in labs:
         c = checks[lab.id]
         sol = c.solution
         st = c.starter
-        rows.append([
-            lab.id, lab.title,
-            f"{sol.passed}/{sol.total}" if sol else "-",
-            f"{len(st.by_outcome('passed'))}/{st.total}" if st else "-",
-            f"{sum(b.status == 'rejected' for b in c.bugs)}/{len(c.bugs)}",
-            "ok" if not c.violations else f"{len(c.violations)} violation(s)",
-        ])
-    print(table(["Lab", "Title", "Solution passes", "Starter passes", "Bugs rejected", "Result"],
-                rows))
-    print("\nPlanted bugs:")
-    for lab in labs:
-        for b in checks[lab.id].bugs:
-            print(f"  {lab.id}  {b.bug.name:<38} {b.status:<13} {b.detail.splitlines()[0] if b.detail else ''}")
+        rows.append(
+            [
+                lab.id,
+                lab.title,
+                f"{sol.passed}/{sol.total}" if sol else "-",
+                f"{len(st.by_outcome('passed'))}/{st.total}" if st else "-",
+                f"{sum(b.status == 'rejected' for b in c.bugs)}/{len(c.bugs)}",
+                "ok" if not c.violations else f"{len(c.violations)} violation(s)",
+            ]
+        )
+    print(
+        table(
+            ["Lab", "Title", "Solution passes", "Starter passes", "Bugs rejected", "Result"], rows
+        )
+    )
+    if not args.no_bugs:
+        print("\nPlanted bugs:")
+        for lab in labs:
+            for b in checks[lab.id].bugs:
+                detail = b.detail.splitlines()[0] if b.detail else ""
+                print(f"  {lab.id}  {b.bug.name:<38} {b.status:<13} {detail}")
     for lab in labs:
         for note in checks[lab.id].notes:
             print(f"  note: lab {lab.id}: {note}")
@@ -220,8 +298,7 @@ def cmd_refs(args) -> int:
 
     problems = check_consistency(REPO_ROOT)
     refs, _ = load_map(REPO_ROOT)
-    print(f"{len(refs)} map entries; map and repository "
-          f"{'agree' if not problems else 'disagree'}.")
+    print(f"{len(refs)} map entries; map and repository {'agree' if not problems else 'disagree'}.")
     checked = 0
     notes: list[str] = []
     if args.vllm_src:
@@ -236,13 +313,20 @@ def cmd_refs(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m course", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m course",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command")
 
     def labs_and_jobs(p):
-        p.add_argument("labs", nargs="*", help="lab ids (02-01), folder names or paths; default all")
-        p.add_argument("-j", "--jobs", type=int, default=None, help="labs run in parallel (default 2)")
+        p.add_argument(
+            "labs", nargs="*", help="lab ids (02-01), folder names or paths; default all"
+        )
+        p.add_argument(
+            "-j", "--jobs", type=int, default=None, help="labs run in parallel (default 2)"
+        )
 
     p = sub.add_parser("status", help="every lab against your starter (the default)")
     labs_and_jobs(p)
@@ -257,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="course integrity checks (for course authors and CI)")
     labs_and_jobs(p)
-    p.add_argument("--lab", dest="labs_opt", action="append", default=[], help="same as a positional lab")
+    p.add_argument(
+        "--lab", dest="labs_opt", action="append", default=[], help="same as a positional lab"
+    )
     p.add_argument("--no-bugs", action="store_true", help="skip the planted-bug runs")
     p.set_defaults(func=cmd_check)
 
@@ -265,8 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("refs", help="check upstream references (map <-> code; vs. a source tree)")
-    p.add_argument("--vllm-src", action="append", default=[], metavar="DIR",
-                   help="an unpacked vLLM release (repeatable, one per pinned version)")
+    p.add_argument(
+        "--vllm-src",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="an unpacked vLLM release (repeatable, one per pinned version)",
+    )
     p.set_defaults(func=cmd_refs)
     return parser
 

@@ -1,4 +1,4 @@
-"""One place for numeric comparisons in tests: tolerances keyed by dtype, readable mismatch reports."""
+"""One place for numeric comparisons in tests: tolerances keyed by dtype, readable mismatches."""
 
 from __future__ import annotations
 
@@ -38,10 +38,13 @@ def assert_close(
     """
     prefix = f"{msg}: " if msg else ""
     if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
-        raise AssertionError(f"{prefix}expected two tensors, got {type(actual)} and {type(expected)}")
+        raise AssertionError(
+            f"{prefix}expected two tensors, got {type(actual)} and {type(expected)}"
+        )
     if actual.shape != expected.shape:
         raise AssertionError(
-            f"{prefix}shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}"
+            f"{prefix}shape mismatch: actual {tuple(actual.shape)} vs "
+            f"expected {tuple(expected.shape)}"
         )
     if dtype is None:
         a_eps = torch.finfo(actual.dtype).eps if actual.dtype.is_floating_point else 0.0

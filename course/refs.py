@@ -7,17 +7,24 @@ symbol, file, line, version, text (a substring expected on that line of the pinn
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from course.labs import REPO_ROOT
 
 REF_RE = re.compile(
     r"(?P<file>(?:vllm|csrc|tests|benchmarks)/[\w./-]+\.\w+):(?P<line>\d+)\s+@\s+v(?P<version>\d+\.\d+\.\d+)"
 )
-SCANNED = ("mini_vllm/**/*.py", "mini_vllm/**/*.cu", "mini_vllm/**/*.cuh", "mini_vllm/**/*.cpp",
-           "phase-*/**/README.md", "phase-*/README.md")
+SCANNED = (
+    "mini_vllm/**/*.py",
+    "mini_vllm/**/*.cu",
+    "mini_vllm/**/*.cuh",
+    "mini_vllm/**/*.cpp",
+    "phase-*/**/README.md",
+    "phase-*/README.md",
+)
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,14 @@ def load_map(root: Path = REPO_ROOT) -> tuple[list[Ref], list[str]]:
                 problems.append(f"{path.name}: entry {i} lacks {', '.join(sorted(missing))}")
                 continue
             refs.append(
-                Ref(entry["symbol"], entry["file"], int(entry["line"]), str(entry["version"]),
-                    entry["text"], path.name)
+                Ref(
+                    entry["symbol"],
+                    entry["file"],
+                    int(entry["line"]),
+                    str(entry["version"]),
+                    entry["text"],
+                    path.name,
+                )
             )
     return refs, problems
 
@@ -79,15 +92,19 @@ def check_consistency(root: Path = REPO_ROOT) -> list[str]:
     keys: dict[tuple[str, int, str], Ref] = {}
     for ref in refs:
         if ref.key in keys and keys[ref.key].text != ref.text:
-            problems.append(f"{ref.source}: {ref.file}:{ref.line} @ v{ref.version} is mapped twice "
-                            f"with different texts")
+            problems.append(
+                f"{ref.source}: {ref.file}:{ref.line} @ v{ref.version} is mapped twice "
+                f"with different texts"
+            )
         keys.setdefault(ref.key, ref)
     for key, where in sorted(uses.items()):
         if key not in keys:
             problems.append(f"{key[0]}:{key[1]} @ v{key[2]} (used at {where[0]}) is not in the map")
     for key, ref in sorted(keys.items()):
         if key not in uses:
-            problems.append(f"{ref.source}: {key[0]}:{key[1]} @ v{key[2]} ({ref.symbol}) is never used")
+            problems.append(
+                f"{ref.source}: {key[0]}:{key[1]} @ v{key[2]} ({ref.symbol}) is never used"
+            )
     return problems
 
 
@@ -102,14 +119,18 @@ def source_version(src: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def check_against_source(srcs: list[Path], root: Path = REPO_ROOT) -> tuple[list[str], list[str], int]:
+def check_against_source(
+    srcs: list[Path], root: Path = REPO_ROOT
+) -> tuple[list[str], list[str], int]:
     """(mismatches, notes, number checked): each entry's line holds its expected text."""
     refs, problems = load_map(root)
     trees: dict[str, Path] = {}
     for src in srcs:
         version = source_version(src)
         if version is None:
-            problems.append(f"{src}: cannot tell which release this is (no PKG-INFO, no vX.Y.Z name)")
+            problems.append(
+                f"{src}: cannot tell which release this is (no PKG-INFO, no vX.Y.Z name)"
+            )
         else:
             trees[version] = src
     notes, checked = [], 0
@@ -128,11 +149,16 @@ def check_against_source(srcs: list[Path], root: Path = REPO_ROOT) -> tuple[list
             problems.append(f"{where}: the file has only {len(lines)} lines")
         elif ref.text.strip() not in lines[ref.line - 1]:
             hint = next(
-                (f"; found at line {i + 1}" for i, text in enumerate(lines) if ref.text.strip() in text),
+                (
+                    f"; found at line {i + 1}"
+                    for i, text in enumerate(lines)
+                    if ref.text.strip() in text
+                ),
                 "",
             )
             problems.append(
-                f"{where}: expected {ref.text.strip()!r}, line says {lines[ref.line - 1].strip()!r}{hint}"
+                f"{where}: expected {ref.text.strip()!r}, "
+                f"line says {lines[ref.line - 1].strip()!r}{hint}"
             )
     unchecked = sorted({r.version for r in refs} - set(trees))
     for version in unchecked:

@@ -92,8 +92,15 @@ def run_lab(
         results = Path(tmp) / "results.json"
         test_file = root / lab.path.relative_to(lab.path.parents[2]).as_posix() / "test_lab.py"
         cmd = [
-            sys.executable, "-m", "pytest", str(test_file), "-q", "-rN", "--no-header",
-            f"--course-results={results}", *extra_args,
+            sys.executable,
+            "-m",
+            "pytest",
+            str(test_file),
+            "-q",
+            "-rN",
+            "--no-header",
+            f"--course-results={results}",
+            *extra_args,
         ]
         if junit is not None:
             cmd.append(f"--junitxml={junit}")

@@ -24,8 +24,9 @@ def demo(tmp_path: Path) -> Path:
     """A course with one lab (09-01) and the real tooling."""
     root = tmp_path / "course-repo"
     root.mkdir()
-    shutil.copytree(REPO_ROOT / "course", root / "course",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO_ROOT / "course", root / "course", ignore=shutil.ignore_patterns("__pycache__")
+    )
     shutil.copy(REPO_ROOT / "conftest.py", root)
     (root / "pyproject.toml").write_text(
         '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib -p no:cacheprovider"\n'
@@ -40,8 +41,9 @@ def run(root: Path, *args: str, impl: str | None = "solution") -> subprocess.Com
     env.pop("LAB_IMPL", None)
     if impl is not None:
         env["LAB_IMPL"] = impl
-    return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_solution_is_the_default_and_passes(demo):
@@ -73,7 +75,9 @@ def test_unknown_lab_impl_is_a_one_line_error(demo):
     proc = run(demo, "-m", "pytest", LAB, "-q", impl="mine")
     assert proc.returncode == 4
     err = proc.stderr.strip().splitlines()
-    assert err == ["ERROR: LAB_IMPL='mine' is not a lab implementation; use one of: solution, starter"]
+    assert err == [
+        "ERROR: LAB_IMPL='mine' is not a lab implementation; use one of: solution, starter"
+    ]
 
 
 def test_a_starter_that_does_not_import_fails_each_test_clearly(demo):
@@ -101,7 +105,9 @@ def test_check_reports_a_bug_the_tests_miss(demo):
 
 def test_check_reports_a_test_that_passes_on_the_starter(demo):
     tests = demo / LAB / "test_lab.py"
-    tests.write_text(tests.read_text() + "\n\ndef test_trivial():\n    assert lab.Counter(4).value == 4\n")
+    tests.write_text(
+        tests.read_text() + "\n\ndef test_trivial():\n    assert lab.Counter(4).value == 4\n"
+    )
     proc = run(demo, "-m", "course", "check", "--no-bugs")
     assert proc.returncode == 1
     assert "passes on the untouched starter, so it proves nothing" in proc.stdout
@@ -110,7 +116,9 @@ def test_check_reports_a_test_that_passes_on_the_starter(demo):
 
 def test_check_reports_api_drift_and_stale_bugs(demo):
     starter = demo / LAB / "starter.py"
-    starter.write_text(starter.read_text().replace("def bump(self, by: int = 1)", "def bump(self, n=1)"))
+    starter.write_text(
+        starter.read_text().replace("def bump(self, by: int = 1)", "def bump(self, n=1)")
+    )
     bugs = demo / LAB / "planted_bugs.py"
     bugs.write_text(bugs.read_text().replace('find="return a + b"', 'find="return a+b"'))
     proc = run(demo, "-m", "course", "check")
@@ -129,16 +137,22 @@ def test_grade_writes_json_and_junit_and_exits_zero_on_a_low_score(demo):
     assert (lab["passed"], lab["not_implemented"], lab["total"]) == (0, 2, 2)
     assert (lab["points"], lab["max_points"]) == (0, 3)
     outcomes = {t["id"].split("::")[-1]: t["outcome"] for t in lab["tests"]}
-    assert outcomes == {"test_starter_imports": "passed", "test_add": "not_implemented",
-                        "test_bump": "not_implemented"}
+    assert outcomes == {
+        "test_starter_imports": "passed",
+        "test_add": "not_implemented",
+        "test_bump": "not_implemented",
+    }
     assert "<testsuite" in (out / "junit" / "lab-09-01.xml").read_text()
 
 
 def test_status_shows_progress_and_the_next_step(demo):
     sol = (demo / LAB / "solution.py").read_text()
     starter = demo / LAB / "starter.py"
-    starter.write_text(starter.read_text().replace(
-        'raise NotImplementedError("lab 09-01, task 1: implement add")', "return a + b"))
+    starter.write_text(
+        starter.read_text().replace(
+            'raise NotImplementedError("lab 09-01, task 1: implement add")', "return a + b"
+        )
+    )
     proc = run(demo, "-m", "course", impl=None)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[1/1] lab 09-01" in proc.stderr
@@ -159,8 +173,11 @@ def test_api_compare_flags_missing_names_and_signatures():
 
     a, b = types.ModuleType("a"), types.ModuleType("b")
     exec("__all__ = ['f', 'K']\ndef f(x, y=1): ...\nclass K:\n    def m(self): ...\n", a.__dict__)
-    exec("__all__ = ['f', 'K', 'g']\ndef f(x, y=2): ...\ndef g(): ...\n"
-         "class K:\n    def m(self, z): ...\n    def extra(self): ...\n", b.__dict__)
+    exec(
+        "__all__ = ['f', 'K', 'g']\ndef f(x, y=2): ...\ndef g(): ...\n"
+        "class K:\n    def m(self, z): ...\n    def extra(self): ...\n",
+        b.__dict__,
+    )
     problems = "\n".join(compare(a, b))
     assert "'g' is exported by solution.py but not by starter.py" in problems
     assert "f: starter(x, y=1) differs from solution(x, y=2)" in problems
@@ -180,7 +197,9 @@ def _synthetic_repo(tmp_path: Path, docstring_ref: str, map_line: int, text: str
     repo = tmp_path / "repo"
     (repo / "mini_vllm").mkdir(parents=True)
     (repo / "upstream_refs" / "map").mkdir(parents=True)
-    (repo / "mini_vllm" / "pool.py").write_text(f'class Pool:\n    """A pool.\n\n    upstream: {docstring_ref}\n    """\n')
+    (repo / "mini_vllm" / "pool.py").write_text(
+        f'class Pool:\n    """A pool.\n\n    upstream: {docstring_ref}\n    """\n'
+    )
     (repo / "upstream_refs" / "map" / "pool.toml").write_text(
         f'[[ref]]\nsymbol = "mini_vllm.pool.Pool"\nfile = "vllm/core/pool.py"\nline = {map_line}\n'
         f'version = "9.9.9"\ntext = "{text}"\n'

@@ -24,7 +24,9 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     os.environ["MPLBACKEND"] = "Agg"
     try:
         client = nbclient.NotebookClient(
-            nb, timeout=300, kernel_name="python3",
+            nb,
+            timeout=300,
+            kernel_name="python3",
             resources={"metadata": {"path": str(path.parent)}},
         )
         client.execute()

@@ -1,0 +1,53 @@
+"""Shared fixtures of the engine tests: a tiny randomly initialised model and its references.
+
+The model is small enough that a whole engine run takes seconds on a CPU, and initialised with
+a large weight scale so that its logits are well separated: greedy choices then do not hinge on
+float rounding, and "the engine picks exactly the reference's tokens" is a fair demand.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
+
+TINY = ModelConfig(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+)
+MAX_TOKENS = 10
+
+
+def make_tiny_model(seed: int = 1) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(TINY)
+    init_weights(model, seed=seed, std=0.5)
+    return model.eval().requires_grad_(False)
+
+
+def make_prompts(seed: int = 3) -> list[list[int]]:
+    """Prompts of different lengths, two of them sharing a 20-token prefix with a third."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(TINY.vocab_size) for _ in range(n)] for n in (5, 17, 33, 2, 41)]
+    prompts.append(prompts[2][:20] + [1, 2, 3])
+    prompts.append(prompts[2][:24] + [4])
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LlamaForCausalLM:
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    return make_prompts()
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(tiny_model, prompts) -> list[list[int]]:
+    """Greedy continuations by full recomputation, no cache: the oracle."""
+    return [greedy_reference(tiny_model, p, MAX_TOKENS) for p in prompts]

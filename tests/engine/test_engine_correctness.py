@@ -1,0 +1,65 @@
+"""Greedy generation through the whole engine equals full recomputation with no cache.
+
+Every configuration below must reproduce the reference tokens exactly: plain, chunked prefill
+(a token budget below the longest prompt), prefix caching on and off, and KV caches small enough
+to force preemption by recompute and by swap. Each case also checks that the mechanism it names
+really happened (otherwise the test would pass without testing anything).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mini_vllm.llm import LLM
+from mini_vllm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+CASES = {
+    "roomy": dict(block_size=16, num_gpu_blocks=64, max_num_batched_tokens=512),
+    "chunked-prefill": dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=12),
+    "no-prefix-cache": dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=12,
+                            enable_prefix_caching=False),
+    "preempt-recompute": dict(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=16),
+    "preempt-swap": dict(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=16,
+                         preemption_mode="swap", num_cpu_blocks=64),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_engine_equals_full_recomputation(case, tiny_model, prompts, reference_outputs):
+    llm = LLM(tiny_model, **CASES[case])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    for i, (g, want) in enumerate(zip(got, reference_outputs)):
+        assert g == want, f"{case}: prompt {i} (len {len(prompts[i])}): engine {g} != ref {want}"
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    stats = llm.last_stats
+    assert stats.num_generated_tokens == len(prompts) * GREEDY.max_tokens
+    assert stats.kv_blocks_in_use == 0, "every block must be free once all requests finished"
+    longest = max(len(p) for p in prompts)
+    if CASES[case]["max_num_batched_tokens"] < longest:
+        # Chunked prefill happened: the longest prompt cannot fit in one step.
+        assert stats.num_steps > GREEDY.max_tokens
+    if case.startswith("preempt"):
+        assert stats.num_preemptions > 0, "the cache was meant to be small enough to preempt"
+    if case == "preempt-swap":
+        assert stats.num_blocks_swapped_out > 0 and stats.num_blocks_swapped_in > 0
+    if case == "chunked-prefill":
+        # Prompts 5 and 6 share whole blocks with prompt 2: their prefill is partly skipped.
+        assert stats.prefix_cache_hits > 0
+        assert stats.num_prompt_tokens_computed < stats.num_prompt_tokens
+    if case == "no-prefix-cache":
+        assert stats.prefix_cache_hits == 0
+        assert stats.num_prompt_tokens_computed == stats.num_prompt_tokens
+
+
+def test_second_generate_reuses_the_prefix_cache(tiny_model, prompts, reference_outputs):
+    """Blocks of finished requests stay cached: the same prompts again hit the cache."""
+    llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64, max_num_batched_tokens=64)
+    llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_outputs[:3]
+    assert llm.last_stats.prefix_cache_hits > 0
+    assert llm.last_stats.num_prompt_tokens_computed < llm.last_stats.num_prompt_tokens
+    assert outputs[2].metrics["num_cached_tokens"] > 0
