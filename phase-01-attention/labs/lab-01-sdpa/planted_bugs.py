@@ -1,0 +1,57 @@
+"""Known-wrong edits of the lab 01-01 reference that the tests must reject."""
+
+from __future__ import annotations
+
+from course.bugs import PlantedBug
+
+_REF = "mini_vllm/attention/reference.py"
+
+BUGS = [
+    PlantedBug(
+        name="mask-excludes-diagonal",
+        description="the causal mask is shifted by one: a query no longer sees its own key "
+        "(and the first query of a prefill sees nothing at all)",
+        file=_REF,
+        find="return key_pos[None, :] <= query_pos[:, None]",
+        replace="return key_pos[None, :] < query_pos[:, None]",
+    ),
+    PlantedBug(
+        name="mask-ignores-context",
+        description="the mask is aligned top-left (query i at position i), as with SDPA's "
+        "is_causal: a decode step or a chunk after a context loses most of its keys",
+        file=_REF,
+        find="query_pos = torch.arange(kv_len - q_len, kv_len, device=device)",
+        replace="query_pos = torch.arange(0, q_len, device=device)",
+    ),
+    PlantedBug(
+        name="gqa-heads-modulo",
+        description="KV heads are tiled instead of repeated in place, so query head h reads "
+        "KV head h % num_kv_heads instead of h // group",
+        file=_REF,
+        find="return x.repeat_interleave(num_heads // num_kv_heads, dim=1)",
+        replace="return x.repeat(1, num_heads // num_kv_heads, 1)",
+    ),
+    PlantedBug(
+        name="alibi-sign-flipped",
+        description="the ALiBi distance is query minus key, which rewards distant keys",
+        file=_REF,
+        find="distance = key_pos[None, :] - query_pos[:, None]",
+        replace="distance = query_pos[:, None] - key_pos[None, :]",
+    ),
+    PlantedBug(
+        name="scores-in-half-precision",
+        description="scores are computed in the input dtype, so float16 inputs accumulate in "
+        "float16 instead of float32",
+        file=_REF,
+        find="    dtype = compute_dtype(query.dtype)\n    q = query.to(dtype)",
+        replace="    dtype = query.dtype\n    q = query.to(dtype)",
+    ),
+    PlantedBug(
+        name="varlen-keys-from-query-offsets",
+        description="the packed batch slices keys with the query offsets, which only works "
+        "when every sequence is a full prefill",
+        file=_REF,
+        find="            key[ks:ke],",
+        replace="            key[qs:qe],",
+    ),
+]

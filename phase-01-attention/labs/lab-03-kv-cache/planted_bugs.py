@@ -1,0 +1,64 @@
+"""Known-wrong edits of the lab 01-03 solution that the tests must reject."""
+
+from __future__ import annotations
+
+from course.bugs import PlantedBug
+
+_SOL = "phase-01-attention/labs/lab-03-kv-cache/solution.py"
+
+BUGS = [
+    PlantedBug(
+        name="append-slot-off-by-one",
+        description="new tokens are written one slot early, overwriting the last stored token",
+        file=_SOL,
+        find="start, n = int(self.seq_lens[seq_idx]), key.shape[0]",
+        replace="start, n = max(int(self.seq_lens[seq_idx]) - 1, 0), key.shape[0]",
+    ),
+    PlantedBug(
+        name="keys-include-empty-slots",
+        description="keys() returns all max_seq_len slots, so attention also sees the zeros of "
+        "slots that hold no token",
+        file=_SOL,
+        find="return self.key_cache[seq_idx, :, :n].transpose(0, 1)",
+        replace="return self.key_cache[seq_idx].transpose(0, 1)",
+    ),
+    PlantedBug(
+        name="attend-only-new-tokens",
+        description="cached_attention attends the new tokens to themselves only, ignoring the "
+        "cached context (decode then sees a single key)",
+        file=_SOL,
+        find="        cache.keys(seq_idx),\n        cache.values(seq_idx),",
+        replace="        key,\n        value,",
+    ),
+    PlantedBug(
+        name="decode-mask-off-by-one",
+        description="the batched decode also attends the first empty slot after each sequence",
+        file=_SOL,
+        find="visible = positions[None, :] < cache.seq_lens",
+        replace="visible = positions[None, :] <= cache.seq_lens",
+    ),
+    PlantedBug(
+        name="decode-gqa-tiled",
+        description="the batched decode tiles KV heads (h % num_kv_heads) instead of repeating "
+        "each in place (h // group)",
+        file=_SOL,
+        find="k = cache.key_cache.to(dtype).repeat_interleave(group, dim=1)",
+        replace="k = cache.key_cache.to(dtype).repeat(1, group, 1, 1)",
+    ),
+    PlantedBug(
+        name="append-without-capacity-check",
+        description="append does not check the room left, so an overlong write fails inside "
+        "torch instead of with a clear ValueError",
+        file=_SOL,
+        find="if start + n > self.max_seq_len:",
+        replace="if start + n > self.max_seq_len + n:",
+    ),
+    PlantedBug(
+        name="used-memory-padded-to-longest",
+        description="used memory counts every sequence at the longest final length, hiding "
+        "most of the waste",
+        file=_SOL,
+        find="used = sum(lens) * per_token",
+        replace="used = len(lens) * max(lens) * per_token",
+    ),
+]
