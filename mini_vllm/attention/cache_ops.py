@@ -1,0 +1,123 @@
+"""Operations on the paged KV cache tensors, in PyTorch, in place.
+
+``reshape_and_cache`` and ``reshape_and_cache_flash`` scatter freshly computed keys and values
+into their slots; ``copy_blocks`` copies whole blocks inside each layer's cache (copy-on-write);
+``swap_blocks`` copies whole blocks between two pools, possibly on different devices (swapping a
+preempted sequence out to CPU and back). Upstream implements these as CUDA kernels; here they
+are indexed assignments that run on any device.
+
+Every function validates all of its inputs before it writes, so a bad call raises
+``ValueError`` and leaves the caches exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mini_vllm.attention.paged_checks import (
+    check_copy,
+    check_flash_caches,
+    check_paged_caches,
+    check_slots,
+    check_swap,
+)
+
+__all__ = [
+    "reshape_and_cache",
+    "reshape_and_cache_flash",
+    "copy_blocks",
+    "swap_blocks",
+]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token ``i``'s key and value into slot ``slot_mapping[i]`` of the paged caches.
+
+    Layouts: ``key_cache [num_blocks, num_kv_heads, head_size // x, block_size, x]`` (``x =
+    16 // element_size``) and ``value_cache [num_blocks, num_kv_heads, head_size, block_size]``.
+    After the call, for every token with slot ``s = b * block_size + o >= 0`` and every ``h, d``:
+    ``key_cache[b, h, d // x, o, d % x] == key[i, h, d]`` and
+    ``value_cache[b, h, d, o] == value[i, h, d]``. Tokens with a negative slot are skipped and no
+    other cache element changes.
+
+    upstream: csrc/cache_kernels.cu:214 @ v0.11.0
+    """
+    num_blocks, block_size = check_paged_caches(key, value, key_cache, value_cache)
+    num_tokens, num_kv_heads, head_size = key.shape
+    x = key_cache.shape[4]
+    slots = check_slots(slot_mapping, num_tokens, num_blocks * block_size, key_cache.device)
+
+    rows = torch.nonzero(slots >= 0).squeeze(1)
+    real = slots[rows]
+    blocks, offsets = real // block_size, real % block_size
+    k = key[rows.to(key.device)].to(key_cache.device)
+    v = value[rows.to(value.device)].to(value_cache.device)
+    # Split head_size into (head_size // x, x): chunk d // x, lane d % x.
+    key_cache[blocks, :, :, offsets, :] = k.reshape(-1, num_kv_heads, head_size // x, x)
+    value_cache[blocks, :, :, offsets] = v
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write keys and values into the flash layout ``[num_blocks, block_size, kv_heads, head]``.
+
+    After the call ``key_cache[s // block_size, s % block_size] == key[i]`` (same for values)
+    for every token ``i`` with slot ``s = slot_mapping[i] >= 0``; nothing else changes.
+
+    upstream: csrc/cache_kernels.cu:282 @ v0.11.0
+    """
+    num_blocks, block_size = check_flash_caches(key, value, key_cache, value_cache)
+    slots = check_slots(slot_mapping, key.shape[0], num_blocks * block_size, key_cache.device)
+
+    rows = torch.nonzero(slots >= 0).squeeze(1)
+    real = slots[rows]
+    blk, off = real // block_size, real % block_size
+    key_cache[blk, off] = key[rows.to(key.device)].to(key_cache.device)
+    value_cache[blk, off] = value[rows.to(value.device)].to(value_cache.device)
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """For each (src, dst) row of ``block_mapping``, copy block src to block dst in every layer.
+
+    Works on any layout whose first dimension is the block. A block may not be both a source
+    and a destination in one call (upstream's kernel copies all pairs at once, so such a call
+    has no defined order). Other blocks are untouched.
+
+    upstream: csrc/cache_kernels.cu:126 @ v0.11.0
+    """
+    src, dst = check_copy(key_caches, value_caches, block_mapping)
+    caches = list(key_caches) + list(value_caches)
+    for cache in caches:
+        index_src, index_dst = src.to(cache.device), dst.to(cache.device)
+        cache[index_dst] = cache[index_src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy block ``m[i, 0]`` of ``src`` into block ``m[i, 1]`` of ``dst`` for every row.
+
+    ``src`` and ``dst`` may live on different devices (a GPU cache and a CPU pool, or two CPU
+    pools in this course); their per-block shape and dtype must agree. ``src`` is not changed.
+
+    upstream: csrc/cache_kernels.cu:28 @ v0.11.0
+    """
+    src_ids, dst_ids = check_swap(src, dst, block_mapping)
+    if src_ids.numel() == 0:
+        return
+    dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)

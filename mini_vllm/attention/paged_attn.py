@@ -1,0 +1,433 @@
+"""PagedAttention for decode, written with PyTorch tensor operations.
+
+This module is the data plane of phase 02 and the oracle that the CUDA kernels are graded
+against. It follows upstream's split between ``vllm/attention/ops/paged_attn.py`` (cache shapes
+and the v1/v2 choice) and the kernels in ``csrc/attention/`` (the maths), but everything here is
+plain tensor code that runs on any device.
+
+Cache layouts (``x = 16 // element_size``, the number of elements in one 16-byte vector)::
+
+    key_cache   [num_blocks, num_kv_heads, head_size // x, block_size, x]
+    value_cache [num_blocks, num_kv_heads, head_size,      block_size]
+
+Token ``t`` of a sequence lives in physical block ``block_table[t // block_size]`` at offset
+``t % block_size``. Element ``d`` of its key for KV head ``h`` sits at
+``key_cache[block, h, d // x, offset, d % x]``; of its value at
+``value_cache[block, h, d, offset]``.
+
+Both kernels take one query token per sequence (decode). ``paged_attention_v1`` attends over the
+whole context at once; ``paged_attention_v2`` cuts the context into partitions of
+``PARTITION_SIZE`` tokens, writes each partition's max logit, exp sum and normalised partial output
+into caller-provided buffers, then merges them. No Python loop runs per token or per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_vllm.attention.paged_checks import (
+    CACHE_DTYPES,
+    check_decode_inputs,
+    check_out,
+    check_v2_buffers,
+)
+
+__all__ = [
+    "PARTITION_SIZE",
+    "V1_MAX_SEQ_LEN",
+    "V1_MIN_PARALLEL_WORK",
+    "kv_cache_x",
+    "get_kv_cache_shape",
+    "split_kv_cache",
+    "num_partitions",
+    "use_v1",
+    "paged_attention_v1",
+    "paged_attention_v2",
+    "paged_attention_v2_reduce",
+    "forward_decode",
+]
+
+# Tokens per v2 partition. Must stay a multiple of every supported block size.
+PARTITION_SIZE = 512
+# The v1/v2 heuristic's constants (see ``use_v1``).
+V1_MAX_SEQ_LEN = 8192
+V1_MIN_PARALLEL_WORK = 512
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------------------------
+
+
+def kv_cache_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte vector for ``dtype``: 4 for fp32, 8 for fp16/bf16.
+
+    The key cache splits ``head_size`` into ``head_size // x`` chunks of ``x`` contiguous
+    elements so that a GPU thread can fetch one chunk with a single 16-byte load.
+
+    upstream: csrc/attention/attention_kernels.cuh:195 @ v0.11.0
+    """
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"unsupported KV cache dtype {dtype}; use one of float32, float16, bfloat16"
+        )
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def get_kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[int, int, int]:
+    """Shape of one layer's combined KV cache: ``(2, num_blocks, block_size * kv_heads * head)``.
+
+    Index 0 holds keys, index 1 values; ``split_kv_cache`` views them in the paged layouts.
+
+    upstream: vllm/attention/ops/paged_attn.py:48 @ v0.11.0
+    """
+    for name, value in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_size", head_size),
+    ):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return (2, num_blocks, block_size * num_kv_heads * head_size)
+
+
+def split_kv_cache(
+    kv_cache: torch.Tensor, num_kv_heads: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """View a ``get_kv_cache_shape`` tensor as (key_cache, value_cache) without copying.
+
+    Writes through the returned views land in ``kv_cache``.
+
+    upstream: vllm/attention/ops/paged_attn.py:58 @ v0.11.0
+    """
+    if kv_cache.dim() != 3 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must have shape (2, num_blocks, block_size * num_kv_heads * head_size), "
+            f"got {tuple(kv_cache.shape)}; build it with get_kv_cache_shape"
+        )
+    x = kv_cache_x(kv_cache.dtype)
+    per_block = kv_cache.shape[2]
+    if head_size % x != 0:
+        raise ValueError(f"head_size {head_size} must be a multiple of x={x} for {kv_cache.dtype}")
+    if per_block % (num_kv_heads * head_size) != 0:
+        raise ValueError(
+            f"a block holds {per_block} elements, not a multiple of "
+            f"num_kv_heads * head_size = {num_kv_heads * head_size}"
+        )
+    num_blocks = kv_cache.shape[1]
+    key_cache = kv_cache[0].view(num_blocks, num_kv_heads, head_size // x, -1, x)
+    value_cache = kv_cache[1].view(num_blocks, num_kv_heads, head_size, -1)
+    return key_cache, value_cache
+
+
+# --------------------------------------------------------------------------------------------
+# The v1/v2 choice
+# --------------------------------------------------------------------------------------------
+
+
+def num_partitions(max_seq_len: int) -> int:
+    """Partitions of ``PARTITION_SIZE`` tokens needed for ``max_seq_len`` (at least 1).
+
+    upstream: vllm/attention/ops/paged_attn.py:126 @ v0.11.0
+    """
+    return max(1, -(-int(max_seq_len) // PARTITION_SIZE))
+
+
+def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
+    """True when v0.11.0's heuristic picks ``paged_attention_v1`` over v2.
+
+    v1 is chosen when the longest context is at most 8192 tokens and either it fits in one
+    partition (a v2 reduce would be pure overhead) or there are more than 512 (sequence, head)
+    pairs, which already give the GPU enough independent work without splitting the context.
+
+    upstream: vllm/attention/ops/paged_attn.py:135 @ v0.11.0
+    """
+    return max_seq_len <= V1_MAX_SEQ_LEN and (
+        num_partitions(max_seq_len) == 1 or num_seqs * num_heads > V1_MIN_PARALLEL_WORK
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The shared core: logits over the gathered context
+# --------------------------------------------------------------------------------------------
+
+
+def _gather_logits(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled (ALiBi-biased, masked) fp32 logits and the gathered fp32 values.
+
+    Returns ``logits [num_seqs, num_kv_heads, group, num_tokens]`` with ``-inf`` at positions
+    ``>= seq_len`` and ``values [num_seqs, num_kv_heads, num_tokens, head_size]``, where ``group =
+    num_heads // num_kv_heads`` and query head ``h`` is KV head ``h // group``, member
+    ``h % group``. ``num_tokens`` must be a multiple of ``block_size`` covering every context.
+    """
+    num_seqs, num_heads, head_size = query.shape
+    group = num_heads // num_kv_heads
+    n_blk = num_tokens // block_size
+    pos = torch.arange(num_tokens, device=query.device)
+    valid = pos[None, :] < seq_lens.to(torch.int64)[:, None]  # [num_seqs, num_tokens]
+
+    # Table columns past a sequence's end are padding and may hold anything: point them at
+    # block 0 so the gather stays in bounds, and let the mask drop what they bring in.
+    table = block_tables[:, :n_blk].to(torch.int64)
+    col_used = valid[:, ::block_size]
+    table = torch.where(col_used, table, torch.zeros_like(table))
+
+    # [seqs, blk, kvh, D/x, B, x] -> [seqs, kvh, blk, B, D/x, x] -> [seqs, kvh, T, D]
+    keys = key_cache[table].permute(0, 2, 1, 4, 3, 5)
+    keys = keys.reshape(num_seqs, num_kv_heads, num_tokens, head_size).float()
+    # [seqs, blk, kvh, D, B] -> [seqs, kvh, blk, B, D] -> [seqs, kvh, T, D]
+    values = value_cache[table].permute(0, 2, 1, 4, 3)
+    values = values.reshape(num_seqs, num_kv_heads, num_tokens, head_size).float()
+
+    q = query.float().view(num_seqs, num_kv_heads, group, head_size)
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [seqs, kvh, group, T]
+    if alibi_slopes is not None:
+        # The only query sits at position seq_len - 1, so key t gets slope * (t - seq_len + 1).
+        dist = pos[None, :] - (seq_lens.to(torch.int64)[:, None] - 1)  # [seqs, T]
+        slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1)
+        logits = logits + slopes * dist[:, None, None, :].float()
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return logits, values
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Decode attention over paged KV; writes ``out`` in place.
+
+    For each sequence ``s`` and query head ``h``: softmax over the ``seq_lens[s]`` cached tokens
+    of ``scale * q . k (+ alibi_slopes[h] * (key_pos - (seq_len - 1)))`` times the values, read
+    from KV head ``h // (num_heads // num_kv_heads)``. Accumulation is fp32; ``out`` gets the
+    query dtype. Nothing is written unless every input is valid.
+
+    upstream: csrc/attention/paged_attention_v1.cu:46 @ v0.11.0
+    """
+    longest = check_decode_inputs(
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        block_tables,
+        seq_lens,
+        block_size,
+        max_seq_len,
+        alibi_slopes,
+    )
+    check_out(out, query)
+    if longest == 0:
+        return
+    num_tokens = -(-longest // block_size) * block_size
+    logits, values = _gather_logits(
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        scale,
+        block_tables,
+        seq_lens,
+        block_size,
+        num_tokens,
+        alibi_slopes,
+    )
+    probs = torch.softmax(logits, dim=-1)
+    result = torch.matmul(probs, values)  # [seqs, kvh, group, D]
+    out.copy_(result.reshape(out.shape))
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Partitioned decode attention; same result as v1, written to ``out`` in place.
+
+    Phase 1 fills, for partition ``p`` (tokens ``[p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE)``):
+    ``max_logits[s, h, p]`` = the partition's largest logit ``m_p``; ``exp_sums[s, h, p]`` =
+    ``sum exp(logit - m_p)``; ``tmp_out[s, h, p]`` = the partition's own softmax-weighted values.
+    Partitions that start past a sequence's end get ``m_p = -inf``, exp sum 0 and zeros (upstream
+    leaves them unwritten). Phase 2 is ``paged_attention_v2_reduce``.
+
+    upstream: csrc/attention/paged_attention_v2.cu:46 @ v0.11.0
+    """
+    longest = check_decode_inputs(
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        block_tables,
+        seq_lens,
+        block_size,
+        max_seq_len,
+        alibi_slopes,
+    )
+    check_out(out, query)
+    if PARTITION_SIZE % block_size != 0:
+        raise ValueError(f"block_size {block_size} must divide PARTITION_SIZE={PARTITION_SIZE}")
+    parts = num_partitions(max_seq_len)
+    check_v2_buffers(out, exp_sums, max_logits, tmp_out, parts)
+    if longest == 0:
+        return
+    num_seqs, num_heads, head_size = query.shape
+    used_parts = num_partitions(longest)
+    num_tokens = -(-longest // block_size) * block_size
+    logits, values = _gather_logits(
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        scale,
+        block_tables,
+        seq_lens,
+        block_size,
+        num_tokens,
+        alibi_slopes,
+    )
+    # One step per partition, as the kernel's third grid dimension; all sequences and heads
+    # at once. The last partition is as short as the longest context allows.
+    for p in range(used_parts):
+        part = slice(p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE)
+        chunk = logits[..., part]  # [seqs, kvh, group, <= P]
+        part_max = chunk.amax(dim=-1)  # -inf where the partition starts past the sequence
+        # Subtract a finite stand-in for empty partitions so exp() gives 0 rather than NaN.
+        safe_max = torch.where(torch.isfinite(part_max), part_max, torch.zeros_like(part_max))
+        weights = torch.exp(chunk - safe_max[..., None])
+        part_sum = weights.sum(dim=-1)
+        partial = torch.matmul(weights, values[:, :, part])  # [seqs, kvh, group, D]
+        partial = partial / part_sum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+        exp_sums[:, :, p] = part_sum.reshape(num_seqs, num_heads)
+        max_logits[:, :, p] = part_max.reshape(num_seqs, num_heads)
+        tmp_out[:, :, p] = partial.reshape(num_seqs, num_heads, head_size)
+    exp_sums[:, :, used_parts:] = 0.0
+    max_logits[:, :, used_parts:] = float("-inf")
+    tmp_out[:, :, used_parts:] = 0.0
+    paged_attention_v2_reduce(out, exp_sums, max_logits, tmp_out, seq_lens)
+
+
+def paged_attention_v2_reduce(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """Merge per-partition results into ``out`` (phase 2 of v2).
+
+    With ``M`` the largest ``m_p`` over a sequence's partitions, partition ``p`` weighs
+    ``exp_sums[p] * exp(m_p - M)``: its exp sum rescaled from its own max to the common one. ``out``
+    is the weighted mean of the partial outputs. Only the first ``ceil(seq_len / PARTITION_SIZE)``
+    partitions of a sequence are read, so stale entries beyond them are harmless.
+
+    upstream: csrc/attention/attention_kernels.cuh:562 @ v0.11.0
+    """
+    parts = exp_sums.shape[2]
+    active = (
+        torch.arange(parts, device=out.device)[None, :]
+        < (-(-seq_lens.to(out.device, torch.int64) // PARTITION_SIZE))[:, None]
+    )  # [seqs, parts]
+    active = active[:, None, :]
+    m = torch.where(active, max_logits, torch.full_like(max_logits, float("-inf")))
+    global_max = m.amax(dim=-1, keepdim=True)
+    global_max = torch.where(torch.isfinite(global_max), global_max, torch.zeros_like(global_max))
+    rescaled = torch.where(active, exp_sums * torch.exp(m - global_max), torch.zeros_like(m))
+    total = rescaled.sum(dim=-1, keepdim=True)
+    weights = rescaled / total.clamp_min(torch.finfo(torch.float32).tiny)
+    merged = (weights[..., None] * tmp_out.float()).sum(dim=2)
+    out.copy_(merged)
+
+
+def forward_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    num_kv_heads: int,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Allocate the output (and v2's buffers), pick v1 or v2 with ``use_v1``, and run it.
+
+    upstream: vllm/attention/ops/paged_attn.py:96 @ v0.11.0
+    """
+    if query.dim() != 3 or value_cache.dim() != 4:
+        raise ValueError(
+            "query must be [num_seqs, num_heads, head_size] and value_cache "
+            "[num_blocks, num_kv_heads, head_size, block_size]"
+        )
+    out = torch.empty_like(query)
+    num_seqs, num_heads, head_size = query.shape
+    block_size = value_cache.shape[-1]
+    if use_v1(max_seq_len, num_seqs, num_heads):
+        paged_attention_v1(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            num_kv_heads,
+            scale,
+            block_tables,
+            seq_lens,
+            block_size,
+            max_seq_len,
+            alibi_slopes,
+        )
+        return out
+    parts = num_partitions(max_seq_len)
+    exp_sums = torch.empty(num_seqs, num_heads, parts, dtype=torch.float32, device=query.device)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty(
+        num_seqs, num_heads, parts, head_size, dtype=query.dtype, device=query.device
+    )
+    paged_attention_v2(
+        out,
+        exp_sums,
+        max_logits,
+        tmp_out,
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        scale,
+        block_tables,
+        seq_lens,
+        block_size,
+        max_seq_len,
+        alibi_slopes,
+    )
+    return out

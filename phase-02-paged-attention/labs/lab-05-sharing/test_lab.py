@@ -1,0 +1,513 @@
+"""Graded tests for lab 02-05: sharing blocks with fork and copy-on-write.
+
+Two yardsticks. The first is a token-level model of the KV cache (``Sim``): every write puts a
+token id into ``store[block][offset]``, every ``(src, dst)`` copy the manager returns is applied
+to the store, and after every step each live request must read back exactly its own tokens
+through its block table, no request may write a block that another table holds, and every
+block's ``ref_cnt`` must equal the number of tables that list it. The second is numeric: paged
+attention over forked sequences, run on real cache tensors with ``copy_blocks``, must equal
+plain attention over each sequence's own keys and values.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from course.loader import load_lab
+from course.numerics import assert_close
+from mini_vllm.attention.reference import ref_attention
+
+lab = load_lab(__file__)
+
+BS = 4  # block size of every test: small, so prompts span several blocks and end mid-block
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def make_manager(num_blocks: int = 16, *, caching: bool = True, max_model_len: int = 256):
+    return lab.KVCacheManager(num_blocks, BS, max_model_len, enable_caching=caching)
+
+
+def make_request(request_id: str, prompt: list[int]):
+    return lab.Request(
+        request_id, list(prompt), lab.SamplingParams(), eos_token_id=None,
+        block_hasher=lab.get_request_block_hasher(BS, lab.sha256),
+    )
+
+
+def make_child(parent, child_id: str, next_token: int):
+    """A copy of ``parent`` up to its computed tokens, which then sampled ``next_token``."""
+    n = parent.num_computed_tokens
+    tokens = list(parent.all_token_ids[:n])
+    child = make_request(child_id, tokens[: parent.num_prompt_tokens])
+    child.append_output_token_ids(tokens[parent.num_prompt_tokens :] + [next_token])
+    child.num_computed_tokens = n
+    return child
+
+
+def table(mgr, request_id: str) -> list[int]:
+    return list(mgr.get_block_ids(request_id)[0])
+
+
+def snapshot(mgr):
+    """Everything a failed call must leave unchanged."""
+    return (
+        {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_blocks.items()},
+        dict(mgr.num_cached_block),
+        [b.ref_cnt for b in mgr.block_pool.blocks],
+        mgr.block_pool.get_num_free_blocks(),
+    )
+
+
+class Sim:
+    """A KV cache manager, its live requests, and a token-level model of the cache contents."""
+
+    def __init__(self, num_blocks: int = 16, *, caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.mgr = make_manager(num_blocks, caching=caching)
+        self.live: dict[str, object] = {}
+        self.store: dict[int, list[int | None]] = {}
+        self.next_id = 0
+
+    def fresh_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def write(self, req, start: int, end: int) -> None:
+        """The model writes the KV of tokens [start, end) of ``req`` through its block table."""
+        ids = table(self.mgr, req.request_id)
+        for pos in range(start, end):
+            block = ids[pos // BS]
+            holders = [rid for rid in self.live if block in table(self.mgr, rid)]
+            assert holders == [req.request_id], (
+                f"{req.request_id} writes token {pos} into block {block}, which is also held by "
+                f"{[h for h in holders if h != req.request_id]}: that block needed copy-on-write"
+            )
+            self.store.setdefault(block, [None] * BS)[pos % BS] = req.all_token_ids[pos]
+
+    def apply_copies(self, copies) -> None:
+        """What the runner's copy_blocks does to the cache, on the token model."""
+        for src, dst in copies:
+            self.store[dst] = list(self.store.get(src, [None] * BS))
+
+    def admit(self, prompt: list[int], next_token: int):
+        req = make_request(self.fresh_id(), prompt)
+        hit_blocks, num_hit = self.mgr.get_computed_blocks(req)
+        if self.mgr.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit_blocks) is None:
+            return None
+        self.live[req.request_id] = req
+        self.write(req, num_hit, req.num_tokens)
+        req.num_computed_tokens = req.num_tokens
+        req.append_output_token_ids(next_token)
+        return req
+
+    def fork(self, parent, next_token: int):
+        child = make_child(parent, self.fresh_id(), next_token)
+        self.mgr.fork(parent, child)
+        self.live[child.request_id] = child
+        return child
+
+    def step(self, req, next_token: int):
+        """One decode step: make room (copying shared blocks), write the token, sample."""
+        copies = self.mgr.append_slots(req, 1)
+        if copies is None:
+            return None
+        self.apply_copies(copies)
+        pos = req.num_computed_tokens
+        self.write(req, pos, pos + 1)
+        req.num_computed_tokens = pos + 1
+        req.append_output_token_ids(next_token)
+        return copies
+
+    def finish(self, req) -> None:
+        self.mgr.free(req)
+        del self.live[req.request_id]
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def check_reads(self) -> None:
+        for rid, req in self.live.items():
+            ids = table(self.mgr, rid)
+            for pos in range(req.num_computed_tokens):
+                got = self.store.get(ids[pos // BS], [None] * BS)[pos % BS]
+                assert got == req.all_token_ids[pos], (
+                    f"{rid} reads token {pos} from block {ids[pos // BS]} and finds {got}, not "
+                    f"its own token {req.all_token_ids[pos]}: a shared block was overwritten or "
+                    f"a copy went the wrong way"
+                )
+
+    def check_counts(self) -> None:
+        held = Counter(b for rid in self.live for b in table(self.mgr, rid))
+        for block in self.mgr.block_pool.blocks[1:]:
+            assert block.ref_cnt == held[block.block_id], (
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} but {held[block.block_id]} "
+                f"block table(s) list it"
+            )
+        free = self.mgr.block_pool.get_num_free_blocks()
+        assert free == self.num_blocks - 1 - len(held), (
+            f"{free} blocks are free, but {len(held)} of {self.num_blocks - 1} are held"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# task 1: fork
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fork_shares_every_block_and_counts_it():
+    mgr = make_manager()
+    parent = make_request("p", list(range(10)))  # 10 tokens: blocks of 4, 4, 2
+    assert mgr.allocate_slots(parent, 10) is not None
+    parent.num_computed_tokens = 10
+    parent.append_output_token_ids(7)
+    free_before = mgr.block_pool.get_num_free_blocks()
+
+    child = make_child(parent, "c", 8)
+    mgr.fork(parent, child)
+
+    assert table(mgr, "c") == table(mgr, "p")
+    assert [mgr.block_pool.blocks[b].ref_cnt for b in table(mgr, "p")] == [2, 2, 2]
+    assert mgr.block_pool.get_num_free_blocks() == free_before, "fork must not take blocks"
+    assert mgr.num_cached_block["c"] == mgr.num_cached_block["p"]
+    # The child's table is its own list: replacing an entry of one never changes the other.
+    assert mgr.req_to_blocks["c"] is not mgr.req_to_blocks["p"]
+
+
+def test_fork_of_a_fork_counts_three_holders():
+    sim = Sim()
+    parent = sim.admit([1, 2, 3, 4, 5, 6], 9)
+    child = sim.fork(parent, 10)
+    grandchild = sim.fork(child, 11)
+    assert table(sim.mgr, grandchild.request_id) == table(sim.mgr, parent.request_id)
+    sim.check_counts()
+    assert {sim.mgr.block_pool.blocks[b].ref_cnt for b in table(sim.mgr, parent.request_id)} == {3}
+
+
+# ---------------------------------------------------------------------------------------------
+# tasks 2-4: copy-on-write through append_slots
+# ---------------------------------------------------------------------------------------------
+
+
+def test_writing_into_a_shared_partial_block_copies_it():
+    sim = Sim()
+    parent = sim.admit([1, 2, 3, 4, 5, 6], 9)  # blocks: [1 2 3 4] [5 6 . .]
+    child = sim.fork(parent, 10)
+    shared_tail = table(sim.mgr, parent.request_id)[-1]
+    free_before = sim.mgr.block_pool.get_num_free_blocks()
+
+    copies = sim.step(child, 20)
+
+    assert len(copies) == 1
+    src, dst = copies[0]
+    assert src == shared_tail, "the source of the copy is the shared block"
+    assert dst != shared_tail and table(sim.mgr, child.request_id)[-1] == dst
+    assert table(sim.mgr, parent.request_id)[-1] == shared_tail, "the parent keeps its block"
+    assert sim.mgr.block_pool.blocks[shared_tail].ref_cnt == 1, "the old block lost one holder"
+    assert sim.mgr.block_pool.blocks[dst].ref_cnt == 1
+    assert sim.mgr.block_pool.get_num_free_blocks() == free_before - 1
+    # The first full block is still shared: it is never written again.
+    assert table(sim.mgr, child.request_id)[0] == table(sim.mgr, parent.request_id)[0]
+    # The parent is now the block's only holder: it writes in place, no copy.
+    assert sim.step(parent, 21) == []
+    sim.check_reads()
+    sim.check_counts()
+
+
+def test_copy_on_write_with_three_holders():
+    sim = Sim()
+    parent = sim.admit([1, 2, 3, 4, 5], 9)
+    kids = [sim.fork(parent, 10 + i) for i in range(2)]
+    tail = table(sim.mgr, parent.request_id)[-1]
+    assert sim.mgr.block_pool.blocks[tail].ref_cnt == 3
+    for expected_count, req in ((2, kids[0]), (1, kids[1])):
+        copies = sim.step(req, 30)
+        assert [c[0] for c in copies] == [tail]
+        assert sim.mgr.block_pool.blocks[tail].ref_cnt == expected_count
+    assert sim.step(parent, 31) == [], "the last holder writes in place"
+    sim.check_reads()
+    sim.check_counts()
+
+
+def test_no_copy_at_a_block_boundary():
+    sim = Sim()
+    parent = sim.admit([1, 2, 3, 4, 5, 6, 7, 8], 9)  # two full blocks: nothing partial to share
+    child = sim.fork(parent, 10)
+    free_before = sim.mgr.block_pool.get_num_free_blocks()
+    assert sim.step(child, 11) == []
+    assert sim.mgr.block_pool.get_num_free_blocks() == free_before - 1, "one new block, no copy"
+    assert table(sim.mgr, child.request_id)[:2] == table(sim.mgr, parent.request_id)[:2]
+    sim.check_reads()
+    sim.check_counts()
+
+
+def test_prefix_cache_sharing_never_copies():
+    """Blocks shared through a prefix-cache hit are full and never written: no copy-on-write."""
+    sim = Sim()
+    a = sim.admit([1, 2, 3, 4, 5, 6, 7, 8, 9], 50)
+    b = sim.admit([1, 2, 3, 4, 5, 6, 7, 8, 9], 51)
+    assert table(sim.mgr, a.request_id)[:2] == table(sim.mgr, b.request_id)[:2], "a cache hit"
+    for _ in range(6):
+        assert sim.step(a, 52) == []
+        assert sim.step(b, 53) == []
+    sim.check_reads()
+    sim.check_counts()
+
+
+def test_counts_return_to_zero_when_all_finish():
+    rng = random.Random(5)
+    sim = Sim(num_blocks=40)
+    root = sim.admit([1, 2, 3, 4, 5, 6, 7], 0)
+    family = [root]
+    for step in range(12):
+        for req in list(family):
+            assert sim.step(req, rng.randrange(100)) is not None
+        if step % 3 == 0:
+            family.append(sim.fork(rng.choice(family), rng.randrange(100)))
+        sim.check_reads()
+        sim.check_counts()
+    rng.shuffle(family)
+    for req in family:  # any order: parents before children or after
+        sim.finish(req)
+        sim.check_reads()
+        sim.check_counts()
+    blocks = sim.mgr.block_pool.blocks
+    assert all(b.ref_cnt == 0 for b in blocks[1:]), "every block must be back at ref_cnt 0"
+    assert sim.mgr.block_pool.get_num_free_blocks() == sim.num_blocks - 1
+    assert sim.mgr.req_to_blocks == {}
+
+
+def test_freeing_the_parent_first_keeps_the_children_going():
+    sim = Sim()
+    parent = sim.admit([1, 2, 3, 4, 5, 6], 9)
+    kids = [sim.fork(parent, 10 + i) for i in range(2)]
+    parent_blocks = table(sim.mgr, parent.request_id)
+    sim.finish(parent)
+    for b in parent_blocks:
+        assert sim.mgr.block_pool.blocks[b].ref_cnt == 2, "the two children still hold it"
+    sim.check_counts()
+    for _ in range(5):
+        for kid in kids:
+            assert sim.step(kid, 40) is not None
+    sim.check_reads()
+    sim.check_counts()
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: a clear error, nothing changed
+# ---------------------------------------------------------------------------------------------
+
+
+def _forkable():
+    mgr = make_manager()
+    parent = make_request("p", [1, 2, 3, 4, 5, 6])
+    assert mgr.allocate_slots(parent, 6) is not None
+    parent.num_computed_tokens = 6
+    parent.append_output_token_ids(9)
+    other = make_request("q", [7, 7, 7])
+    assert mgr.allocate_slots(other, 3) is not None
+    other.num_computed_tokens = 3
+    return mgr, parent
+
+
+def test_fork_an_unknown_parent_is_an_error():
+    mgr, _ = _forkable()
+    stranger = make_request("x", [1, 2, 3])
+    stranger.num_computed_tokens = 3
+    before = snapshot(mgr)
+    with pytest.raises(ValueError, match="x"):
+        mgr.fork(stranger, make_child(stranger, "c", 1))
+    assert snapshot(mgr) == before
+
+
+@pytest.mark.parametrize("child_id", ["q", "p"])
+def test_fork_into_an_id_in_use_is_an_error(child_id):
+    mgr, parent = _forkable()
+    before = snapshot(mgr)
+    with pytest.raises(ValueError, match="already in use"):
+        mgr.fork(parent, make_child(parent, child_id, 1))
+    assert snapshot(mgr) == before
+
+
+def test_fork_a_child_that_differs_is_an_error():
+    mgr, parent = _forkable()
+    before = snapshot(mgr)
+    wrong_tokens = make_request("c", [1, 2, 3, 4, 5, 0])  # last computed token differs
+    wrong_tokens.num_computed_tokens = 6
+    behind = make_child(parent, "d", 1)
+    behind.num_computed_tokens = 5
+    for child in (wrong_tokens, behind):
+        with pytest.raises(ValueError, match="fork"):
+            mgr.fork(parent, child)
+        assert snapshot(mgr) == before
+
+
+def test_append_slots_bad_input_is_an_error():
+    mgr, parent = _forkable()
+    before = snapshot(mgr)
+    with pytest.raises(ValueError, match="holds no blocks"):
+        mgr.append_slots(make_request("x", [1]), 1)
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        mgr.append_slots(parent, 0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        mgr.append_slots(parent, 300)
+    assert snapshot(mgr) == before
+
+
+def test_append_slots_without_room_returns_none_and_changes_nothing():
+    sim = Sim(num_blocks=4)  # 3 usable blocks
+    parent = sim.admit([1, 2, 3, 4, 5, 6], 9)  # takes 2
+    child = sim.fork(parent, 10)
+    assert sim.step(child, 11) is not None  # copy-on-write takes the last free block
+    before = snapshot(sim.mgr)
+    assert sim.mgr.append_slots(parent, 3) is None  # needs a new block: none left
+    assert snapshot(sim.mgr) == before
+    grandchild = sim.fork(child, 12)
+    before = snapshot(sim.mgr)
+    assert sim.mgr.append_slots(grandchild, 1) is None  # needs a copy: no block for it
+    assert snapshot(sim.mgr) == before
+    sim.check_reads()
+    sim.check_counts()
+
+
+# ---------------------------------------------------------------------------------------------
+# random workloads, checked after every step
+# ---------------------------------------------------------------------------------------------
+
+
+class SharingMachine(RuleBasedStateMachine):
+    """Requests arrive (with prefix-cache hits from a tiny vocabulary), fork, decode, finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = Sim(num_blocks=24)
+
+    def _pick(self, i: int):
+        ids = sorted(self.sim.live)
+        return self.sim.live[ids[i % len(ids)]]
+
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=11),
+        next_token=st.integers(0, 2),
+    )
+    def arrive(self, prompt, next_token):
+        self.sim.admit(prompt, next_token)
+
+    @precondition(lambda self: self.sim.live)
+    @rule(i=st.integers(0, 50), next_token=st.integers(0, 2))
+    def fork(self, i, next_token):
+        self.sim.fork(self._pick(i), next_token)
+
+    @precondition(lambda self: self.sim.live)
+    @rule(i=st.integers(0, 50), next_token=st.integers(0, 2), times=st.integers(1, 5))
+    def decode(self, i, next_token, times):
+        req = self._pick(i)
+        for _ in range(times):
+            if req.num_tokens >= 64 or self.sim.step(req, next_token) is None:
+                break
+
+    @precondition(lambda self: self.sim.live)
+    @rule(i=st.integers(0, 50))
+    def finish(self, i):
+        self.sim.finish(self._pick(i))
+
+    @invariant()
+    def reads_and_counts(self):
+        self.sim.check_reads()
+        self.sim.check_counts()
+
+    def teardown(self):
+        for req in list(self.sim.live.values()):
+            self.sim.finish(req)
+        self.sim.check_counts()
+        assert all(b.ref_cnt == 0 for b in self.sim.mgr.block_pool.blocks[1:])
+
+
+test_random_workloads_keep_every_sequence_isolated = SharingMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------------
+# the data plane: copy_blocks + paged attention over forked sequences
+# ---------------------------------------------------------------------------------------------
+
+
+def test_paged_attention_over_forked_sequences_equals_unshared_attention():
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_size, num_blocks = 4, 2, 16, 40
+    x = 16 // 4  # fp32
+    key_cache = torch.zeros(num_blocks, num_kv_heads, head_size // x, BS, x)
+    value_cache = torch.zeros(num_blocks, num_kv_heads, head_size, BS)
+    mgr = make_manager(num_blocks)
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # each sequence's own K and V
+    live: dict[str, object] = {}
+
+    def write(req, k, v):
+        start = req.num_computed_tokens
+        ids = table(mgr, req.request_id)
+        slots = torch.tensor(
+            [ids[p // BS] * BS + p % BS for p in range(start, start + k.shape[0])]
+        )
+        lab.reshape_and_cache(k, v, key_cache, value_cache, slots)
+        old_k, old_v = dense.get(req.request_id, (k[:0], v[:0]))
+        dense[req.request_id] = (torch.cat([old_k, k]), torch.cat([old_v, v]))
+        req.num_computed_tokens = start + k.shape[0]
+
+    def fork(parent, child_id, token):
+        child = make_child(parent, child_id, token)
+        mgr.fork(parent, child)
+        live[child_id] = child
+        dense[child_id] = tuple(t.clone() for t in dense[parent.request_id])
+
+    def check_attention():
+        ids = sorted(live)
+        query = torch.randn(len(ids), num_heads, head_size)
+        tables = [table(mgr, rid) for rid in ids]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        seq_lens = torch.tensor([live[rid].num_computed_tokens for rid in ids], dtype=torch.int32)
+        out = torch.empty_like(query)
+        scale = head_size**-0.5
+        lab.paged_attention_v1(
+            out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+            BS, int(seq_lens.max()),
+        )
+        for s, rid in enumerate(ids):
+            k, v = dense[rid]
+            expected = ref_attention(query[s : s + 1], k, v, scale=scale)
+            assert_close(out[s : s + 1], expected, msg=f"sequence {rid}")
+
+    parent = make_request("p", list(range(7)))  # 7 tokens: the second block is partly filled
+    assert mgr.allocate_slots(parent, 7) is not None
+    live["p"] = parent
+    prompt_k, prompt_v = torch.randn(2, 7, num_kv_heads, head_size)
+    write(parent, prompt_k, prompt_v)
+    parent.append_output_token_ids(100)
+    for i in range(3):  # parallel sampling: n = 4
+        fork(parent, f"s{i}", 101 + i)
+    num_copies = 0
+    for step in range(9):
+        for rid in sorted(live):
+            req = live[rid]
+            copies = mgr.append_slots(req, 1)
+            assert copies is not None
+            num_copies += len(copies)
+            if copies:
+                lab.copy_blocks([key_cache], [value_cache], torch.tensor(copies, dtype=torch.int64))
+            new_k, new_v = torch.randn(2, 1, num_kv_heads, head_size)
+            write(req, new_k, new_v)
+            req.append_output_token_ids(200 + step)
+        check_attention()
+        if step == 2:  # beam-search style: a child forks mid-block, then its parent leaves
+            fork(live["s1"], "s1b", 300)
+        if step == 5:
+            mgr.free(live.pop("p"))
+            del dense["p"]
+    assert num_copies >= 4, "every sequence but the last holder copies the shared tail block"
