@@ -1,0 +1,59 @@
+"""Known-wrong edits to the reference swap space and swap-mode scheduler that lab 03-03's tests
+must reject."""
+
+from __future__ import annotations
+
+from course.bugs import PlantedBug
+
+SWAP = "mini_vllm/swap.py"
+SCHED = "mini_vllm/scheduler.py"
+
+BUGS = [
+    PlantedBug(
+        name="swap-mapping-reversed",
+        description="swap_in returns (gpu, cpu) pairs, so the runner copies in the wrong direction",
+        file=SWAP,
+        find="mapping = [(c.block_id, g) for c, g in zip(cpu_blocks, gpu_block_ids)]",
+        replace="mapping = [(g, c.block_id) for c, g in zip(cpu_blocks, gpu_block_ids)]",
+    ),
+    PlantedBug(
+        name="swap-in-scrambles-order",
+        description="swap_in pairs the CPU blocks with the GPU blocks in reverse order",
+        file=SWAP,
+        find="for c, g in zip(cpu_blocks, gpu_block_ids)]",
+        replace="for c, g in zip(reversed(cpu_blocks), gpu_block_ids)]",
+    ),
+    PlantedBug(
+        name="cpu-blocks-not-freed",
+        description="swap_in forgets to return the CPU blocks to the CPU pool",
+        file=SWAP,
+        find="        self.block_pool.free_blocks(cpu_blocks)\n        return mapping",
+        replace="        return mapping",
+    ),
+    PlantedBug(
+        name="swap-out-drops-partial-block",
+        description="only full blocks are swapped out; the partially filled last block is lost",
+        file=SCHED,
+        find="num_blocks = cdiv(request.num_computed_tokens, self.block_size)\n"
+        "        gpu_block_ids",
+        replace="num_blocks = request.num_computed_tokens // self.block_size\n"
+        "        gpu_block_ids",
+    ),
+    PlantedBug(
+        name="swap-in-ignores-budget",
+        description="a swapped-in request does not consume the token budget",
+        file=SCHED,
+        find="step.num_scheduled_tokens[request.request_id] = num_new_tokens\n"
+        "            step.token_budget -= num_new_tokens\n\n    def _schedule_waiting",
+        replace="step.num_scheduled_tokens[request.request_id] = num_new_tokens\n\n"
+        "    def _schedule_waiting",
+    ),
+    PlantedBug(
+        name="swap-resets-progress",
+        description="a swapped-out request forgets its computed tokens, like a recompute",
+        file=SCHED,
+        find="        request.status = RequestStatus.SWAPPED\n",
+        replace="        request.status = RequestStatus.SWAPPED\n"
+        "        request.num_computed_tokens = 0\n",
+    ),
+]
