@@ -104,7 +104,9 @@ def run_lab(
         ]
         if junit is not None:
             cmd.append(f"--junitxml={junit}")
+        # Labs run two at a time; one thread each keeps torch from oversubscribing the cores.
         env = dict(os.environ, LAB_IMPL=impl, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
         start = time.perf_counter()
         try:
             proc = subprocess.run(

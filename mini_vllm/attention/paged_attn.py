@@ -18,7 +18,8 @@ Token ``t`` of a sequence lives in physical block ``block_table[t // block_size]
 Both kernels take one query token per sequence (decode). ``paged_attention_v1`` attends over the
 whole context at once; ``paged_attention_v2`` cuts the context into partitions of
 ``PARTITION_SIZE`` tokens, writes each partition's max logit, exp sum and normalised partial output
-into caller-provided buffers, then merges them. No Python loop runs per token or per sequence.
+into caller-provided buffers, then merges them. No Python loop runs per token or per sequence;
+v2 loops over partitions only (the kernel's third grid dimension).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def _gather_logits(
     values = value_cache[table].permute(0, 2, 1, 4, 3)
     values = values.reshape(num_seqs, num_kv_heads, num_tokens, head_size).float()
 
-    q = query.float().view(num_seqs, num_kv_heads, group, head_size)
+    q = query.float().reshape(num_seqs, num_kv_heads, group, head_size)
     logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [seqs, kvh, group, T]
     if alibi_slopes is not None:
         # The only query sits at position seq_len - 1, so key t gets slope * (t - seq_len + 1).

@@ -1,0 +1,942 @@
+"""Graded tests of lab 02-01: the paged block allocator.
+
+Groups (see the README): free-queue mechanics; allocate/free round trips (I1 both ways); no
+dedup of identical content (I2); partial blocks never cached (I3); revive from the middle via
+touch (I4) in O(1); eviction drops the index entry; the null block; the hash chain; errors that
+change nothing; events; reset_prefix_cache; and a stateful machine checking I1-I4 after every
+step. Several tests port upstream's tests/v1/core/test_kv_cache_utils.py and
+test_prefix_caching.py at v0.11.0, with the same block ids and free-queue orders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from course.loader import load_lab
+
+lab = load_lab(__file__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers (plain functions: they touch `lab` only when a test calls them)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoRA:
+    lora_int_id: int
+
+
+@dataclass
+class FakeRequest:
+    """The attributes of mini_vllm's Request that the hasher and the pool read."""
+
+    all_token_ids: list[int]
+    block_size: int
+    lora_request: LoRA | None = None
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.all_token_ids)
+        self._hasher = lab.get_request_block_hasher(self.block_size, lab.sha256)
+        self.block_hashes.extend(self._hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_tokens(self, tokens: list[int]) -> None:
+        self.all_token_ids.extend(tokens)
+        self.block_hashes.extend(self._hasher(self))
+
+
+def none_hash() -> bytes:
+    """The NONE_HASH the lab's hash_block_tokens reads (its module global, read now)."""
+    return lab.hash_block_tokens.__globals__["NONE_HASH"]
+
+
+def ref_hash(parent: bytes | None, tokens, extra=None) -> bytes:
+    """Independent reference of the chained hash: sha256 of the pickled triple."""
+    parent = parent or none_hash()
+    data = pickle.dumps((parent, tuple(tokens), extra), protocol=pickle.HIGHEST_PROTOCOL)
+    return hashlib.sha256(data).digest()
+
+
+def ref_chain(tokens: list[int], block_size: int) -> list[bytes]:
+    hashes: list[bytes] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        hashes.append(ref_hash(hashes[-1] if hashes else None, tokens[start : start + block_size]))
+    return hashes
+
+
+def key(block_hash: bytes, group_id: int = 0) -> bytes:
+    return lab.make_block_hash_with_group_id(block_hash, group_id)
+
+
+def walk_free(queue, limit: int) -> list:
+    """The queue's blocks front to back, following next pointers for at most `limit` blocks, so
+    that a broken list (a cycle, a lost sentinel) fails the test instead of hanging it."""
+    out = []
+    block = queue.fake_free_list_head.next_free_block
+    while block is not queue.fake_free_list_tail:
+        assert block is not None, f"the free list ends without the tail sentinel after {out}"
+        assert len(out) < limit, f"the free list has more than {limit} blocks: a cycle?"
+        out.append(block)
+        block = block.next_free_block
+    return out
+
+
+def free_ids(pool) -> list[int]:
+    return [b.block_id for b in walk_free(pool.free_block_queue, len(pool.blocks))]
+
+
+def index_ids(pool) -> dict[bytes, list[int]]:
+    """The prefix-cache index as {key: sorted block ids}."""
+    out = {}
+    for k, v in pool.cached_block_hash_to_block._cache.items():
+        out[k] = sorted(v) if isinstance(v, dict) else [v.block_id]
+    return out
+
+
+def snapshot(pool) -> tuple:
+    """Everything a failed call must leave untouched."""
+    blocks = tuple(
+        (
+            b.block_id,
+            b.ref_cnt,
+            b.block_hash,
+            b.prev_free_block.block_id if b.prev_free_block else None,
+            b.next_free_block.block_id if b.next_free_block else None,
+        )
+        for b in pool.blocks
+    )
+    return (
+        blocks,
+        tuple(free_ids(pool)),
+        pool.get_num_free_blocks(),
+        index_ids(pool),
+        len(pool.kv_event_queue),
+    )
+
+
+def allocate_and_cache(pool, req: FakeRequest) -> list:
+    """Allocate blocks for every token of `req` and cache its full blocks (no prefix lookup)."""
+    n_blocks = -(-req.num_tokens // req.block_size)
+    blocks = pool.get_new_blocks(n_blocks)
+    pool.cache_full_blocks(req, blocks, 0, req.num_tokens // req.block_size, req.block_size, 0)
+    return blocks
+
+
+def queue_of(n: int):
+    blocks = [lab.KVCacheBlock(i) for i in range(n)]
+    return blocks, lab.FreeKVCacheBlockQueue(blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The given helpers (complete in the starter too: not graded)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.starter_ok
+def test_kv_cache_block_hash_is_set_once_and_reset():
+    block = lab.KVCacheBlock(block_id=0)
+    assert (block.block_id, block.ref_cnt, block.block_hash) == (0, 0, None)
+    k = key(b"abc")
+    block.block_hash = k
+    assert block.block_hash == k
+    with pytest.raises(AssertionError):
+        block.block_hash = key(b"def")
+    block.reset_hash()
+    assert block.block_hash is None
+
+
+@pytest.mark.starter_ok
+def test_none_hash_follows_pythonhashseed(monkeypatch):
+    g = lab.init_none_hash.__globals__
+    saved = g["NONE_HASH"]
+    try:
+        monkeypatch.setenv("PYTHONHASHSEED", "python hash seed")
+        lab.init_none_hash(lab.sha256)
+        assert g["NONE_HASH"] == lab.sha256("python hash seed")
+        monkeypatch.delenv("PYTHONHASHSEED")
+        lab.init_none_hash(lab.sha256)
+        assert isinstance(g["NONE_HASH"], bytes) and len(g["NONE_HASH"]) == 32
+    finally:
+        g["NONE_HASH"] = saved
+
+
+@pytest.mark.starter_ok
+def test_block_hash_to_block_map_keeps_duplicates():
+    cache = lab.BlockHashToBlockMap()
+    k0, k1 = key(b"h0"), key(b"h1")
+    b0, b1, b10 = lab.KVCacheBlock(0), lab.KVCacheBlock(1), lab.KVCacheBlock(10)
+    cache.insert(k0, b0)
+    cache.insert(k0, b1)
+    cache.insert(k1, b10)
+    assert cache.pop(k0, 100) is None and cache.get_one_block(k0) is b0
+    assert cache.pop(k0, 0) is b0 and cache.get_one_block(k0) is b1
+    assert cache.pop(k0, 1) is b1 and cache.get_one_block(k0) is None
+    assert cache.pop(k1, 2) is None and cache.get_one_block(k1) is b10
+    assert len(cache) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Free-queue mechanics
+# ---------------------------------------------------------------------------------------------
+
+
+def test_queue_starts_in_block_order_between_the_sentinels():
+    blocks, queue = queue_of(5)
+    assert queue.get_all_free_blocks() == blocks
+    assert queue.num_free_blocks == 5
+    assert queue.fake_free_list_head.next_free_block is blocks[0]
+    assert queue.fake_free_list_tail.prev_free_block is blocks[4]
+    empty = lab.FreeKVCacheBlockQueue([])
+    assert empty.get_all_free_blocks() == []
+
+
+def test_get_all_free_blocks_follows_pops_removes_and_appends():
+    # Upstream's get_all_free_blocks test.
+    blocks, queue = queue_of(5)
+    queue.popleft()
+    assert walk_free(queue, 5) == blocks[1:]
+    assert queue.get_all_free_blocks() == blocks[1:]
+    queue.remove(blocks[2])
+    assert walk_free(queue, 5) == [blocks[1], blocks[3], blocks[4]]
+    assert queue.get_all_free_blocks() == [blocks[1], blocks[3], blocks[4]]
+    queue.append(blocks[2])
+    assert walk_free(queue, 5) == [blocks[1], blocks[3], blocks[4], blocks[2]]
+    assert queue.get_all_free_blocks() == [blocks[1], blocks[3], blocks[4], blocks[2]]
+
+
+def test_popleft_takes_the_front_block_and_unlinks_it():
+    blocks, queue = queue_of(5)
+    first = queue.popleft()
+    assert first is blocks[0]
+    assert first.prev_free_block is None and first.next_free_block is None
+    assert queue.num_free_blocks == 4
+    assert queue.fake_free_list_head.next_free_block is blocks[1]
+    assert blocks[1].prev_free_block is queue.fake_free_list_head
+    assert walk_free(queue, 1000) == blocks[1:]
+
+
+def test_popleft_until_empty_then_error():
+    blocks, queue = queue_of(3)
+    assert [queue.popleft() for _ in range(3)] == blocks
+    assert queue.num_free_blocks == 0
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
+    with pytest.raises(ValueError, match="No free blocks available"):
+        queue.popleft()
+    assert queue.num_free_blocks == 0
+
+
+def test_popleft_n_follows_queue_order_not_block_ids():
+    # Upstream's popleft_n test: the queue order is 1, 3, 5, 4, 0, 2.
+    blocks = [lab.KVCacheBlock(i) for i in range(6)]
+    order = [blocks[i] for i in (1, 3, 5, 4, 0, 2)]
+    queue = lab.FreeKVCacheBlockQueue(order)
+    assert queue.popleft_n(0) == [] and queue.num_free_blocks == 6
+    got = queue.popleft_n(1)
+    assert got == [blocks[1]] and queue.num_free_blocks == 5
+    got += queue.popleft_n(2)
+    assert [b.block_id for b in got] == [1, 3, 5] and queue.num_free_blocks == 3
+    assert queue.fake_free_list_head.next_free_block is blocks[4]
+    assert blocks[4].prev_free_block is queue.fake_free_list_head
+    got += queue.popleft_n(3)
+    assert [b.block_id for b in got] == [1, 3, 5, 4, 0, 2]
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in got)
+    assert queue.num_free_blocks == 0
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
+
+
+def test_popleft_n_more_than_free_raises_and_changes_nothing():
+    blocks, queue = queue_of(4)
+    with pytest.raises(ValueError, match="5"):
+        queue.popleft_n(5)
+    assert queue.num_free_blocks == 4
+    assert walk_free(queue, 1000) == blocks
+
+
+def test_remove_from_the_middle_relinks_both_neighbours():
+    blocks, queue = queue_of(5)
+    queue.remove(blocks[2])
+    assert blocks[1].next_free_block is blocks[3]
+    assert blocks[3].prev_free_block is blocks[1]
+    assert blocks[2].prev_free_block is None and blocks[2].next_free_block is None
+    assert queue.num_free_blocks == 4
+    assert walk_free(queue, 1000) == blocks[:2] + blocks[3:]
+
+
+def test_remove_first_and_last_relinks_the_sentinels():
+    blocks, queue = queue_of(4)
+    queue.remove(blocks[0])
+    queue.remove(blocks[3])
+    assert queue.fake_free_list_head.next_free_block is blocks[1]
+    assert blocks[1].prev_free_block is queue.fake_free_list_head
+    assert queue.fake_free_list_tail.prev_free_block is blocks[2]
+    assert blocks[2].next_free_block is queue.fake_free_list_tail
+    assert walk_free(queue, 1000) == blocks[1:3] and queue.num_free_blocks == 2
+
+
+def test_remove_a_block_that_is_not_queued_raises():
+    blocks, queue = queue_of(3)
+    popped = queue.popleft()
+    with pytest.raises(RuntimeError):
+        queue.remove(popped)
+    assert queue.num_free_blocks == 2 and walk_free(queue, 1000) == blocks[1:]
+
+
+def test_remove_touches_only_the_two_neighbours():
+    """O(1) proof: with both sentinels cut off, any walk from either end would crash; removing
+    block 500 of 1000 must still work, because it reads only its own two links."""
+    blocks, queue = queue_of(1000)
+    head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
+    saved = (head.next_free_block, tail.prev_free_block)
+    head.next_free_block = None
+    tail.prev_free_block = None
+    queue.remove(blocks[500])
+    head.next_free_block, tail.prev_free_block = saved
+    assert blocks[499].next_free_block is blocks[501]
+    assert blocks[501].prev_free_block is blocks[499]
+    assert queue.num_free_blocks == 999
+    assert walk_free(queue, 1000) == blocks[:500] + blocks[501:]
+
+
+def test_append_links_the_block_before_the_tail():
+    blocks, queue = queue_of(5)
+    queue.remove(blocks[2])
+    queue.append(blocks[2])
+    assert queue.fake_free_list_tail.prev_free_block is blocks[2]
+    assert blocks[2].prev_free_block is blocks[4]
+    assert blocks[2].next_free_block is queue.fake_free_list_tail
+    assert blocks[4].next_free_block is blocks[2]
+    assert queue.num_free_blocks == 5
+    assert walk_free(queue, 1000) == blocks[:2] + blocks[3:] + [blocks[2]]
+
+
+def test_append_n_keeps_the_given_order():
+    # Upstream's append_n test: into an empty queue, append [b0], then [b4, b5], then [b1..b3].
+    queue = lab.FreeKVCacheBlockQueue([])
+    blocks = [lab.KVCacheBlock(i) for i in range(6)]
+    queue.append_n([])
+    assert queue.num_free_blocks == 0
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    queue.append_n(blocks[0:1])
+    assert blocks[0].prev_free_block is queue.fake_free_list_head
+    assert blocks[0].next_free_block is queue.fake_free_list_tail
+    queue.append_n(blocks[4:6])
+    queue.append_n(blocks[1:4])
+    assert queue.num_free_blocks == 6
+    assert [b.block_id for b in walk_free(queue, 1000)] == [0, 4, 5, 1, 2, 3]
+    order = [queue.fake_free_list_head] + [blocks[i] for i in (0, 4, 5, 1, 2, 3)]
+    order.append(queue.fake_free_list_tail)
+    for prev, nxt in zip(order, order[1:]):
+        assert prev.next_free_block is nxt and nxt.prev_free_block is prev
+
+
+def test_popleft_never_returns_a_sentinel():
+    blocks, queue = queue_of(2)
+    got = [queue.popleft(), queue.popleft()]
+    queue.append(got[1])
+    assert queue.popleft() is got[1]
+    assert all(b.block_id >= 0 for b in got)
+    with pytest.raises(ValueError):
+        queue.popleft()
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocate / free round trips (I1 both ways) and the null block
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fresh_pool_reserves_block_0_as_the_null_block():
+    pool = lab.BlockPool(num_gpu_blocks=10, enable_caching=True)
+    assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
+    assert [b.block_id for b in pool.blocks] == list(range(10))
+    assert free_ids(pool) == list(range(1, 10))
+    assert pool.get_num_free_blocks() == 9
+    assert pool.get_usage() == 0.0
+
+
+def test_get_new_blocks_takes_the_front_with_one_reference():
+    pool = lab.BlockPool(num_gpu_blocks=10, enable_caching=True)
+    got = pool.get_new_blocks(3)
+    assert [b.block_id for b in got] == [1, 2, 3]
+    assert all(b.ref_cnt == 1 for b in got)
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in got)
+    assert free_ids(pool) == list(range(4, 10)) and pool.get_num_free_blocks() == 6
+    assert pool.get_usage() == pytest.approx(3 / 9)
+    assert pool.get_new_blocks(0) == []
+
+
+def test_free_blocks_appends_in_the_given_order():
+    pool = lab.BlockPool(num_gpu_blocks=10, enable_caching=True)
+    a = pool.get_new_blocks(3)
+    b = pool.get_new_blocks(2)
+    pool.free_blocks(reversed(a))  # any iterable
+    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1]
+    assert all(x.ref_cnt == 0 for x in a)
+    pool.free_blocks(b)
+    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1, 4, 5]
+    assert pool.get_num_free_blocks() == 9 and pool.get_usage() == 0.0
+
+
+def test_a_shared_block_returns_only_with_its_last_reference():
+    pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True)
+    (blk,) = pool.get_new_blocks(1)
+    pool.touch(([blk],))
+    assert blk.ref_cnt == 2
+    pool.free_blocks([blk])
+    assert blk.ref_cnt == 1 and blk.block_id not in free_ids(pool)
+    assert pool.get_num_free_blocks() == 4
+    pool.free_blocks([blk])
+    assert blk.ref_cnt == 0 and free_ids(pool)[-1] == blk.block_id
+    assert pool.get_num_free_blocks() == 5
+
+
+def test_a_block_freed_twice_in_one_call_drops_two_references_and_links_once():
+    pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    pool.touch(([a],))
+    pool.free_blocks([a, b, a])
+    assert (a.ref_cnt, b.ref_cnt) == (0, 0)
+    # Each entry drops one reference; a joins the queue where its count reaches zero.
+    assert free_ids(pool) == [3, 4, 5, 2, 1] and pool.get_num_free_blocks() == 5
+
+
+def test_the_null_block_is_never_handed_out_nor_counted():
+    pool = lab.BlockPool(num_gpu_blocks=5, enable_caching=False)
+    got = pool.get_new_blocks(4)
+    assert [b.block_id for b in got] == [1, 2, 3, 4]
+    assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 1.0
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    pool.free_blocks(got)
+    # Touching and freeing the placeholder never moves it into the free queue.
+    pool.touch(([pool.null_block],))
+    pool.free_blocks([pool.null_block])
+    assert 0 not in free_ids(pool) and pool.get_num_free_blocks() == 4
+    assert pool.null_block.prev_free_block is None and pool.null_block.next_free_block is None
+
+
+def test_a_pool_of_one_block_has_nothing_to_give():
+    pool = lab.BlockPool(num_gpu_blocks=1, enable_caching=True)
+    assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 0.0
+    assert free_ids(pool) == []
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+
+
+def test_caching_disabled_allocates_the_same_way():
+    pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=False)
+    got = pool.get_new_blocks(2)
+    assert [(b.block_id, b.ref_cnt) for b in got] == [(1, 1), (2, 1)]
+    pool.free_blocks(got)
+    assert free_ids(pool) == [3, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors change nothing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_out_of_blocks_names_both_numbers_and_changes_nothing():
+    pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
+    held = pool.get_new_blocks(2)
+    pool.free_blocks(held[:1])
+    before = snapshot(pool)
+    with pytest.raises(ValueError) as err:
+        pool.get_new_blocks(7)
+    assert "7" in str(err.value) and "6" in str(err.value)
+    assert snapshot(pool) == before
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(-1)
+    assert snapshot(pool) == before
+
+
+def test_double_free_is_an_error_and_changes_nothing():
+    pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    pool.free_blocks([a])
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match=str(a.block_id)):
+        pool.free_blocks([a])
+    assert snapshot(pool) == before
+    # b is held once but listed twice: the second entry is a double free; b must keep its
+    # reference and stay out of the queue.
+    with pytest.raises(ValueError):
+        pool.free_blocks([b, b])
+    assert snapshot(pool) == before and b.ref_cnt == 1
+
+
+def test_caching_more_blocks_than_were_hashed_is_refused():
+    pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
+    req = FakeRequest(list(range(14)), block_size=4)  # 3 full blocks + 2 tokens
+    blocks = pool.get_new_blocks(4)
+    before = snapshot(pool)
+    for bad in [(0, 4), (2, 1), (0, 5), (-1, 2)]:
+        with pytest.raises(ValueError):
+            pool.cache_full_blocks(req, blocks, bad[0], bad[1], 4, 0)
+        assert snapshot(pool) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# I2: no dedup of identical content
+# ---------------------------------------------------------------------------------------------
+
+
+def test_identical_content_gets_different_blocks_both_indexed():
+    pool = lab.BlockPool(num_gpu_blocks=10, enable_caching=True)
+    req_a = FakeRequest(list(range(8)), block_size=4)
+    req_b = FakeRequest(list(range(8)), block_size=4)
+    a = allocate_and_cache(pool, req_a)
+    b = allocate_and_cache(pool, req_b)
+    assert [x.block_id for x in a] == [1, 2] and [x.block_id for x in b] == [3, 4]
+    assert [x.block_hash for x in a] == [x.block_hash for x in b]
+    h0, h1 = req_a.block_hashes
+    assert index_ids(pool) == {key(h0): [1, 3], key(h1): [2, 4]}
+    # A lookup returns the first cached block; ids never move.
+    assert pool.get_cached_block(req_a.block_hashes[0], [0]) == [a[0]]
+    assert [x.block_id for x in pool.blocks] == list(range(10))
+
+
+def test_evicting_one_duplicate_keeps_the_other():
+    # Upstream's _maybe_evict_cached_block test, with its group ids 1000/2000/3000.
+    pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=True)
+    h0, h1, h2 = key(b"10", 1000), key(b"20", 2000), key(b"30", 3000)
+    for blk, h in zip(pool.blocks, [h0, h1, h2, h0]):
+        blk.block_hash = h
+        pool.cached_block_hash_to_block.insert(h, blk)
+    b0, b1, b2, b3 = pool.blocks
+    assert pool._maybe_evict_cached_block(b1) is True
+    assert index_ids(pool) == {h0: [0, 3], h2: [2]} and b1.block_hash is None
+    assert pool._maybe_evict_cached_block(b0) is True
+    assert index_ids(pool) == {h0: [3], h2: [2]}
+    assert pool._maybe_evict_cached_block(b0) is False
+    assert pool._maybe_evict_cached_block(b2) and pool._maybe_evict_cached_block(b3)
+    assert index_ids(pool) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# I3: only full blocks are cached
+# ---------------------------------------------------------------------------------------------
+
+
+def test_partial_block_is_not_cached_until_it_fills():
+    pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
+    req = FakeRequest(list(range(14)), block_size=4)
+    assert len(req.block_hashes) == 3
+    blocks = allocate_and_cache(pool, req)
+    assert [b.block_hash is not None for b in blocks] == [True, True, True, False]
+    assert len(pool.cached_block_hash_to_block) == 3
+    req.append_tokens([14, 15])  # the last block is full now
+    assert len(req.block_hashes) == 4
+    pool.cache_full_blocks(req, blocks, 3, 4, 4, 0)
+    assert blocks[3].block_hash == key(req.block_hashes[3])
+    assert pool.get_cached_block(req.block_hashes[3], [0]) == [blocks[3]]
+
+
+def test_cache_full_blocks_continues_from_num_cached_blocks():
+    # Upstream's test_cache_blocks: blocks made outside the pool, cached 2 then 1 more.
+    pool = lab.BlockPool(num_gpu_blocks=5, enable_caching=True)
+    req = FakeRequest(list(range(14)), block_size=4)
+    blocks = [lab.KVCacheBlock(block_id=i) for i in range(2)]
+    pool.cache_full_blocks(req, blocks, 0, 2, 4, 0)
+    assert len(pool.cached_block_hash_to_block) == 2
+    assert all(b.block_hash is not None for b in blocks)
+    blocks.append(lab.KVCacheBlock(block_id=2))
+    pool.cache_full_blocks(req, blocks, 2, 3, 4, 0)
+    assert len(pool.cached_block_hash_to_block) == 3
+    assert [b.block_hash for b in blocks] == [key(h) for h in req.block_hashes]
+    pool.cache_full_blocks(req, blocks, 3, 3, 4, 0)  # nothing new: a no-op
+    assert len(pool.cached_block_hash_to_block) == 3
+
+
+def test_the_null_block_is_never_cached():
+    pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=True)
+    req = FakeRequest(list(range(4)), block_size=4)
+    before = snapshot(pool)
+    with pytest.raises(ValueError):
+        pool.cache_full_blocks(req, [pool.null_block], 0, 1, 4, 0)
+    assert snapshot(pool) == before and pool.null_block.block_hash is None
+
+
+# ---------------------------------------------------------------------------------------------
+# I4: cached free blocks are revived by touch (from the middle, in O(1)) or evicted
+# ---------------------------------------------------------------------------------------------
+
+
+def test_freed_cached_blocks_stay_findable_and_revive_from_the_middle():
+    pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
+    req = FakeRequest(list(range(12)), block_size=4)
+    blocks = allocate_and_cache(pool, req)  # 1, 2, 3
+    pool.free_blocks(reversed(blocks))
+    assert free_ids(pool) == [4, 5, 6, 7, 3, 2, 1]
+    assert all(b.block_hash is not None for b in blocks)
+    hit = pool.get_cached_block(req.block_hashes[1], [0])
+    assert hit == [blocks[1]]
+    pool.touch((hit,))
+    assert blocks[1].ref_cnt == 1 and blocks[1].block_hash == key(req.block_hashes[1])
+    assert free_ids(pool) == [4, 5, 6, 7, 3, 1]
+    assert blocks[3 - 1].next_free_block is blocks[0]  # block 3 now links to block 1
+    assert pool.get_num_free_blocks() == 6
+
+
+def test_touch_revives_in_o1_without_walking_the_queue():
+    """With the queue's sentinels cut off, only an O(1) unlink can revive block 5000."""
+    pool = lab.BlockPool(num_gpu_blocks=10_001, enable_caching=True)
+    target = pool.blocks[5000]
+    queue = pool.free_block_queue
+    saved = (queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail.prev_free_block)
+    queue.fake_free_list_head.next_free_block = None
+    queue.fake_free_list_tail.prev_free_block = None
+    pool.touch(([target],))
+    queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail.prev_free_block = saved
+    assert target.ref_cnt == 1 and target.prev_free_block is None
+    assert pool.blocks[4999].next_free_block is pool.blocks[5001]
+    assert pool.blocks[5001].prev_free_block is pool.blocks[4999]
+    assert pool.get_num_free_blocks() == 9_999
+
+
+def test_upstream_evict_scenario_block_ids_and_queue_order():
+    # Upstream's test_evict at the pool level: 11 blocks, block size 16.
+    pool = lab.BlockPool(num_gpu_blocks=11, enable_caching=True)
+    last = 5 * 16 + 7
+    req0 = FakeRequest(list(range(last)), block_size=16)
+    req1 = FakeRequest(list(range(last, last + 3 * 16)), block_size=16)
+    b0 = allocate_and_cache(pool, req0)
+    b1 = allocate_and_cache(pool, req1)
+    assert [b.block_id for b in b0] == [1, 2, 3, 4, 5, 6]
+    assert [b.block_id for b in b1] == [7, 8, 9]
+    assert pool.get_num_free_blocks() == 1
+    pool.free_blocks(reversed(b0))  # a finished request frees its tail first
+    pool.free_blocks(reversed(b1))
+    assert free_ids(pool) == [10, 6, 5, 4, 3, 2, 1, 9, 8, 7]
+    req2 = FakeRequest(list(range(2 * 16 + 3)), block_size=16)
+    hits = [pool.get_cached_block(h, [0])[0] for h in req2.block_hashes]
+    assert [b.block_id for b in hits] == [1, 2]
+    pool.touch((hits,))
+    new = pool.get_new_blocks(1)
+    assert [b.block_id for b in new] == [10]
+    assert pool.get_num_free_blocks() == 7
+    assert free_ids(pool) == [6, 5, 4, 3, 9, 8, 7]
+
+
+# ---------------------------------------------------------------------------------------------
+# Eviction drops the index entry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_reusing_a_cached_block_evicts_its_index_entry():
+    pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=True)
+    req = FakeRequest(list(range(8)), block_size=4)
+    blocks = allocate_and_cache(pool, req)  # 1, 2
+    pool.free_blocks(blocks)
+    assert free_ids(pool) == [3, 1, 2]
+    (fresh, evicted) = pool.get_new_blocks(2)
+    assert (fresh.block_id, evicted.block_id) == (3, 1)
+    assert evicted.block_hash is None
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+    assert pool.get_cached_block(req.block_hashes[1], [0]) == [blocks[1]]
+    assert index_ids(pool) == {key(req.block_hashes[1]): [2]}
+    pool.get_new_blocks(1)
+    assert index_ids(pool) == {} and all(b.block_hash is None for b in pool.blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hash chain
+# ---------------------------------------------------------------------------------------------
+
+
+def test_hash_block_tokens_hashes_parent_tokens_and_extras():
+    parent = b"123"
+    got = lab.hash_block_tokens(lab.sha256, parent, (1, 2, 3), ("key1", "key2"))
+    assert got == lab.sha256((parent, (1, 2, 3), ("key1", "key2")))
+    assert got == ref_hash(parent, [1, 2, 3], ("key1", "key2"))
+    # A list hashes like the tuple; no parent means NONE_HASH.
+    assert lab.hash_block_tokens(lab.sha256, None, [1, 2, 3]) == ref_hash(None, [1, 2, 3])
+
+
+def test_same_tokens_under_different_parents_hash_differently():
+    h_ab = lab.hash_block_tokens(lab.sha256, None, [0, 1])
+    h_xy = lab.hash_block_tokens(lab.sha256, None, [7, 8])
+    cd_after_ab = lab.hash_block_tokens(lab.sha256, h_ab, [2, 3])
+    cd_after_xy = lab.hash_block_tokens(lab.sha256, h_xy, [2, 3])
+    assert cd_after_ab != cd_after_xy
+    assert cd_after_ab == lab.hash_block_tokens(lab.sha256, h_ab, (2, 3))
+
+
+def test_request_hashes_chain_full_blocks_only():
+    req = FakeRequest(list(range(10)), block_size=4)
+    assert req.block_hashes == ref_chain(list(range(10)), 4)
+    assert len(req.block_hashes) == 2
+    req.append_tokens([10, 11, 12])  # 13 tokens: one more full block, incrementally
+    assert req.block_hashes == ref_chain(list(range(13)), 4)
+    other = FakeRequest([99, 98, 97, 96] + list(range(4, 8)), block_size=4)
+    assert other.block_hashes[1] != req.block_hashes[1]  # same tokens, other prefix
+
+
+def test_lora_id_in_every_block_cache_salt_in_the_first_only():
+    tokens = list(range(8))
+    req = FakeRequest(tokens, block_size=4, lora_request=LoRA(7), cache_salt="salt")
+    h0 = ref_hash(None, tokens[:4], (7, "salt"))
+    assert req.block_hashes == [h0, ref_hash(h0, tokens[4:], (7,))]
+    salted = FakeRequest(tokens, block_size=4, cache_salt="salt")
+    s0 = ref_hash(None, tokens[:4], ("salt",))
+    assert salted.block_hashes == [s0, ref_hash(s0, tokens[4:], None)]
+    assert FakeRequest(tokens, block_size=4).block_hashes == ref_chain(tokens, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Events and reset_prefix_cache
+# ---------------------------------------------------------------------------------------------
+
+
+def test_events_stored_removed_and_cleared():
+    pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=True, enable_kv_cache_events=True)
+    req = FakeRequest(list(range(10)), block_size=4, lora_request=LoRA(3))
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, 0, 1, 4, 0)
+    pool.cache_full_blocks(req, blocks, 1, 2, 4, 0)
+    events = pool.take_events()
+    assert events == [
+        lab.BlockStored(
+            block_hashes=[req.block_hashes[0]],
+            parent_block_hash=None,
+            token_ids=[0, 1, 2, 3],
+            block_size=4,
+            lora_id=3,
+            medium=lab.MEDIUM_GPU,
+        ),
+        lab.BlockStored(
+            block_hashes=[req.block_hashes[1]],
+            parent_block_hash=req.block_hashes[0],
+            token_ids=[4, 5, 6, 7],
+            block_size=4,
+            lora_id=3,
+            medium=lab.MEDIUM_GPU,
+        ),
+    ]
+    assert pool.take_events() == []
+    pool.free_blocks(blocks)  # queue: 1, 2, 3 (block 3 never filled)
+    pool.get_new_blocks(2)  # evicts blocks 1 and 2, in that order
+    assert pool.take_events() == [
+        lab.BlockRemoved(block_hashes=[req.block_hashes[0]], medium=lab.MEDIUM_GPU),
+        lab.BlockRemoved(block_hashes=[req.block_hashes[1]], medium=lab.MEDIUM_GPU),
+    ]
+    pool.free_blocks(blocks[:2])
+    assert pool.reset_prefix_cache() is True
+    assert pool.take_events() == [lab.AllBlocksCleared()]
+
+
+def test_no_events_when_disabled():
+    pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=True)
+    req = FakeRequest(list(range(8)), block_size=4)
+    blocks = allocate_and_cache(pool, req)
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(3)
+    assert pool.take_events() == [] and pool.kv_event_queue == []
+
+
+def test_reset_prefix_cache_only_when_nothing_is_in_use():
+    pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True, enable_kv_cache_events=True)
+    req = FakeRequest(list(range(8)), block_size=4)
+    blocks = allocate_and_cache(pool, req)
+    pool.take_events()
+    before = snapshot(pool)
+    assert pool.reset_prefix_cache() is False
+    assert snapshot(pool) == before and pool.take_events() == []
+    pool.free_blocks(blocks)
+    order = free_ids(pool)
+    assert pool.reset_prefix_cache() is True
+    assert len(pool.cached_block_hash_to_block) == 0
+    assert all(b.block_hash is None for b in pool.blocks)
+    assert free_ids(pool) == order
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The stateful machine: I1-I4 after every step
+# ---------------------------------------------------------------------------------------------
+
+BLOCK_SIZE = 2
+NUM_BLOCKS = 9
+tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=9)
+
+
+@dataclass
+class Seq:
+    req: FakeRequest
+    blocks: list[Any]
+    num_cached: int
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Requests start (with prefix-cache hits), grow, and finish, as the KV-cache manager would
+    drive the pool. A model records, per block id, the tokens whose KV the block holds (its
+    whole prefix), and how many live requests hold it."""
+
+    @initialize()
+    def setup(self):
+        self.pool = lab.BlockPool(NUM_BLOCKS, enable_caching=True)
+        self.seqs: list[Seq] = []
+        self.refs = [0] * NUM_BLOCKS
+        # the expected free queue, front first: LRU order as upstream keeps it
+        self.order = list(range(1, NUM_BLOCKS))
+        # block id -> the token prefix ending at this block (what its KV was computed from)
+        self.content: dict[int, tuple[int, ...]] = {}
+
+    def _write(self, seq: Seq, first: int) -> None:
+        tokens = seq.req.all_token_ids
+        for i in range(first, len(seq.blocks)):
+            end = min((i + 1) * BLOCK_SIZE, len(tokens))
+            self.content[seq.blocks[i].block_id] = tuple(tokens[:end])
+
+    def _take(self, n: int) -> list[Any]:
+        if n > self.pool.get_num_free_blocks():
+            before = snapshot(self.pool)
+            with pytest.raises(ValueError):
+                self.pool.get_new_blocks(n)
+            assert snapshot(self.pool) == before
+            return []
+        new = self.pool.get_new_blocks(n)
+        assert [b.block_id for b in new] == self.order[:n], "not taken from the queue's front"
+        del self.order[:n]
+        for b in new:
+            assert not b.is_null and self.refs[b.block_id] == 0, "handed out a block in use"
+            self.refs[b.block_id] = 1
+        return new
+
+    @rule(tokens=tokens_st)
+    def start(self, tokens):
+        req = FakeRequest(tokens, BLOCK_SIZE)
+        hits = []
+        # At least the last token is computed, so its block is never a hit (as upstream).
+        for i, h in enumerate(req.block_hashes[: (len(tokens) - 1) // BLOCK_SIZE]):
+            got = self.pool.get_cached_block(h, [0])
+            if got is None:
+                break
+            assert self.content[got[0].block_id] == tuple(tokens[: (i + 1) * BLOCK_SIZE]), (
+                "a prefix hit served KV computed from other tokens"
+            )
+            hits.append(got[0])
+        need = -(-len(tokens) // BLOCK_SIZE) - len(hits)
+        reviving = sum(1 for b in hits if b.ref_cnt == 0)
+        if need > self.pool.get_num_free_blocks() - reviving:
+            self._take(self.pool.get_num_free_blocks() + 1)  # exercise the error path
+            return
+        self.pool.touch((hits,))
+        for b in hits:
+            if self.refs[b.block_id] == 0:
+                self.order.remove(b.block_id)  # revived from wherever it was in the queue
+            self.refs[b.block_id] += 1
+        seq = Seq(req, hits + self._take(need), len(hits))
+        self._write(seq, len(hits))
+        self._cache(seq)
+        self.seqs.append(seq)
+
+    def _cache(self, seq: Seq) -> None:
+        full = seq.req.num_tokens // BLOCK_SIZE
+        self.pool.cache_full_blocks(seq.req, seq.blocks, seq.num_cached, full, BLOCK_SIZE, 0)
+        seq.num_cached = full
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tokens=tokens_st)
+    def grow(self, data, tokens):
+        seq = data.draw(st.sampled_from(self.seqs))
+        old_len = len(seq.blocks)
+        need = -(-(seq.req.num_tokens + len(tokens)) // BLOCK_SIZE) - old_len
+        if need > 0:
+            new = self._take(need)
+            if not new:
+                return
+            seq.blocks += new
+        seq.req.append_tokens(tokens)
+        self._write(seq, max(old_len - 1, 0))
+        self._cache(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def finish(self, data):
+        seq = data.draw(st.sampled_from(self.seqs))
+        self.seqs.remove(seq)
+        self.pool.free_blocks(reversed(seq.blocks))
+        for b in reversed(seq.blocks):
+            self.refs[b.block_id] -= 1
+            if self.refs[b.block_id] == 0:
+                self.order.append(b.block_id)
+        freed = [b for b in seq.blocks if b.ref_cnt == 0]
+        if freed:
+            before = snapshot(self.pool)
+            with pytest.raises(ValueError):
+                self.pool.free_blocks(freed[:1])
+            assert snapshot(self.pool) == before
+
+    @rule()
+    def reset(self):
+        before = snapshot(self.pool)
+        ok = self.pool.reset_prefix_cache()
+        assert ok == (not self.seqs)
+        if not ok:
+            assert snapshot(self.pool) == before
+
+    @invariant()
+    def i1_free_queue_is_exactly_the_unreferenced_blocks(self):
+        if not hasattr(self, "pool"):
+            return
+        pool = self.pool
+        walk = walk_free(pool.free_block_queue, NUM_BLOCKS)
+        assert pool.free_block_queue.get_all_free_blocks() == walk
+        ids = [b.block_id for b in walk]
+        assert len(ids) == len(set(ids)) == pool.get_num_free_blocks()
+        assert ids == self.order, "free queue out of eviction order"
+        expected = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
+        assert set(ids) == expected
+        chain = [pool.free_block_queue.fake_free_list_head, *walk]
+        for prev, nxt in zip(chain, chain[1:]):
+            assert nxt.prev_free_block is prev
+        for b in pool.blocks:
+            if b.block_id not in expected:
+                assert b.prev_free_block is None and b.next_free_block is None
+        assert pool.get_usage() == pytest.approx(1 - len(ids) / (NUM_BLOCKS - 1))
+
+    @invariant()
+    def i2_ids_stable_and_reference_counts_match_holders(self):
+        if not hasattr(self, "pool"):
+            return
+        assert [b.block_id for b in self.pool.blocks] == list(range(NUM_BLOCKS))
+        for b in self.pool.blocks[1:]:
+            assert b.ref_cnt == self.refs[b.block_id]
+        for seq in self.seqs:
+            assert len({b.block_id for b in seq.blocks}) == len(seq.blocks)
+
+    @invariant()
+    def i3_i4_index_matches_full_block_content(self):
+        if not hasattr(self, "pool"):
+            return
+        index = self.pool.cached_block_hash_to_block._cache
+        in_index = {}
+        for k, v in index.items():
+            for b in v.values() if isinstance(v, dict) else [v]:
+                in_index[b.block_id] = k
+        for b in self.pool.blocks:
+            if b.block_hash is None:
+                assert b.block_id not in in_index
+                continue
+            assert in_index.get(b.block_id) == b.block_hash, "cached block missing from index"
+            content = list(self.content[b.block_id])
+            assert len(content) % BLOCK_SIZE == 0, "a partial block was cached"
+            assert b.block_hash == key(ref_chain(content, BLOCK_SIZE)[-1])
+
+
+TestAllocatorMachine = pytest.mark.points(3)(AllocatorMachine.TestCase)
