@@ -3,6 +3,8 @@
 Every op in ``paged_attn`` and ``cache_ops`` runs these before it writes anything, which is how a
 bad call raises ``ValueError`` and leaves caches and outputs untouched. They hold no attention
 logic, so the lab's starter may import them.
+
+upstream: none (upstream checks the same things with TORCH_CHECK inside each op in csrc/)
 """
 
 from __future__ import annotations

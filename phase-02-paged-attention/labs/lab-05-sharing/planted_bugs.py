@@ -61,7 +61,7 @@ BUGS = [
         description="freeing a request zeroes the count of every block it holds, so finishing a "
         "child hands the parent's blocks back to the free queue",
         file=_POOL,
-        find="            block.ref_cnt -= 1\n",
-        replace="            block.ref_cnt = 0\n",
+        find="            ref_cnt = block.ref_cnt - 1\n",
+        replace="            ref_cnt = 0\n",
     ),
 ]

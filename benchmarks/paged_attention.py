@@ -1,0 +1,367 @@
+"""Benchmark decode attention over the paged KV cache: µs, achieved GB/s, % of copy bandwidth.
+
+Kernels: mini_vllm's CUDA v1, v2 and GQA-aware kernels (``mini_vllm/csrc``), PyTorch's
+scaled_dot_product_attention over K/V gathered into contiguous tensors (the gather is timed: it
+is what a framework without a paged kernel pays), FlexAttention over the same physical pool with
+a block mask (when this PyTorch has it), and any extra kernels a caller passes (the lab's
+bench.py adds the student's).
+
+Method: every kernel's output is first checked against mini_vllm.attention's PyTorch v1 (a
+kernel that is wrong is reported, not timed). Then each kernel is warmed up and timed with CUDA
+events, with the L2 cache flushed (a write over a buffer twice its size) before every run; the
+median is reported. The physical block pool is at least four times the L2 size and every
+sequence's block table is a random draw of distinct blocks, so K/V come from HBM as in serving.
+Bandwidth counts the bytes a decode step must read at least once (each KV head's K and V of
+every context token, the queries) plus the output; ``pct_of_copy_bandwidth`` compares it with
+the device-to-device copy bandwidth measured at the start (read + write bytes of a large copy).
+
+    python benchmarks/paged_attention.py                      # upstream's default shape
+    python benchmarks/paged_attention.py --sweep --json out.json
+
+Without a CUDA GPU it exits with status 2 and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+PARTITION_SIZE = 512
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_seqs: int = 8  # upstream's benchmark defaults: 8 x 4096 tokens, 64 q / 8 kv heads,
+    context_len: int = 4096  # head size 128, block 16, fp16
+    num_heads: int = 64
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    dtype: str = "fp16"
+
+
+def sweep_shapes(base: Shape) -> list[Shape]:
+    """The default shape, then batch 1..256 at its context, then context 128..32K at its batch."""
+    shapes = [base]
+    for b in (1, 2, 4, 16, 32, 64, 128, 256):
+        shapes.append(Shape(**{**asdict(base), "num_seqs": b}))
+    for c in (128, 256, 512, 1024, 2048, 8192, 16384, 32768):
+        shapes.append(Shape(**{**asdict(base), "context_len": c}))
+    return shapes
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+
+
+class Batch:
+    """One decode batch in the paged layout, with every buffer the kernels write."""
+
+    def __init__(self, shape: Shape, device: str, l2_bytes: int, seed: int = 0):
+        self.shape = s = shape
+        dtype = DTYPES[s.dtype]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        elem = torch.empty((), dtype=dtype).element_size()
+        x = 16 // elem
+        blocks_per_seq = -(-s.context_len // s.block_size)
+        needed = s.num_seqs * blocks_per_seq
+        block_bytes = 2 * s.num_kv_heads * s.head_size * s.block_size * elem  # K and V
+        pool = max(needed, -(-4 * l2_bytes // block_bytes))
+        self.num_blocks = pool
+        self.key_cache = torch.randn(pool, s.num_kv_heads, s.head_size // x, s.block_size, x,
+                                     generator=gen, device=device).to(dtype)
+        self.value_cache = torch.randn(pool, s.num_kv_heads, s.head_size, s.block_size,
+                                       generator=gen, device=device).to(dtype)
+        perm = torch.randperm(pool, generator=gen, device=device)[:needed]
+        self.block_tables = perm.view(s.num_seqs, blocks_per_seq).to(torch.int32)
+        self.seq_lens = torch.full((s.num_seqs,), s.context_len, dtype=torch.int32, device=device)
+        self.query = torch.randn(s.num_seqs, s.num_heads, s.head_size, generator=gen,
+                                 device=device).to(dtype)
+        self.scale = s.head_size**-0.5
+        self.out = torch.empty_like(self.query)
+        parts = -(-s.context_len // PARTITION_SIZE)
+        self.exp_sums = torch.empty(s.num_seqs, s.num_heads, parts, device=device)
+        self.max_logits = torch.empty_like(self.exp_sums)
+        self.tmp_out = torch.empty(s.num_seqs, s.num_heads, parts, s.head_size, dtype=dtype,
+                                   device=device)
+        self.elem = elem
+
+    def useful_bytes(self) -> int:
+        """Bytes a decode step must move at least once: K and V of every context token of
+        every KV head, the queries, the output."""
+        s = self.shape
+        kv = 2 * s.num_seqs * s.context_len * s.num_kv_heads * s.head_size * self.elem
+        return kv + 2 * self.query.numel() * self.elem
+
+    def v1_args(self) -> tuple:
+        return (self.out, self.query, self.key_cache, self.value_cache, self.shape.num_kv_heads,
+                self.scale, self.block_tables, self.seq_lens, self.shape.block_size,
+                self.shape.context_len, None)
+
+    def v2_args(self) -> tuple:
+        return (self.out, self.exp_sums, self.max_logits, self.tmp_out, *self.v1_args()[1:])
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels: each is make(batch) -> a zero-argument callable that writes batch.out
+# ------------------------------------------------------------------------------------------
+
+KernelFactory = Callable[[Batch], Callable[[], None]]
+
+
+def mini_vllm_kernels() -> dict[str, KernelFactory]:
+    """The raw extension functions (no Python input checks inside the timed region)."""
+    from mini_vllm.csrc import load_ops
+
+    ops = load_ops()
+    return {
+        "mini_vllm_v1": lambda b: (lambda: ops.paged_attention_v1(*b.v1_args())),
+        "mini_vllm_v2": lambda b: (lambda: ops.paged_attention_v2(*b.v2_args())),
+        "mini_vllm_gqa": lambda b: (lambda: ops.paged_attention_gqa(*b.v2_args())),
+    }
+
+
+def gathered_kv(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every sequence as contiguous [num_seqs, num_kv_heads, context, head_size]."""
+    s = b.shape
+    n = s.num_seqs
+    # [seqs, blk, kvh, D/x, B, x] -> [seqs, kvh, blk, B, D/x, x]
+    k = b.key_cache[b.block_tables.long()].permute(0, 2, 1, 4, 3, 5)
+    k = k.reshape(n, s.num_kv_heads, -1, s.head_size)[:, :, : s.context_len]
+    # [seqs, blk, kvh, D, B] -> [seqs, kvh, blk, B, D]
+    v = b.value_cache[b.block_tables.long()].permute(0, 2, 1, 4, 3)
+    v = v.reshape(n, s.num_kv_heads, -1, s.head_size)[:, :, : s.context_len]
+    return k, v
+
+
+def sdpa_gathered(b: Batch) -> Callable[[], None]:
+    import torch.nn.functional as F
+
+    def run() -> None:
+        k, v = gathered_kv(b)  # every sequence has context_len tokens: no mask needed
+        q = b.query.unsqueeze(2)  # [seqs, heads, 1, D]
+        o = F.scaled_dot_product_attention(q, k, v, scale=b.scale, enable_gqa=True)
+        b.out.copy_(o.squeeze(2))
+
+    return run
+
+
+def flex_paged(b: Batch) -> Callable[[], None]:
+    """FlexAttention over the physical pool in its own layout [1, kvh, blocks*B, D], with a
+    block mask that lets query row s see only the pool slots of sequence s's blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s = b.shape
+    pool_tokens = b.num_blocks * s.block_size
+    # Layout conversion (not timed): FlexAttention reads [batch, kv_heads, tokens, head_size].
+    k = b.key_cache.permute(1, 0, 3, 2, 4).reshape(1, s.num_kv_heads, pool_tokens, s.head_size)
+    v = b.value_cache.permute(1, 0, 3, 2).reshape(1, s.num_kv_heads, pool_tokens, s.head_size)
+    k, v = k.contiguous(), v.contiguous()
+    owner = torch.full((b.num_blocks,), -1, dtype=torch.int32, device=k.device)
+    logical = torch.zeros(b.num_blocks, dtype=torch.int32, device=k.device)
+    blocks_per_seq = b.block_tables.shape[1]
+    owner[b.block_tables.flatten().long()] = torch.arange(
+        s.num_seqs, device=k.device, dtype=torch.int32).repeat_interleave(blocks_per_seq)
+    logical[b.block_tables.flatten().long()] = torch.arange(
+        blocks_per_seq, device=k.device, dtype=torch.int32).repeat(s.num_seqs)
+    seq_lens = b.seq_lens
+
+    def mask_mod(_b, _h, q_idx, kv_idx):
+        blk = kv_idx // s.block_size
+        pos = logical[blk] * s.block_size + kv_idx % s.block_size
+        return (owner[blk] == q_idx) & (pos < seq_lens[q_idx])
+
+    # One query row per sequence; padded to FlexAttention's 128-row tiles by the mask helper.
+    mask = create_block_mask(mask_mod, None, None, s.num_seqs, pool_tokens,
+                             device=str(k.device), BLOCK_SIZE=(128, s.block_size * 8))
+    compiled = torch.compile(flex_attention, dynamic=False)
+    q = b.query.transpose(0, 1).unsqueeze(0)  # [1, heads, seqs, D]
+
+    def run() -> None:
+        o = compiled(q, k, v, block_mask=mask, scale=b.scale, enable_gqa=True)
+        b.out.copy_(o.squeeze(0).transpose(0, 1))
+
+    return run
+
+
+def torch_kernels() -> dict[str, KernelFactory]:
+    kernels: dict[str, KernelFactory] = {"torch_sdpa_gathered": sdpa_gathered}
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        kernels["torch_flex_paged"] = flex_paged
+    return kernels
+
+
+# ------------------------------------------------------------------------------------------
+# Measurement
+# ------------------------------------------------------------------------------------------
+
+
+def expected_output(b: Batch) -> torch.Tensor:
+    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle
+
+    out = torch.empty_like(b.query)
+    oracle(out, *b.v1_args()[1:])
+    return out
+
+
+def time_gpu(fn: Callable[[], None], flush: torch.Tensor, warmup: int, reps: int) -> float:
+    """Median µs of `fn` with CUDA events, L2 flushed before every run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()  # evicts the previous run's K/V from L2
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(l2_bytes: int, flush: torch.Tensor, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth: (read + write bytes) / time of a copy of 8 x L2."""
+    n = max(8 * l2_bytes, 256 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_gpu(lambda: dst.copy_(src), flush, warmup=3, reps=reps)
+    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
+
+
+def environment() -> dict:
+    def run(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=20,
+                                  cwd=REPO_ROOT).stdout.strip()
+        except Exception:
+            return "unknown"
+
+    props = torch.cuda.get_device_properties(0)
+    driver = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return {
+        "device": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size,
+        "driver": driver.splitlines()[0] if driver else "unknown",
+        "cuda_runtime": torch.version.cuda,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_revision": run(["git", "rev-parse", "HEAD"]) or "unknown",
+        "git_dirty": bool(run(["git", "status", "--porcelain"])),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def bench(shapes: list[Shape], kernels: dict[str, KernelFactory], warmup: int, reps: int,
+          only: set[str] | None) -> dict:
+    from course.numerics import assert_close
+
+    env = environment()
+    l2 = env["l2_bytes"]
+    flush = torch.empty(2 * l2 // 4 + 1, dtype=torch.float32, device="cuda")
+    copy_gbps = copy_bandwidth_gbps(l2, flush)
+    print(f"{env['device']}  driver {env['driver']}  torch {env['torch']}  "
+          f"copy bandwidth {copy_gbps:.0f} GB/s")
+    records = []
+    header = (f"{'kernel':22} {'seqs':>5} {'ctx':>6} {'q/kv':>7} {'d':>4} {'blk':>4} {'dtype':>5}"
+              f" {'us':>9} {'GB/s':>7} {'%copy':>6}  status")
+    print(header)
+    print("-" * len(header))
+    for shape in shapes:
+        b = Batch(shape, "cuda", l2)
+        expected = expected_output(b)
+        for name, make in kernels.items():
+            if only and name not in only:
+                continue
+            rec = {"kernel": name, **asdict(shape), "us": None, "gbps": None,
+                   "pct_of_copy_bandwidth": None, "status": "ok"}
+            try:
+                fn = make(b)
+                b.out.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+                assert_close(b.out, expected, msg=name)
+                us = time_gpu(fn, flush, warmup, reps)
+                gbps = b.useful_bytes() / (us * 1e-6) / 1e9
+                rec.update(us=round(us, 2), gbps=round(gbps, 1),
+                           pct_of_copy_bandwidth=round(100 * gbps / copy_gbps, 1))
+            except NotImplementedError as exc:
+                rec["status"] = f"not implemented: {exc}"
+            except AssertionError as exc:
+                rec["status"] = "WRONG: " + str(exc).splitlines()[0]
+            except Exception as exc:  # a baseline this PyTorch cannot run, an unsupported size
+                rec["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            records.append(rec)
+            us_s = f"{rec['us']:9.1f}" if rec["us"] is not None else f"{'-':>9}"
+            gb_s = f"{rec['gbps']:7.0f}" if rec["gbps"] is not None else f"{'-':>7}"
+            pc_s = (f"{rec['pct_of_copy_bandwidth']:6.1f}"
+                    if rec["pct_of_copy_bandwidth"] is not None else f"{'-':>6}")
+            print(f"{name:22} {shape.num_seqs:5} {shape.context_len:6} "
+                  f"{f'{shape.num_heads}/{shape.num_kv_heads}':>7} {shape.head_size:4} "
+                  f"{shape.block_size:4} {shape.dtype:>5} {us_s} {gb_s} {pc_s}  {rec['status']}")
+        del b, expected
+        torch.cuda.empty_cache()
+    return {**env, "copy_bandwidth_gbps": round(copy_gbps, 1), "warmup": warmup, "reps": reps,
+            "records": records}
+
+
+def main(argv: list[str] | None = None,
+         extra_kernels: Callable[[], dict[str, KernelFactory]] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument("--sweep", action="store_true", help="also sweep batch 1-256, context 128-32K")
+    p.add_argument("--kernels", nargs="*", help="only these kernels (default: all)")
+    p.add_argument("--batch-size", type=int, default=Shape.num_seqs)
+    p.add_argument("--context-len", type=int, default=Shape.context_len)
+    p.add_argument("--num-heads", type=int, default=Shape.num_heads)
+    p.add_argument("--num-kv-heads", type=int, default=Shape.num_kv_heads)
+    p.add_argument("--head-size", type=int, default=Shape.head_size)
+    p.add_argument("--block-size", type=int, default=Shape.block_size)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=Shape.dtype)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=50)
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("paged_attention benchmark: needs a CUDA GPU (torch.cuda.is_available() is False)."
+              " Run it on a machine with an NVIDIA GPU; nothing was measured.", file=sys.stderr)
+        return 2
+    base = Shape(args.batch_size, args.context_len, args.num_heads, args.num_kv_heads,
+                 args.head_size, args.block_size, args.dtype)
+    shapes = sweep_shapes(base) if args.sweep else [base]
+    kernels: dict[str, KernelFactory] = {}
+    if extra_kernels is not None:
+        kernels.update(extra_kernels())
+    kernels.update(mini_vllm_kernels())
+    kernels.update(torch_kernels())
+    results = bench(shapes, kernels, args.warmup, args.reps, set(args.kernels or ()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

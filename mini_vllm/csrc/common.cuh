@@ -1,0 +1,121 @@
+// Small device helpers shared by every kernel: element conversions, 16-byte vector loads,
+// warp and block reductions. No torch header: this compiles with plain nvcc.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernel_params.h"
+
+namespace mini_vllm {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__host__ __device__ constexpr int div_round_up(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
+
+// ---- element conversions: all arithmetic is done in fp32 -----------------------------------
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// ---- vector loads ---------------------------------------------------------------------------
+
+// An unsigned integer type of exactly BYTES bytes, used to move BYTES in one load instruction.
+template <int BYTES>
+struct RawBits;
+template <>
+struct RawBits<2> { using type = uint16_t; };
+template <>
+struct RawBits<4> { using type = uint32_t; };
+template <>
+struct RawBits<8> { using type = uint2; };
+template <>
+struct RawBits<16> { using type = uint4; };
+
+// Loads N consecutive elements with a single load (16 bytes at most) and widens them to fp32.
+// `ptr` must be aligned to N * sizeof(T) bytes; the cache layouts guarantee it (see callers).
+template <typename T, int N>
+__device__ __forceinline__ void load_as_float(const T* ptr, float (&out)[N]) {
+  using Raw = typename RawBits<N * static_cast<int>(sizeof(T))>::type;
+  const Raw raw = *reinterpret_cast<const Raw*>(ptr);
+  const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(elems[i]);
+}
+
+// ---- reductions -----------------------------------------------------------------------------
+
+// Sum over aligned groups of WIDTH consecutive lanes (WIDTH a power of two <= 32). A butterfly:
+// afterwards every lane of a group holds the group's total.
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float v) {
+  static_assert(WIDTH >= 1 && WIDTH <= kWarpSize && (WIDTH & (WIDTH - 1)) == 0,
+                "group width must be a power of two no larger than a warp");
+#pragma unroll
+  for (int mask = WIDTH / 2; mask >= 1; mask /= 2) v += __shfl_xor_sync(kFullMask, v, mask);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int mask = kWarpSize / 2; mask >= 1; mask /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, mask));
+  }
+  return v;
+}
+
+// Block-wide max / sum; every thread of the block must call it and gets the result.
+// `scratch` holds NUM_WARPS floats. It contains a __syncthreads(), so shared-memory writes made
+// before the call are visible to every thread after it. A scratch buffer must not be reused by
+// the next reduction before another __syncthreads(): a fast warp could overwrite a slot that a
+// slow warp has not read yet. The kernels give each reduction its own buffer.
+template <int NUM_WARPS>
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  v = warp_max(v);
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  float result = scratch[0];
+#pragma unroll
+  for (int w = 1; w < NUM_WARPS; ++w) result = fmaxf(result, scratch[w]);
+  return result;
+}
+
+template <int NUM_WARPS>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = group_sum<kWarpSize>(v);
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  float result = 0.f;
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) result += scratch[w];
+  return result;
+}
+
+// ---- helpers for the attention kernels --------------------------------------------------------
+
+// The number of context tokens of sequence `seq`, clamped so that bad values cannot take a
+// kernel outside its buffers: never negative, never past max_seq_len or the block table's width.
+__device__ __forceinline__ int clamped_seq_len(const PagedAttentionParams& p, int seq) {
+  const int limit = min(p.max_seq_len, p.max_num_blocks_per_seq * p.block_size);
+  return max(0, min(p.seq_lens[seq], limit));
+}
+
+}  // namespace mini_vllm

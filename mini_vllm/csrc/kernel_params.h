@@ -1,0 +1,108 @@
+// The plain-C++ interface between the CUDA kernels and the PyTorch bindings.
+//
+// Nothing here includes a torch header: the kernels (*.cu) include this file and compile with
+// plain nvcc; bindings.cpp includes it too and fills the structs from tensors. Every launcher
+// returns a Status instead of throwing, so that the kernel files need no C++ exception support
+// from the host side and the bindings decide how an error reaches Python.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace mini_vllm {
+
+// Element types the kernels are built for. The KV cache always has the query's dtype (no fp8).
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Tokens per v2 partition; every supported block size divides it.
+constexpr int kPartitionSize = 512;
+
+enum class StatusCode : int { kOk = 0, kNotImplemented = 1, kUnsupported = 2, kCudaError = 3 };
+
+struct Status {
+  StatusCode code;
+  const char* message;  // a string literal or cudaGetErrorString(); never owned
+};
+
+inline Status ok() { return {StatusCode::kOk, ""}; }
+inline Status not_implemented(const char* what) { return {StatusCode::kNotImplemented, what}; }
+inline Status unsupported(const char* what) { return {StatusCode::kUnsupported, what}; }
+inline Status cuda_status(cudaError_t err) {
+  return err == cudaSuccess ? ok() : Status{StatusCode::kCudaError, cudaGetErrorString(err)};
+}
+
+// Inputs of the decode kernels (v1, v2, GQA-aware). Sizes in elements unless named otherwise.
+//   query, out        [num_seqs, num_heads, head_size]       (query may have a row stride)
+//   key_cache         [num_blocks, num_kv_heads, head_size / x, block_size, x]
+//   value_cache       [num_blocks, num_kv_heads, head_size, block_size]
+//   block_tables      int32 [num_seqs, max_num_blocks_per_seq]
+//   seq_lens          int32 [num_seqs]
+//   alibi_slopes      fp32 [num_heads] or nullptr
+//   exp_sums, max_logits  fp32 [num_seqs, num_heads, max_num_partitions]       (v2 / GQA only)
+//   tmp_out           [num_seqs, num_heads, max_num_partitions, head_size]     (v2 / GQA only)
+// The values of seq_lens and block_tables are trusted, as upstream does; the kernels only clamp
+// each length to what max_seq_len and the table width allow, so bad values cannot make them read
+// or write outside the buffers described here.
+struct PagedAttentionParams {
+  void* out;
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int* block_tables;
+  const int* seq_lens;
+  const float* alibi_slopes;
+  float* exp_sums;
+  float* max_logits;
+  void* tmp_out;
+  DType dtype;
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int max_num_blocks_per_seq;
+  int max_seq_len;
+  int max_num_partitions;  // size of dim 2 of exp_sums / max_logits / tmp_out (their stride)
+  int64_t q_stride;        // elements between two sequences' queries
+  int64_t kv_block_stride;  // elements between two physical blocks of a cache
+  int64_t kv_head_stride;   // elements between two KV heads inside a block
+  float scale;
+};
+
+// Writes the new tokens' keys and values into their cache slots.
+//   key, value    [num_tokens, num_kv_heads, head_size] (row stride key_stride / value_stride)
+//   slot_mapping  int64 [num_tokens]; a negative slot marks padding and is skipped
+struct ReshapeAndCacheParams {
+  const void* key;
+  const void* value;
+  void* key_cache;
+  void* value_cache;
+  const int64_t* slot_mapping;
+  DType dtype;
+  int num_tokens;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int64_t num_blocks;
+  int64_t key_stride;
+  int64_t value_stride;
+};
+
+Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream);
+Status launch_paged_attention_v2(const PagedAttentionParams& p, cudaStream_t stream);
+Status launch_paged_attention_gqa(const PagedAttentionParams& p, cudaStream_t stream);
+Status launch_reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream);
+
+// key_cache_ptrs / value_cache_ptrs: device arrays of num_layers base addresses;
+// block_mapping: device int64 [num_pairs, 2] of (src, dst) block numbers.
+Status launch_copy_blocks(const int64_t* key_cache_ptrs, const int64_t* value_cache_ptrs,
+                          const int64_t* block_mapping, int num_layers, int num_pairs,
+                          int64_t bytes_per_block, cudaStream_t stream);
+
+// block_mapping: host int64 [num_pairs, 2]. One async copy per pair, in the order given.
+Status launch_swap_blocks(char* dst, const char* src, const int64_t* block_mapping,
+                          int num_pairs, int64_t bytes_per_block, cudaMemcpyKind kind,
+                          cudaStream_t stream);
+
+}  // namespace mini_vllm

@@ -1,0 +1,365 @@
+"""The CUDA ops with the same signatures as mini_vllm.attention's PyTorch ops.
+
+Each function checks its inputs (shapes, dtypes, layouts, devices: metadata only, no GPU sync)
+and raises ``ValueError`` saying what to change before anything is built or written; then it
+builds the extension if needed (``load_ops``) and calls the kernel. As upstream does, the
+*values* of ``seq_lens``, ``block_tables`` and ``slot_mapping`` are trusted: checking them would
+copy them to the CPU on every call. The kernels clamp lengths so that bad values cannot make
+them touch memory outside the given tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_vllm.csrc import load_ops
+
+__all__ = [
+    "PARTITION_SIZE",
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_SIZES",
+    "check_attention_inputs",
+    "check_partition_buffers",
+    "copy_blocks",
+    "paged_attention_gqa",
+    "paged_attention_v1",
+    "paged_attention_v2",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+PARTITION_SIZE = 512  # tokens per v2 partition; kPartitionSize in kernel_params.h
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte vector: the innermost dimension of the key cache."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _require_cuda(tensors: dict[str, torch.Tensor], ref: str) -> None:
+    """Every tensor on the same CUDA device (checked last, so CPU runs test all other checks)."""
+    device = tensors[ref].device
+    if device.type != "cuda":
+        raise ValueError(
+            f"{ref} is on {device}; the CUDA ops need CUDA tensors (without a GPU, use "
+            "mini_vllm.attention's PyTorch ops)"
+        )
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move it there")
+
+
+def check_attention_inputs(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    partition_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Raise ValueError unless the decode inputs fit the kernels; never writes anything.
+
+    ``partition_buffers`` are v2's (exp_sums, max_logits, tmp_out). Devices are checked last,
+    so that every other check also runs (and is tested) on a machine without a GPU.
+    """
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_seqs, num_heads, head_size], got shape {tuple(query.shape)}"
+        )
+    num_seqs, num_heads, head_size = query.shape
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} is not supported; use float32, float16 or "
+                         "bfloat16")
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"head_size {head_size} has no compiled kernel; supported: "
+                         f"{SUPPORTED_HEAD_SIZES}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size {block_size} has no compiled kernel; supported: "
+                         f"{SUPPORTED_BLOCK_SIZES}")
+    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads="
+                         f"{num_kv_heads} (each KV head serves a group of query heads)")
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    if query.stride(2) != 1 or query.stride(1) != head_size or (
+        query.stride(0) * query.element_size() % 16
+    ):
+        raise ValueError("query rows must be contiguous [num_heads, head_size] blocks starting "
+                         "on 16-byte boundaries; pass query.contiguous()")
+    if out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape "
+                         f"{tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}")
+    x = _x(query.dtype)
+    num_blocks = key_cache.shape[0] if key_cache.dim() == 5 else -1
+    want_k = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    want_v = (num_blocks, num_kv_heads, head_size, block_size)
+    for name, cache, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache,
+                                                                  want_v)):
+        if cache.dtype != query.dtype:
+            raise ValueError(f"{name} is {cache.dtype} but query is {query.dtype}; the cache "
+                             "must have the query's dtype")
+        if tuple(cache.shape) != want:
+            raise ValueError(f"{name} must have shape {want} for these inputs, got "
+                             f"{tuple(cache.shape)}")
+        if not cache.is_contiguous() or not _aligned(cache):
+            raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+    if not _aligned(query):
+        raise ValueError("query must start on a 16-byte boundary; pass query.contiguous()")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or (
+        block_tables.shape[0] != num_seqs
+    ) or not block_tables.is_contiguous():
+        raise ValueError(f"block_tables must be a contiguous int32 tensor [num_seqs={num_seqs}, "
+                         f"max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_seqs,) or (
+        not seq_lens.is_contiguous()
+    ):
+        raise ValueError(f"seq_lens must be a contiguous int32 tensor of shape ({num_seqs},), "
+                         f"got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    tensors = {"query": query, "out": out, "key_cache": key_cache, "value_cache": value_cache,
+               "block_tables": block_tables, "seq_lens": seq_lens}
+    if partition_buffers is not None:
+        check_partition_buffers(out, *partition_buffers, max_seq_len)
+        tensors.update(zip(("exp_sums", "max_logits", "tmp_out"), partition_buffers))
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) != (num_heads,) or (
+            not alibi_slopes.is_contiguous()
+        ):
+            raise ValueError(f"alibi_slopes must be a contiguous float32 tensor of shape "
+                             f"({num_heads},), got {alibi_slopes.dtype} "
+                             f"{tuple(alibi_slopes.shape)}")
+        tensors["alibi_slopes"] = alibi_slopes
+    _require_cuda(tensors, "query")
+
+
+def check_partition_buffers(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    max_seq_len: int,
+) -> None:
+    """Raise ValueError unless the v2 partition buffers fit ``out`` and ``max_seq_len``."""
+    num_seqs, num_heads, head_size = out.shape
+    parts = -(-max_seq_len // PARTITION_SIZE) if isinstance(max_seq_len, int) else 0
+    width = exp_sums.shape[2] if exp_sums.dim() == 3 else -1
+    for name, t, dtype, shape in (
+        ("exp_sums", exp_sums, torch.float32, (num_seqs, num_heads, width)),
+        ("max_logits", max_logits, torch.float32, (num_seqs, num_heads, width)),
+        ("tmp_out", tmp_out, out.dtype, (num_seqs, num_heads, width, head_size)),
+    ):
+        if t.dtype != dtype or tuple(t.shape) != shape or width < parts or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous {dtype} tensor of shape "
+                f"{shape[:2] + ('P',) + shape[3:]} with the same P >= {parts} "
+                f"(= ceil(max_seq_len / {PARTITION_SIZE})) as exp_sums; got {t.dtype} "
+                f"{tuple(t.shape)}"
+            )
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Decode attention over the paged cache, one thread block per (head, sequence).
+
+    Same contract as ``mini_vllm.attention.paged_attn.paged_attention_v1``; writes ``out``.
+
+    upstream: vllm/_custom_ops.py:39 @ v0.11.0
+    """
+    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
+                           seq_lens, block_size, max_seq_len, alibi_slopes)
+    load_ops().paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
+                                  block_tables, seq_lens, block_size, max_seq_len, alibi_slopes)
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Partitioned decode attention (512-token partitions, then a merge); writes ``out``.
+
+    Same contract as ``mini_vllm.attention.paged_attn.paged_attention_v2``. Only the partitions
+    that hold tokens are written in ``exp_sums``, ``max_logits`` and ``tmp_out``.
+
+    upstream: vllm/_custom_ops.py:68 @ v0.11.0
+    """
+    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
+                           seq_lens, block_size, max_seq_len, alibi_slopes,
+                           (exp_sums, max_logits, tmp_out))
+    load_ops().paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache,
+                                  value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                                  block_size, max_seq_len, alibi_slopes)
+
+
+def paged_attention_gqa(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Like ``paged_attention_v2`` (same arguments, same result), but one thread block serves
+    all query heads of a KV head, so each K/V block is read once per KV head, not once per
+    query head. fp32 inputs are handed to v2. Not in upstream; see paged_attention_gqa.cu.
+    """
+    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
+                           seq_lens, block_size, max_seq_len, alibi_slopes,
+                           (exp_sums, max_logits, tmp_out))
+    load_ops().paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query, key_cache,
+                                   value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                                   block_size, max_seq_len, alibi_slopes)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token ``i``'s key and value into cache slot ``slot_mapping[i]`` (negative: skip).
+
+    upstream: vllm/_custom_ops.py:1590 @ v0.11.0
+    """
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_size], got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    num_tokens, num_kv_heads, head_size = key.shape
+    if key.dtype not in SUPPORTED_DTYPES or value.dtype != key.dtype:
+        raise ValueError(f"key and value must share a dtype among float32, float16, bfloat16; "
+                         f"got {key.dtype} and {value.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.stride(2) != 1 or t.stride(1) != head_size:
+            raise ValueError(f"{name}'s rows must be contiguous [num_kv_heads, head_size] blocks; "
+                             f"pass {name}.contiguous()")
+    x = _x(key.dtype)
+    if head_size % x:
+        raise ValueError(f"head_size {head_size} must be a multiple of x={x} for {key.dtype}")
+    num_blocks = key_cache.shape[0] if key_cache.dim() == 5 else -1
+    block_size = key_cache.shape[3] if key_cache.dim() == 5 else -1
+    want_k = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    want_v = (num_blocks, num_kv_heads, head_size, block_size)
+    for name, cache, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache,
+                                                                  want_v)):
+        if cache.dtype != key.dtype or tuple(cache.shape) != want or not cache.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {key.dtype} tensor of shape {want}, "
+                             f"got {cache.dtype} {tuple(cache.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens or (
+        slot_mapping.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(f"slot_mapping must be a 1-D int64 (or int32) tensor of {num_tokens} "
+                         f"slots, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    _require_cuda({"key": key, "value": value, "key_cache": key_cache,
+                   "value_cache": value_cache, "slot_mapping": slot_mapping}, "key")
+    slots = slot_mapping.to(torch.int64).contiguous()  # a new tensor when it converts
+    load_ops().reshape_and_cache(key, value, key_cache, value_cache, slots)
+
+
+def _check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> torch.Tensor:
+    """The (src, dst) pairs as a CPU int64 tensor, after checking ids and unique destinations."""
+    if block_mapping.dtype != torch.int64 or block_mapping.dim() != 2 or (
+        block_mapping.shape[1] != 2
+    ):
+        raise ValueError(f"block_mapping must be an int64 tensor [n, 2] of (src, dst) pairs, got "
+                         f"{block_mapping.dtype} {tuple(block_mapping.shape)}")
+    mapping = block_mapping.to("cpu").contiguous()
+    src, dst = mapping[:, 0], mapping[:, 1]
+    for name, ids, limit in (("source", src, num_src), ("destination", dst, num_dst)):
+        bad = ids[(ids < 0) | (ids >= limit)]
+        if bad.numel():
+            raise ValueError(f"block_mapping names {name} block {int(bad[0])}, outside the "
+                             f"cache's {limit} blocks")
+    if dst.unique().numel() != dst.numel():
+        raise ValueError("block_mapping writes a destination block twice; make each dst unique")
+    return mapping
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """For every (src, dst) pair, copy block src onto block dst in every layer's caches.
+
+    upstream: vllm/_custom_ops.py:1634 @ v0.11.0
+    """
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"{len(key_caches)} key caches but {len(value_caches)} value caches; "
+                         "pass one of each per layer")
+    if not key_caches:
+        return
+    first = key_caches[0]
+    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+        for name, t in ((f"key_caches[{i}]", k), (f"value_caches[{i}]", v)):
+            if t.dtype != first.dtype or t.shape[0] != first.shape[0] or (
+                t.numel() != first.numel()
+            ) or not t.is_contiguous() or not _aligned(t):
+                raise ValueError(f"{name} must be a contiguous, 16-byte aligned {first.dtype} "
+                                 f"cache with {first.shape[0]} blocks like key_caches[0]")
+    mapping = _check_mapping(block_mapping, first.shape[0], first.shape[0])
+    for t in (*key_caches, *value_caches):
+        if t.device != first.device or t.device.type != "cuda":
+            raise ValueError(f"a cache is on {t.device}; every cache must be on one CUDA device")
+    load_ops().copy_blocks(key_caches, value_caches, mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy block ``s`` of ``src`` to block ``d`` of ``dst`` for every (s, d) pair; one of the
+    two caches may be on the CPU (pinned memory makes the copy asynchronous).
+
+    upstream: vllm/_custom_ops.py:1645 @ v0.11.0
+    """
+    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:] or src.dim() < 1:
+        raise ValueError(f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} "
+                         f"{tuple(dst.shape)} must have the same dtype and block shape")
+    if not src.is_contiguous() or not dst.is_contiguous():
+        raise ValueError("src and dst must be contiguous")
+    mapping = _check_mapping(block_mapping, src.shape[0], dst.shape[0])
+    if "cuda" not in (src.device.type, dst.device.type):
+        raise ValueError("swap_blocks needs at least one CUDA cache (GPU <-> CPU or GPU <-> GPU)")
+    if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
+        raise ValueError(f"src is on {src.device} and dst on {dst.device}; use one GPU")
+    load_ops().swap_blocks(src, dst, mapping)

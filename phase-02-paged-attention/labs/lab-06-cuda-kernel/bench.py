@@ -1,0 +1,48 @@
+"""Lab 02-06 benchmark: your kernels beside the reference ones and PyTorch's.
+
+    python phase-02-paged-attention/labs/lab-06-cuda-kernel/bench.py [--sweep] [--json PATH]
+
+It runs benchmarks/paged_attention.py (see its docstring for the method: correctness first,
+warm-up, L2 flushed, CUDA events, a block pool several times the L2 size) with two more kernels,
+``student_v1`` and ``student_v2``: your starter.cu, built as the tests build it. A task that is
+not done yet shows as "not implemented"; a wrong result shows as WRONG and is not timed.
+Needs a CUDA GPU; without one it says so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+LAB_DIR = Path(__file__).resolve().parent
+REPO_ROOT = LAB_DIR.parents[2]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def student_kernels() -> dict:
+    """The starter build's raw v1 / v2 (no Python checks inside the timed region)."""
+    starter = _load("lab_02_06_starter_bench", LAB_DIR / "starter.py")
+    mod = starter.build()
+    return {
+        "student_v1": lambda b: (lambda: mod.paged_attention_v1(*b.v1_args())),
+        "student_v2": lambda b: (lambda: mod.paged_attention_v2(*b.v2_args())),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    bench = _load("paged_attention_benchmark", REPO_ROOT / "benchmarks" / "paged_attention.py")
+    return bench.main(argv, extra_kernels=student_kernels)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Lab 02-06 reference: mini_vllm's own CUDA paged attention (``mini_vllm/csrc``).
+
+The kernels live once, in ``mini_vllm/csrc``; this file only exposes them with the lab's API.
+Nothing is compiled at import: ``build()`` (called by the ops on first use) compiles the
+extension for the GPU that is present and caches it outside the source tree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from mini_vllm.csrc import CSRC_DIR, KERNEL_SOURCES, load_ops
+from mini_vllm.csrc.ops import PARTITION_SIZE, paged_attention_v1, paged_attention_v2
+
+__all__ = [
+    "PARTITION_SIZE",
+    "build",
+    "kernel_sources",
+    "paged_attention_v1",
+    "paged_attention_v2",
+]
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (once, then cached) and import the extension that holds these kernels."""
+    return load_ops(verbose=verbose)
+
+
+def kernel_sources() -> list[Path]:
+    """The CUDA translation units this implementation is built from (no torch headers)."""
+    return [CSRC_DIR / name for name in KERNEL_SOURCES]

@@ -1,0 +1,246 @@
+// Lab 02-06: PagedAttention in CUDA. This file is yours.
+//
+// It holds everything of paged attention v1 and v2 except the four pieces you write (tasks 1-4
+// in the README). The helpers it includes from mini_vllm/csrc/ are given: common.cuh (fp32
+// conversions, load_as_float for 16-byte vector loads, group_sum / warp_max / block_max /
+// block_sum), dispatch.cuh (run-time sizes to template arguments), kernel_params.h (the inputs).
+// Like the reference kernels, this file includes no torch header, so plain nvcc compiles it.
+//
+// When a task is written, set its LAB_TASK_N_DONE to 1: the launchers refuse to run a kernel
+// whose tasks are not marked done, so the tests tell you which task is missing instead of
+// comparing an unwritten output.
+#include "common.cuh"
+#include "dispatch.cuh"
+
+#define LAB_TASK_1_DONE 0  // qk_logits
+#define LAB_TASK_2_DONE 0  // softmax_in_place
+#define LAB_TASK_3_DONE 0  // accumulate_values
+#define LAB_TASK_4_DONE 0  // partition_reduce_kernel
+
+namespace mini_vllm {
+
+constexpr int kThreads = 128;  // 4 warps per thread block
+
+// What one thread block works on (filled in by attend_blocks below).
+struct AttentionWork {
+  int seq;
+  int head;
+  int kv_head;      // the KV head that query head `head` reads
+  int seq_len;      // tokens in the sequence
+  int first_block;  // [first_block, end_block): the logical blocks of this thread block
+  int end_block;
+  int start_token;  // first_block * BLOCK_SIZE: logits[i] belongs to token start_token + i
+  int num_tokens;   // tokens of the range that exist (the last block may be partial)
+  const int* block_table;  // this sequence's row of block_tables
+  float alibi_slope;       // 0 without ALiBi
+};
+
+struct SoftmaxStats {
+  float max_logit;
+  float exp_sum;
+};
+
+template <int HEAD_SIZE, int NUM_THREADS>
+__host__ __device__ constexpr int attention_smem_bytes(int num_token_slots) {
+  return 4 * const_max(num_token_slots, (NUM_THREADS / kWarpSize) * HEAD_SIZE);
+}
+
+// Task 1. For every token slot t of blocks [w.first_block, w.end_block), store
+//     logits[t - w.start_token] = q . k_t + w.alibi_slope * (t - (w.seq_len - 1))
+// (q_smem already holds the query times the scale, as fp32), store 0 for slots t >= w.seq_len,
+// and return the max of the valid logits this thread stored (-FLT_MAX if none).
+// Decomposition: warp `warp` takes blocks first_block + warp, + NUM_WARPS, ...; a thread group of
+// GROUP = 32 / BLOCK_SIZE lanes takes one token of the block; per 16-byte chunk c of that token's
+// key (key_cache[physical, w.kv_head, c, token, 0..X)), each lane of the group loads VEC = X /
+// GROUP elements with load_as_float, multiplies them with the matching q_smem entries, and the
+// group adds its partial sums with group_sum<GROUP>. Offsets in elements: p.kv_block_stride,
+// p.kv_head_stride; the physical block is w.block_table[block] (use int64_t for it).
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__device__ float qk_logits(const PagedAttentionParams& p, const AttentionWork& w,
+                           const float* q_smem, float* logits) {
+  // TODO(lab 02-06, task 1): compute the logits; then set LAB_TASK_1_DONE to 1.
+  return -FLT_MAX;
+}
+
+// Task 2. Turn logits[0, num_tokens) into exp(logit - max) in place and return the max and the
+// sum of the exponentials over the whole thread block. `my_max` is this thread's task-1 result.
+// Use block_max and block_sum (common.cuh), each with its own scratch buffer (red_max, red_sum:
+// NUM_WARPS floats each). Their barrier is also what makes task 1's logits visible to all.
+template <int NUM_THREADS>
+__device__ SoftmaxStats softmax_in_place(float* logits, int num_tokens, float my_max,
+                                         float* red_max, float* red_sum) {
+  // TODO(lab 02-06, task 2): the block-wide softmax; then set LAB_TASK_2_DONE to 1.
+  return {0.f, 0.f};
+}
+
+// Task 3. Write out[d] = inv_sum * sum_t probs[t - w.start_token] * v_t[d] for d < HEAD_SIZE,
+// over the tokens t < w.seq_len of blocks [w.first_block, w.end_block).
+// Decomposition: the same warps take the same blocks. A lane loads V_VEC = min(X, BLOCK_SIZE)
+// consecutive tokens of one row d of the block (value_cache[physical, w.kv_head, d, token0..]),
+// one 16-byte load; LANES_PER_ROW = BLOCK_SIZE / V_VEC lanes cover a row, so a warp covers
+// 32 / LANES_PER_ROW rows per pass. Accumulate per row in fp32 registers. Skip tokens past the
+// end with a select, not a multiplication by 0 (the cache may hold NaN there). Then add the
+// lanes of a row (group_sum<LANES_PER_ROW>) and the warps (through shared memory: reuse `probs`
+// as [NUM_WARPS][HEAD_SIZE] floats, after a __syncthreads so that no warp still reads it).
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__device__ void accumulate_values(const PagedAttentionParams& p, const AttentionWork& w,
+                                  float* probs, float inv_sum, T* __restrict__ out) {
+  // TODO(lab 02-06, task 3): the weighted sum of the values; then set LAB_TASK_3_DONE to 1.
+}
+
+// Given: the skeleton that ties tasks 1-3 together for one (head, sequence, block range).
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, int seq_len,
+                              int first_block, int end_block, T* __restrict__ out,
+                              float* max_logit_out, float* exp_sum_out) {
+  constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
+  __shared__ float q_smem[HEAD_SIZE];
+  __shared__ float red_max[NUM_WARPS];
+  __shared__ float red_sum[NUM_WARPS];
+  extern __shared__ float logits[];
+
+  AttentionWork w;
+  w.seq = seq;
+  w.head = head;
+  w.kv_head = head / (p.num_heads / p.num_kv_heads);
+  w.seq_len = seq_len;
+  w.first_block = first_block;
+  w.end_block = end_block;
+  w.start_token = first_block * BLOCK_SIZE;
+  w.num_tokens = min(end_block * BLOCK_SIZE, seq_len) - w.start_token;
+  w.block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
+  w.alibi_slope = p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[head];
+
+  const T* q = static_cast<const T*>(p.query) + seq * p.q_stride +
+               static_cast<int64_t>(head) * HEAD_SIZE;
+  for (int i = threadIdx.x; i < HEAD_SIZE; i += NUM_THREADS) {
+    q_smem[i] = to_float(q[i]) * p.scale;
+  }
+  __syncthreads();
+
+  const float my_max = qk_logits<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, q_smem, logits);
+  const SoftmaxStats stats =
+      softmax_in_place<NUM_THREADS>(logits, w.num_tokens, my_max, red_max, red_sum);
+  const float inv_sum = stats.exp_sum > 0.f ? 1.f / stats.exp_sum : 0.f;
+  accumulate_values<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, logits, inv_sum, out);
+  if (threadIdx.x == 0 && max_logit_out != nullptr) {
+    *max_logit_out = stats.max_logit;
+    *exp_sum_out = stats.exp_sum;
+  }
+}
+
+// Given: v1, one thread block per (head, sequence) over the whole context.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS)
+    paged_attention_v1_kernel(const PagedAttentionParams p) {
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int seq_len = clamped_seq_len(p, seq);
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(seq) * p.num_heads + head) * HEAD_SIZE;
+  attend_blocks<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(
+      p, seq, head, seq_len, 0, div_round_up(seq_len, BLOCK_SIZE), out, nullptr, nullptr);
+}
+
+// Given: v2 phase 1, one thread block per (head, sequence, partition of kPartitionSize tokens).
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS)
+    paged_attention_v2_kernel(const PagedAttentionParams p) {
+  constexpr int BLOCKS_PER_PARTITION = kPartitionSize / BLOCK_SIZE;
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int part = blockIdx.z;
+  const int seq_len = clamped_seq_len(p, seq);
+  const int first_block = part * BLOCKS_PER_PARTITION;
+  if (first_block * BLOCK_SIZE >= seq_len) return;
+  const int end_block = min(first_block + BLOCKS_PER_PARTITION, div_round_up(seq_len, BLOCK_SIZE));
+  const int64_t row = (static_cast<int64_t>(seq) * p.num_heads + head) * p.max_num_partitions + part;
+  T* tmp_out = static_cast<T*>(p.tmp_out) + row * HEAD_SIZE;
+  attend_blocks<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, seq, head, seq_len, first_block,
+                                                        end_block, tmp_out, p.max_logits + row,
+                                                        p.exp_sums + row);
+}
+
+// Task 4. v2 phase 2, one thread block per (head, sequence): merge the partitions.
+// Partition i (i < num_parts) left m_i = max_logits[i], s_i = exp_sums[i] and its normalised
+// output o_i = tmp_out[i * HEAD_SIZE ...]. With M = max_i m_i and w_i = s_i * exp(m_i - M), write
+//     out[d] = sum_i w_i * o_i[d] / sum_i w_i.
+// Use block_max / block_sum with red_max / red_sum, and `weights` (num_parts floats of dynamic
+// shared memory) to keep the w_i. Partitions i >= num_parts were never written: do not read them.
+template <typename T, int HEAD_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS)
+    partition_reduce_kernel(const PagedAttentionParams p) {
+  constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  // ([[maybe_unused]] only silences the compiler until you use them.)
+  [[maybe_unused]] const int tid = threadIdx.x;
+  [[maybe_unused]] const int num_parts = div_round_up(clamped_seq_len(p, seq), kPartitionSize);
+  const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
+  [[maybe_unused]] const float* max_logits = p.max_logits + row * p.max_num_partitions;
+  [[maybe_unused]] const float* exp_sums = p.exp_sums + row * p.max_num_partitions;
+  [[maybe_unused]] const T* tmp_out =
+      static_cast<const T*>(p.tmp_out) + row * p.max_num_partitions * HEAD_SIZE;
+  [[maybe_unused]] T* out = static_cast<T*>(p.out) + row * HEAD_SIZE;
+  extern __shared__ float weights[];
+  [[maybe_unused]] __shared__ float red_max[NUM_WARPS];
+  [[maybe_unused]] __shared__ float red_sum[NUM_WARPS];
+  // TODO(lab 02-06, task 4): merge the partitions into `out`; then set LAB_TASK_4_DONE to 1.
+}
+
+// ---- launchers (given) ------------------------------------------------------------------------
+
+// The first task a kernel needs that is not marked done, as the message the tests show.
+inline const char* missing_task(bool needs_reduce) {
+  if (!LAB_TASK_1_DONE) return "lab 02-06, task 1: write qk_logits in starter.cu, then set LAB_TASK_1_DONE to 1";
+  if (!LAB_TASK_2_DONE) return "lab 02-06, task 2: write softmax_in_place in starter.cu, then set LAB_TASK_2_DONE to 1";
+  if (!LAB_TASK_3_DONE) return "lab 02-06, task 3: write accumulate_values in starter.cu, then set LAB_TASK_3_DONE to 1";
+  if (needs_reduce && !LAB_TASK_4_DONE) return "lab 02-06, task 4: write partition_reduce_kernel in starter.cu, then set LAB_TASK_4_DONE to 1";
+  return nullptr;
+}
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
+  auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
+  const int slots = div_round_up(p.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE;
+  const int smem = attention_smem_bytes<HEAD_SIZE, kThreads>(slots);
+  if (smem > 48 * 1024) {  // past 48 KB a kernel must opt in to more shared memory
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cuda_status(err);
+  }
+  kernel<<<dim3(p.num_heads, p.num_seqs), kThreads, smem, stream>>>(p);
+  return cuda_status(cudaGetLastError());
+}
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+Status launch_v2(const PagedAttentionParams& p, cudaStream_t stream) {
+  const int parts = div_round_up(p.max_seq_len, kPartitionSize);
+  const int smem = attention_smem_bytes<HEAD_SIZE, kThreads>(kPartitionSize);
+  paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>
+      <<<dim3(p.num_heads, p.num_seqs, parts), kThreads, smem, stream>>>(p);
+  const Status status = cuda_status(cudaGetLastError());
+  if (status.code != StatusCode::kOk) return status;
+  partition_reduce_kernel<T, HEAD_SIZE, kThreads>
+      <<<dim3(p.num_heads, p.num_seqs), kThreads, sizeof(float) * parts, stream>>>(p);
+  return cuda_status(cudaGetLastError());
+}
+
+Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream) {
+  if (const char* todo = missing_task(false)) return not_implemented(todo);
+  if (p.num_seqs == 0) return ok();
+  return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
+    return launch_v1<typename decltype(t)::type, decltype(h)::value, decltype(b)::value>(p,
+                                                                                       stream);
+  });
+}
+
+Status launch_paged_attention_v2(const PagedAttentionParams& p, cudaStream_t stream) {
+  if (const char* todo = missing_task(true)) return not_implemented(todo);
+  if (p.num_seqs == 0) return ok();
+  return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
+    return launch_v2<typename decltype(t)::type, decltype(h)::value, decltype(b)::value>(p,
+                                                                                       stream);
+  });
+}
+
+}  // namespace mini_vllm

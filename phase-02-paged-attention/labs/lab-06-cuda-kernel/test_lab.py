@@ -1,0 +1,503 @@
+"""Lab 02-06 tests: the CUDA paged-attention kernels against lab 02-04's PyTorch oracle.
+
+Two kinds of tests:
+
+* everywhere (CPU): the implementation imports without building anything, calls no PyTorch
+  attention, rejects bad inputs before touching anything, and -- where nvcc is installed -- its
+  CUDA sources compile with plain nvcc (no torch headers) into kernels that each load and store
+  global memory with the vector loads the design calls for (an empty TODO body stores nothing);
+* on a GPU (marked ``cuda``): v1 and v2 over a grid like upstream's test (7 sequences, (40, 40)
+  and (64, 8) heads, head sizes 64/80/128/256, block sizes 16/32, ALiBi on and off, random
+  lengths with partial last blocks whose unused slots hold NaN), every dtype, and the reference
+  ops the engine uses besides (GQA-aware kernel, reshape_and_cache, copy/swap_blocks).
+
+Tests marked ``starter_ok`` check given code (input checks, reference-only ops) and pass on the
+untouched starter by design.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import random
+import re
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from course.loader import load_lab
+from course.numerics import assert_close
+
+lab = load_lab(__file__)
+
+PARTITION_SIZE = 512
+GRID_HEADS = [(40, 40), (64, 8)]
+GRID_HEAD_SIZES = [64, 80, 128, 256]
+GRID_BLOCK_SIZES = [16, 32]
+NUM_SEQS = 7
+MAX_LEN = 1800  # four v2 partitions; keeps the oracle's gathered copies small
+
+
+# ------------------------------------------------------------------------------------------
+# Building a decode batch
+# ------------------------------------------------------------------------------------------
+
+
+def make_batch(
+    *,
+    num_heads: tuple[int, int],
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float16,
+    use_alibi: bool = False,
+    num_seqs: int = NUM_SEQS,
+    max_len: int = MAX_LEN,
+    seed: int = 0,
+    device: str = "cuda",
+) -> dict:
+    """A decode batch in the paged layout, plus a copy of the caches with poisoned tails.
+
+    Each sequence gets its own physical blocks (a random permutation), so the unused slots of
+    its last block belong to it alone: the kernel's caches hold NaN there, the oracle's hold the
+    clean values. A kernel that lets an unused slot reach the output produces NaN. Block-table
+    columns past a sequence's end hold a huge id that must never be read.
+    """
+    from mini_vllm.attention.reference import alibi_slopes
+
+    rng = random.Random(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    nh, nkv = num_heads
+    # Edge lengths first (one token, a block plus one, partition boundaries), then random ones;
+    # the last sequence is the longest.
+    lens = [1, block_size + 1, PARTITION_SIZE, PARTITION_SIZE + 1]
+    lens += [rng.randint(1, max_len) for _ in range(num_seqs)]
+    lens = lens[: num_seqs - 1] + [max_len]
+    max_blocks = -(-max_len // block_size)
+    used = [-(-n // block_size) for n in lens]
+    num_blocks = sum(used) + 3
+    perm = torch.randperm(num_blocks, generator=gen, device=device).cpu().tolist()
+    table = torch.full((num_seqs, max_blocks), 2**30, dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(used):
+        table[s, :n] = torch.tensor(perm[start : start + n], dtype=torch.int32)
+        start += n
+
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    key_cache = torch.randn(num_blocks, nkv, head_size // x, block_size, x, generator=gen,
+                            device=device).to(dtype)
+    value_cache = (torch.rand(num_blocks, nkv, head_size, block_size, generator=gen,
+                              device=device) * 2 - 1).to(dtype)
+    poisoned_k, poisoned_v = key_cache.clone(), value_cache.clone()
+    for s, n in enumerate(lens):
+        tail = n % block_size
+        if tail:
+            last = int(table[s, used[s] - 1])
+            poisoned_k[last, :, :, tail:, :] = float("nan")
+            poisoned_v[last, :, :, tail:] = float("nan")
+    query = torch.randn(num_seqs, nh, head_size, generator=gen, device=device).to(dtype)
+    return dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        poisoned_k=poisoned_k,
+        poisoned_v=poisoned_v,
+        num_kv_heads=nkv,
+        scale=head_size**-0.5,
+        block_tables=table.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_size=block_size,
+        max_seq_len=max(lens),
+        alibi_slopes=alibi_slopes(nh).to(device) if use_alibi else None,
+    )
+
+
+def partition_buffers(b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """exp_sums, max_logits, tmp_out for v2, filled with NaN so unwritten entries show."""
+    num_seqs, nh, hs = b["query"].shape
+    parts = -(-b["max_seq_len"] // PARTITION_SIZE)
+    dev = b["query"].device
+    exp_sums = torch.full((num_seqs, nh, parts), float("nan"), device=dev)
+    max_logits = torch.full_like(exp_sums, float("nan"))
+    tmp_out = torch.full((num_seqs, nh, parts, hs), float("nan"), dtype=b["query"].dtype,
+                         device=dev)
+    return exp_sums, max_logits, tmp_out
+
+
+def expected_output(b: dict) -> torch.Tensor:
+    """Lab 02-04's PyTorch v1 on the clean caches."""
+    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle_v1
+
+    out = torch.empty_like(b["query"])
+    oracle_v1(out, b["query"], b["key_cache"], b["value_cache"], b["num_kv_heads"], b["scale"],
+              b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"],
+              b["alibi_slopes"])
+    return out
+
+
+def run_kernel(version: str, b: dict, fn=None) -> torch.Tensor:
+    """Run v1 or v2 (lab's, or `fn` with the v2 signature) on the poisoned caches."""
+    out = torch.full_like(b["query"], float("nan"))
+    common = (b["query"], b["poisoned_k"], b["poisoned_v"], b["num_kv_heads"], b["scale"],
+              b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"],
+              b["alibi_slopes"])
+    if version == "v1":
+        lab.paged_attention_v1(out, *common)
+    else:
+        fn = fn or lab.paged_attention_v2
+        fn(out, *partition_buffers(b), *common)
+    torch.cuda.synchronize()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: imports, sources, input checks
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.starter_ok
+def test_importing_the_implementation_builds_nothing(monkeypatch):
+    import mini_vllm.csrc as csrc
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the implementation built an extension while being imported")
+
+    monkeypatch.setattr(csrc, "build_extension", refuse)
+    monkeypatch.setattr(csrc, "load_ops", refuse)
+    spec = importlib.util.spec_from_file_location("lab_02_06_import_probe", lab.source_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # must not call build_extension / load_ops
+    assert callable(module.paged_attention_v1) and callable(module.paged_attention_v2)
+
+
+@pytest.mark.starter_ok
+def test_the_implementation_calls_no_pytorch_attention():
+    forbidden = ("scaled_dot_product_attention", "flex_attention", "mini_vllm.attention",
+                 "torch.softmax", "F.softmax", ".softmax(")
+    for path in [lab.source_path, *lab.kernel_sources()]:
+        text = Path(path).read_text(encoding="utf-8")
+        for word in forbidden:
+            assert word not in text, (
+                f"{Path(path).name} uses {word!r}: the lab's kernels must compute attention "
+                "themselves, in CUDA"
+            )
+
+
+def cpu_batch(**overrides) -> dict:
+    """Valid-shaped CPU inputs (fp16, 4 query / 2 KV heads, head 64, block 16)."""
+    torch.manual_seed(0)
+    a = dict(
+        out=torch.zeros(2, 4, 64, dtype=torch.float16),
+        query=torch.randn(2, 4, 64).half(),
+        key_cache=torch.randn(6, 2, 8, 16, 8).half(),
+        value_cache=torch.randn(6, 2, 64, 16).half(),
+        num_kv_heads=2,
+        scale=0.125,
+        block_tables=torch.zeros(2, 2, dtype=torch.int32),
+        seq_lens=torch.tensor([5, 20], dtype=torch.int32),
+        block_size=16,
+        max_seq_len=20,
+        alibi_slopes=None,
+    )
+    a.update(overrides)
+    return a
+
+
+BAD_INPUTS = {
+    "unsupported head size": (dict(query=torch.randn(2, 4, 72).half(),
+                                   out=torch.zeros(2, 4, 72).half()), "head_size"),
+    "unsupported block size": (dict(block_size=64, key_cache=torch.randn(6, 2, 8, 64, 8).half(),
+                                    value_cache=torch.randn(6, 2, 64, 64).half()), "block_size"),
+    "int8 query": (dict(query=torch.zeros(2, 4, 64, dtype=torch.int8)), "dtype"),
+    "cache dtype differs": (dict(key_cache=torch.randn(6, 2, 8, 16, 8)), "dtype"),
+    "key cache without x": (dict(key_cache=torch.randn(6, 2, 64, 16).half()), "key_cache"),
+    "value cache transposed": (dict(value_cache=torch.randn(6, 2, 16, 64).half()), "value_cache"),
+    "heads not a multiple": (dict(num_kv_heads=3), "num_kv_heads"),
+    "int64 block tables": (dict(block_tables=torch.zeros(2, 2, dtype=torch.int64)),
+                           "block_tables"),
+    "seq_lens too short": (dict(seq_lens=torch.tensor([5], dtype=torch.int32)), "seq_lens"),
+    "alibi per kv head": (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    "out of another dtype": (dict(out=torch.zeros(2, 4, 64)), "out"),
+    "non-contiguous query": (dict(query=torch.randn(2, 64, 4).half().transpose(1, 2)), "query"),
+    "CPU tensors": ({}, "CUDA"),
+}
+
+
+@pytest.mark.starter_ok
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_rejected_before_anything_is_written(version, case):
+    overrides, phrase = BAD_INPUTS[case]
+    a = cpu_batch(**overrides)
+    before = a["out"].clone()
+    num_seqs, nh, hs = a["out"].shape
+    bufs = (torch.zeros(num_seqs, nh, 1), torch.zeros(num_seqs, nh, 1),
+            torch.zeros(num_seqs, nh, 1, hs, dtype=a["out"].dtype))
+    args = [a[k] for k in ("out", "query", "key_cache", "value_cache", "num_kv_heads", "scale",
+                           "block_tables", "seq_lens", "block_size", "max_seq_len",
+                           "alibi_slopes")]
+    with pytest.raises(ValueError, match=phrase):
+        if version == "v1":
+            lab.paged_attention_v1(*args)
+        else:
+            lab.paged_attention_v2(args[0], *bufs, *args[1:])
+    assert torch.equal(a["out"], before), "a rejected call must not write out"
+
+
+@pytest.mark.starter_ok
+def test_v2_rejects_partition_buffers_too_small_for_max_seq_len():
+    a = cpu_batch(max_seq_len=600)  # needs 2 partitions of 512
+    small = (torch.zeros(2, 4, 1), torch.zeros(2, 4, 1), torch.zeros(2, 4, 1, 64).half())
+    with pytest.raises(ValueError, match="exp_sums"):
+        lab.paged_attention_v2(a["out"], *small, a["query"], a["key_cache"], a["value_cache"], 2,
+                               0.125, a["block_tables"], a["seq_lens"], 16, 600)
+
+
+@pytest.mark.starter_ok
+def test_reference_cache_ops_reject_bad_input():
+    from mini_vllm.csrc import ops
+
+    k = torch.zeros(6, 2, 8, 16, 8).half()
+    v = torch.zeros(6, 2, 64, 16).half()
+    key = torch.zeros(3, 2, 64).half()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ops.reshape_and_cache(key, key, k, v, torch.zeros(3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="key_cache"):
+        ops.reshape_and_cache(key, key, v, v, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="CUDA"):
+        ops.reshape_and_cache(key, key, k, v, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="outside"):
+        ops.swap_blocks(k, k.clone(), torch.tensor([[0, 6]]))
+    with pytest.raises(ValueError, match="twice"):
+        ops.swap_blocks(k, k, torch.tensor([[0, 1], [2, 1]]))
+    with pytest.raises(ValueError, match="CUDA"):
+        ops.swap_blocks(k, k.clone(), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="int64"):
+        ops.copy_blocks([k], [v], torch.tensor([[0, 1]], dtype=torch.int32))
+
+
+@pytest.mark.starter_ok
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_without_a_gpu_the_engine_is_told_to_use_the_pytorch_ops():
+    import mini_vllm.csrc as csrc
+
+    assert csrc.cuda_ops_available() is False
+    with pytest.raises(csrc.CudaBuildError, match="GPU"):
+        csrc.build_extension("never_built", ["cache_kernels.cu"])
+
+
+# ------------------------------------------------------------------------------------------
+# CPU with nvcc: the sources compile without torch, and no kernel is left empty
+# ------------------------------------------------------------------------------------------
+
+NVCC_ARCH = "sm_90"  # Hopper (H100/H200), the course's target
+
+
+@cache
+def _compile_to_ptx(path: str) -> tuple[int, str, str]:
+    """(return code, compiler output, PTX) for one translation unit, plain nvcc, no torch.
+
+    MINI_VLLM_COMPILE_CHECK limits the instantiations (all dtypes, head 128, block 16) so that
+    this stays quick on a small machine; the full set is built on the GPU machine.
+    """
+    from mini_vllm.csrc import CSRC_DIR
+
+    with tempfile.TemporaryDirectory(prefix="lab0206-") as tmp:
+        ptx = Path(tmp) / "out.ptx"
+        cmd = ["nvcc", "-std=c++17", f"-arch={NVCC_ARCH}", "-ptx", "-DMINI_VLLM_COMPILE_CHECK",
+               f"-I{CSRC_DIR}", str(path), "-o", str(ptx)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        text = ptx.read_text() if ptx.is_file() else ""
+    return proc.returncode, proc.stdout + proc.stderr, text
+
+
+def compiled_sources() -> dict[str, tuple[int, str, str]]:
+    paths = [str(p) for p in lab.kernel_sources()]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_compile_to_ptx, paths))
+    return dict(zip(paths, results))
+
+
+def ptx_kernels(ptx: str) -> dict[str, str]:
+    """Kernel name -> its PTX body."""
+    pieces = re.split(r"(?m)^\.(?:visible|weak) \.entry ", ptx)[1:]
+    return {piece.split("(", 1)[0]: piece for piece in pieces}
+
+
+@pytest.mark.starter_ok
+@pytest.mark.nvcc
+def test_kernel_sources_compile_with_plain_nvcc():
+    for path, (code, output, _) in compiled_sources().items():
+        assert code == 0, f"nvcc could not compile {Path(path).name}:\n{output[-4000:]}"
+
+
+@pytest.mark.nvcc
+def test_every_kernel_reads_and_writes_global_memory():
+    for path, (code, output, ptx) in compiled_sources().items():
+        assert code == 0, f"nvcc could not compile {Path(path).name}:\n{output[-4000:]}"
+        kernels = ptx_kernels(ptx)
+        assert kernels, f"{Path(path).name} defines no kernel"
+        for name, body in kernels.items():
+            assert "st.global" in body, (
+                f"lab 02-06: kernel {name} in {Path(path).name} never stores to global memory, "
+                "so its output is never written: finish its TODO (tasks 1-4 in the README)"
+            )
+            assert "ld.global" in body, f"kernel {name} in {Path(path).name} reads nothing"
+
+
+@pytest.mark.nvcc
+def test_attention_kernels_load_the_cache_with_vector_loads():
+    # With head 128 and block 16 every dtype loads 8 or 16 bytes per lane for K and V.
+    for path, (code, output, ptx) in compiled_sources().items():
+        assert code == 0, f"nvcc could not compile {Path(path).name}:\n{output[-4000:]}"
+        for name, body in ptx_kernels(ptx).items():
+            if "paged_attention" not in name:
+                continue
+            assert re.search(r"ld\.global(\.nc)?\.v[24]\.", body), (
+                f"lab 02-06: kernel {name} reads the cache without vector loads; load each "
+                "lane's slice of a 16-byte chunk with load_as_float (tasks 1 and 3)"
+            )
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the lab's kernels against the oracle
+# ------------------------------------------------------------------------------------------
+
+GRID = [
+    pytest.param(h, hs, bs, alibi,
+                 id=f"heads{h[0]}-{h[1]}-d{hs}-b{bs}-{'alibi' if alibi else 'plain'}")
+    for h in GRID_HEADS
+    for hs in GRID_HEAD_SIZES
+    for bs in GRID_BLOCK_SIZES
+    for alibi in (False, True)
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("num_heads, head_size, block_size, use_alibi", GRID)
+def test_kernel_matches_the_pytorch_oracle(version, num_heads, head_size, block_size, use_alibi):
+    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=block_size,
+                   use_alibi=use_alibi)
+    assert_close(run_kernel(version, b), expected_output(b),
+                 msg=f"{version} vs the PyTorch oracle")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_the_oracle_in_every_dtype(version, dtype):
+    b = make_batch(num_heads=(64, 8), head_size=128, block_size=16, dtype=dtype, use_alibi=True)
+    assert_close(run_kernel(version, b), expected_output(b), msg=f"{version} {dtype}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("head_size, block_size", [(96, 8), (112, 8), (80, 8), (256, 8)])
+def test_other_head_and_block_sizes(version, head_size, block_size):
+    b = make_batch(num_heads=(8, 2), head_size=head_size, block_size=block_size, max_len=700)
+    assert_close(run_kernel(version, b), expected_output(b), msg=f"{version} d{head_size}")
+
+
+@pytest.mark.cuda
+def test_v1_and_v2_agree_on_a_context_longer_than_eight_partitions():
+    b = make_batch(num_heads=(16, 4), head_size=128, block_size=16, max_len=4500, num_seqs=3)
+    expected = expected_output(b)
+    assert_close(run_kernel("v1", b), expected, msg="v1, 9 partitions")
+    assert_close(run_kernel("v2", b), expected, msg="v2, 9 partitions")
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the reference ops the engine uses besides (given code, so starter_ok)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.starter_ok
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_heads", [(40, 40), (64, 8), (48, 16), (128, 8)],
+                         ids=["mha", "group8", "group3", "group16"])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("use_alibi", [False, True], ids=["plain", "alibi"])
+def test_reference_gqa_kernel_matches_the_oracle(num_heads, head_size, use_alibi):
+    from mini_vllm.csrc.ops import paged_attention_gqa
+
+    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=16, use_alibi=use_alibi)
+    assert_close(run_kernel("v2", b, fn=paged_attention_gqa), expected_output(b),
+                 msg="GQA-aware kernel")
+
+
+@pytest.mark.starter_ok
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-via-v2", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_reference_gqa_kernel_in_other_dtypes_and_block_sizes(dtype, block_size):
+    from mini_vllm.csrc.ops import paged_attention_gqa
+
+    b = make_batch(num_heads=(32, 4), head_size=128, block_size=block_size, dtype=dtype,
+                   use_alibi=True)
+    assert_close(run_kernel("v2", b, fn=paged_attention_gqa), expected_output(b),
+                 msg=f"GQA-aware kernel, {dtype}, block {block_size}")
+
+
+@pytest.mark.starter_ok
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reference_reshape_and_cache_matches_the_oracle(dtype, block_size):
+    from mini_vllm.attention import cache_ops
+    from mini_vllm.csrc import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    num_tokens, nkv, hs, num_blocks = 37, 4, 128, 12
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    key = torch.randn(num_tokens, nkv, hs, generator=gen, device="cuda").to(dtype)
+    value = torch.randn(num_tokens, nkv, hs, generator=gen, device="cuda").to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
+    slots[::5] = -1  # padding tokens
+    kc = torch.randn(num_blocks, nkv, hs // x, block_size, x, generator=gen, device="cuda")
+    vc = torch.randn(num_blocks, nkv, hs, block_size, generator=gen, device="cuda")
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    ek, ev = kc.clone(), vc.clone()
+    cache_ops.reshape_and_cache(key, value, ek, ev, slots)
+    ops.reshape_and_cache(key, value, kc, vc, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache differs from the oracle"
+
+
+@pytest.mark.starter_ok
+@pytest.mark.cuda
+def test_reference_copy_and_swap_blocks_match_the_oracle():
+    from mini_vllm.attention import cache_ops
+    from mini_vllm.csrc import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    layers = [(torch.randn(10, 2, 8, 16, 8, generator=gen, device="cuda").half(),
+               torch.randn(10, 2, 64, 16, generator=gen, device="cuda").half()) for _ in range(3)]
+    mapping = torch.tensor([[0, 5], [3, 7], [9, 1]], dtype=torch.int64)
+    mine = [(k.clone(), v.clone()) for k, v in layers]
+    ops.copy_blocks([k for k, _ in mine], [v for _, v in mine], mapping)
+    cache_ops.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
+    torch.cuda.synchronize()
+    for (k, v), (ek, ev) in zip(mine, layers):
+        assert torch.equal(k, ek) and torch.equal(v, ev), "copy_blocks differs from the oracle"
+
+    gpu = layers[0][0]
+    cpu = torch.zeros(4, *gpu.shape[1:], dtype=gpu.dtype).pin_memory()
+    ops.swap_blocks(gpu, cpu, torch.tensor([[2, 0], [8, 3]]))
+    torch.cuda.synchronize()
+    assert torch.equal(cpu[0], gpu[2].cpu()) and torch.equal(cpu[3], gpu[8].cpu())
+    back = torch.zeros_like(gpu)
+    ops.swap_blocks(cpu, back, torch.tensor([[3, 6]]))
+    torch.cuda.synchronize()
+    assert torch.equal(back[6], gpu[8]) and not back[:6].any()
+
+
+@pytest.mark.starter_ok
+@pytest.mark.cuda
+def test_cuda_ops_are_available_on_a_gpu():
+    import mini_vllm.csrc as csrc
+
+    assert csrc.cuda_ops_available(), "the reference extension should build on this GPU"
