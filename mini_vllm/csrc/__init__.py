@@ -9,6 +9,7 @@ content, so an edited kernel is rebuilt and an unchanged one is loaded in a seco
 The engine asks ``cuda_ops_available()`` and uses these ops when it says True, the PyTorch ops of
 ``mini_vllm.attention`` otherwise. The wrappers with the checked signatures are in ``ops.py``.
 
+upstream: none (vLLM compiles its kernels ahead of time with CMake; this JIT loader is ours)
 """
 
 from __future__ import annotations

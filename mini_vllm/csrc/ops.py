@@ -74,6 +74,8 @@ def check_attention_inputs(
 
     ``partition_buffers`` are v2's (exp_sums, max_logits, tmp_out). Devices are checked last,
     so that every other check also runs (and is tested) on a machine without a GPU.
+
+    upstream: none (upstream checks with TORCH_CHECK inside each C++ op)
     """
     if query.dim() != 3:
         raise ValueError(
@@ -151,7 +153,10 @@ def check_partition_buffers(
     tmp_out: torch.Tensor,
     max_seq_len: int,
 ) -> None:
-    """Raise ValueError unless the v2 partition buffers fit ``out`` and ``max_seq_len``."""
+    """Raise ValueError unless the v2 partition buffers fit ``out`` and ``max_seq_len``.
+
+    upstream: none (upstream trusts its caller, vllm/attention/ops/paged_attn.py, to size them)
+    """
     num_seqs, num_heads, head_size = out.shape
     parts = -(-max_seq_len // PARTITION_SIZE) if isinstance(max_seq_len, int) else 0
     width = exp_sums.shape[2] if exp_sums.dim() == 3 else -1
@@ -243,7 +248,9 @@ def paged_attention_gqa(
 ) -> None:
     """Like ``paged_attention_v2`` (same arguments, same result), but one thread block serves
     all query heads of a KV head, so each K/V block is read once per KV head, not once per
-    query head. fp32 inputs are handed to v2. Not in upstream; see paged_attention_gqa.cu.
+    query head. fp32 inputs are handed to v2. See paged_attention_gqa.cu.
+
+    upstream: none (this course's kernel; upstream's grid re-reads K/V once per query head)
     """
     check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
                            seq_lens, block_size, max_seq_len, alibi_slopes,
