@@ -1,0 +1,361 @@
+"""A small Llama-style decoder that runs two ways: through the paged KV cache, or with no cache.
+
+The architecture is Llama's (and Qwen2's, which only adds biases to the q/k/v projections):
+token embedding, ``num_layers`` pre-norm blocks of grouped-query attention with rotary position
+embeddings and a SwiGLU MLP, a final RMSNorm and a linear head. Parameter names follow the
+Hugging Face layout (``model.layers.0.self_attn.q_proj.weight``, ...) so a local HF checkpoint
+loads with no renaming (see ``hf_loader.py``).
+
+Two forward paths share every weight:
+
+* :meth:`LlamaForCausalLM.forward` is the engine's path. It takes a *flat* batch: the new tokens of
+  every scheduled request laid end to end (``input_ids[num_tokens]``, ``positions[num_tokens]``),
+  writes each token's key and value into the paged cache at its slot, and attends each query to
+  its request's cached context through the block table. Prefill chunks and decodes mix freely.
+* :meth:`LlamaForCausalLM.forward_reference` recomputes everything from scratch for a padded
+  ``[batch, seq]`` tensor with plain causal attention and no cache. It is the oracle of the
+  engine's correctness tests, and the path the training script uses.
+
+upstream: vllm/model_executor/models/llama.py:486 @ v0.11.0
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder. ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+
+    Field names follow the Hugging Face ``config.json`` of Llama/Qwen2 where one exists.
+    """
+
+    vocab_size: int = 258
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"ModelConfig: hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads}) for GQA."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim ({self.head_dim}) must be even for RoPE.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from a dict, ignoring keys this model does not use (an HF config has many)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 for stability, returned in the input dtype.
+
+    upstream: vllm/model_executor/layers/layernorm.py:134 @ v0.11.0
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.to(xf.dtype)).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, "NeoX" layout: rotate the two halves of each head.
+
+    Position ``p`` rotates the pair ``(x[i], x[i + d/2])`` by ``p * theta ** (-2i / d)``. The
+    rotation depends only on a token's own position, which is why a key cached at step ``t`` is
+    still valid at every later step: the cache stores keys *after* rotation.
+
+    upstream: vllm/model_executor/layers/rotary_embedding/base.py:16 @ v0.11.0
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        # Kept in float64 and cast on use, so float64 tests get exact-as-possible tables.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.max_position = max_position
+        self._cast: tuple[torch.dtype, torch.device, torch.Tensor, torch.Tensor] | None = None
+
+    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables in ``dtype``, cast once and reused (casting every call costs more than
+        the rotation itself on a small model)."""
+        if self._cast is None or self._cast[:2] != (dtype, self.cos.device):
+            self._cast = (dtype, self.cos.device, self.cos.to(dtype), self.sin.to(dtype))
+        return self._cast[2], self._cast[3]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x[..., num_tokens, heads, head_dim]`` by ``positions[..., num_tokens]``."""
+        if positions.numel() and int(positions.max()) >= self.max_position:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the model's "
+                f"max_position_embeddings ({self.max_position}); shorten the prompt or "
+                "max_tokens."
+            )
+        cos_table, sin_table = self._tables(x.dtype)
+        cos = cos_table[positions].unsqueeze(-2)  # [..., T, 1, d/2]
+        sin = sin_table[positions].unsqueeze(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``.
+
+    upstream: vllm/model_executor/models/llama.py:60 @ v0.11.0
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# An attention backend answers: "given the new tokens' q, k, v of one layer, this layer's paged
+# cache and the batch metadata, store k/v and return the attention output [num_tokens, H, D]".
+# The model runner supplies it, so the model never needs to know which kernels exist.
+AttentionBackend = Callable[..., torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention: ``num_heads`` query heads share ``num_kv_heads`` k/v heads.
+
+    upstream: vllm/model_executor/models/llama.py:103 @ v0.11.0
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, config.rope_theta
+        )
+
+    def _qkv(self, positions: torch.Tensor, x: torch.Tensor):
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        return self.rotary_emb(positions, q), self.rotary_emb(positions, k), v
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: Any,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Paged path: ``hidden_states[num_tokens, hidden]`` of a flat mixed batch."""
+        q, k, v = self._qkv(positions, hidden_states)
+        key_cache, value_cache = kv_cache
+        out = backend(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def forward_reference(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """No-cache path: ``x[batch, seq, hidden]``, plain causal attention over the sequence."""
+        q, k, v = self._qkv(positions, x)  # [B, T, H, D]
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    upstream: vllm/model_executor/models/llama.py:241 @ v0.11.0
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, attn_metadata, backend) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata,
+                               backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_reference(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_reference(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers and the final norm.
+
+    upstream: vllm/model_executor/models/llama.py:333 @ v0.11.0
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its language-model head.
+
+    upstream: vllm/model_executor/models/llama.py:486 @ v0.11.0
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: Any,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` of a flat batch, writing k/v into the caches.
+
+        ``kv_caches[i]`` is layer ``i``'s ``(key_cache, value_cache)``. Call
+        :meth:`compute_logits` on the rows whose next token you want; computing logits only for
+        those rows (one per request) is what keeps prefill cheap.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"got {len(kv_caches)} KV caches for a model with {len(self.model.layers)} layers."
+            )
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, kv_cache, attn_metadata, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the vocabulary, in float32 whatever the model dtype (for the sampler).
+
+        upstream: vllm/model_executor/models/llama.py:601 @ v0.11.0
+        """
+        logits = self.lm_head(hidden_states)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def forward_reference(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` (or ``[seq, vocab]`` for 1-D input), no cache at all.
+
+        Every position attends to all earlier positions of its own row; nothing is reused between
+        calls. Slow for generation (quadratic recomputation) and therefore obviously correct.
+        """
+        squeeze = input_ids.dim() == 1
+        ids = input_ids.unsqueeze(0) if squeeze else input_ids
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer.forward_reference(positions, x)
+        logits = self.compute_logits(self.model.norm(x))
+        return logits[0] if squeeze else logits
+
+
+def init_weights(model: LlamaForCausalLM, *, seed: int, std: float = 0.02) -> None:
+    """Deterministic random initialisation (GPT-2 style: residual outputs scaled by depth)."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = std / math.sqrt(2 * model.config.num_hidden_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                s = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * s)
+
+
+@torch.no_grad()
+def greedy_reference(
+    model: LlamaForCausalLM, prompt_ids: Sequence[int], max_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+) -> list[int]:
+    """Greedy continuation of one prompt by full recomputation: the engine's correctness oracle.
+
+    Each step runs :meth:`LlamaForCausalLM.forward_reference` on the whole sequence so far and
+    appends the argmax of the last row. Stops after ``max_tokens`` or on a stop token (included).
+    """
+    ids = list(prompt_ids)
+    out: list[int] = []
+    device = next(model.parameters()).device
+    for _ in range(max_tokens):
+        logits = model.forward_reference(torch.tensor(ids, device=device))
+        tok = int(torch.argmax(logits[-1]))
+        out.append(tok)
+        ids.append(tok)
+        if tok in stop_token_ids:
+            break
+    return out

@@ -1,0 +1,411 @@
+"""The model runner: owns the KV cache tensors and turns a ``SchedulerOutput`` into sampled tokens.
+
+One call of :meth:`ModelRunner.execute_model` does, in order:
+
+1. **update states** -- apply the scheduler's diff to the runner's own copy of every live
+   request: forget finished requests, remember new ones, append new block ids (or *replace* the
+   whole table of a request resumed after preemption), take over ``num_computed_tokens``;
+2. **swap and copy** -- copy preempted requests' blocks to the CPU pool (swap-out), then parked
+   blocks back (swap-in), then in-cache copies, all *before* the forward pass reads the cache;
+3. **prepare inputs** -- order the batch decodes-first and build the flat ``input_ids`` and the
+   attention metadata (positions, slot mapping, block tables) with
+   :func:`mini_vllm.attention.metadata.build_attention_metadata`;
+4. **forward** -- the model writes every new token's K/V into its slot and attends through the
+   block tables (decodes with PagedAttention, prefill chunks with chunked-prefill attention);
+5. **sample** -- one logits row per request, the row of its *last* scheduled token, and only for
+   requests whose scheduled tokens reach the end of their sequence; a request still in the
+   middle of a chunked prefill samples nothing this step.
+
+The runner never decides anything: what runs, and where its KV goes, is the scheduler's call.
+
+upstream: vllm/v1/worker/gpu_model_runner.py:176 @ v0.11.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from mini_vllm.attention import cache_ops, paged_attn
+from mini_vllm.attention.chunked_prefill import chunked_prefill_attention
+from mini_vllm.attention.metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+    reorder_batch_to_split_decodes_and_prefills,
+)
+from mini_vllm.model import LlamaForCausalLM
+from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+__all__ = [
+    "CachedRequestState",
+    "ModelRunner",
+    "ModelRunnerBase",
+    "PagedAttentionBackend",
+    "RunnerStats",
+]
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of one live request.
+
+    ``token_ids`` is prompt + every token sampled so far (the runner appends its own samples, so
+    the scheduler never has to send them back); ``block_ids`` is the request's block table;
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache *before* the current step.
+
+    upstream: vllm/v1/worker/gpu_input_batch.py:29 @ v0.11.0
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class RunnerStats:
+    """Counters of the work done (for the engine statistics and the benchmarks)."""
+
+    num_forward_passes: int = 0
+    num_tokens_computed: int = 0
+    # Tokens computed at prompt positions: the prefill work that prefix caching saves.
+    num_prompt_tokens_computed: int = 0
+    num_tokens_sampled: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    model_seconds: list[float] = field(default_factory=list)
+
+
+def _prefill_part(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata of the prefill sequences only (they follow the decodes in the batch)."""
+    d, t = meta.num_decodes, meta.num_decode_tokens
+    return dataclasses.replace(
+        meta,
+        req_ids=meta.req_ids[d:],
+        num_reqs=meta.num_prefills,
+        num_actual_tokens=meta.num_prefill_tokens,
+        num_decodes=0,
+        num_decode_tokens=0,
+        query_start_loc=meta.query_start_loc[d:] - t,
+        seq_start_loc=meta.seq_start_loc[d:] - meta.seq_start_loc[d],
+        query_lens=meta.query_lens[d:],
+        seq_lens=meta.seq_lens[d:],
+        context_lens=meta.context_lens[d:],
+        positions=meta.positions[t:],
+        slot_mapping=meta.slot_mapping[t:],
+        block_tables=meta.block_tables[d:],
+        max_seq_len=meta.max_prefill_seq_len,
+        max_decode_seq_len=0,
+    )
+
+
+class PagedAttentionBackend:
+    """Store the step's K/V in the paged cache, then attend: PagedAttention for the decodes,
+    chunked-prefill attention for the prefill chunks (the batch is decodes-first).
+
+    Uses the CUDA kernels of ``mini_vllm.csrc`` when the cache is on a GPU and they are built;
+    the PyTorch ops of ``mini_vllm.attention`` otherwise (they compute the same thing).
+
+    upstream: vllm/attention/ops/chunked_prefill_paged_decode.py:227 @ v0.11.0
+    """
+
+    def __init__(self, num_kv_heads: int, cuda_ops: object | None = None) -> None:
+        self.num_kv_heads = num_kv_heads
+        self.cuda_ops = cuda_ops
+
+    def __call__(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+        ops = self.cuda_ops
+        if ops is not None and hasattr(ops, "reshape_and_cache"):
+            ops.reshape_and_cache(key, value, key_cache, value_cache,
+                                  meta.slot_mapping.to(key.device))
+        else:
+            cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        nd, nt = meta.num_decodes, meta.num_decode_tokens
+        if nd:
+            block_tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+            if ops is not None and hasattr(ops, "paged_attention_v1"):
+                decode_out = torch.empty_like(query[:nt])
+                ops.paged_attention_v1(
+                    decode_out, query[:nt].contiguous(), key_cache, value_cache,
+                    self.num_kv_heads, scale, block_tables.to(query.device),
+                    seq_lens.to(query.device), key_cache.shape[3], meta.max_decode_seq_len, None,
+                )
+                out[:nt] = decode_out
+            else:
+                out[:nt] = paged_attn.forward_decode(
+                    query[:nt], key_cache, value_cache, block_tables, seq_lens,
+                    meta.max_decode_seq_len, self.num_kv_heads, scale,
+                )
+        if meta.num_prefills:
+            out[nt:] = chunked_prefill_attention(
+                query[nt:], key_cache, value_cache, _prefill_part(meta), scale
+            )
+        return out
+
+
+def _load_cuda_ops(device: torch.device) -> object | None:
+    """The compiled kernels when the device is a GPU and they load; ``None`` otherwise."""
+    if device.type != "cuda":
+        return None
+    try:
+        from mini_vllm.csrc import cuda_ops_available
+    except ImportError:
+        return None
+    if not cuda_ops_available():
+        return None
+    # The checked wrappers (same signatures as the PyTorch ops), not the raw extension.
+    from mini_vllm.csrc import ops
+
+    return ops
+
+
+class ModelRunnerBase:
+    """The runner's state and plumbing: the caches, the attention backend, swaps and copies.
+
+    :class:`ModelRunner` adds the step itself (lab 03-04's tasks). Owns, per layer,
+    ``key_cache [num_gpu_blocks, KVH, D // x, block_size, x]`` and
+    ``value_cache [num_gpu_blocks, KVH, D, block_size]`` on the model's device, plus CPU pools
+    of the same layout with ``num_cpu_blocks`` blocks when swapping is enabled. Block 0 is the
+    null block: the scheduler never hands it out, so writing to it is a bug upstream of here.
+
+    upstream: vllm/v1/worker/gpu_model_runner.py:176 @ v0.11.0
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        eos_token_id: int | None = None,
+        use_cuda_ops: bool | None = None,
+    ) -> None:
+        cfg = model.config
+        param = next(model.parameters())
+        self.model = model
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.eos_token_id = eos_token_id
+        x = paged_attn.kv_cache_x(self.dtype)
+        if cfg.head_dim % x:
+            raise ValueError(
+                f"head_dim {cfg.head_dim} must be a multiple of x={x} for {self.dtype}"
+            )
+        kv_shape = (cfg.num_key_value_heads, cfg.head_dim // x, block_size, x)
+        v_shape = (cfg.num_key_value_heads, cfg.head_dim, block_size)
+
+        def pool(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [
+                (torch.zeros((n, *kv_shape), dtype=self.dtype, device=device),
+                 torch.zeros((n, *v_shape), dtype=self.dtype, device=device))
+                for _ in range(cfg.num_hidden_layers)
+            ]
+
+        self.kv_caches = pool(num_gpu_blocks, self.device)
+        self.cpu_kv_caches = pool(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else []
+        cuda_ops = _load_cuda_ops(self.device) if use_cuda_ops in (None, True) else None
+        if use_cuda_ops and cuda_ops is None:
+            raise RuntimeError("use_cuda_ops=True but the CUDA ops are not available here")
+        self.attn_backend = PagedAttentionBackend(cfg.num_key_value_heads, cuda_ops)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        # The persistent batch order (decodes first), carried from step to step.
+        self.batch_req_ids: list[str] = []
+        self.stats = RunnerStats()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the paged cache of every layer (keys and values)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in self.kv_caches)
+
+    def _execute_block_ops(self, scheduler_output: SchedulerOutput) -> None:
+        """Swap out, then swap in, then copy, so that the forward pass sees the final cache.
+
+        V0's worker runs swap-in first; mini_vllm's scheduler never swaps both ways in one step,
+        and swapping out first stays correct even if a block it frees were handed out at once.
+
+        upstream: vllm/worker/worker.py:512 @ v0.10.2
+        """
+        pairs = (
+            (scheduler_output.blocks_to_swap_out, self.kv_caches, self.cpu_kv_caches),
+            (scheduler_output.blocks_to_swap_in, self.cpu_kv_caches, self.kv_caches),
+        )
+        for mapping, src_pool, dst_pool in pairs:
+            if not mapping:
+                continue
+            if not self.cpu_kv_caches:
+                raise RuntimeError("the scheduler asked for a swap but the runner has no CPU pool")
+            m = torch.tensor(mapping, dtype=torch.int64)
+            for (src_k, src_v), (dst_k, dst_v) in zip(src_pool, dst_pool):
+                cache_ops.swap_blocks(src_k, dst_k, m)
+                cache_ops.swap_blocks(src_v, dst_v, m)
+        self.stats.num_blocks_swapped_out += len(scheduler_output.blocks_to_swap_out)
+        self.stats.num_blocks_swapped_in += len(scheduler_output.blocks_to_swap_in)
+        if scheduler_output.blocks_to_copy:
+            m = torch.tensor(scheduler_output.blocks_to_copy, dtype=torch.int64)
+            cache_ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], m)
+
+    def _account(self, meta: AttentionMetadata) -> None:
+        """Count the step's work for the statistics: tokens computed, and those at prompt
+        positions (the prefill work that prefix caching saves)."""
+        self.stats.num_forward_passes += 1
+        self.stats.num_tokens_computed += meta.num_actual_tokens
+        for i, req_id in enumerate(meta.req_ids):
+            ctx, seq = int(meta.context_lens[i]), int(meta.seq_lens[i])
+            prompt = self.requests[req_id].num_prompt_tokens
+            self.stats.num_prompt_tokens_computed += max(0, min(prompt, seq) - ctx)
+
+    def _stop_token_ids(self, state: CachedRequestState) -> list[int]:
+        """Tokens a request may not sample yet: its stop tokens (and EOS) before ``min_tokens``."""
+        p = state.sampling_params
+        if state.num_output_tokens >= p.min_tokens:
+            return []
+        stop_ids = list(p.stop_token_ids)
+        if self.eos_token_id is not None and not p.ignore_eos:
+            stop_ids.append(self.eos_token_id)
+        return stop_ids
+
+    def _new_request_state(self, new: NewRequestData) -> CachedRequestState:
+        """The runner's record of a request it sees for the first time (with its own RNG when
+        it is seeded, so its samples do not depend on the rest of the batch)."""
+        params = new.sampling_params or SamplingParams(temperature=0.0)
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        return CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=params,
+            block_ids=list(new.block_ids[0]),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=generator,
+        )
+
+
+class ModelRunner(ModelRunnerBase):
+    """Run scheduled steps of the model over the paged KV cache (see the module docstring).
+
+    upstream: vllm/v1/worker/gpu_model_runner.py:176 @ v0.11.0
+    """
+
+    @torch.no_grad()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step and return the tokens sampled for each scheduled request.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2231 @ v0.11.0
+        """
+        self._update_states(scheduler_output)
+        self._execute_block_ops(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        input_ids, meta = self._prepare_inputs(scheduler_output)
+        self._account(meta)
+        hidden = self.model(
+            input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
+        )
+        sampled = self._sample(hidden, meta)
+        return ModelRunnerOutput(
+            req_ids=list(meta.req_ids),
+            req_id_to_index={r: i for i, r in enumerate(meta.req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to ``self.requests`` (see the module docstring, step 1).
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:526 @ v0.11.0
+        """
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.req_id] = self._new_request_state(new)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                # The request lost its blocks when it was preempted: its table starts over.
+                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+            elif new_block_ids is not None:
+                state.block_ids.extend(new_block_ids[0])
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+        """Order the batch decodes-first and build ``input_ids`` and the attention metadata.
+
+        Returns ``(input_ids[num_tokens], metadata)``: request ``r``'s rows are its tokens at
+        positions ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)``.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:923 @ v0.11.0
+        """
+        scheduled = scheduler_output.num_scheduled_tokens
+        # Keep the previous order for requests still scheduled; newcomers join at the back.
+        order = [r for r in self.batch_req_ids if r in scheduled]
+        known = set(order)
+        order += [r for r in scheduler_output.scheduled_req_ids if r not in known]
+        reorder_batch_to_split_decodes_and_prefills(order, scheduled)
+        self.batch_req_ids = order
+
+        states = [self.requests[r] for r in order]
+        meta = build_attention_metadata(
+            order,
+            scheduled,
+            {s.req_id: s.num_computed_tokens for s in states},
+            {s.req_id: s.block_ids for s in states},
+            self.block_size,
+        )
+        input_ids: list[int] = []
+        for s in states:
+            start = s.num_computed_tokens
+            input_ids.extend(s.token_ids[start : start + scheduled[s.req_id]])
+        return torch.tensor(input_ids, dtype=torch.long, device=self.device), meta
+
+    def _sample(self, hidden: torch.Tensor, meta: AttentionMetadata) -> list[list[int]]:
+        """Sample one token for every request whose step reaches the end of its sequence.
+
+        The logits row of request ``i`` is its *last* scheduled token, ``query_start_loc[i+1] -
+        1``. Returns one list per request in batch order: ``[token]`` or ``[]`` (mid-prefill).
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2054 @ v0.11.0
+        """
+        rows, states = [], []
+        for i, req_id in enumerate(meta.req_ids):
+            state = self.requests[req_id]
+            if int(meta.seq_lens[i]) >= state.num_tokens:
+                rows.append(int(meta.query_start_loc[i + 1]) - 1)
+                states.append(state)
+        sampled: list[list[int]] = [[] for _ in meta.req_ids]
+        if not rows:
+            return sampled
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        sampling_meta = SamplingMetadata.from_params(
+            [s.sampling_params for s in states],
+            generators={j: s.generator for j, s in enumerate(states) if s.generator is not None},
+            banned_token_ids=[self._stop_token_ids(s) for s in states],
+        )
+        tokens = self.sampler(logits, sampling_meta).tolist()
+        index = {r: i for i, r in enumerate(meta.req_ids)}
+        for state, token in zip(states, tokens):
+            state.token_ids.append(int(token))
+            sampled[index[state.req_id]] = [int(token)]
+        return sampled

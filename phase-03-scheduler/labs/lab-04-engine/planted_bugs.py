@@ -1,0 +1,87 @@
+"""Known-wrong edits of the engine step that the tests of lab 03-04 must reject."""
+
+from course.bugs import PlantedBug
+
+BUGS = [
+    PlantedBug(
+        name="stale-num-computed-tokens",
+        description="the runner never advances num_computed_tokens from the scheduler's diff, "
+        "so every later step re-reads the first tokens at the first positions",
+        file="mini_vllm/model_runner.py",
+        find="state.num_computed_tokens = cached.num_computed_tokens[i]",
+        replace="state.num_computed_tokens = state.num_computed_tokens",
+    ),
+    PlantedBug(
+        name="first-row-logits",
+        description="samples from the logits of each request's first scheduled token instead "
+        "of its last",
+        file="mini_vllm/model_runner.py",
+        find="rows.append(int(meta.query_start_loc[i + 1]) - 1)",
+        replace="rows.append(int(meta.query_start_loc[i]))",
+    ),
+    PlantedBug(
+        name="sample-mid-prefill",
+        description="samples a token after every chunk of a chunked prefill, not only once "
+        "the whole prompt is in the cache",
+        file="mini_vllm/model_runner.py",
+        find="if int(meta.seq_lens[i]) >= state.num_tokens:",
+        replace="if True:",
+    ),
+    PlantedBug(
+        name="resumed-request-keeps-old-table",
+        description="a request resumed after preemption appends its new blocks to the table "
+        "it lost instead of replacing it",
+        file="mini_vllm/model_runner.py",
+        find="if cached.resumed_from_preemption[i]:",
+        replace="if False:",
+    ),
+    PlantedBug(
+        name="input-ids-from-position-zero",
+        description="the batch takes each request's tokens from the start of the sequence "
+        "rather than from its num_computed_tokens",
+        file="mini_vllm/model_runner.py",
+        find="input_ids.extend(s.token_ids[start : start + scheduled[s.req_id]])",
+        replace="input_ids.extend(s.token_ids[0 : scheduled[s.req_id]])",
+    ),
+    PlantedBug(
+        name="finished-requests-never-dropped",
+        description="the runner keeps the state of finished requests forever",
+        file="mini_vllm/model_runner.py",
+        find="self.requests.pop(req_id, None)",
+        replace="self.requests.get(req_id)",
+    ),
+    PlantedBug(
+        name="swap-after-forward",
+        description="blocks are swapped in after the forward pass instead of before it, so a "
+        "request resumed from swap attends to stale cache blocks",
+        file="mini_vllm/model_runner.py",
+        find="""        self._update_states(scheduler_output)
+        self._execute_block_ops(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        input_ids, meta = self._prepare_inputs(scheduler_output)
+        self._account(meta)
+        hidden = self.model(
+            input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
+        )""",
+        replace="""        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self._execute_block_ops(scheduler_output)
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        input_ids, meta = self._prepare_inputs(scheduler_output)
+        self._account(meta)
+        hidden = self.model(
+            input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
+        )
+        self._execute_block_ops(scheduler_output)""",
+    ),
+    PlantedBug(
+        name="idle-step-schedules",
+        description="step() schedules (and counts a step) even when no request is left",
+        file="mini_vllm/llm.py",
+        find="""        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()""",
+        replace="""        scheduler_output = self.scheduler.schedule()""",
+    ),
+]

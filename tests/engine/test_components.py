@@ -1,0 +1,194 @@
+"""The engine's parts on their own: tokenizer, sampler, model paths, checkpoint loading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from course.numerics import assert_close
+from mini_vllm.attention.metadata import build_attention_metadata
+from mini_vllm.hf_loader import config_from_hf, load_checkpoint
+from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+from mini_vllm.model_runner import ModelRunner
+from mini_vllm.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.tokenizer import ByteTokenizer
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+@given(st.text())
+def test_tokenizer_round_trips_any_text(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode(text, add_bos=True) + [tok.eos_token_id]) == text
+
+
+def test_tokenizer_rejects_ids_outside_the_vocabulary():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ByteTokenizer().decode([65, 300])
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+def _meta(params, generators=None, banned=None):
+    return SamplingMetadata.from_params(params, generators or {}, banned)
+
+
+def test_greedy_rows_take_the_argmax_and_random_rows_stay_in_top_k():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_k=1)]
+    torch.manual_seed(0)
+    for _ in range(20):
+        out = Sampler()(logits, _meta(params))
+        assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+        assert int(out[1]) in logits[1].topk(3).indices.tolist()
+        assert out[3] == logits[3].argmax(), "top_k=1 is greedy whatever the temperature"
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.7]))
+    assert torch.isfinite(kept[0]).tolist() == [True, True, False, False]
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.5]))
+    assert torch.isfinite(kept[0]).tolist() == [True, False, False, False]
+    kept = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(kept[0]).tolist() == [True, True, False, False]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(4000, 3).contiguous()
+    torch.manual_seed(1)
+    out = Sampler()(logits, _meta([SamplingParams(temperature=1.0)] * 4000))
+    freq = torch.bincount(out, minlength=3).float() / 4000
+    # 4000 draws: the standard error of each frequency is below 0.008; allow five of them.
+    assert_close(freq, probs, atol=0.04, rtol=0.0)
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.0)] * 3
+
+    def draw(row, batch_rows):
+        g = torch.Generator().manual_seed(42)
+        out = Sampler()(logits[batch_rows], _meta(params[: len(batch_rows)],
+                                                  {batch_rows.index(row): g}))
+        return int(out[batch_rows.index(row)])
+
+    assert draw(1, [1]) == draw(1, [0, 1, 2]) == draw(1, [2, 1])
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.zeros(1, 5)
+    logits[0, 3] = 10.0
+    out = Sampler()(logits, _meta([SamplingParams(temperature=0.0)], banned=[[3]]))
+    assert int(out[0]) != 3
+
+
+def test_sampler_rejects_a_row_count_mismatch():
+    with pytest.raises(ValueError, match="one row per request"):
+        Sampler()(torch.zeros(2, 5), _meta([SamplingParams(temperature=0.0)]))
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def test_paged_forward_equals_the_no_cache_forward(tiny_model, prompts):
+    """Two chunks of one prompt through the paged cache give the reference's logits."""
+    prompt = prompts[4]
+    runner = ModelRunner(tiny_model, block_size=4, num_gpu_blocks=32)
+    blocks = list(range(1, 1 + -(-len(prompt) // 4)))
+    ref = tiny_model.forward_reference(torch.tensor(prompt))
+    got = []
+    for start, end in ((0, 17), (17, len(prompt))):
+        meta = build_attention_metadata(["r"], {"r": end - start}, {"r": start}, {"r": blocks}, 4)
+        hidden = tiny_model(torch.tensor(prompt[start:end]), meta.positions, runner.kv_caches,
+                            meta, runner.attn_backend)
+        got.append(tiny_model.compute_logits(hidden))
+    assert_close(torch.cat(got), ref, msg="chunked paged prefill vs no-cache forward")
+
+
+def test_model_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        ModelConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(hidden_size=30, num_attention_heads=4)
+
+
+def test_positions_beyond_the_model_are_an_error(tiny_model):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tiny_model.forward_reference(torch.zeros(300, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _write_hf(tmp_path, model_type, *, tie=False):
+    from safetensors.torch import save_file
+
+    hf = {
+        "model_type": model_type, "vocab_size": 48, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
+        "max_position_embeddings": 128, "rope_theta": 1000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie, "hidden_act": "silu",
+    }
+    src = LlamaForCausalLM(config_from_hf(hf))
+    init_weights(src, seed=5, std=0.3)
+    with torch.no_grad():
+        for name, p in src.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(6))
+    state = {k: v.contiguous() for k, v in src.state_dict().items()}
+    if tie:
+        state.pop("lm_head.weight")
+    # Split over two shards, as large HF checkpoints are.
+    names = sorted(state)
+    save_file({k: state[k] for k in names[::2]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({k: state[k] for k in names[1::2]},
+              str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return src
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True)])
+def test_hf_checkpoint_loads_and_matches(tmp_path, model_type, tie):
+    src = _write_hf(tmp_path, model_type, tie=tie)
+    model = load_checkpoint(tmp_path)
+    assert model.config.attention_bias == (model_type == "qwen2")
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    assert_close(model.forward_reference(ids), src.forward_reference(ids))
+
+
+def test_hf_loader_refuses_what_it_cannot_run(tmp_path):
+    _write_hf(tmp_path, "llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match="rope_scaling"):
+        config_from_hf({**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(ValueError, match="model_type"):
+        config_from_hf({**cfg, "model_type": "gpt2"})
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_checkpoint(tmp_path / "empty")
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="lacks"):
+        load_checkpoint(tmp_path)
+
+
+def test_import_mini_vllm_does_not_import_torch():
+    code = "import sys, mini_vllm; assert 'torch' not in sys.modules; print(mini_vllm.__all__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
