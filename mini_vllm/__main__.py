@@ -5,6 +5,8 @@ Examples::
     python -m mini_vllm generate "HAMLET.\n"
     python -m mini_vllm generate "KING.\n" "QUEEN.\n" --max-tokens 200 --temperature 0.8 --seed 1
     python -m mini_vllm generate "Ber.\n" --model path/to/hf_llama_dir --block-size 32
+
+upstream: none (vLLM's command line is `vllm serve`/`vllm bench`; this is a demo of the engine)
 """
 
 from __future__ import annotations

@@ -31,7 +31,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """Translate a Hugging Face ``config.json`` dict, refusing features this model lacks."""
+    """Translate a Hugging Face ``config.json`` dict, refusing features this model lacks.
+
+    upstream: none (vLLM reads the config through transformers' AutoConfig)
+    """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

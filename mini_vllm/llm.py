@@ -121,7 +121,10 @@ class EngineConfig:
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
-    """Bytes of one KV block over all layers: keys and values of ``block_size`` tokens."""
+    """Bytes of one KV block over all layers: keys and values of ``block_size`` tokens.
+
+    upstream: none (vLLM sizes pages per layer spec; one full-attention group needs one formula)
+    """
     cfg = model.config
     elem = next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * elem
@@ -134,6 +137,8 @@ class EngineStats:
     ``kv_blocks_in_use`` is the count after the last step; ``peak_kv_blocks_in_use`` the
     largest count seen after any step. The prefix-cache hit rate is over every lookup (tokens
     hit / tokens queried).
+
+    upstream: none (vLLM reports these through vllm/v1/metrics)
     """
 
     num_steps: int = 0
@@ -182,6 +187,8 @@ class EngineCoreBase:
     """A scheduler and a model runner side by side; :class:`EngineCore` adds the step.
 
     ``runner_cls`` is the runner class to build (lab 03-04 plugs the student's in).
+
+    upstream: vllm/v1/engine/core.py:63 @ v0.11.0
     """
 
     runner_cls: type = ModelRunner
@@ -304,7 +311,10 @@ class RequestOutput:
 
 
 def load_default_model(device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """The tiny Shakespeare model shipped in ``mini_vllm/checkpoints/``."""
+    """The tiny Shakespeare model shipped in ``mini_vllm/checkpoints/``.
+
+    upstream: none (course-only: the model this course trains and ships)
+    """
     from mini_vllm.hf_loader import load_checkpoint
 
     return load_checkpoint(DEFAULT_CHECKPOINT, device=device)

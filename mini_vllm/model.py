@@ -38,6 +38,8 @@ class ModelConfig:
     """Shape of the decoder. ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
 
     Field names follow the Hugging Face ``config.json`` of Llama/Qwen2 where one exists.
+
+    upstream: none (vLLM takes the model's Hugging Face config as it is)
     """
 
     vocab_size: int = 258
@@ -324,7 +326,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def init_weights(model: LlamaForCausalLM, *, seed: int, std: float = 0.02) -> None:
-    """Deterministic random initialisation (GPT-2 style: residual outputs scaled by depth)."""
+    """Deterministic random initialisation (GPT-2 style: residual outputs scaled by depth).
+
+    upstream: none (vLLM only serves trained weights)
+    """
     gen = torch.Generator().manual_seed(seed)
     residual_std = std / math.sqrt(2 * model.config.num_hidden_layers)
     with torch.no_grad():
@@ -347,6 +352,8 @@ def greedy_reference(
 
     Each step runs :meth:`LlamaForCausalLM.forward_reference` on the whole sequence so far and
     appends the argmax of the last row. Stops after ``max_tokens`` or on a stop token (included).
+
+    upstream: none (vLLM's tests compare with Hugging Face generate, which plays this role)
     """
     ids = list(prompt_ids)
     out: list[int] = []

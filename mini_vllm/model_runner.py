@@ -79,7 +79,10 @@ class CachedRequestState:
 
 @dataclass
 class RunnerStats:
-    """Counters of the work done (for the engine statistics and the benchmarks)."""
+    """Counters of the work done (for the engine statistics and the benchmarks).
+
+    upstream: none (vLLM reports these through its metrics loggers)
+    """
 
     num_forward_passes: int = 0
     num_tokens_computed: int = 0

@@ -21,6 +21,8 @@ class ByteTokenizer:
     Invariants: ``vocab_size == 258``; ``encode`` returns ids in ``[0, 256)`` (plus the BOS id in
     front when asked); ``decode`` skips special ids and replaces byte sequences that are not valid
     UTF-8 (a generation cut in the middle of a character) with U+FFFD rather than failing.
+
+    upstream: none (vLLM uses the model's Hugging Face tokenizer; this one needs no download)
     """
 
     bos_token_id: int = NUM_BYTES
