@@ -365,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv = ["status", *argv]
+    commands = ("status", "grade", "check", "list", "refs")
+    if not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help")):
+        argv = ["status", *argv]  # `python -m course [labs] [options]` is the dashboard
     args = parser.parse_args(argv)
     if getattr(args, "labs_opt", None):
         args.labs = [*args.labs, *args.labs_opt]

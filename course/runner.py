@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,9 +70,15 @@ class LabRun:
 
     @property
     def next_step(self) -> str:
-        for t in self.tests:
-            if t["outcome"] == "not_implemented":
-                return t["message"].replace("NOT IMPLEMENTED  ", "").split("  (")[0]
+        """The lowest-numbered task still unwritten, else the first failing graded test."""
+        todo = [
+            t["message"].replace("NOT IMPLEMENTED  ", "").split("  (")[0]
+            for t in self.tests
+            if t["outcome"] == "not_implemented"
+        ]
+        if todo:
+            return min(todo, key=lambda m: int(m.split("task ")[1].split(":")[0])
+                       if re.search(r"task \d+:", m) else 1 << 30)
         for t in self.tests:
             if t["outcome"] == "failed" and not t["starter_ok"]:
                 return f"fix {t['nodeid'].split('::', 1)[-1]}"
