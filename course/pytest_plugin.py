@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -37,8 +38,12 @@ def pytest_addoption(parser):
 def _register_hypothesis_profiles() -> None:
     try:
         from hypothesis import HealthCheck, settings
+        from hypothesis.configuration import set_hypothesis_home_dir
     except ImportError:  # pragma: no cover - hypothesis is a pinned requirement
         return
+    # Hypothesis keeps caches under .hypothesis/ in the working directory; tests write nothing
+    # into the repository, so it goes to the system's temporary folder instead.
+    set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "mini_vllm-hypothesis")
     common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
     # Derandomized: every run (a student's, CI's, an instructor's grading) explores the same cases.
     settings.register_profile(
