@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
@@ -60,14 +61,22 @@ def _workers(n: int | None) -> int:
     return max(1, n or min(2, os.cpu_count() or 1))
 
 
-def run_labs(labs: list[Lab], impl: str, jobs: int, junit_dir: Path | None = None) -> list[LabRun]:
+def run_labs(
+    labs: list[Lab],
+    impl: str,
+    jobs: int,
+    junit_dir: Path | None = None,
+    root: Path = REPO_ROOT,
+    env_for: dict[str, dict[str, str]] | None = None,
+) -> list[LabRun]:
     progress = Progress(len(labs), f"running ({impl})")
     runs: dict[str, LabRun] = {}
     with ThreadPoolExecutor(_workers(jobs)) as pool:
         futures = {}
         for lab in labs:
             junit = junit_dir / f"lab-{lab.id}.xml" if junit_dir else None
-            futures[pool.submit(run_lab, lab, impl, junit=junit)] = lab
+            env = (env_for or {}).get(lab.id)
+            futures[pool.submit(run_lab, lab, impl, junit=junit, root=root, extra_env=env)] = lab
             progress.started(lab.id)
         for fut in as_completed(futures):
             run = fut.result()
@@ -130,17 +139,39 @@ def _git_revision() -> str:
 
 
 def cmd_grade(args) -> int:
-    out = Path(args.out)
+    from course.grading import given_names, overlay_submission
+    from course.pytest_plugin import GIVEN_ENV
+
+    out = Path(args.out).resolve()
     junit_dir = out / "junit"
     junit_dir.mkdir(parents=True, exist_ok=True)
     labs = select(discover(), args.labs)
-    runs = run_labs(labs, args.impl, args.jobs, junit_dir)
+    with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
+        if args.submission:
+            root, taken = overlay_submission(Path(args.submission).resolve(), Path(tmp), labs)
+            print(
+                f"Grading {len(taken)} starter file(s) from {args.submission} against this "
+                f"checkout's tests.",
+                file=sys.stderr,
+            )
+            env_for = {lab.id: {GIVEN_ENV: json.dumps(given_names(lab))} for lab in labs}
+        else:
+            root, taken, env_for = REPO_ROOT, None, None
+            print(
+                "Grading in place: tests and tooling come from this checkout. To grade a "
+                "student's work against the published tests, run this from a clean copy of the "
+                "course with --submission STUDENT_DIR.",
+                file=sys.stderr,
+            )
+        runs = run_labs(labs, args.impl, args.jobs, junit_dir, root=root, env_for=env_for)
     report = {
         "course": "mini_vllm",
         "impl": args.impl,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "revision": _git_revision(),
         "python": platform.python_version(),
+        "submission": str(Path(args.submission).resolve()) if args.submission else None,
+        "files_graded": taken,
         "labs": [],
     }
     total_got = total_max = 0.0
@@ -162,13 +193,14 @@ def cmd_grade(args) -> int:
                 "points": got,
                 "max_points": maximum,
                 "junit": f"junit/lab-{r.lab.id}.xml",
+                "uses_reference": r.reexported,
                 "tests": [
                     {
                         "id": t["nodeid"],
                         "outcome": t["outcome"],
                         "graded": not t["starter_ok"],
                         "points": t["points"]
-                        if t["outcome"] == "passed" and not t["starter_ok"]
+                        if t["outcome"] == "passed" and not t["starter_ok"] and not r.reexported
                         else 0.0,
                         "max_points": 0.0 if t["starter_ok"] else t["points"],
                         "message": t["message"],
@@ -194,6 +226,12 @@ def cmd_grade(args) -> int:
     text += f"\n\nTotal: {total_got:g} / {total_max:g} points"
     (out / "grades.txt").write_text(text + "\n", encoding="utf-8")
     print(text)
+    for r in runs:
+        if r.reexported:
+            print(
+                f"\nlab {r.lab.id}: starter.py takes {', '.join(r.reexported)} from the reference "
+                f"solution instead of implementing it; the lab scores 0."
+            )
     print(f"\nWrote {out / 'grades.json'}, {out / 'grades.txt'} and {junit_dir}/lab-*.xml")
     # Only a broken grader is an error; a student's failing or crashing code is a score.
     missing_results = [r for r in runs if r.exit_code not in (0, 1)]
@@ -336,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("grade", help="grade for CI: grades.json, grades.txt, JUnit XML per lab")
     labs_and_jobs(p)
     p.add_argument("--out", required=True, help="folder for the report")
+    p.add_argument(
+        "--submission",
+        metavar="DIR",
+        help="a student's checkout: grade its starter files against this checkout's "
+        "tests (recommended; without it the grade runs in place)",
+    )
     p.add_argument("--impl", choices=("starter", "solution"), default="starter")
     p.set_defaults(func=cmd_grade)
 

@@ -22,7 +22,7 @@ from course.loader import load_module
 from course.refs import check_consistency
 from course.runner import LabRun, run_lab
 
-_COPY_IGNORE = shutil.ignore_patterns(
+copy_ignore = shutil.ignore_patterns(
     ".git",
     ".venv",
     "__pycache__",
@@ -129,7 +129,7 @@ def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT)
         return BugResult(bug, "not checked", "needs a CUDA GPU")
     with tempfile.TemporaryDirectory(prefix="course-bug-") as tmp:
         copy = Path(tmp) / "repo"
-        shutil.copytree(root, copy, ignore=_COPY_IGNORE)
+        shutil.copytree(root, copy, ignore=copy_ignore)
         bug.apply(copy)
         run = run_lab(lab, "solution", root=copy, extra_args=("-x",))
     failed = run.by_outcome("failed", "not_implemented", graded=False)

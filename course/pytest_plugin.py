@@ -14,13 +14,15 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import pytest
 
-from course.loader import ENV_VAR, LabImplError, chosen_impl
+from course.labs import lab_for_path
+from course.loader import ENV_VAR, LabImplError, chosen_impl, load_module
 
 TASK_RE = re.compile(r"lab (\d\d-\d\d), task (\d+)")
 NOT_IMPLEMENTED = "not_implemented"
@@ -223,10 +225,39 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     )
 
 
+GIVEN_ENV = "COURSE_GIVEN_NAMES"
+
+
+def _reexported_names() -> list[str]:
+    """Names of a loaded starter that are the very objects of the reference solution.
+
+    The untouched starter takes some helpers from mini_vllm on purpose; `python -m course grade`
+    lists those in COURSE_GIVEN_NAMES. Any other name that is identical to the solution's object
+    means the starter imports the answer instead of implementing it.
+    """
+    given = os.environ.get(GIVEN_ENV)
+    if given is None or chosen_impl() != "starter":
+        return []
+    allowed = set(json.loads(given))
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not (name.startswith("course_labs.") and name.endswith(".starter")):
+            continue
+        lab_dir = Path(module.__file__).parent
+        try:
+            solution = load_module(lab_dir, "solution", lab_for_path(lab_dir).id)
+        except Exception:
+            continue
+        for attr in getattr(module, "__all__", ()):
+            obj = getattr(module, attr, None)
+            if attr not in allowed and obj is not None and obj is getattr(solution, attr, None):
+                found.append(attr)
+    return sorted(found)
+
+
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--course-results")
     if not path:
         return
-    Path(path).write_text(
-        json.dumps({"exitstatus": int(exitstatus), "tests": _RESULTS}, indent=1), encoding="utf-8"
-    )
+    report = {"exitstatus": int(exitstatus), "tests": _RESULTS, "reexported": _reexported_names()}
+    Path(path).write_text(json.dumps(report, indent=1), encoding="utf-8")

@@ -27,6 +27,8 @@ class LabRun:
     tests: list[dict] = field(default_factory=list)
     output: str = ""
     seconds: float = 0.0
+    # Names the student's starter takes from the reference instead of writing (see grade).
+    reexported: list[str] = field(default_factory=list)
 
     @property
     def broken(self) -> bool:
@@ -56,12 +58,16 @@ class LabRun:
     def points(self) -> tuple[float, float]:
         graded = self.graded
         got = sum(t["points"] for t in graded if t["outcome"] == "passed")
+        if self.reexported:
+            got = 0.0  # the tests passed on the reference's code, not the student's
         return got, sum(t["points"] for t in graded)
 
     @property
     def status(self) -> str:
         if self.broken:
             return "error"
+        if self.reexported:
+            return "uses the reference"
         if self.total == 0:
             return "skipped"
         if self.passed == self.total:
@@ -77,8 +83,14 @@ class LabRun:
             if t["outcome"] == "not_implemented"
         ]
         if todo:
-            return min(todo, key=lambda m: int(m.split("task ")[1].split(":")[0])
-                       if re.search(r"task \d+:", m) else 1 << 30)
+            return min(
+                todo,
+                key=lambda m: (
+                    int(m.split("task ")[1].split(":")[0])
+                    if re.search(r"task \d+:", m)
+                    else 1 << 30
+                ),
+            )
         for t in self.tests:
             if t["outcome"] == "failed" and not t["starter_ok"]:
                 return f"fix {t['nodeid'].split('::', 1)[-1]}"
@@ -92,6 +104,7 @@ def run_lab(
     root: Path = REPO_ROOT,
     junit: Path | None = None,
     extra_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
     timeout: float = 1800,
 ) -> LabRun:
     """Run `lab`'s test file against `impl` with `root` as the working directory."""
@@ -114,6 +127,7 @@ def run_lab(
         # Labs run two at a time; one thread each keeps torch from oversubscribing the cores.
         env = dict(os.environ, LAB_IMPL=impl, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(extra_env or {})
         start = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -123,5 +137,7 @@ def run_lab(
         except subprocess.TimeoutExpired as exc:
             code, output = -1, f"timed out after {timeout:.0f} s\n{exc.stdout or ''}"
         seconds = time.perf_counter() - start
-        tests = json.loads(results.read_text())["tests"] if results.is_file() else []
-    return LabRun(lab, impl, code, tests, output, seconds)
+        data = json.loads(results.read_text()) if results.is_file() else {}
+    return LabRun(
+        lab, impl, code, data.get("tests", []), output, seconds, data.get("reexported", [])
+    )

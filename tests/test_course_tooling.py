@@ -145,6 +145,61 @@ def test_grade_writes_json_and_junit_and_exits_zero_on_a_low_score(demo):
     assert "<testsuite" in (out / "junit" / "lab-09-01.xml").read_text()
 
 
+def test_grade_a_submission_against_the_published_tests(demo, tmp_path):
+    student = tmp_path / "student"
+    shutil.copytree(demo / LAB, student / LAB)
+    # The student implements add, and "fixes" the tests so that everything passes.
+    starter = student / LAB / "starter.py"
+    starter.write_text(
+        starter.read_text().replace(
+            'raise NotImplementedError("lab 09-01, task 1: implement add")', "return a + b"
+        )
+    )
+    (student / LAB / "test_lab.py").write_text("def test_bump():\n    pass\n")
+    out = demo / "grades"
+    proc = run(demo, "-m", "course", "grade", "--submission", str(student), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "grades.json").read_text())
+    assert report["files_graded"] == [f"{LAB}/starter.py"]
+    (lab,) = report["labs"]
+    outcomes = {t["id"].split("::")[-1]: t["outcome"] for t in lab["tests"]}
+    assert outcomes["test_add"] == "passed" and outcomes["test_bump"] == "not_implemented"
+    assert (lab["points"], lab["max_points"], lab["uses_reference"]) == (1, 3, [])
+    # The course's own files are untouched by grading.
+    assert "NotImplementedError" in (demo / LAB / "starter.py").read_text()
+
+
+def test_grade_gives_nothing_for_importing_the_reference(demo, tmp_path):
+    # The reference lives in a package, as mini_vllm does; the starter is meant to write add.
+    (demo / "demo_pkg").mkdir()
+    (demo / "demo_pkg" / "__init__.py").write_text("")
+    (demo / "demo_pkg" / "adder.py").write_text("def add(a, b):\n    return a + b\n")
+    solution = demo / LAB / "solution.py"
+    solution.write_text(
+        solution.read_text().replace(
+            "def add(a: int, b: int) -> int:\n    return a + b\n",
+            "from demo_pkg.adder import add\n",
+        )
+    )
+    student = tmp_path / "student"
+    shutil.copytree(demo / LAB, student / LAB)
+    starter = student / LAB / "starter.py"
+    starter.write_text(
+        starter.read_text().replace(
+            'def add(a: int, b: int) -> int:\n    raise NotImplementedError("lab 09-01, task 1: '
+            'implement add")\n',
+            "from demo_pkg.adder import add\n",
+        )
+    )
+    out = demo / "grades"
+    proc = run(demo, "-m", "course", "grade", "--submission", str(student), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lab,) = json.loads((out / "grades.json").read_text())["labs"]
+    assert lab["uses_reference"] == ["add"] and lab["status"] == "uses the reference"
+    assert lab["points"] == 0 and lab["passed"] == 1
+    assert "takes add from the reference solution" in proc.stdout
+
+
 def test_status_shows_progress_and_the_next_step(demo):
     sol = (demo / LAB / "solution.py").read_text()
     starter = demo / LAB / "starter.py"
