@@ -17,7 +17,7 @@ from pathlib import Path
 
 from course.api import compare
 from course.bugs import PlantedBug, load_bugs
-from course.labs import REPO_ROOT, Lab
+from course.labs import REPO_ROOT, Lab, lab_metadata
 from course.loader import load_module
 from course.refs import check_consistency
 from course.runner import LabRun, run_lab
@@ -167,9 +167,46 @@ def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -
     return check
 
 
+def check_metadata(labs: list[Lab]) -> list[str]:
+    """course/labs.toml has a table for every lab and none for a lab that does not exist; every
+    engine part is a name that both the starter and the solution export."""
+    try:
+        meta = lab_metadata()
+    except ValueError as exc:
+        return [str(exc)]
+    ids = {lab.id for lab in labs}
+    problems = [f"course/labs.toml: no table for lab {i}" for i in sorted(ids - set(meta))]
+    problems += [f"course/labs.toml: lab {i} does not exist" for i in sorted(set(meta) - ids)]
+    for lab in labs:
+        for name in lab.engine_parts:
+            for impl in ("starter", "solution"):
+                if name not in _exported_names(lab, impl):
+                    problems.append(
+                        f"course/labs.toml: lab {lab.id}: engine part {name!r} is not in "
+                        f"{impl}.py's __all__"
+                    )
+    return problems
+
+
+def _exported_names(lab: Lab, impl: str) -> set[str]:
+    """Names in a lab file's `__all__`, read from its source (nothing is imported)."""
+    import ast
+
+    tree = ast.parse((lab.path / f"{impl}.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {ast.literal_eval(e) for e in node.value.elts}
+    return set()
+
+
 def check_course() -> list[str]:
     """Checks that concern the course as a whole rather than one lab."""
-    return [f"upstream refs: {p}" for p in check_consistency(REPO_ROOT)]
+    from course.labs import discover
+
+    problems = [f"upstream refs: {p}" for p in check_consistency(REPO_ROOT)]
+    return problems + check_metadata(discover())
 
 
 def _tail(text: str, n: int = 15) -> str:

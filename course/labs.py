@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
+import tomllib
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+METADATA_PATH = Path(__file__).resolve().parent / "labs.toml"
 LAB_FILES = ("README.md", "starter.py", "solution.py", "test_lab.py")
 _PHASE_RE = re.compile(r"^phase-(\d\d)-[\w-]+$")
 _LAB_RE = re.compile(r"^lab-(\d\d)-[\w-]+$")
@@ -60,6 +63,39 @@ class Lab:
 
     def missing_files(self) -> list[str]:
         return [f for f in LAB_FILES if not (self.path / f).is_file()]
+
+    @property
+    def meta(self) -> dict:
+        """This lab's table in course/labs.toml (empty when it has none)."""
+        return lab_metadata().get(self.id, {})
+
+    @property
+    def points(self) -> float:
+        """The lab's weight in a grade (course/labs.toml)."""
+        return float(self.meta.get("points", 0))
+
+    @property
+    def engine_parts(self) -> tuple[str, ...]:
+        """Names of the starter that the composed engine takes from the student."""
+        return tuple(self.meta.get("engine", ()))
+
+
+@cache
+def lab_metadata(path: Path = METADATA_PATH) -> dict[str, dict]:
+    """course/labs.toml as {lab id: table}; a malformed file is an error naming it."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the lab metadata: {exc}") from exc
+    labs = data.get("lab", {})
+    for lab_id, table in labs.items():
+        points = table.get("points")
+        if not isinstance(points, (int, float)) or isinstance(points, bool) or points <= 0:
+            raise ValueError(f"{path}: lab {lab_id}: points must be a positive number")
+        names = table.get("engine", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{path}: lab {lab_id}: engine must be a list of names")
+    return labs
 
 
 def discover(root: Path = REPO_ROOT) -> list[Lab]:
