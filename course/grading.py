@@ -374,6 +374,7 @@ class RunContext:
     test_timeout: float = 60.0
     lab_timeout: float = 900.0
     kill_grace: float = 5.0
+    skip_untouched: bool = True
 
 
 class LabUnit:
@@ -395,6 +396,15 @@ class LabUnit:
         lab = self.lab
         result = UnitResult(self.id, self.title, self.kind, lab.rel, max_points=self.max_points)
         result.flags.extend(sub.lab_flags.get(lab.id, []))
+        if ctx.skip_untouched and not any(r.startswith(lab.rel + "/") for r in sub.files):
+            # The published starter fails every graded test (`course check` proves it): no need
+            # to run it to know that the lab scores 0.
+            for t in self.graded:
+                result.tests.append(TestScore(
+                    t["nodeid"], t["tier"], "not_implemented", 0.0, self.test_max[t["nodeid"]],
+                    "not started: the submission leaves this lab's starter as published"))
+            result.status = "not started"
+            return result
         ws = sandbox.Workspace(ctx.work, ctx.iso)
         try:
             snap = ctx.instructor.snapshot
@@ -621,8 +631,10 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
         # Never hide a folder that holds the workspaces or the Python environment.
         keep = (work, Path(sys.executable).parent)
         hide = [h for h in hide if not any(k == h or h in k.parents for k in keep)]
+        in_place = any(p.resolve() == instructor.root for _, p in paths)
         ctx = RunContext(instructor, iso, work, hide, opts.impl, opts.test_timeout,
-                         opts.lab_timeout, kill_grace=min(5.0, max(1.0, opts.test_timeout / 2)))
+                         opts.lab_timeout, kill_grace=min(5.0, max(1.0, opts.test_timeout / 2)),
+                         skip_untouched=opts.impl == "starter" and not in_place)
         results: dict[str, dict[str, UnitResult]] = {s.name: {} for s in subs}
         lock = threading.Lock()
 

@@ -269,27 +269,29 @@ def build_grading_fixture(dest: Path) -> tuple[Path, Path]:
 
 
 # What each fixture submission may score at most, per lab (09-01 is worth 10, 09-02 6), and the
-# flag its report must carry. The honest one must score exactly its maximum.
+# flag its report must carry. Submissions that leave 09-02 as published score 0 there without a
+# run; the honest one, and those whose attack aims at the next lab (conftest-append) or at the
+# reports of the whole session (report-plugin), have their own 09-02 and must keep its 6 points.
 GRADING_EXPECTATIONS = {
     # name: (09-01 points, 09-02 cpu points, a substring the flags must contain or "")
     "honest": (10.0, 6.0, ""),
-    "exit-at-import": (0.0, 6.0, "os._exit"),
-    "pytest-exit": (0.0, 6.0, "import pytest"),
+    "exit-at-import": (0.0, 0.0, "os._exit"),
+    "pytest-exit": (0.0, 0.0, "import pytest"),
     "report-plugin": (0.0, 6.0, "_pytest"),
     "conftest-append": (0.0, 6.0, "conftest"),
-    "atexit-rewrite": (0.0, 6.0, "atexit"),
-    "orphan": (0.0, 6.0, "os.setsid"),
-    "env-switch": (0.0, 6.0, "uses the reference"),
-    "hidden-all": (0.0, 6.0, "uses the reference"),
-    "sys-modules": (0.0, 6.0, "uses the reference"),
-    "copies": (0.0, 6.0, "uses the reference"),
-    "paste": (0.0, 6.0, "the reference's code"),
-    "symlink": (0.0, 6.0, "symbolic link"),
-    "pth-file": (0.0, 6.0, ".pth"),
+    "atexit-rewrite": (0.0, 0.0, "atexit"),
+    "orphan": (0.0, 0.0, "os.setsid"),
+    "env-switch": (0.0, 0.0, "uses the reference"),
+    "hidden-all": (0.0, 0.0, "uses the reference"),
+    "sys-modules": (0.0, 0.0, "uses the reference"),
+    "copies": (0.0, 0.0, "uses the reference"),
+    "paste": (0.0, 0.0, "the reference's code"),
+    "symlink": (0.0, 0.0, "symbolic link"),
+    "pth-file": (0.0, 0.0, ".pth"),
     # add, histogram and bump pass (1.25 + 2.5 + 5); mean is killed; 09-02 hangs at import.
     "hang": (8.75, 0.0, "import signal"),
     # Remains possible (see the README): a counterfeit report written to its own pipe. Flagged.
-    "forge": (10.0, 6.0, "os.write"),
+    "forge": (10.0, 0.0, "os.write"),
 }
 PTH_NAME = "course_grading_fixture_attack.pth"
 
@@ -342,7 +344,7 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
                 problems.append(f"{name}: no row in grades.csv")
                 continue
             got = (float(row["09-01"] or 0), float(row["09-02"] or 0))
-            if name in ("honest", "hang", "forge"):
+            if name in ("honest", "hang", "forge", "conftest-append", "report-plugin"):
                 ok = got == (lab1, lab2)
             else:
                 ok = got[0] <= lab1 and got[1] == lab2
