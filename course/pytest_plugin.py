@@ -172,12 +172,11 @@ _OWN_PROPERTIES = ("points", "starter_ok", "course_outcome")
 _EXCEPTIONS: dict[str, str] = {}
 
 
-@pytest.hookimpl(hookwrapper=True, specname="pytest_runtest_makereport")
-def _record_exception_type(item, call):
-    """The type of the exception a test failed on (course check tells an assertion from a crash)."""
+def pytest_exception_interact(node, call, report):
+    """The type of the exception a test failed on (course check tells an assertion from a crash).
+    pytest calls this for every failure, after the report is logged."""
     if call.excinfo is not None:
-        _EXCEPTIONS.setdefault(item.nodeid, call.excinfo.type.__name__)
-    yield
+        _EXCEPTIONS.setdefault(node.nodeid, call.excinfo.type.__name__)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -207,7 +206,6 @@ def pytest_runtest_logreport(report):
             "starter_ok": props.get("starter_ok", False),
             "duration_s": round(report.duration, 4),
             "message": message,
-            "exception": _EXCEPTIONS.get(report.nodeid, ""),
         }
     )
 
@@ -244,5 +242,7 @@ def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--course-results")
     if not path:
         return
+    for result in _RESULTS:
+        result["exception"] = _EXCEPTIONS.get(result["nodeid"], "")
     report = {"exitstatus": int(exitstatus), "tests": _RESULTS}
     Path(path).write_text(json.dumps(report, indent=1), encoding="utf-8")
