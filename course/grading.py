@@ -645,6 +645,7 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
             done = [results[sub.name][u.id] for u in units if u.id in results[sub.name]]
             reports.write_student(folder(sub), sub, done, units, meta)
 
+        env_before = environment_files()
         jobs = [(s, u) for s in subs for u in units]
         n = 0
         with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
@@ -658,6 +659,12 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                                      status="error", error=f"{type(exc).__name__}: {exc}")
                 with lock:
                     results[sub.name][unit.id] = res
+                    for path in sorted(environment_files() - env_before):
+                        # Only possible below the full sandbox: undo it, and say who did it.
+                        Path(path).unlink(missing_ok=True)
+                        res.flags.append(f"wrote {path} into the grader's Python environment "
+                                         "(removed)")
+                        res.uses_reference.append("tampered with the grader's environment")
                     write_student(sub)
                     n += 1
                     log(f"  [{n}/{len(jobs)}] {sub.name} {unit.id}: "
@@ -686,6 +693,17 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
         return 2 if broken else 0
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def environment_files() -> set[str]:
+    """Files that Python runs at start-up from its site folders (.pth, sitecustomize)."""
+    import site
+
+    found = set()
+    for d in {*site.getsitepackages(), site.getusersitepackages()}:
+        for pattern in ("*.pth", "sitecustomize.py", "usercustomize.py"):
+            found |= {str(p) for p in Path(d).glob(pattern)}
+    return found
 
 
 def _dedupe_names(subs: list[Submission]) -> None:
