@@ -7,6 +7,7 @@ python -m course grade --class DIR --out OUT -j 4    grade a class: one CSV row 
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
 python -m course list            the labs, in order
 python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
+python -m course engine [--exam]  your finished labs as one engine; the engine exam
 """
 
 from __future__ import annotations
@@ -297,6 +298,17 @@ def cmd_refs(args) -> int:
     return 1 if problems else 0
 
 
+def _cmd_engine(args) -> int:
+    from course.engine import cmd_engine
+    from course.exam import GRADED_SWEEP
+
+    if args.sweep is None:
+        args.sweep = GRADED_SWEEP
+    if args.max_tokens < 1 or args.sweep < 0 or args.case_timeout <= 0:
+        raise SystemExit("error: --max-tokens must be >= 1, --sweep >= 0, --case-timeout > 0")
+    return cmd_engine(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m course",
@@ -366,6 +378,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_check)
 
+    p = sub.add_parser(
+        "engine",
+        help="your finished labs as one mini_vllm: generate, compare with the reference, exam",
+        description="Your finished labs' pieces put into mini_vllm. See course/engine.py.",
+    )
+    p.add_argument("--labs", help="comma-separated lab ids whose pieces are yours, or 'all' "
+                   "(default: every finished engine lab)")
+    p.add_argument("--impl", choices=("starter", "solution"), default="starter",
+                   help="solution: the reference engine")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="a prompt (repeatable; \\n is a newline); default the finale's")
+    p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--exam", action="store_true", help="run the engine exam")
+    p.add_argument("--case", action="append", default=[], help="only this exam case "
+                   "(repeatable)")
+    p.add_argument("--list", action="store_true", help="list the exam cases")
+    p.add_argument("--sweep", type=int, default=None,
+                   help="randomized configurations in the exam (default: the graded 8)")
+    p.add_argument("--case-timeout", type=float, default=60.0, help="seconds per exam case")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds for building and running an engine, beyond the cases")
+    p.add_argument("--json", metavar="PATH", help="write the exam's results as JSON")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="processes in parallel")
+    p.set_defaults(func=_cmd_engine)
+
     p = sub.add_parser("list", help="the labs, in order, with their titles")
     p.set_defaults(func=cmd_list)
 
@@ -384,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("status", "grade", "check", "list", "refs")
+    commands = ("status", "grade", "check", "list", "refs", "engine")
     if not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help")):
         argv = ["status", *argv]  # `python -m course [labs] [options]` is the dashboard
     args = parser.parse_args(argv)
