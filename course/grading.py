@@ -510,8 +510,9 @@ def _status(r: UnitResult, timed_out: bool) -> str:
 
 class CommandUnit:
     """A graded unit run as a child command in the sandbox, e.g. the engine exam:
-    `argv` runs in a full course copy holding all of the submission's files and writes a JSON list
-    of cases ({"id", "outcome", "message"}) to the path substituted for "{json}". `cases` (the
+    `argv` runs in a full course copy holding all of the submission's files and writes its cases
+    ({"case" or "id", "outcome", "message"}; a list, or a report with a "cases" list) to the path
+    substituted for "{json}". `cases` (the
     instructor's list, fixed before anything runs) share `points` equally; a case that is missing
     from the file scores 0. The file is written by a process that runs student code: trust it as
     much as a test's report (see the README)."""
@@ -538,8 +539,11 @@ class CommandUnit:
             env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl})
             run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)
             try:
-                reported = {c["id"]: c for c in json.loads(out.read_text()) if isinstance(c, dict)}
-            except (OSError, ValueError, KeyError, TypeError):
+                data = json.loads(out.read_text())
+                listed = data.get("cases", []) if isinstance(data, dict) else data
+                reported = {str(c.get("case", c.get("id"))): c for c in listed
+                            if isinstance(c, dict)}
+            except (OSError, ValueError, AttributeError, TypeError):
                 reported = {}
         finally:
             ws.remove()
@@ -557,7 +561,15 @@ class CommandUnit:
 
 
 def graded_units(instructor: Instructor) -> list:
-    """Every graded unit, in course order. (The engine exam joins here as a CommandUnit.)"""
+    """Every graded unit, in course order.
+
+    The engine exam joins as a CommandUnit, its case list read on the instructor's side:
+
+        from course.exam import cases
+        units.append(CommandUnit("engine-exam", "The engine exam", POINTS,
+                                 ["{python}", "-m", "course", "engine", "--exam", "--json",
+                                  "{json}"], [c.name for c in cases()]))
+    """
     return [LabUnit(lab, instructor.manifest.get(lab.id, [])) for lab in instructor.labs]
 
 

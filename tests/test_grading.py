@@ -176,3 +176,34 @@ def test_the_scan_names_what_reaches_for_the_grader():
                        "starter.py")
     assert {"os._exit", "import pytest", "os.environ", "string mentioning 'LAB_IMPL'"} <= found
     assert suspicious(b"import math\nx = math.sqrt(2)\n", "starter.py") == set()
+
+
+COMMAND_UNIT = r"""
+import json, sys, tempfile
+from pathlib import Path
+from course import sandbox
+from course.grading import CommandUnit, Instructor, RunContext, Submission
+from course.labs import discover
+
+staging = Path(tempfile.mkdtemp())
+staging.chmod(0o711)
+(staging / "work").mkdir(mode=0o711)
+instructor = Instructor(discover(), staging)
+ctx = RunContext(instructor, sandbox.probe(), staging / "work", [], lab_timeout=60)
+writer = ("import json, sys; json.dump({'cases': [{'case': 'a', 'outcome': 'passed'}, "
+          "{'case': 'b', 'outcome': 'failed', 'message': 'wrong'}]}, open(sys.argv[1], 'w'))")
+unit = CommandUnit("engine-exam", "The engine exam", 9, ["{python}", "-c", writer, "{json}"],
+                   ["a", "b", "c"])
+r = unit.run(ctx, Submission("s", Path(".")))
+print(json.dumps([r.points("cpu"), r.max_points, [(t.id, t.outcome) for t in r.tests]]))
+"""
+
+
+def test_a_command_unit_scores_its_cases_against_a_fixed_list(tmp_path):
+    course, _ = build_grading_fixture(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", COMMAND_UNIT], cwd=course, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(course)), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    points, maximum, cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert points == 3.0 and maximum == {"cpu": 9.0}
+    assert cases == [["a", "passed"], ["b", "failed"], ["c", "not_run"]]
