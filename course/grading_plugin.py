@@ -337,6 +337,15 @@ def _run_test(item) -> dict:
     except BaseException as exc:  # noqa: B036
         result = _classify(exc, item)
     try:
+        # What pytest's report hooks would have recorded for fixtures that read it at teardown
+        # (tmp_path keeps or removes its folder by the outcome).
+        from _pytest.tmpdir import tmppath_result_key
+
+        item.stash.setdefault(tmppath_result_key, {}).update(
+            setup=True, call=result["outcome"] == "passed")
+    except Exception:
+        pass
+    try:
         cancel = getattr(item, "cancel_timeout", None)
         if cancel:
             cancel()
