@@ -203,7 +203,8 @@ def write_class(out: Path, subs, results, units, meta, similarity, class_mode: b
         }
         for r in done:
             for tier in r.max_points:
-                row[f"{r.id}{'' if tier == 'cpu' else ' gpu'}"] = r.points(tier)
+                ran = tier == "cpu" or meta["gpu"]
+                row[f"{r.id}{'' if tier == 'cpu' else ' gpu'}"] = r.points(tier) if ran else ""
         rows.append(row)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, csv_columns(units), extrasaction="ignore")
