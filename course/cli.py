@@ -285,6 +285,7 @@ def cmd_check(args) -> int:
                 r = bug_results[lab.id][i] = fut.result()
                 progress.finished(f"lab {lab.id}: planted bug {r.bug.name}: {r.status}")
     progress.close()
+    exam_problems, exam_bugs = _check_engine_exam(args, labs)
     for lab in labs:
         c = checks[lab.id]
         c.bugs = bug_results[lab.id]
@@ -320,7 +321,16 @@ def cmd_check(args) -> int:
     for lab in labs:
         for note in checks[lab.id].notes:
             print(f"  note: lab {lab.id}: {note}")
-    violations = course_problems + [
+    if exam_bugs:
+        rejected = sum(b.status == "rejected" for b in exam_bugs)
+        print(f"\nEngine exam: the reference and stand-in students pass; {rejected} of "
+              f"{len(exam_bugs)} planted bugs of the engine labs are rejected by the exam as "
+              "well (the rest cannot change what an engine computes, or only a lab test sees "
+              "them):")
+        for b in exam_bugs:
+            blamed = f"  bisection: lab {', '.join(b.blamed)}" if b.blamed else ""
+            print(f"  {b.lab_id}  {b.bug.name:<38} {b.status:<13}{blamed}")
+    violations = course_problems + exam_problems + [
         f"lab {lab.id}: {v}" for lab in labs for v in checks[lab.id].violations
     ]
     if violations:
@@ -330,6 +340,21 @@ def cmd_check(args) -> int:
         return 1
     print(f"\nAll {len(labs)} labs pass the integrity checks.")
     return 0
+
+
+def _check_engine_exam(args, labs: list[Lab]):
+    """The engine exam part of `course check` (see course/exam_check.py)."""
+    from course.exam_check import CPU_LABS_EXCLUDED, exam_units, run_exam_checks
+
+    exam_labs = [lab.id for lab in labs if lab.engine_parts and lab.id not in CPU_LABS_EXCLUDED]
+    if args.no_exam or not exam_labs:
+        return [], []
+    only = None if not args.labs else exam_labs
+    bugs_of = [] if args.no_bugs else only
+    progress = Progress(exam_units(bugs_of) if not args.no_bugs else 2, "engine exam")
+    problems, results = run_exam_checks(_workers(args.jobs), bugs_of, progress)
+    progress.close()
+    return problems, results
 
 
 def cmd_refs(args) -> int:
@@ -401,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lab", dest="labs_opt", action="append", default=[], help="same as a positional lab"
     )
     p.add_argument("--no-bugs", action="store_true", help="skip the planted-bug runs")
+    p.add_argument("--no-exam", action="store_true",
+                   help="skip the engine exam (the reference, stand-ins, planted bugs)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(

@@ -140,14 +140,14 @@ class Run:
 # What an engine must do exactly as the reference engine does: with the same requests and the
 # same configuration, the labs' specifications leave no freedom in these numbers.
 MATCHED_STATS = {
-    "num_steps": "steps (the scheduler decides differently: budget, chunking or admission)",
     "prefix_cache_hits": "prefix-cache hit tokens (full blocks left unhashed, hashed too early, "
     "or evicted in a different order)",
-    "num_prompt_tokens_computed": "prompt tokens computed",
+    "num_prompt_tokens_computed": "prompt tokens computed (prefix hits taken differently)",
     "num_preemptions": "preemptions",
     "num_blocks_swapped_out": "blocks swapped out",
     "num_blocks_swapped_in": "blocks swapped in",
     "peak_kv_blocks_in_use": "KV blocks in use at the peak (blocks allocated differently)",
+    "num_steps": "steps (the scheduler decides differently: budget, chunking or admission)",
 }
 
 
@@ -167,6 +167,15 @@ class Exam:
 
     def start(self, case: str) -> None:
         self.case, self.recorded = case, []
+
+    def export(self) -> dict:
+        """The oracle's completions, as JSON (so another process need not recompute them)."""
+        return {"oracle": [[list(k[0]), k[1], k[2], v.token_ids, v.finish_reason]
+                           for k, v in self._oracle.items()]}
+
+    def preload(self, data: dict) -> None:
+        for prompt, params, max_model_len, tokens, reason in data.get("oracle", []):
+            self._oracle[(tuple(prompt), params, max_model_len)] = Completion(tokens, reason)
 
     def llm(self, **config):
         from mini_vllm.llm import LLM

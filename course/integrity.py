@@ -178,7 +178,7 @@ def check_metadata(labs: list[Lab]) -> list[str]:
     problems = [f"course/labs.toml: no table for lab {i}" for i in sorted(ids - set(meta))]
     problems += [f"course/labs.toml: lab {i} does not exist" for i in sorted(set(meta) - ids)]
     for lab in labs:
-        for name in lab.engine_parts:
+        for name in (*lab.engine_parts, *lab.meta.get("notebook", ())):
             for impl in ("starter", "solution"):
                 if name not in _exported_names(lab, impl):
                     problems.append(
