@@ -98,8 +98,12 @@ def cmd_list(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from course.engine import exam_row, record_lab_status
+
     labs = select(discover(), args.labs)
     runs = run_labs(labs, args.impl, args.jobs)
+    if args.impl == "starter":
+        record_lab_status(runs)
     rows = []
     for r in runs:
         rows.append(
@@ -112,6 +116,9 @@ def cmd_status(args) -> int:
                 r.next_step[:70],
             ]
         )
+    exam = exam_row(runs, args.jobs) if args.impl == "starter" and not args.no_exam else None
+    if exam:
+        rows.append(exam)
     print(table(["Phase", "Lab", "Title", "Tests", "Status", "Next step"], rows))
     done = sum(r.status == "done" for r in runs)
     print(f"\n{done} of {len(runs)} labs done ({args.impl}).", end=" ")
@@ -382,8 +389,10 @@ def _cmd_engine(args) -> int:
 
     if args.sweep is None:
         args.sweep = GRADED_SWEEP
-    if args.max_tokens < 1 or args.sweep < 0 or args.case_timeout <= 0:
-        raise SystemExit("error: --max-tokens must be >= 1, --sweep >= 0, --case-timeout > 0")
+    if args.max_tokens < 1 or args.sweep < 0 or args.case_timeout <= 0 or args.timeout <= 0:
+        print("error: --max-tokens must be >= 1, --sweep >= 0, --case-timeout and --timeout > 0",
+              file=sys.stderr)
+        return 2
     return cmd_engine(args)
 
 
@@ -406,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="every lab against your starter (the default)")
     labs_and_jobs(p)
     p.add_argument("--impl", choices=("starter", "solution"), default="starter")
+    p.add_argument("--no-exam", action="store_true",
+                   help="leave out the engine exam row (it runs on your finished engine labs)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("grade", help="grade for CI: grades.json, grades.txt, JUnit XML per lab")

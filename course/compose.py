@@ -260,4 +260,9 @@ def unfinished_tasks(lab: Lab, root: Path | None = None) -> list[str]:
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     if arg.value.startswith(f"lab {lab.id}, task "):
                         found.append(arg.value)
-    return found
+
+    def task_number(message: str) -> int:
+        digits = message.split(", task ", 1)[1].split(":", 1)[0]
+        return int(digits) if digits.isdigit() else 1 << 30
+
+    return sorted(dict.fromkeys(found), key=task_number)

@@ -107,6 +107,57 @@ def finished_labs(labs: list[Lab], jobs: int | None = None) -> dict[str, str]:
     return status
 
 
+def exam_row(runs, jobs: int | None = None) -> list[str] | None:
+    """The dashboard's row for the engine exam, run on the finished engine labs (cached by their
+    files); None when the dashboard shows no engine lab."""
+    gpu = _cuda_available()
+    engine_runs = [r for r in runs if r.lab.engine_parts
+                   and (gpu or r.lab.id not in GPU_ONLY_LABS)]
+    if not engine_runs:
+        return None
+    done = [r.lab for r in engine_runs if r.status == "done"]
+    title = "Your mini_vllm: the engine exam"
+    if not done:
+        return ["-", "exam", title, "-", "not started",
+                "finish an engine lab (02-01 is the first), then `python -m course engine`"]
+    from course.exam import GRADED_SWEEP, cases
+
+    digest = hashlib.sha256()
+    for lab in done:
+        digest.update(lab.id.encode() + _lab_key(lab).encode())
+    for name in ("exam.py", "compose.py", "labs.toml"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    key = digest.hexdigest()
+    cache_file = cache_dir() / "exam-status.json"
+    try:
+        cached = json.loads(cache_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cached = {}
+    if cached.get("key") != key:
+        student = [lab.id for lab in done]
+        names = [c.name for c in cases(GRADED_SWEEP)]
+        job = {"mode": "exam", "labs": student, "cases": names, "sweep": GRADED_SWEEP,
+               "timeout": CASE_TIMEOUT_S, "gpu": gpu}
+        print(f"Running the engine exam on your labs {', '.join(student)} ...", file=sys.stderr)
+        report = run_exam_job(job, 300 + 2 * CASE_TIMEOUT_S * len(names))
+        cached = {"key": key, "passed": report["passed"], "total": report["total"]}
+        try:
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(cached), encoding="utf-8")
+        except OSError:
+            pass
+    passed, total = cached["passed"], cached["total"]
+    mine = ", ".join(lab.id for lab in done)
+    if passed == total:
+        status = "done" if len(done) == len(engine_runs) else "in progress"
+        step = ("`python -m course engine`: your engine generates" if status == "done" else
+                f"passes with {mine} yours; finish the other engine labs")
+    else:
+        status = "failing"
+        step = "`python -m course engine --exam`: which case fails, and which lab"
+    return ["-", "exam", title, f"{passed}/{total}", status, step]
+
+
 # ----------------------------------------------------------------------------------------------
 # Running one engine in a child process
 # ----------------------------------------------------------------------------------------------
@@ -181,15 +232,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+class UsageError(Exception):
+    """A request the command cannot run (exit 2, nothing runs)."""
+
+
 def _parse_labs(text: str, known: list[str]) -> list[str]:
     if text.strip() == "all":
         return list(known)
     labs = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in labs if t not in known]
     if unknown:
-        raise SystemExit(
-            f"error: --labs: {', '.join(unknown)} build(s) no engine piece; engine labs: "
-            f"{', '.join(known)}"
+        raise UsageError(
+            f"--labs: {', '.join(unknown)} builds no engine piece; engine labs: "
+            f"{', '.join(known)} (or 'all')"
         )
     return labs
 
@@ -221,6 +276,14 @@ def _reproduce(labs: list[str], case: str | None = None) -> str:
 
 
 def cmd_engine(args) -> int:
+    try:
+        return _cmd_engine(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_engine(args) -> int:
     labs = engine_labs()
     known = [lab.id for lab in labs]
     gpu = _cuda_available()
@@ -314,8 +377,8 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     if args.case:
         unknown = [c for c in args.case if c not in names]
         if unknown:
-            raise SystemExit(f"error: no exam case named {', '.join(unknown)}; see "
-                             "`python -m course engine --exam --list`")
+            raise UsageError(f"no exam case named {', '.join(unknown)}; see "
+                             "`python -m course engine --list`")
         names = [n for n in names if n in args.case]
     job = {"mode": "exam", "labs": student, "cases": names, "sweep": args.sweep,
            "timeout": args.case_timeout, "gpu": gpu, "bisect": True}

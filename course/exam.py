@@ -162,6 +162,7 @@ class Exam:
         self.model = tiny_model()
         self._oracle: dict[tuple, Completion] = {}
         self.reference_stats = reference_stats
+        self._cpu_free: dict[int, int] = {}
         self.case = ""
         self.recorded: list[dict] = []
 
@@ -181,7 +182,10 @@ class Exam:
         from mini_vllm.llm import LLM
 
         config.setdefault("max_model_len", TINY.max_position_embeddings)
-        return LLM(self.model, tokenizer=IdTokenizer(), **config)
+        llm = LLM(self.model, tokenizer=IdTokenizer(), **config)
+        swap = llm.engine.scheduler.swap_space
+        self._cpu_free[id(llm)] = swap.get_num_free_blocks() if swap is not None else 0
+        return llm
 
     def expected(self, prompt: Sequence[int], params: SamplingParams, max_model_len: int):
         key = (tuple(prompt), repr(params), max_model_len)
@@ -213,6 +217,13 @@ class Exam:
             raise ExamFailure(
                 f"{held} KV block(s) still held after every request finished: a request's blocks "
                 "were not all freed (look at free() and at what preemption and finishing release)"
+            )
+        swap = llm.engine.scheduler.swap_space
+        if swap is not None and swap.get_num_free_blocks() != self._cpu_free[id(llm)]:
+            held = self._cpu_free[id(llm)] - swap.get_num_free_blocks()
+            raise ExamFailure(
+                f"{held} CPU swap block(s) still held after every request finished: a swapped "
+                "request's CPU blocks were not all freed when it came back or finished"
             )
         stats = {k: getattr(run.stats, k) for k in MATCHED_STATS}
         call = len(self.recorded)
