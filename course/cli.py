@@ -256,7 +256,7 @@ def cmd_check(args) -> int:
             bug_lists[lab.id] = [] if args.no_bugs else load_bugs(lab)
         except Exception as exc:  # reported as a violation by check_lab
             bug_lists[lab.id] = []
-            print(f"  lab {lab.id}: cannot read planted_bugs.py: {exc}", file=sys.stderr)
+            print(f"  lab {lab.id}: cannot read its planted bugs: {exc}", file=sys.stderr)
     has_cuda = _cuda_available()
     n_units = len(labs) + sum(len(b) for b in bug_lists.values())
     progress = Progress(n_units, "checking")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.api import compare
-from course.bugs import PlantedBug, load_bugs
+from course.bugs import BUGS_DIR, PlantedBug, bugs_path, load_bugs
 from course.labs import REPO_ROOT, Lab, lab_metadata
 from course.loader import load_module
 from course.refs import check_consistency
@@ -152,16 +152,23 @@ def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -
         check.violations.append(f"missing {', '.join(missing)}")
         return check
     check.violations.extend(check_starter_messages(lab))
+    if (lab.path / "planted_bugs.py").exists():
+        check.violations.append(
+            f"planted_bugs.py belongs in {bugs_path(lab).relative_to(lab.phase_dir.parent)}, "
+            f"not in the student's lab folder (it quotes the reference)"
+        )
     check_api(check)
     check_runs(check, root)
     if bugs_required:
         try:
             listed = load_bugs(lab)
         except Exception as exc:
-            check.violations.append(f"planted_bugs.py: {exc}")
+            check.violations.append(f"{BUGS_DIR}/{lab.id}.py: {exc}")
         else:
             if not listed:
-                check.violations.append("no planted bugs (planted_bugs.py with BUGS = [...])")
+                check.violations.append(
+                    f"no planted bugs ({BUGS_DIR}/{lab.id}.py with BUGS = [...])"
+                )
             if len({b.name for b in listed}) != len(listed):
                 check.violations.append("planted bug names are not unique")
     return check
