@@ -558,8 +558,7 @@ def write_task_list(tr, labs: list[Lab], state: _State) -> None:
             continue
         tr.write_sep(
             "=",
-            f"lab {lab.id}: {len(tasks)} task{'s' if len(tasks) > 1 else ''} to do, "
-            f"next first",
+            f"lab {lab.id}: {len(tasks)} task{'s' if len(tasks) > 1 else ''} to do, next first",
             yellow=True,
         )
         for i, task in enumerate(tasks):

@@ -16,6 +16,8 @@ from course.labs import Lab
 
 # The prefix that tooling parses: "lab 02-01, task 3: implement BlockPool.touch (...)".
 TASK_MESSAGE_RE = re.compile(r"lab (?P<lab>\d\d-\d\d), task (?P<task>\d+): (?P<what>.*)", re.S)
+# What a converted starter's message ends with; the task list gives the command on its own.
+_HINT_SUFFIX_RE = re.compile(r"\s*\(hint: python -m course hint [^)]*\)\s*$")
 _CU_OPEN_RE = re.compile(r"^#define\s+LAB_TASK_(\d+)_DONE\s+0\b(?:\s*//\s*(.*))?$", re.M)
 _CU_TODO_RE = re.compile(r"TODO\(lab (\d\d-\d\d), task (\d+)\):\s*(.*)")
 
@@ -90,9 +92,8 @@ def tasks_in_source(source: str, lab_id: str | None = None) -> list[Task]:
             if not m or (lab_id is not None and m["lab"] != lab_id):
                 continue
             number = int(m["task"])
-            task = tasks.setdefault(
-                number, Task(m["lab"], number, " ".join(m["what"].split()))
-            )
+            what = _HINT_SUFFIX_RE.sub("", " ".join(m["what"].split()))
+            task = tasks.setdefault(number, Task(m["lab"], number, what))
             task.functions.append((qual, node.lineno))
             break
     return [tasks[n] for n in sorted(tasks)]
