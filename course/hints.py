@@ -16,6 +16,7 @@ every task of every lab in CONVERTED_LABS.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,13 +166,22 @@ def render_hint(lab: Lab, number: int, level: int) -> str:
 
 
 def _indent(text: str) -> str:
-    paragraphs = [p.strip() for p in text.strip().split("\n\n")]
+    """Wrap hint text to the terminal: paragraphs are filled, numbered or dashed items keep
+    their own lines (a line that continues an item joins it), and `name:` lines stay headings."""
+    marker = re.compile(r"^(\d+\.|[-*])\s")
     out = []
-    for p in paragraphs:
-        if p.lstrip().startswith(("1.", "-", "*")):
-            out.append(textwrap.indent(p, "  "))  # a list keeps its own line breaks
-        else:
-            out.append(
-                textwrap.fill(" ".join(p.split()), 96, initial_indent="  ", subsequent_indent="  ")
-            )
-    return "\n\n".join(out)
+    for para in text.strip().split("\n\n"):
+        items: list[str] = []
+        for raw in para.strip().splitlines():
+            line = raw.strip()
+            starts = marker.match(line) or line.endswith(":") or not items
+            if starts or items[-1].endswith(":"):
+                items.append(line)
+            else:
+                items[-1] += " " + line
+        for item in items:
+            m = marker.match(item)
+            hang = " " * (len(m.group(0)) if m else 0)
+            out.append(textwrap.fill(item, 96, initial_indent="  ", subsequent_indent="  " + hang))
+        out.append("")
+    return "\n".join(out).rstrip()
