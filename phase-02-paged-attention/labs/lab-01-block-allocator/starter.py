@@ -466,8 +466,8 @@ class BlockPool:
         Output: the blocks that were at the front of the free queue, in queue order; each leaves
         the queue (both pointers ``None``) with ``ref_cnt == 1``. With caching enabled, a block
         that is cached (it has a hash) is evicted first (task 7), so a later lookup of its old
-        hash cannot find it. The prefix cache is not consulted for hits. ``get_new_blocks(get_num_free_blocks())``
-        (an allocation that fits exactly) succeeds.
+        hash cannot find it. The prefix cache is not consulted for hits. An allocation that
+        fits exactly, ``get_new_blocks(get_num_free_blocks())``, succeeds.
 
         Errors: more blocks than are free, or a negative count, raises ``ValueError`` whose
         message gives the number asked for and the number free, and changes nothing.
