@@ -321,6 +321,15 @@ def _excinfo(item, call):
     return None
 
 
+def _report_for(item, call, longrepr) -> pytest.TestReport:
+    """Our own failed report. When the exception was still waiting on a unittest-style item,
+    take it, as the unittest plugin does: left there, it would fail the teardown too."""
+    pending = getattr(item, "_excinfo", None)
+    if call.excinfo is None and call.when == "call" and pending:
+        pending.pop(0)
+    return _report(item, call, "failed", longrepr)
+
+
 def _base_id(nodeid: str) -> str:
     return nodeid.split("[", 1)[0]
 
@@ -397,8 +406,8 @@ def pytest_runtest_makereport(item, call):
         else:  # CANNOT LOAD: a real error, but the same one for every test of the lab
             sig = ("cannot load", _base_id(item.nodeid).split("::")[0], line)
             if _is_repeat(state, sig, item) and not state.every_failure:
-                return _report(item, call, "failed", _repeat_line(state, sig, line))
-        return _report(item, call, "failed", line)
+                return _report_for(item, call, _repeat_line(state, sig, line))
+        return _report_for(item, call, line)
     if state.every_failure or item.get_closest_marker("xfail"):
         return None
     sig = _signature(item, call, excinfo)
@@ -411,7 +420,7 @@ def pytest_runtest_makereport(item, call):
         )
         first = state.by_signature[sig].first
         text = f"same failure as {first.nodeid.split('::', 1)[-1]} (shown above): {crash.message}"
-        return _report(item, call, "failed", _OneLine(text, crash))
+        return _report_for(item, call, _OneLine(text, crash))
     return None
 
 
