@@ -700,7 +700,7 @@ class LLM:
             raise TypeError(
                 f"generate: prompts must be a str or a list, got {type(prompts).__name__}"
             )
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if prompts and all(isinstance(t, (int, float)) for t in prompts):
             return [self._parse_one(list(prompts), "the prompt")]  # one prompt of token ids
         return [self._parse_one(p, f"prompt {i}") for i, p in enumerate(prompts)]
 
@@ -942,8 +942,8 @@ class LLM:
     def _abort_after_failure(self, tracked: list[_Tracked]) -> None:
         """Leave the engine as if this call's requests had never been queued.
 
-        Abort them through the scheduler (which frees their blocks and tells the runner at the
-        next step), forget them in the runner now, and drop the prefix cache: blocks the failed
+        Abort them through the scheduler (which frees their blocks), make the runner forget every
+        request the scheduler no longer serves, and drop the prefix cache: blocks the failed
         step registered may hold KV it never wrote. If the engine is still not clean (a fault
         left the scheduler's queues inconsistent), build a fresh engine core.
         """
@@ -951,10 +951,12 @@ class LLM:
         engine = self.engine
         try:
             engine.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            runner = engine.model_runner
-            for rid in ids:
-                runner.requests.pop(rid, None)
-            runner.batch_req_ids = [r for r in runner.batch_req_ids if r not in set(ids)]
+            # The runner keeps only what the scheduler still serves (the failed step may also
+            # have lost the scheduler's news of requests that finished before it).
+            runner, live = engine.model_runner, engine.scheduler.requests
+            for rid in [r for r in runner.requests if r not in live]:
+                del runner.requests[rid]
+            runner.batch_req_ids = [r for r in runner.batch_req_ids if r in live]
             clean = (not engine.has_unfinished_requests() and engine.num_blocks_in_use == 0
                      and engine.scheduler.kv_cache_manager.reset_prefix_cache())
         except Exception:  # the state is too broken to repair in place
