@@ -72,7 +72,7 @@ def kv_cache_x(dtype: torch.dtype) -> int:
         raise ValueError(
             f"unsupported KV cache dtype {dtype}; use one of float32, float16, bfloat16"
         )
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def get_kv_cache_shape(
