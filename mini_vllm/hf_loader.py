@@ -115,7 +115,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
 def read_generation_config(path: str | Path) -> dict[str, Any]:
     """``generation_config.json`` of a Hugging Face directory (``{}`` when there is none).
 
-    upstream: vllm/transformers_utils/config.py:926 @ v0.11.0
+    upstream: vllm/transformers_utils/config.py:950 @ v0.11.0
     """
     file = Path(path) / "generation_config.json"
     return _read_json(file) if Path(path).is_dir() and file.exists() else {}
@@ -242,7 +242,7 @@ def build_model(
 ) -> LlamaForCausalLM:
     """A model of ``config`` with ``weights`` (name -> (tensor, file)), every check applied.
 
-    upstream: vllm/model_executor/models/llama.py:432 @ v0.11.0
+    upstream: vllm/model_executor/models/llama.py:419 @ v0.11.0
     """
     with _skip_random_init():
         model = LlamaForCausalLM(config)

@@ -80,7 +80,7 @@ class HFTokenizer:
     chat prompts use (the template already wrote them). ``decode`` skips special tokens by default,
     as vLLM's detokenizer does.
 
-    upstream: vllm/transformers_utils/tokenizer.py:162 @ v0.11.0
+    upstream: vllm/transformers_utils/tokenizer.py:145 @ v0.11.0
     """
 
     def __init__(self, tokenizer: Any, *, bos_token: str | None = None,
@@ -174,7 +174,7 @@ def _read_json(path: Path) -> dict:
 def load_tokenizer(path: str | Path) -> HFTokenizer | None:
     """The tokenizer of a Hugging Face model directory, or ``None`` when it has no tokenizer.json.
 
-    upstream: vllm/transformers_utils/tokenizer.py:162 @ v0.11.0
+    upstream: vllm/transformers_utils/tokenizer.py:145 @ v0.11.0
     """
     path = Path(path)
     if path.is_dir() and (path / "tokenizer.json").exists():
@@ -192,7 +192,7 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *
     same text here as there. ``continue_final_message`` leaves the last (assistant) message open,
     for the model to continue, instead of closing it.
 
-    upstream: vllm/entrypoints/chat_utils.py:1497 @ v0.11.0
+    upstream: vllm/entrypoints/chat_utils.py:1602 @ v0.11.0
     """
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
