@@ -254,3 +254,87 @@ def test_stop_strings_end_the_output_before_the_string(tiny_model, prompts, refe
     assert llm.engine.num_blocks_in_use == 0
     late = SamplingParams(temperature=0.0, max_tokens=10, stop=[stop], min_tokens=9)
     assert llm.generate([prompts[1]], late, use_tqdm=False)[0].outputs[0].finish_reason != "stop"
+
+
+# Macbeth V.5 (Project Gutenberg, public domain): a play the shipped model was not trained on.
+MACBETH_V5 = (
+    "t forc'd with those that should be ours,\n"
+    'We might have met them dareful, beard to beard,\n'
+    'And beat them backward home.\n'
+    '\n'
+    '[A cry of women within.]\n'
+    '\n'
+    'What is that noise?\n'
+    '\n'
+    'SEYTON.\n'
+    'It is the cry of women, my good lord.\n'
+    '\n'
+    '[Exit.]\n'
+    '\n'
+    'MACBETH.\n'
+    'I have almost forgot the taste of fears:\n'
+    "The time has been, my senses would have cool'd\n"
+    'To hear a night-shriek; and my fell of hair\n'
+    'Would at a dismal treatise rouse and stir\n'
+    "As life were in't: I have supp'd full with horrors;\n"
+    "Direness, familiar to my slaught'rous thoughts,\n"
+    'Cannot once start me.\n'
+    '\n'
+    '[Re-enter Seyton.]\n'
+    '\n'
+    'Wherefore was that cry?\n'
+    '\n'
+    'SEYTON.\n'
+    'The queen, my lord, is dead.\n'
+    '\n'
+    'MACBETH.\n'
+    'She should have died hereafter;\n'
+    'There would have been a time for such a word.--\n'
+    'To-morrow, and to-morrow, and to-morrow,\n'
+    'Creeps in this petty pace from day to day,\n'
+    'To the last syllable of recorded time;\n'
+    'And all our yesterdays have lighted fools\n'
+    'The way to dusty death. Out, out, brief candle!\n'
+    "Life's but a walking shadow; a poor player,\n"
+    'That struts and frets his hour upon the stage,\n'
+    'And then is heard no more: it is a tale\n'
+    'Told by an idiot, full of sound and fury,\n'
+    'Signifying nothing.\n'
+    '\n'
+    '[Enter a Messenger.]\n'
+    '\n'
+    "Thou com'st to use thy tongue; thy story quickly.\n"
+    '\n'
+    'MESSENGER.\n'
+    'Gracious my lord,\n'
+    'I should report that which I say I saw,\n'
+    'But know not how to do it.\n'
+    '\n'
+    'MACBETH.\n'
+    'Well, say, sir'
+)
+
+
+def test_the_shipped_model_predicts_as_well_at_the_end_of_its_context_as_at_the_start():
+    """The shipped model advertises 512 positions and was trained on 512-byte windows, so its
+    next-byte loss on unseen Shakespeare is as low at positions 384-511 as at 32-127. (The old
+    model, trained on 96-byte windows, predicted no better than chance past byte ~150: its text
+    turned to noise there.)"""
+    import torch
+    from torch.nn import functional as F
+
+    llm = LLM()
+    assert llm.model.config.max_position_embeddings == 512
+    ids = torch.tensor(list(MACBETH_V5.encode())[:513])
+    with torch.no_grad():
+        logits = llm.model.forward_reference(ids[:-1])
+    loss = F.cross_entropy(logits, ids[1:], reduction="none")
+    early, late = float(loss[32:128].mean()), float(loss[384:512].mean())
+    assert late < 2.5, f"loss {late:.2f} nats/byte at positions 384-511: not text any more"
+    assert late < early + 0.35, f"late loss {late:.2f} vs early {early:.2f}"
+    # And the engine's own generation at the end of the context is made of words.
+    prompt = "HAMLET.\n"
+    params = SamplingParams(temperature=0.0, max_tokens=512 - len(prompt) - 1)
+    text = llm.generate(prompt, params, use_tqdm=False)[0].text
+    tail = text[-128:]
+    assert sum(c.isalpha() or c.isspace() for c in tail) > 0.85 * len(tail), tail
