@@ -47,6 +47,11 @@ class CompositionError(Exception):
     """The requested composition cannot be built (a lab name, a starter that does not load)."""
 
 
+def _parts(lab: Lab, notebook: bool) -> tuple[str, ...]:
+    extra = tuple(lab.meta.get("notebook", ())) if notebook else ()
+    return tuple(dict.fromkeys(lab.engine_parts + extra))
+
+
 def engine_labs(labs: list[Lab] | None = None) -> list[Lab]:
     """The labs that contribute to the engine, in course order."""
     return [lab for lab in (labs if labs is not None else discover()) if lab.engine_parts]
@@ -116,17 +121,19 @@ def _extend(base: type, reference: type, members: list[str]) -> type:
     return type(base.__name__, (base,), namespace)
 
 
-def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False) -> Composition:
+def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False,
+            notebook: bool = False) -> Composition:
     """Make this process's mini_vllm run the student's pieces of ``student_labs`` (lab ids).
 
     Call it once per process, before building an engine. ``gpu``: also take lab 02-06's
-    kernels (they serve decode only on a CUDA device). Raises :class:`CompositionError` for an
+    kernels (they serve decode only on a CUDA device). ``notebook``: also the names the phase
+    notebooks draw with (``notebook`` in labs.toml). Raises :class:`CompositionError` for an
     unknown lab, a lab that builds no engine piece, or a starter that does not load.
     """
     global _composed
     if _composed is not None:
         raise CompositionError("compose() already ran in this process; start a fresh one")
-    labs = engine_labs()
+    labs = [lab for lab in discover() if _parts(lab, notebook)]
     by_id = {lab.id: lab for lab in labs}
     wanted = tuple(dict.fromkeys(student_labs))
     for lab_id in wanted:
@@ -156,7 +163,7 @@ def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False) -> 
             except Exception as exc:  # LabImplError carries the one-line reason
                 raise CompositionError(f"lab {lab.id}: {exc}") from exc
         extends = lab.meta.get("extends", {})
-        for name in lab.engine_parts:
+        for name in _parts(lab, notebook):
             ref = getattr(reference[lab.id], name)
             now = current.get(id(ref), ref)
             if starter is not None:
@@ -180,6 +187,53 @@ def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False) -> 
             result.objects[(lab.id, name)] = new
     _composed = result
     return result
+
+
+class Pieces:
+    """What a notebook draws with: the composition, and each lab's module (yours or the
+    reference's) for labs whose pieces are not in mini_vllm (a simulator, an exercise)."""
+
+    def __init__(self, composition: Composition | None, yours: set[str]) -> None:
+        self.composition = composition
+        self.yours = yours
+
+    def module(self, lab_id: str):
+        """The lab's starter.py when it is yours (finished), else its solution.py."""
+        lab = next((lab for lab in discover() if lab.id == lab_id), None)
+        if lab is None:
+            raise CompositionError(f"no lab {lab_id!r}")
+        impl = "starter" if lab_id in self.yours else "solution"
+        return load_module(lab.path, impl, lab.id)
+
+
+def use_pieces(yours: bool, phase: str) -> Pieces:
+    """The switch at the top of phase ``phase``'s notebook.
+
+    With ``yours`` false, everything drawn is the reference's. With ``yours`` true, the pieces of
+    every *finished* lab (every task written, every graded test passing; the same rule and cache
+    as ``python -m course engine``) replace the reference's, for the engine labs and this phase's
+    labs, and a table says which are yours. Changing the switch needs a fresh kernel.
+    """
+    if not yours:
+        print("Drawing the reference's pieces. Set YOURS = True (and restart the kernel) to draw "
+              "your own finished labs' pieces.")
+        return Pieces(None, set())
+    from course.engine import finished_labs
+
+    labs = [lab for lab in discover()
+            if (lab.engine_parts or lab.phase == phase) and lab.id not in GPU_ONLY_LABS]
+    status = finished_labs(labs)
+    mine = sorted(i for i, why in status.items() if not why)
+    engine_ids = {lab.id for lab in engine_labs()}
+    composition = _composed
+    if composition is None:
+        composition = compose([i for i in mine if i in engine_ids], notebook=True)
+    elif set(composition.student_labs) != {i for i in mine if i in engine_ids}:
+        raise CompositionError("this kernel already drew other pieces; restart it")
+    for lab in labs:
+        why = status.get(lab.id, "")
+        print(f"  lab {lab.id}: {'yours' if not why else 'reference (' + why + ')'}")
+    return Pieces(composition, set(mine))
 
 
 def composed() -> Composition | None:
@@ -206,4 +260,9 @@ def unfinished_tasks(lab: Lab, root: Path | None = None) -> list[str]:
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     if arg.value.startswith(f"lab {lab.id}, task "):
                         found.append(arg.value)
-    return found
+
+    def task_number(message: str) -> int:
+        digits = message.split(", task ", 1)[1].split(":", 1)[0]
+        return int(digits) if digits.isdigit() else 1 << 30
+
+    return sorted(dict.fromkeys(found), key=task_number)

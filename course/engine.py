@@ -107,6 +107,57 @@ def finished_labs(labs: list[Lab], jobs: int | None = None) -> dict[str, str]:
     return status
 
 
+def exam_row(runs, jobs: int | None = None) -> list[str] | None:
+    """The dashboard's row for the engine exam, run on the finished engine labs (cached by their
+    files); None when the dashboard shows no engine lab."""
+    gpu = _cuda_available()
+    engine_runs = [r for r in runs if r.lab.engine_parts
+                   and (gpu or r.lab.id not in GPU_ONLY_LABS)]
+    if not engine_runs:
+        return None
+    done = [r.lab for r in engine_runs if r.status == "done"]
+    title = "Your mini_vllm: the engine exam"
+    if not done:
+        return ["-", "exam", title, "-", "not started",
+                "finish an engine lab (02-01 is the first), then `python -m course engine`"]
+    from course.exam import GRADED_SWEEP, cases
+
+    digest = hashlib.sha256()
+    for lab in done:
+        digest.update(lab.id.encode() + _lab_key(lab).encode())
+    for name in ("exam.py", "compose.py", "labs.toml"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    key = digest.hexdigest()
+    cache_file = cache_dir() / "exam-status.json"
+    try:
+        cached = json.loads(cache_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cached = {}
+    if cached.get("key") != key:
+        student = [lab.id for lab in done]
+        names = [c.name for c in cases(GRADED_SWEEP)]
+        job = {"mode": "exam", "labs": student, "cases": names, "sweep": GRADED_SWEEP,
+               "timeout": CASE_TIMEOUT_S, "gpu": gpu}
+        print(f"Running the engine exam on your labs {', '.join(student)} ...", file=sys.stderr)
+        report = run_exam_job(job, 300 + 2 * CASE_TIMEOUT_S * len(names))
+        cached = {"key": key, "passed": report["passed"], "total": report["total"]}
+        try:
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(cached), encoding="utf-8")
+        except OSError:
+            pass
+    passed, total = cached["passed"], cached["total"]
+    mine = ", ".join(lab.id for lab in done)
+    if passed == total:
+        status = "done" if len(done) == len(engine_runs) else "in progress"
+        step = ("`python -m course engine`: your engine generates" if status == "done" else
+                f"passes with {mine} yours; finish the other engine labs")
+    else:
+        status = "failing"
+        step = "`python -m course engine --exam`: which case fails, and which lab"
+    return ["-", "exam", title, f"{passed}/{total}", status, step]
+
+
 # ----------------------------------------------------------------------------------------------
 # Running one engine in a child process
 # ----------------------------------------------------------------------------------------------
@@ -181,15 +232,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+class UsageError(Exception):
+    """A request the command cannot run (exit 2, nothing runs)."""
+
+
 def _parse_labs(text: str, known: list[str]) -> list[str]:
     if text.strip() == "all":
         return list(known)
     labs = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in labs if t not in known]
     if unknown:
-        raise SystemExit(
-            f"error: --labs: {', '.join(unknown)} build(s) no engine piece; engine labs: "
-            f"{', '.join(known)}"
+        raise UsageError(
+            f"--labs: {', '.join(unknown)} builds no engine piece; engine labs: "
+            f"{', '.join(known)} (or 'all')"
         )
     return labs
 
@@ -221,6 +276,14 @@ def _reproduce(labs: list[str], case: str | None = None) -> str:
 
 
 def cmd_engine(args) -> int:
+    try:
+        return _cmd_engine(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_engine(args) -> int:
     labs = engine_labs()
     known = [lab.id for lab in labs]
     gpu = _cuda_available()
@@ -257,8 +320,12 @@ def cmd_engine(args) -> int:
 
 
 def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
-    prompts = [p.encode().decode("unicode_escape") for p in args.prompt] or FINALE_PROMPTS
-    job = {"mode": "generate", "prompts": prompts, "max_tokens": args.max_tokens, "gpu": gpu}
+    prompts = [p.encode().decode("unicode_escape") for p in args.prompt]
+    if not prompts and (args.chat or args.model):
+        raise UsageError("give the prompt(s) for this model with --prompt")
+    prompts = prompts or FINALE_PROMPTS
+    job = {"mode": "generate", "prompts": prompts, "max_tokens": args.max_tokens, "gpu": gpu,
+           "budget": args.timeout, "model": args.model, "chat": args.chat}
     yours_job = {**job, "labs": student}
     jobs = [yours_job] + ([{**job, "labs": []}] if student else [])
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -272,12 +339,14 @@ def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> i
         print(_composition_table(rows, reasons) + "\n")
     if mine.error:
         print(f"Your engine could not run: {mine.error}")
-        print(f"\nTo find the lab: {_reproduce(student)}")
-        return 1 if mine.of("composition") else 2
+        if not mine.of("composition"):
+            return 2
+        print(f"\nThe engine exam finds which lab: {_reproduce(student)}")
+        return 1
     out = mine.of("generate")[0]
     for prompt, text in zip(prompts, out["texts"]):
         print(f"--- {prompt!r}")
-        print(prompt + text)
+        print(text if args.chat else prompt + text)
     print(out["stats"])
     if not student:
         return 0
@@ -311,68 +380,79 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     if args.case:
         unknown = [c for c in args.case if c not in names]
         if unknown:
-            raise SystemExit(f"error: no exam case named {', '.join(unknown)}; see "
-                             "`python -m course engine --exam --list`")
+            raise UsageError(f"no exam case named {', '.join(unknown)}; see "
+                             "`python -m course engine --list`")
         names = [n for n in names if n in args.case]
     job = {"mode": "exam", "labs": student, "cases": names, "sweep": args.sweep,
-           "timeout": args.case_timeout, "gpu": gpu}
-    budget = args.timeout + 2 * args.case_timeout * len(names)
+           "timeout": args.case_timeout, "gpu": gpu, "bisect": True}
     who = f"yours: {', '.join(student)}" if student else "all reference"
-    print(f"Engine exam: {len(names)} case(s) on your mini_vllm ({who}).", file=sys.stderr)
-    result = run_worker(job, budget)
-    rows = (result.of("composition") or [{"rows": []}])[0]["rows"]
-    if rows:
-        print(_composition_table(rows, reasons) + "\n")
-    outcomes = {r["case"]: r for r in result.of("case")}
-    report_cases = []
-    for name in names:
-        r = outcomes.get(name) or {"case": name, "outcome": "not run",
-                                   "message": result.error or "the exam stopped before it"}
-        report_cases.append(r)
+    print(f"Engine exam: {len(names)} case(s) on your mini_vllm ({who}) ...", file=sys.stderr)
+    report = run_exam_job(job, args.timeout + 3 * args.case_timeout * (len(names) + 2))
+    if report["composition"]:
+        print(_composition_table(report["composition"], reasons) + "\n")
+    for r in report["cases"]:
         mark = "PASS" if r["outcome"] == "passed" else r["outcome"].upper()
         secs = f"{r['seconds']:.1f} s" if "seconds" in r else ""
-        print(f"  {mark:8} {name:28} {secs:>7}  {r['message']}")
-    passed = sum(r["outcome"] == "passed" for r in report_cases)
-    print(f"\n{passed}/{len(names)} exam cases passed ({result.seconds:.0f} s).")
-    report = {"student_labs": student, "composition": rows, "cases": report_cases,
-              "passed": passed, "total": len(names), "error": result.error if not
-              result.of("case") else None}
-    failing = [r for r in report_cases if r["outcome"] != "passed"]
+        print(f"  {mark:8} {r['case']:28} {secs:>7}  {r['message']}")
+    print(f"\n{report['passed']}/{report['total']} exam cases passed ({report['seconds']:.0f} s).")
+    if report["error"]:
+        print(f"The exam could not finish: {report['error']}")
+    failing = [r for r in report["cases"] if r["outcome"] != "passed"]
     if failing and student:
         first = failing[0]
         print(f"\nFirst failure: {first['case']}: {first['message']}\nParts yours: "
               f"{', '.join(student)}. Reproduce it: {_reproduce(student, first['case'])}")
-        report["bisection"] = _bisect(args, student, first["case"], gpu)
+        _print_bisection(report.get("bisection"), student)
     elif failing:
         print("\nThe reference engine fails the exam: that is a bug of the course, not yours.")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
-    if not result.of("case"):
+    if report["composition_error"]:
         return 2
     return 0 if not failing else 1
 
 
-def _bisect(args, student: list[str], case: str, gpu: bool) -> dict:
-    """Run ``case`` with one of the student's labs at a time; name the labs that break it."""
+def run_exam_job(job: dict, timeout_s: float, root: Path = REPO_ROOT) -> dict:
+    """Run an exam job in a worker and turn its records into a report: the composition, one
+    entry per case (cases that never ran say why), the bisection, the totals."""
+    result = run_worker(job, timeout_s, root)
+    rows = (result.of("composition") or [{"rows": []}])[0]["rows"]
+    outcomes = {r["case"]: r for r in result.of("case")}
+    error = result.error
+    cases = []
+    for name in job["cases"]:
+        r = outcomes.get(name)
+        if r is None:
+            r = {"case": name, "outcome": "not run",
+                 "message": error or "the exam stopped at an earlier failure"}
+        cases.append(r)
+    bisection = None
+    if result.of("bisect"):
+        alone = {r["lab"]: r for r in result.of("bisect")}
+        bisection = {
+            "case": result.of("bisect-start")[0]["case"],
+            "alone": {lab: {"outcome": r["outcome"], "message": r["message"]}
+                      for lab, r in alone.items()},
+            "blamed": [lab for lab, r in alone.items() if r["outcome"] != "passed"],
+        }
+    composition_error = any(r.get("composition") is False for r in result.of("error"))
+    return {"student_labs": job["labs"], "composition": rows, "cases": cases,
+            "passed": sum(c["outcome"] == "passed" for c in cases), "total": len(cases),
+            "bisection": bisection, "error": error, "composition_error": composition_error,
+            "seconds": round(result.seconds, 1)}
+
+
+def _print_bisection(bisection: dict | None, student: list[str]) -> None:
+    if not bisection:
+        return
     if len(student) == 1:
         print(f"Only lab {student[0]} is yours here: the failure comes from its pieces.")
-        return {"case": case, "alone": {student[0]: "failed"}, "blamed": student}
-    print(f"Bisecting: {case} with one of your labs at a time ...")
-
-    def one(lab_id: str):
-        job = {"mode": "exam", "labs": [lab_id], "cases": [case], "sweep": args.sweep,
-               "timeout": args.case_timeout, "gpu": gpu}
-        res = run_worker(job, args.timeout + 2 * args.case_timeout)
-        rec = res.of("case")
-        return lab_id, (rec[0] if rec else {"outcome": "error", "message": res.error})
-
-    alone = {}
-    with ThreadPoolExecutor(max(1, min(2, args.jobs or 2))) as pool:
-        for lab_id, rec in pool.map(one, student):
-            alone[lab_id] = rec["outcome"]
-            verdict = "passes" if rec["outcome"] == "passed" else f"FAILS: {rec['message']}"
-            print(f"  only {lab_id} yours: {verdict}")
-    blamed = [lab_id for lab_id, outcome in alone.items() if outcome != "passed"]
+        return
+    print(f"Bisecting: {bisection['case']} with one of your labs at a time:")
+    for lab, r in bisection["alone"].items():
+        verdict = "passes" if r["outcome"] == "passed" else f"FAILS: {r['message']}"
+        print(f"  only {lab} yours: {verdict}")
+    blamed = bisection["blamed"]
     if blamed:
         print(f"\nThe failure comes from lab {', '.join(blamed)}: "
               f"{'it fails' if len(blamed) == 1 else 'each fails'} the case with the reference's "
@@ -381,7 +461,6 @@ def _bisect(args, student: list[str], case: str, gpu: bool) -> dict:
     else:
         print("\nEvery lab passes alone: the failure needs several of your pieces together "
               "(one lab relies on another doing something the reference does).")
-    return {"case": case, "alone": alone, "blamed": blamed}
 
 
 def _cuda_available() -> bool:

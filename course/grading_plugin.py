@@ -365,7 +365,7 @@ def _run_test(item) -> dict:
 def _classify(exc: BaseException, item) -> dict:
     from _pytest.outcomes import Exit, Failed, Skipped
 
-    from course.pytest_plugin import _not_implemented_line
+    from course.feedback import not_implemented_line as _not_implemented_line
 
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
     if isinstance(exc, Skipped):

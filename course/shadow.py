@@ -91,7 +91,7 @@ def shadow_tree(dest: Path, bug: tuple[str, PlantedBug] | None = None,
             text = rename(text)
             # Another lab's pieces defined in this module: taken from mini_vllm, as a starter does.
             others = sorted(n for (mod, n), lab_id in owner.items()
-                            if mod == module and lab_id != lab.id)
+                            if mod == module and lab_id != lab.id and n not in lab.engine_parts)
             if others:
                 text += (f"\n\n# Other labs' pieces come from mini_vllm, as in a real starter.\n"
                          f"from {module} import {', '.join(others)}  # noqa: E402,F401\n")
