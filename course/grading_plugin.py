@@ -304,6 +304,30 @@ def _tampered(before: dict, after: dict) -> list[str]:
     return changed + sorted(n for n in hooks_b.keys() & hooks_a.keys() if hooks_b[n] != hooks_a[n])
 
 
+def _code_snapshot(item) -> dict:
+    """The functions a test relies on: its module's, the course's checking helpers', builtins',
+    and the test item's own method and function."""
+    import builtins
+
+    snap = {}
+    for module in (getattr(item, "module", None), sys.modules.get("course.numerics"),
+                   sys.modules.get("course.loader"), builtins):
+        if module is None:
+            continue
+        for name, value in list(vars(module).items()):
+            code = getattr(value, "__code__", None)
+            if callable(value):
+                snap[f"{module.__name__}.{name}"] = (id(value), id(code))
+    snap["the test item"] = ("runtest" in vars(item), id(getattr(item, "obj", None)),
+                             id(getattr(getattr(item, "obj", None), "__code__", None)))
+    return snap
+
+
+def _code_changed(before: dict, item) -> list[str]:
+    after = _code_snapshot(item)
+    return [f"{name} was replaced" for name, value in before.items() if after.get(name) != value]
+
+
 def _refuse_plugins(config) -> None:
     def refuse(*args, **kwargs):
         raise RuntimeError("registering a pytest plugin is not allowed while grading")
@@ -314,7 +338,8 @@ def _refuse_plugins(config) -> None:
 
 def _run_test(item) -> dict:
     """setup, call, teardown; the outcome is decided here from the exceptions raised, without
-    pytest's report hooks (which a plugin registered by student code could rewrite)."""
+    pytest's report hooks (which a plugin registered by student code could rewrite), and void
+    when the set of plugins or hook implementations changed while the test ran."""
     config = item.config
     try:  # pytest-timeout fails a cooperative test with a traceback; the session kills the rest
         import pytest_timeout
@@ -327,13 +352,17 @@ def _run_test(item) -> dict:
     before = _hook_snapshot(config)
     _refuse_plugins(config)
     result = {"outcome": "passed", "kind": "", "message": ""}
+    # The phases go through pytest's hooks (fixtures such as caplog and capsys rely on the
+    # logging and capture plugins' wrappers), but the outcome is decided here, from what they
+    # raise; a plugin added meanwhile (which could swallow an exception) is caught below.
+    code_before = _code_snapshot(item)
+    changed: list[str] = []
     try:
-        item.session._setupstate.setup(item)
-        if isinstance(item, pytest.Function):
-            # What pytest's own pytest_pyfunc_call does, without the hook.
-            item.obj(**{name: item.funcargs[name] for name in item._fixtureinfo.argnames})
-        else:
-            item.runtest()
+        item.ihook.pytest_runtest_setup(item=item)
+        # A plugin added during setup could wrap the call and leave before the end: look now.
+        changed = _tampered(before, _hook_snapshot(config)) + _code_changed(code_before, item)
+        if not changed:
+            item.ihook.pytest_runtest_call(item=item)
     except BaseException as exc:  # noqa: B036
         result = _classify(exc, item)
     try:
@@ -349,15 +378,16 @@ def _run_test(item) -> dict:
         cancel = getattr(item, "cancel_timeout", None)
         if cancel:
             cancel()
-        item.session._setupstate.teardown_exact(None)
+        item.ihook.pytest_runtest_teardown(item=item, nextitem=None)
     except BaseException as exc:  # noqa: B036
         if result["outcome"] == "passed":
             result = _classify(exc, item)
             result["message"] = "in teardown: " + result["message"]
-    changed = _tampered(before, _hook_snapshot(config))
+    changed = changed or (_tampered(before, _hook_snapshot(config))
+                          + _code_changed(code_before, item))
     if changed:
         return {"outcome": "failed", "kind": "tampered",
-                "message": "the set of pytest hooks changed while the test ran: "
+                "message": "the test's machinery changed while it ran: "
                 + ", ".join(changed[:5])}
     return result
 

@@ -300,6 +300,7 @@ GRADING_EXPECTATIONS = {
     "hidden-all": (0.0, 0.0, "uses the reference"),
     "sys-modules": (0.0, 0.0, "uses the reference"),
     "copies": (0.0, 0.0, "uses the reference"),
+    "patch-tests": (0.0, 0.0, "sys.modules"),
     "paste": (0.0, 0.0, "the reference's code"),
     "symlink": (0.0, 0.0, "symbolic link"),
     "pth-file": (0.0, 0.0, ".pth"),

@@ -19,7 +19,8 @@ from course.grading import published_tasks, read_commit, suspicious
 from course.integrity import GRADING_EXPECTATIONS, build_grading_fixture
 from course.labs import discover
 
-SMALL_CLASS = ("honest", "exit-at-import", "report-plugin", "copies", "symlink", "hang")
+SMALL_CLASS = ("honest", "exit-at-import", "report-plugin", "patch-tests", "copies", "symlink",
+               "hang")
 
 
 @pytest.fixture(scope="module")
