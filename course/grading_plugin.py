@@ -318,8 +318,9 @@ def _code_snapshot(item) -> dict:
             code = getattr(value, "__code__", None)
             if callable(value):
                 snap[f"{module.__name__}.{name}"] = (id(value), id(code))
-    snap["the test item"] = ("runtest" in vars(item), id(getattr(item, "obj", None)),
-                             id(getattr(getattr(item, "obj", None), "__code__", None)))
+    obj = getattr(item, "obj", None)
+    func = getattr(obj, "__func__", obj)  # a unittest item's obj is a fresh bound method
+    snap["the test item"] = ("runtest" in vars(item), id(func), id(getattr(func, "__code__", None)))
     return snap
 
 
