@@ -260,9 +260,30 @@ def _norm_lines(text: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
 
+def executed_copy(source: Path, executed: Path | None):
+    """The executed copy of ``source`` in ``executed`` (``<phase folder>.ipynb``, written by
+    tests/test_notebooks.py), if it exists and its cells are the repository's cells."""
+    import nbformat
+
+    if executed is None:
+        return None
+    path = executed / f"{source.parent.name}.ipynb"
+    if not path.is_file():
+        return None
+    run = nbformat.read(path, as_version=4)
+    repo = nbformat.read(source, as_version=4)
+    same = [(c.cell_type, c.source) for c in run.cells] == [
+        (c.cell_type, c.source) for c in repo.cells
+    ]
+    has_outputs = any(c.get("outputs") for c in run.cells if c.cell_type == "code")
+    return path if same and has_outputs else None
+
+
 def stage(repo_url: str | None, execute: bool = True, root: Path = REPO_ROOT,
-          out: Path = STAGE) -> tuple[SitePlan, dict[str, float]]:
-    """Write the site's sources into ``out``; returns the plan and the notebooks' run times."""
+          out: Path = STAGE, executed: Path | None = None) -> tuple[SitePlan, dict[str, float]]:
+    """Write the site's sources into ``out``; returns the plan and the notebooks' run times.
+    ``executed``: a folder of notebooks already executed from this checkout (reused when their
+    cells are the repository's)."""
     sp = plan(root)
     if out.exists():
         shutil.rmtree(out)
@@ -279,7 +300,11 @@ def stage(repo_url: str | None, execute: bool = True, root: Path = REPO_ROOT,
     shutil.copytree(TEMPLATE / "assets", out / "assets")
     times = {}
     for src, target in sp.notebooks:
-        if execute:
+        ready = executed_copy(src, executed)
+        if ready is not None:
+            print(f"  {src.relative_to(root)}: the run in {ready}", file=sys.stderr)
+            shutil.copyfile(ready, out / target)
+        elif execute:
             print(f"  executing {src.relative_to(root)} ...", file=sys.stderr, flush=True)
             times[target] = execute_notebook(src, out / target)
         else:
@@ -306,7 +331,8 @@ def write_config(sp: SitePlan, site_url: str | None, repo_url: str | None,
 
 def build(args) -> int:
     start = time.perf_counter()
-    sp, times = stage(args.repo_url, execute=not args.no_execute)
+    executed = Path(args.executed) if args.executed else None
+    sp, times = stage(args.repo_url, execute=not args.no_execute, executed=executed)
     staged = time.perf_counter()
     leaks = lab_code_leaks(STAGE)
     if leaks:
@@ -365,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--site-url", help="the site's public address (canonical links)")
         p.add_argument("--no-execute", action="store_true",
                        help="stage the notebooks without running them (no plots)")
+        p.add_argument("--executed", metavar="DIR",
+                       help="notebooks already executed from this checkout (tests/test_notebooks"
+                       ".py writes them there with COURSE_EXECUTED_NOTEBOOKS=DIR); used when "
+                       "their cells are the repository's, else the notebook is executed")
         p.add_argument("--quiet", action="store_true", help="only mkdocs's warnings")
         if name == "serve":
             p.add_argument("--port", type=int, default=8000)

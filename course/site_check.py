@@ -143,6 +143,7 @@ class Checker:
     def shot(self, name: str, full_page: bool = True, element=None) -> None:
         path = self.shots / f"{name}.png"
         self.page.evaluate("window.scrollTo(0, 0)")
+        self.page.wait_for_timeout(400)  # Material shows the tabs again once back at the top
         if element is not None:
             element.screenshot(path=str(path))
         else:
@@ -170,9 +171,13 @@ def check(site: Path, shots: Path, browser: str | None = None) -> int:
             b = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
             page = b.new_page(viewport={"width": 1280, "height": 900})
             c = Checker(page, base, shots)
-            _check_pages(c, pages, phases)
-            _check_navigation(c, phases)
-            _check_search(c)
+            for step in (lambda: _check_pages(c, pages, phases),
+                         lambda: _check_navigation(c, phases),
+                         lambda: _check_search(c)):
+                try:
+                    step()
+                except Exception as exc:  # a timeout or a missing element: a finding
+                    c.problem(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
             b.close()
     finally:
         httpd.shutdown()
@@ -237,14 +242,16 @@ def _check_navigation(c: Checker, phases: list[str]) -> None:
     tab.click()
     c.page.wait_for_url(f"**/{target}")
     c.page.wait_for_load_state("networkidle")
-    lab_link = c.page.locator("nav.md-nav--primary a.md-nav__link[href*='labs/']").first
+    lab_link = c.page.locator(
+        "nav.md-nav--primary a.md-nav__link[href*='labs/'] >> visible=true"
+    ).first
     if not lab_link.count():
         c.problem(f"/{target}: the menu lists no lab")
         return
     href = lab_link.get_attribute("href")
     lab_link.click()
     c.page.wait_for_load_state("networkidle")
-    h1 = c.page.locator("article h1").first.inner_text()
+    h1 = c.page.locator("article h1").first.inner_text().rstrip("¶")
     if "/labs/" not in c.page.url or not h1.startswith("Lab"):
         c.problem(f"clicking {href} from /{target} opened {c.page.url} ({h1!r})")
         return
@@ -254,9 +261,9 @@ def _check_navigation(c: Checker, phases: list[str]) -> None:
 
 def _check_search(c: Checker, query: str = "free queue") -> None:
     c.open("")
-    c.page.locator("label.md-search__icon, .md-search__input").first.click()
     box = c.page.locator("input.md-search__input")
-    box.fill(query)
+    box.click()
+    box.press_sequentially(query, delay=30)  # Material's search listens to key events
     results = c.page.locator(".md-search-result__item")
     try:
         results.first.wait_for(timeout=15000)
@@ -264,8 +271,11 @@ def _check_search(c: Checker, query: str = "free queue") -> None:
         c.problem(f"search for {query!r} found nothing")
         return
     n = results.count()
+    meta = c.page.locator(".md-search-result__meta").first.inner_text()
     c.shot("search--free-queue", full_page=False)
     first = c.page.locator(".md-search-result__link").first
     first.click()
     c.page.wait_for_load_state("networkidle")
-    c.ok(f"search {query!r}: {n} results; the first opens {c.page.url[len(c.base) - 1:]}")
+    h1 = c.page.locator("article h1").first.inner_text().rstrip("¶")
+    c.ok(f"search {query!r}: {meta}, {n} shown; the first opens {c.page.url[len(c.base) - 1:]} "
+         f"({h1})")
