@@ -345,7 +345,8 @@ def build(args) -> int:
     if args.quiet:
         cmd.append("--quiet")
     # Material 9.7+ prints a banner about MkDocs 2.0 on every build; it is not a warning.
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    # Run in build/: mkdocs-jupyter keeps a conversion cache in ./.cache.
+    proc = subprocess.run(cmd, cwd=BUILD, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     end = time.perf_counter()
     nb = ", ".join(f"{t} {s:.1f} s" for t, s in times.items())
     print(f"site: {len(sp.pages)} pages, {len(sp.notebooks)} notebooks, {len(sp.assets)} figures; "

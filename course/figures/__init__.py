@@ -63,7 +63,6 @@ FIGURES = [
     FigureSpec(P1, "masks", "phase01:masks"),
     FigureSpec(P1, "online-softmax", "phase01:online_softmax"),
     FigureSpec(P1, "flat-cache", "phase01:flat_cache"),
-    FigureSpec(P2, "blocks-prefill", "phase02:blocks_prefill"),
     FigureSpec(P2, "blocks-decode", "phase02:blocks_decode"),
     FigureSpec(P2, "blocks-free", "phase02:blocks_free"),
     FigureSpec(P2, "prefix-hit", "phase02:prefix_hit"),
