@@ -93,7 +93,9 @@ def plan(root: Path = REPO_ROOT) -> SitePlan:
         notebook = phase_dir / "notebook.ipynb"
         if notebook.is_file():
             sp.notebooks.append((notebook, f"{rel}/notebook.ipynb"))
-            section.append({"Notebook": f"{rel}/notebook.ipynb"})
+            # Named with its phase: search results show the page title alone.
+            number = rel.split("-")[1] if rel.count("-") else rel
+            section.append({f"Phase {number} notebook": f"{rel}/notebook.ipynb"})
         for fig in sorted((phase_dir / "figures").glob("*")):
             sp.assets.append((fig, f"{rel}/figures/{fig.name}"))
         for lab in labs:

@@ -17,7 +17,8 @@ def test_every_phase_notebook_and_lab_is_a_page():
     sections = [next(iter(entry.values())) for entry in sp.nav[1:1 + len(phases)]]
     for phase, section in zip(phases, sections):
         assert section[0] == f"{phase}/index.md"
-        assert {"Notebook": f"{phase}/notebook.ipynb"} in section
+        number = phase.split("-")[1]
+        assert {f"Phase {number} notebook": f"{phase}/notebook.ipynb"} in section
     assert {t for _, t in sp.assets} == {
         str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob("phase-*/figures/*.svg")
     }
