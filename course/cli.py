@@ -7,6 +7,8 @@ python -m course check           integrity: solution passes, starter fails, same
 python -m course list            the labs, in order
 python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
 python -m course engine [--exam]  your finished labs as one engine; the engine exam
+python -m course hint 02-03 4 [--level 2|3]  a hint for task 4 of lab 02-03, one rung at a time
+python -m course measure 02-01 [--plot F]    predict, then measure: your code beside the reference
 python -m course figures [--check]  draw the README figures (phase-*/figures/*.svg)
 """
 
@@ -265,7 +267,7 @@ def cmd_check(args) -> int:
             bug_lists[lab.id] = [] if args.no_bugs else load_bugs(lab)
         except Exception as exc:  # reported as a violation by check_lab
             bug_lists[lab.id] = []
-            print(f"  lab {lab.id}: cannot read planted_bugs.py: {exc}", file=sys.stderr)
+            print(f"  lab {lab.id}: cannot read its planted bugs: {exc}", file=sys.stderr)
     has_cuda = _cuda_available()
     n_units = len(labs) + sum(len(b) for b in bug_lists.values())
     progress = Progress(n_units, "checking")
@@ -395,6 +397,41 @@ def _cmd_engine(args) -> int:
               file=sys.stderr)
         return 2
     return cmd_engine(args)
+def cmd_hint(args) -> int:
+    from course.hints import render_hint
+
+    (lab,) = select(discover(), [args.lab])
+    try:
+        print(render_hint(lab, args.task, args.level))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_measure(args) -> int:
+    from course.measure import format_table, measure, plot, predict_questions
+
+    (lab,) = select(discover(), [args.lab])
+    questions = predict_questions(lab)
+    if questions is not None:
+        line, heading, body = questions
+        print(f"{heading} (README.md:{line}): answer these before you look at the numbers.\n")
+        print(body + "\n")
+    try:
+        module, series = measure(lab, quick=args.quick)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(module.TITLE)
+    print(format_table(module, series))
+    if args.plot or args.show:
+        path = plot(module, series, Path(args.plot) if args.plot else None, args.show)
+        if path is not None:
+            print(f"\nplot: {path}")
+    else:
+        print("\nDraw it: add --plot FILE.png (or --show for a window).")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -483,13 +520,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="an unpacked vLLM release (repeatable, one per pinned version)",
     )
     p.set_defaults(func=cmd_refs)
+
+    p = sub.add_parser("hint", help="a hint for one task: a question, the steps, upstream lines")
+    p.add_argument("lab", help="lab id (02-03), folder name or path")
+    p.add_argument("task", type=int, help="the task number (as in the starter's messages)")
+    p.add_argument(
+        "--level",
+        type=int,
+        choices=(1, 2, 3),
+        default=1,
+        help="1: a question (default); 2: the steps; 3: the upstream lines to read",
+    )
+    p.set_defaults(func=cmd_hint)
+
+    p = sub.add_parser("measure", help="predict, then measure: your code beside the reference")
+    p.add_argument("lab", help="lab id (02-01), folder name or path")
+    p.add_argument("--plot", metavar="FILE", help="draw the plot into FILE (.png, .svg, .pdf)")
+    p.add_argument("--show", action="store_true", help="show the plot in a window")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller sizes")
+    p.set_defaults(func=cmd_measure)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("status", "grade", "check", "list", "refs", "engine", "figures")
+    commands = ("status", "grade", "check", "list", "refs", "engine", "hint", "measure", "figures")
     if argv[:1] == ["figures"]:
         from course.figures import main as figures_main
 

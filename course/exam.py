@@ -37,7 +37,7 @@ TINY = ModelConfig(
     num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=64,
-    max_position_embeddings=256,
+    max_position_embeddings=1024,
 )
 EOS = 63  # the exam tokenizer's end-of-sequence id
 SWEEP_SEED = 20261122  # the graded sweep's configurations are fixed by this seed
@@ -430,6 +430,18 @@ def case_several_generate_calls(exam: Exam) -> None:
     expect(hits > 0, "later calls hit what earlier calls cached")
 
 
+def case_long_context(exam: Exam) -> None:
+    """Decode over a context longer than one 512-token partition: PagedAttention v2 (the split
+    context and the merge of the partitions' partial results) serves these steps."""
+    from mini_vllm.attention.paged_attn import PARTITION_SIZE
+
+    rng = random.Random(11)
+    prompts = _prompts(rng, [PARTITION_SIZE + 90, PARTITION_SIZE // 2])
+    llm = exam.llm(block_size=16, num_gpu_blocks=96, max_num_batched_tokens=1024)
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    expect(run.stats.num_steps >= 8, "decode steps over the long context")
+
+
 def _block_size_case(block_size: int) -> Callable[[Exam], None]:
     def case(exam: Exam) -> None:
         rng = random.Random(100 + block_size)
@@ -515,6 +527,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("parallel-sampling", case_parallel_sampling),
         Case("stop-tokens-min-tokens", case_stop_tokens_and_min_tokens),
         Case("several-generate-calls", case_several_generate_calls),
+        Case("long-context-v2", case_long_context),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)
