@@ -510,7 +510,8 @@ def _status(r: UnitResult, timed_out: bool) -> str:
 
 class CommandUnit:
     """A graded unit run as a child command in the sandbox, e.g. the engine exam:
-    `argv` runs in a full course copy holding all of the submission's files and writes its cases
+    `argv` ("{python}", "{impl}" and "{json}" substituted) runs in a full course copy holding all
+    of the submission's files and writes its cases
     ({"case" or "id", "outcome", "message"}; a list, or a report with a "cases" list) to the path
     substituted for "{json}". `cases` (the
     instructor's list, fixed before anything runs) share `points` equally; a case that is missing
@@ -535,7 +536,7 @@ class CommandUnit:
             ws.seal()
             out = ws.tmp / "cases.json"
             argv = [a.replace("{json}", str(out)).replace("{python}", sys.executable)
-                    for a in self.argv]
+                    .replace("{impl}", ctx.impl) for a in self.argv]
             env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl})
             run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)
             try:
@@ -561,16 +562,25 @@ class CommandUnit:
 
 
 def graded_units(instructor: Instructor) -> list:
-    """Every graded unit, in course order.
+    """Every graded unit, in course order: the labs, then the engine exam when every engine lab
+    is graded (it composes all of the submission's engine pieces, `--labs all`, so a lab left
+    unwritten fails its cases; the case list and the points are the instructor's)."""
+    from course.compose import GPU_ONLY_LABS, engine_labs
+    from course.exam import GRADED_SWEEP, cases
+    from course.labs import exam_metadata
 
-    The engine exam joins as a CommandUnit, its case list read on the instructor's side:
-
-        from course.exam import cases
-        units.append(CommandUnit("engine-exam", "The engine exam", POINTS,
-                                 ["{python}", "-m", "course", "engine", "--exam", "--json",
-                                  "{json}"], [c.name for c in cases()]))
-    """
-    return [LabUnit(lab, instructor.manifest.get(lab.id, [])) for lab in instructor.labs]
+    units: list = [LabUnit(lab, instructor.manifest.get(lab.id, [])) for lab in instructor.labs]
+    graded = {lab.id for lab in instructor.labs}
+    needed = {lab.id for lab in engine_labs() if lab.id not in GPU_ONLY_LABS}
+    exam = exam_metadata()
+    if exam and needed <= graded:
+        units.append(CommandUnit(
+            "engine-exam", "The engine exam: your pieces together", exam["points"],
+            ["{python}", "-m", "course", "engine", "--exam", "--impl", "{impl}", "--labs", "all",
+             "--json", "{json}"],
+            [c.name for c in cases(GRADED_SWEEP)],
+        ))
+    return units
 
 
 # --- a whole grading run ------------------------------------------------------------------------
