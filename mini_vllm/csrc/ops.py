@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from mini_vllm.csrc import load_ops, resolve_backend
+# Through the package, not `from ... import load_ops`: a test (or a user) that replaces
+# mini_vllm.csrc.load_ops is then obeyed here too.
+import mini_vllm.csrc as _csrc
 
 __all__ = [
     "PARTITION_SIZE",
@@ -50,7 +52,7 @@ def _require_device(tensors: dict[str, torch.Tensor], ref: str, backend: str | N
     """Every tensor on the backend's device: one CUDA device for "cuda", the CPU for the
     emulation. Checked last, so that every other check also runs on a machine without a GPU.
     Returns the resolved backend."""
-    backend = resolve_backend(backend)
+    backend = _csrc.resolve_backend(backend)
     device = tensors[ref].device
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(
@@ -210,7 +212,7 @@ def paged_attention_v1(
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, backend=backend)
-    load_ops(backend=backend).paged_attention_v1(out, query, key_cache, value_cache,
+    _csrc.load_ops(backend=backend).paged_attention_v1(out, query, key_cache, value_cache,
                                                  num_kv_heads, scale, block_tables, seq_lens,
                                                  block_size, max_seq_len, alibi_slopes)
 
@@ -242,7 +244,7 @@ def paged_attention_v2(
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
-    load_ops(backend=backend).paged_attention_v2(out, exp_sums, max_logits, tmp_out, query,
+    _csrc.load_ops(backend=backend).paged_attention_v2(out, exp_sums, max_logits, tmp_out, query,
                                                  key_cache, value_cache, num_kv_heads, scale,
                                                  block_tables, seq_lens, block_size, max_seq_len,
                                                  alibi_slopes)
@@ -274,7 +276,7 @@ def paged_attention_gqa(
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
-    load_ops(backend=backend).paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query,
+    _csrc.load_ops(backend=backend).paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query,
                                                   key_cache, value_cache, num_kv_heads, scale,
                                                   block_tables, seq_lens, block_size,
                                                   max_seq_len, alibi_slopes)
@@ -324,7 +326,7 @@ def reshape_and_cache(
                                "value_cache": value_cache, "slot_mapping": slot_mapping}, "key",
                               backend)
     slots = slot_mapping.to(torch.int64).contiguous()  # a new tensor when it converts
-    load_ops(backend=backend).reshape_and_cache(key, value, key_cache, value_cache, slots)
+    _csrc.load_ops(backend=backend).reshape_and_cache(key, value, key_cache, value_cache, slots)
 
 
 def _check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> torch.Tensor:
@@ -374,7 +376,7 @@ def copy_blocks(
     backend = _require_device(caches, "caches[0]", backend)
     if backend != "cuda":
         mapping = mapping.to(first.device)
-    load_ops(backend=backend).copy_blocks(key_caches, value_caches, mapping)
+    _csrc.load_ops(backend=backend).copy_blocks(key_caches, value_caches, mapping)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
@@ -390,7 +392,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     if not src.is_contiguous() or not dst.is_contiguous():
         raise ValueError("src and dst must be contiguous")
     mapping = _check_mapping(block_mapping, src.shape[0], dst.shape[0])
-    backend = resolve_backend(backend)
+    backend = _csrc.resolve_backend(backend)
     if backend == "cuda":
         if "cuda" not in (src.device.type, dst.device.type):
             raise ValueError("swap_blocks needs at least one CUDA cache (GPU <-> CPU or GPU <-> "
@@ -399,4 +401,4 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             raise ValueError(f"src is on {src.device} and dst on {dst.device}; use one GPU")
     else:
         _require_device({"src": src, "dst": dst}, "src", backend)
-    load_ops(backend=backend).swap_blocks(src, dst, mapping)
+    _csrc.load_ops(backend=backend).swap_blocks(src, dst, mapping)

@@ -169,17 +169,19 @@ class Build:
     """A set of kernel sources built for emulation: ``executable(variant)`` builds on demand.
 
     ``name`` names the cache folders; ``sources`` are the kernel translation units (.cu, compiled
-    as C++); ``own_files`` are the files whose lines error messages point at first (the student's
-    starter.cu, or every csrc source for the reference); ``attention_only`` binds only
-    paged_attention_v1/v2 (the lab starter provides no other op); ``extra_sources`` are more C++
-    files with ops of their own (MINI_VLLM_EMU_OP), used by tests.
+    as C++ with the flavour's instrumentation); ``bindings`` are the files that register ops
+    with MINI_VLLM_EMU_OP (compiled without instrumentation; by default op_bindings.cpp, the
+    mini_vllm ops; a test's own kernel file may register its ops itself and pass none);
+    ``attention_only`` binds only paged_attention_v1/v2 (all the lab starter provides);
+    ``own_files`` are the files whose lines error messages point at first (the student's
+    starter.cu, or every csrc source for the reference).
     """
 
     name: str
     sources: tuple[Path, ...]
     flavor: str = "plain"
     attention_only: bool = False
-    extra_sources: tuple[Path, ...] = ()
+    bindings: tuple[Path, ...] = (EMULATION_DIR / "op_bindings.cpp",)
     own_files: tuple[Path, ...] = ()
 
     def __post_init__(self):
@@ -191,10 +193,13 @@ class Build:
         return [*_COMMON, f"-I{EMULATION_DIR / 'include'}", f"-I{EMULATION_DIR}", f"-I{CSRC_DIR}",
                 *defines]
 
+    def _runtime_flags(self) -> list[str]:
+        return [*self._flags(), "-O2", *_RUNTIME_DEFINES[self.flavor]]
+
     def _runtime_objects(self, cxx: str) -> list[Path]:
-        """runtime.o, driver.o and op_bindings.o: shared by every build of this flavour."""
-        sources = [EMULATION_DIR / s for s in _RUNTIME_SOURCES] + [EMULATION_DIR / "op_bindings.cpp"]
-        flags = [*self._flags(), "-O2", *_RUNTIME_DEFINES[self.flavor]]
+        """runtime.o and driver.o: shared by every build of this flavour."""
+        sources = [EMULATION_DIR / s for s in _RUNTIME_SOURCES]
+        flags = self._runtime_flags()
         key = _digest([*_emulation_files(), *_csrc_headers()], flags, _compiler_identity(cxx))
         folder = _build_root() / f"runtime-{self.flavor}-{key}"
         objects = [folder / (s.stem + ".o") for s in sources]
@@ -220,7 +225,7 @@ class Build:
         cxx = compiler()
         assert cxx is not None
         kernel_flags = [*self._flags(), *_KERNEL_FLAGS[self.flavor], *variant.defines()]
-        inputs = [*self.sources, *self.extra_sources, *_csrc_headers(), *_emulation_files()]
+        inputs = [*self.sources, *self.bindings, *_csrc_headers(), *_emulation_files()]
         key = _digest(inputs, kernel_flags, _LINK_FLAGS[self.flavor], _compiler_identity(cxx),
                       [str(p) for p in self.sources])
         folder = _build_root() / f"{self.name}-{self.flavor}-{variant.tag()}-{key}"
@@ -231,10 +236,11 @@ class Build:
         with _Lock(folder):
             if exe.is_file():
                 return exe
-            units = [*self.sources, *self.extra_sources]
-            objects = [folder / f"{i}-{p.stem}.o" for i, p in enumerate(units)]
+            units = [(p, kernel_flags) for p in self.sources]
+            units += [(p, self._runtime_flags()) for p in self.bindings]
+            objects = [folder / f"{i}-{p.stem}.o" for i, (p, _) in enumerate(units)]
             with ThreadPoolExecutor(max_workers=_jobs()) as pool:
-                list(pool.map(lambda so: self._compile(cxx, so[0], so[1], kernel_flags),
+                list(pool.map(lambda uo: self._compile(cxx, uo[0][0], uo[1], uo[0][1]),
                               zip(units, objects)))
             tmp = folder / f"emulator.{os.getpid()}.tmp"
             _run_compiler([cxx, *_LINK_FLAGS[self.flavor], *map(str, objects), *map(str, runtime),

@@ -64,12 +64,12 @@ Buffer map_buffer(const std::string& name, int fd, size_t offset, size_t bytes, 
   b.bytes = bytes;
   b.writable = writable;
 #if defined(MINI_VLLM_EMU_ASAN)
-  if (span > 0) {
-    __asan_poison_memory_region(base, delta);
-    __asan_poison_memory_region(base + delta + bytes, span - delta - bytes);
-  }
+  // Everything around the buffer, guard pages included, is poisoned: ASan then reports an
+  // overrun as such instead of the guard page's segmentation fault.
+  __asan_poison_memory_region(reserve, page + delta);
+  __asan_poison_memory_region(base + delta + bytes, span - delta - bytes + page);
 #endif
-  register_region(name, b.data, bytes);
+  register_region(writable ? name : name + " (read-only)", b.data, bytes);
   return b;
 }
 

@@ -73,10 +73,25 @@ def _symbolize(exe: str, offset: int) -> tuple[Frame, ...]:
 
 def _short_function(name: str) -> str:
     """`void mini_vllm::foo<float, 128>(mini_vllm::P const&)` -> `foo<float, 128>`."""
-    name = re.sub(r"\(.*\)( const)?$", "", name.strip())
-    name = name.split(" ")[-1] if " " in name and "<" not in name.split(" ")[0] else name
-    name = re.sub(r"^(void|int|float|auto|bool|unsigned|double)\s+", "", name)
-    return name.replace("mini_vllm::", "")
+    name = name.strip()
+    for prefix in ("(anonymous namespace)::", "mini_vllm::", "mini_vllm_emu::"):
+        name = name.replace(prefix, "")
+    # Drop the parameter list: the parenthesised group that ends the name.
+    if name.endswith(")") or name.endswith(") const"):
+        end = name.rfind(")")
+        depth = 0
+        for i in range(end, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    # Drop a return type: the last space outside template brackets.
+    depth, cut = 0, -1
+    for i, c in enumerate(name):
+        depth += {"<": 1, ">": -1}.get(c, 0)
+        if c == " " and depth == 0:
+            cut = i
+    return name[cut + 1 :] if cut >= 0 else name
 
 
 def _is_emulation(path: str) -> bool:
@@ -231,12 +246,15 @@ def _asan(stderr: str, exe: Path, own, ctx: _Context) -> str | None:
     regions = _regions(stderr)
     if info:
         addr, write, size = int(info.group(1), 16), info.group(2) == "1", int(info.group(3))
-    else:
-        am = re.search(r"address 0x([0-9a-f]+)", stderr[m.start():])
-        addr, write, size = (int(am.group(1), 16) if am else 0), "WRITE" in stderr, 0
-        write = bool(re.search(r"caused by a WRITE|^WRITE of", stderr, re.M))
+    else:  # a deadly signal rather than an access ASan checked
+        am = re.search(r"on unknown address (?:0x)?([0-9a-f]+)", stderr[m.start():])
+        addr, size = (int(am.group(1), 16) if am else 0), 0
+        write = bool(re.search(r"caused by a WRITE", stderr))
     access = "write" if write else "read"
     buffer, detail = _describe_address(addr, regions)
+    if kind == "SEGV" and write and buffer.endswith(READ_ONLY) and detail.startswith("byte "):
+        return (f"write to {_pretty_buffer(buffer)}, an input the op must not change, at {where}"
+                f"{_where_suffix(ctx)}{_kernel_suffix(ctx)}")
     if kind in ("heap-buffer-overflow", "use-after-poison", "SEGV", "stack-buffer-overflow",
                 "global-buffer-overflow", "unknown-crash"):
         what = f"out-of-bounds {access}"
@@ -248,7 +266,11 @@ def _asan(stderr: str, exe: Path, own, ctx: _Context) -> str | None:
     return f"{kind.replace('-', ' ')} ({access}) at {where}{_where_suffix(ctx)}{_kernel_suffix(ctx)}"
 
 
+READ_ONLY = " (read-only)"
+
+
 def _pretty_buffer(name: str) -> str:
+    name = name.removesuffix(READ_ONLY)
     if name.startswith("shared "):
         return f"shared memory '{name[len('shared '):]}'"
     return name
@@ -300,31 +322,44 @@ def _tsan(stderr: str, exe: Path, own, ctx: _Context) -> str | None:
     addr = int(accesses[0].group("addr"), 16)
     buffer, _ = _describe_address(addr, _regions(stderr))
     target = _pretty_buffer(buffer) if buffer else f"address 0x{addr:x}"
-    block = f" in block {ctx.block}" if ctx.block else ""
+    # Fiber names are "thread 33 of block (0,0,0)": say the block once when it is the same.
+    blocks = {re.sub(r".* of block ", "", n) for n in (now[0], before[0]) if " of block " in n}
+    where = ""
+    if len(blocks) == 1:
+        where = f" in block {blocks.pop()}"
+        now = (now[0].split(" of block ")[0], *now[1:])
+        before = (before[0].split(" of block ")[0], *before[1:])
+        between = "with no __syncthreads() (or warp collective) between them"
+    else:
+        between = ("but different blocks of a launch run in no particular order: one block "
+                   "cannot wait for another")
     return (
-        f"data race on {target}{block}: {before[0]} {before[1]} it at {before[2]} and "
-        f"{now[0]} {now[1]} it at {now[2]} with no __syncthreads() (or warp collective) "
-        f"between them{_kernel_suffix(ctx)}"
+        f"data race on {target}{where}: {before[0]} {before[1]} it at {before[2]} and "
+        f"{now[0]} {now[1]} it at {now[2]} {between}{_kernel_suffix(ctx)}"
     )
 
 
 def _signal(stderr: str, exe: Path, own, ctx: _Context) -> str | None:
-    m = re.search(r"MINI_VLLM_EMU_SIGNAL (\d+) addr=0x([0-9a-f]+) pc=0x([0-9a-f]+)"
+    m = re.search(r"MINI_VLLM_EMU_SIGNAL (\d+) addr=0x([0-9a-f]+) pc=0x([0-9a-f]+) write=(-?\d)"
                   r"(?: stack-overflow=(\d+))?", stderr)
     if not m:
         return None
     sig, addr, pc = int(m.group(1)), int(m.group(2), 16), int(m.group(3), 16)
     frames = list(_symbolize(str(exe), pc)) if pc else []
     where = _location(frames, own)
-    if m.group(4):
+    if m.group(5):
         return (f"stack overflow at {where}{_where_suffix(ctx)}: a thread used more than "
-                f"{int(m.group(4)) // 1024} KB of stack (a huge local array, or recursion?)"
+                f"{int(m.group(5)) // 1024} KB of stack (a huge local array, or recursion?)"
                 f"{_kernel_suffix(ctx)}")
     names = {11: "segmentation fault", 7: "bus error", 8: "arithmetic exception",
              4: "illegal instruction"}
     buffer, detail = _describe_address(addr, _regions(stderr))
+    if m.group(4) == "1" and buffer.endswith(READ_ONLY) and detail.startswith("byte "):
+        return (f"write to {_pretty_buffer(buffer)}, an input the op must not change, at {where}"
+                f"{_where_suffix(ctx)}{_kernel_suffix(ctx)}")
+    access = {"1": "a write to", "0": "a read of"}.get(m.group(4), "an access to")
     target = f" near {_pretty_buffer(buffer)} ({detail})" if buffer else ""
-    return (f"{names.get(sig, f'signal {sig}')} at {where}{_where_suffix(ctx)}: an access to "
+    return (f"{names.get(sig, f'signal {sig}')} at {where}{_where_suffix(ctx)}: {access} "
             f"address 0x{addr:x}{target}. Out-of-bounds indexing? backend='emulation-asan' "
             f"names the exact access{_kernel_suffix(ctx)}")
 

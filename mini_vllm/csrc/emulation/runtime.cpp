@@ -12,11 +12,14 @@
 // This file is compiled without sanitizer instrumentation even in the sanitizer builds: its own
 // bookkeeping is not the program under test. It tells the sanitizers about the fibers:
 //   * AddressSanitizer: __sanitizer_start/finish_switch_fiber around every switch;
-//   * ThreadSanitizer: one TSan fiber per CUDA thread and block, switched with "no sync", so the
-//     only happens-before edges between CUDA threads are the ones this file adds with
+//   * ThreadSanitizer: one TSan fiber per CUDA thread, switched with "no sync", so the only
+//     happens-before edges between CUDA threads are the ones this file adds with
 //     __tsan_release / __tsan_acquire: at a barrier (all threads of the block), at a warp
-//     collective (its lanes), and at the start and end of a launch (the host). Blocks of one
-//     launch are never ordered with each other, as on a GPU.
+//     collective (its lanes), and at the start and end of a launch (the host). Creating a TSan
+//     fiber costs about a millisecond, so there are two sets, used by even and odd blocks:
+//     consecutive blocks are never ordered with each other, as on a GPU, but thread t of block
+//     b + 2 runs after thread t of block b in the same TSan fiber (a race between those two
+//     blocks can go unseen).
 #include <dlfcn.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -42,6 +45,11 @@
 #if defined(MINI_VLLM_EMU_TSAN)
 #include <sanitizer/common_interface_defs.h>
 #include <sanitizer/tsan_interface.h>
+// Exported by the ThreadSanitizer runtime but not declared in its public header: while the
+// count is positive, the current thread's memory accesses are not recorded (and an allocation
+// resets the shadow of its memory instead of counting as a write).
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
 #endif
 
 #if !defined(__x86_64__)
@@ -274,6 +282,13 @@ size_t g_main_stack_size = 0;
 #if defined(MINI_VLLM_EMU_TSAN)
 void* g_tsan_main = nullptr;
 char g_tsan_launch_start, g_tsan_launch_end;  // sync objects for the host's edges
+// TSan fibers and their stacks, kept for the whole process: g_tsan_pool[b % 2][tid].
+struct PooledFiber {
+  void* tsan_fiber;
+  char* stack;
+  size_t stack_bytes;
+};
+std::vector<PooledFiber> g_tsan_pool[2];
 #endif
 
 // Allocations the runtime makes for the program under test are not accesses of that program.
@@ -790,14 +805,17 @@ void free_block_memory() {
 
 void on_fatal_signal(int sig, siginfo_t* info, void* uctx) {
   uintptr_t pc = 0;
+  int write = -1;  // unknown
 #if defined(__x86_64__) && defined(__linux__)
-  pc = static_cast<uintptr_t>(static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs[REG_RIP]);
+  const auto* mc = &static_cast<ucontext_t*>(uctx)->uc_mcontext;
+  pc = static_cast<uintptr_t>(mc->gregs[REG_RIP]);
+  if (sig == SIGSEGV) write = (mc->gregs[REG_ERR] & 2) ? 1 : 0;  // page-fault error code
 #else
   (void)uctx;
 #endif
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  std::string s = format("MINI_VLLM_EMU_SIGNAL %d addr=0x%zx pc=0x%zx", sig, addr,
-                         pc ? pc - image_base() : 0);
+  std::string s = format("MINI_VLLM_EMU_SIGNAL %d addr=0x%zx pc=0x%zx write=%d", sig, addr,
+                         pc ? pc - image_base() : 0, write);
   if (g_current && addr >= reinterpret_cast<uintptr_t>(g_current->stack) - kPage &&
       addr < reinterpret_cast<uintptr_t>(g_current->stack)) {
     s += format(" stack-overflow=%zu", g_current->stack_bytes);
@@ -832,6 +850,13 @@ void initialize() {
   setvbuf(stderr, nullptr, _IONBF, 0);
 #if defined(MINI_VLLM_EMU_ASAN) || defined(MINI_VLLM_EMU_TSAN)
   __sanitizer_set_death_callback(&on_sanitizer_death);
+  // GCC links UBSan as a library of its own, with its own copy of that callback.
+  if (void* ubsan = dlopen("libubsan.so.1", RTLD_NOW | RTLD_NOLOAD)) {
+    using SetCallback = void (*)(void (*)());
+    if (auto set = reinterpret_cast<SetCallback>(dlsym(ubsan, "__sanitizer_set_death_callback"))) {
+      set(&on_sanitizer_death);
+    }
+  }
 #endif
 #if defined(MINI_VLLM_EMU_TSAN)
   g_tsan_main = __tsan_get_current_fiber();
@@ -874,6 +899,7 @@ uint64_t warp_collective(Op op, unsigned mask, uint64_t bits, int bytes, int arg
 void* shared_array(const void* key, size_t bytes, size_t align, const char* name, const char* file,
                    int line) {
   if (g_launch == nullptr) fail(std::string("shared memory used outside a kernel: ") + name);
+  NotAnAccess quiet;  // the bookkeeping below is the emulator's, not the kernel's
   for (const SharedAlloc& a : g_block.shared) {
     if (a.key == key) return a.ptr;
   }
@@ -888,6 +914,7 @@ void* shared_array(const void* key, size_t bytes, size_t align, const char* name
 
 void* dynamic_shared(size_t align, const char* name, const char* file, int line) {
   if (g_launch == nullptr) fail(std::string("shared memory used outside a kernel: ") + name);
+  NotAnAccess quiet;
   if (g_block.dynamic == nullptr) {
     g_block.dynamic = fresh_shared(g_launch->dynamic_smem, align,
                                    std::string("shared ") + name + " (dynamic shared memory)");
@@ -956,9 +983,20 @@ cudaError_t launch(const void* kernel, const char* kernel_expr, dim3 grid, dim3 
     f.tid = t;
     f.index.thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
 #if !defined(MINI_VLLM_EMU_TSAN)
-    map_stack(f);  // reused by every block (ThreadSanitizer needs fresh ones, below)
+    map_stack(f);  // reused by every block
 #endif
   }
+#if defined(MINI_VLLM_EMU_TSAN)
+  const int pools = grid.x * grid.y * grid.z > 1 ? 2 : 1;
+  for (int k = 0; k < pools; ++k) {
+    while (g_tsan_pool[k].size() < threads) {
+      Fiber scratch;
+      map_stack(scratch);
+      g_tsan_pool[k].push_back({__tsan_create_fiber(0), scratch.stack, scratch.stack_bytes});
+    }
+  }
+  unsigned long long block_number = 0;
+#endif
 #if defined(MINI_VLLM_EMU_TSAN)
   __tsan_release(&g_tsan_launch_start);  // the host's writes so far happen before the kernel
   std::vector<char*> sync_objects;
@@ -975,11 +1013,16 @@ cudaError_t launch(const void* kernel, const char* kernel_expr, dim3 grid, dim3 
         }
         sync_objects.push_back(g_block.sync);
 #endif
+#if defined(MINI_VLLM_EMU_TSAN)
+        const auto& pool = g_tsan_pool[block_number++ % 2];
+#endif
         for (Fiber& f : g_fibers) {
 #if defined(MINI_VLLM_EMU_TSAN)
-          map_stack(f);
-          f.tsan_fiber = __tsan_create_fiber(0);
-          __tsan_set_fiber_name(f.tsan_fiber, thread_name(f).c_str());
+          f.tsan_fiber = pool[f.tid].tsan_fiber;
+          f.stack = pool[f.tid].stack;
+          f.stack_bytes = pool[f.tid].stack_bytes;
+          __tsan_set_fiber_name(
+              f.tsan_fiber, (thread_name(f) + format(" of block (%u,%u,%u)", bx, by, bz)).c_str());
 #endif
           f.state = State::kRunnable;
           reset_context(f);
@@ -994,13 +1037,6 @@ cudaError_t launch(const void* kernel, const char* kernel_expr, dim3 grid, dim3 
           if (all_done) break;
           if (!resolve_warps()) resolve_barrier();
         }
-#if defined(MINI_VLLM_EMU_TSAN)
-        for (Fiber& f : g_fibers) {
-          __tsan_destroy_fiber(f.tsan_fiber);
-          f.tsan_fiber = nullptr;
-          unmap_stack(f);
-        }
-#endif
         free_block_memory();
       }
     }
@@ -1014,7 +1050,9 @@ cudaError_t launch(const void* kernel, const char* kernel_expr, dim3 grid, dim3 
   }
   g_block.sync = nullptr;
 #endif
+#if !defined(MINI_VLLM_EMU_TSAN)
   for (Fiber& f : g_fibers) unmap_stack(f);
+#endif
   g_fibers.clear();
   g_launch = nullptr;
   return cudaSuccess;

@@ -203,9 +203,22 @@ Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
   const auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
   const int slots = div_round_up(p.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE;
   const int smem = attention_smem_bytes<HEAD_SIZE, kThreads>(slots);
-  if (smem > 48 * 1024) {  // past 48 KB a kernel must opt in to more shared memory
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (smem > 48 * 1024) {
+    // Past 48 KB a kernel must opt in, up to the device's limit minus its static shared memory.
+    int device = 0, optin = 0;
+    cudaFuncAttributes attrs{};
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, kernel);
+    if (err != cudaSuccess) return cuda_status(err);
+    if (smem > optin - static_cast<int>(attrs.sharedSizeBytes)) {
+      return unsupported(
+          "max_seq_len is too long for paged_attention_v1 (its logits do not fit in shared "
+          "memory); use paged_attention_v2");
+    }
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cuda_status(err);
   }
   MINI_VLLM_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs), kThreads, smem, stream)(p);
