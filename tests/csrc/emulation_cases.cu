@@ -1,5 +1,7 @@
 // Small kernels that exercise the CPU emulation itself (tests/test_csrc_emulation.py): one op per
 // behaviour, right and wrong. Each op reads its inputs from the request (see driver.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -141,7 +143,32 @@ __global__ void dynamic_shared_user(float* out) {
   out[threadIdx.x] = cells[threadIdx.x];
 }
 
+// Every conversion the kernels use, element by element: fp32 -> fp16/bf16 bits, and back.
+__global__ void convert(const float* in, unsigned short* half_bits, unsigned short* bf16_bits,
+                        const unsigned short* all_bits, float* from_half, float* from_bf16,
+                        int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    half_bits[i] = __half_as_ushort(__float2half_rn(in[i]));
+    bf16_bits[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
+  }
+  for (int i = threadIdx.x; i < 65536; i += blockDim.x) {
+    from_half[i] = __half2float(__ushort_as_half(all_bits[i]));
+    from_bf16[i] = __bfloat162float(__ushort_as_bfloat16(all_bits[i]));
+  }
+}
+
 }  // namespace
+
+MINI_VLLM_EMU_OP(convert) {
+  MINI_VLLM_LAUNCH(convert, 1, 64, 0, nullptr)(
+      static_cast<const float*>(req.buffer("in")),
+      static_cast<unsigned short*>(req.buffer("half_bits")),
+      static_cast<unsigned short*>(req.buffer("bf16_bits")),
+      static_cast<const unsigned short*>(req.buffer("all_bits")),
+      static_cast<float*>(req.buffer("from_half")), static_cast<float*>(req.buffer("from_bf16")),
+      static_cast<int>(req.integer("n")));
+  status(cudaGetLastError());
+}
 
 MINI_VLLM_EMU_OP(warp_ops) {
   MINI_VLLM_LAUNCH(warp_ops, 1, static_cast<int>(req.integer("threads")), 0, nullptr)(

@@ -766,12 +766,17 @@ void* fresh_shared(size_t bytes, size_t align, const std::string& name) {
   return p;
 }
 
+const char* basename(const char* path) {
+  const char* slash = strrchr(path, '/');
+  return slash ? slash + 1 : path;
+}
+
 void check_smem_budget(const char* name, const char* file, int line) {
   const size_t total = g_block.static_bytes + g_launch->dynamic_smem;
   if (g_block.static_bytes > static_cast<size_t>(kDefaultSmem)) {
     fail(format("the kernel declares %zu bytes of static shared memory (the last, ",
                 g_block.static_bytes) +
-         name + " at " + file + ":" + std::to_string(line) +
+         name + " at " + basename(file) + ":" + std::to_string(line) +
          format(", takes it past %d): nvcc refuses more than 48 KB of static __shared__ data; "
                 "use dynamic shared memory (",
                 kDefaultSmem) +
@@ -780,7 +785,7 @@ void check_smem_budget(const char* name, const char* file, int line) {
   if (total > static_cast<size_t>(g_launch->smem_limit)) {
     fail(format("the block needs %zu bytes of shared memory (%zu static, up to ",
                 total, g_block.static_bytes) +
-         name + " at " + file + ":" + std::to_string(line) +
+         name + " at " + basename(file) + ":" + std::to_string(line) +
          format(", plus %zu dynamic), more than the %d bytes it may use on %s; a GPU refuses "
                 "this launch ('invalid argument'), and the launcher must check it first (",
                 g_launch->dynamic_smem, g_launch->smem_limit, device().name) +
@@ -916,8 +921,7 @@ void* dynamic_shared(size_t align, const char* name, const char* file, int line)
   if (g_launch == nullptr) fail(std::string("shared memory used outside a kernel: ") + name);
   NotAnAccess quiet;
   if (g_block.dynamic == nullptr) {
-    g_block.dynamic = fresh_shared(g_launch->dynamic_smem, align,
-                                   std::string("shared ") + name + " (dynamic shared memory)");
+    g_block.dynamic = fresh_shared(g_launch->dynamic_smem, align, std::string("shared ") + name);
     check_smem_budget(name, file, line);
   }
   return g_block.dynamic;
