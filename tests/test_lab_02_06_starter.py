@@ -212,11 +212,9 @@ def test_an_off_by_one_read_past_the_block_table(tmp_path):
     from mini_vllm.csrc.emulation import EmulationError
 
     require("asan")
-    text = edit(solved_starter(),
-                "  for (int block = w.first_block + warp; block < w.end_block; block += NUM_WARPS) {"
-                "\n    const int64_t physical = w.block_table[block];\n    // Chunk c",
-                "  for (int block = w.first_block + warp; block <= w.end_block; block += NUM_WARPS)"
-                " {\n    const int64_t physical = w.block_table[block];\n    // Chunk c")
+    loop = "  for (int block = w.first_block + warp; block {} w.end_block; block += NUM_WARPS) {{"
+    then = "\n    const int64_t physical = w.block_table[block];\n    // Chunk c"
+    text = edit(solved_starter(), loop.format("<") + then, loop.format("<=") + then)
     read = line_of(text, "    const int64_t physical = w.block_table[block];\n    // Chunk c")
     starter = load_starter(tmp_path, text)
     with pytest.raises(EmulationError) as err:

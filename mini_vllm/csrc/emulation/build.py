@@ -13,6 +13,8 @@ Flavours:
          integer overflow, reads of freed memory;
   race   ThreadSanitizer with happens-before only at barriers, warp collectives and launches:
          data races between the threads of a block, and between blocks.
+
+upstream: none (vLLM builds its kernels with CMake for GPUs only; this CPU build is the course's)
 """
 
 from __future__ import annotations
@@ -200,7 +202,10 @@ class Build:
         """runtime.o and driver.o: shared by every build of this flavour."""
         sources = [EMULATION_DIR / s for s in _RUNTIME_SOURCES]
         flags = self._runtime_flags()
-        key = _digest([*_emulation_files(), *_csrc_headers()], flags, _compiler_identity(cxx))
+        # They include only emulation files, so copies of the repository (a planted bug's) can
+        # share them: the key leaves out the include paths.
+        portable = [f for f in flags if not f.startswith("-I")]
+        key = _digest(_emulation_files(), portable, _compiler_identity(cxx))
         folder = _build_root() / f"runtime-{self.flavor}-{key}"
         objects = [folder / (s.stem + ".o") for s in sources]
         if all(o.is_file() for o in objects):

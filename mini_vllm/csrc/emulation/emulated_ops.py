@@ -3,6 +3,8 @@
 ``EmulatedOps`` stands where ``load_ops()`` returns the torch extension module on a GPU. It fills
 in what ``bindings.cpp`` computes from the tensors (sizes, strides, dtype codes) and runs the op
 in an emulator process built for exactly the instantiation the call needs.
+
+upstream: none (the emulation's stand-in for bindings.cpp, which follows vllm's _custom_ops)
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ mistake, the buffer, the line of *their* file and which thread of which block, e
 
 The whole report stays available as ``EmulationError.report`` (and is appended to the message
 when MINI_VLLM_EMU_VERBOSE=1).
+
+upstream: none (the CPU emulation is this course's)
 """
 
 from __future__ import annotations
@@ -206,6 +208,8 @@ def _describe_address(addr: int, regions: list[tuple[int, int, str]]) -> tuple[s
             b, s, n = max(below)
             return n, f"{addr - (b + s)} bytes past its end, far outside it"
         return "", ""
+    if addr == begin + size:
+        return name, "just past its end"
     if addr >= begin + size:
         return name, f"{addr - (begin + size)} bytes past its end"
     return name, f"{begin - addr} bytes before its start"
@@ -261,9 +265,11 @@ def _asan(stderr: str, exe: Path, own, ctx: _Context) -> str | None:
         if kind == "SEGV":
             what = f"{access} of an invalid address (0x{addr:x})"
         target = f" of {_pretty_buffer(buffer)}" if buffer else ""
-        extra = f" ({size} bytes, {detail})" if detail and size else (f" ({detail})" if detail else "")
+        extra = f" ({size} bytes, {detail})" if detail and size else ""
+        extra = extra or (f" ({detail})" if detail else "")
         return f"{what}{target} at {where}{_where_suffix(ctx)}{extra}{_kernel_suffix(ctx)}"
-    return f"{kind.replace('-', ' ')} ({access}) at {where}{_where_suffix(ctx)}{_kernel_suffix(ctx)}"
+    suffix = f"{_where_suffix(ctx)}{_kernel_suffix(ctx)}"
+    return f"{kind.replace('-', ' ')} ({access}) at {where}{suffix}"
 
 
 READ_ONLY = " (read-only)"
@@ -288,7 +294,8 @@ def _ubsan(stderr: str, exe: Path, own, ctx: _Context) -> str | None:
         am = re.search(r"misaligned address 0x([0-9a-f]+)", what)
         buffer, _ = _describe_address(int(am.group(1), 16), _regions(stderr)) if am else ("", "")
         target = f" of {_pretty_buffer(buffer)}" if buffer else ""
-        return f"misaligned access{target} at {where}{_where_suffix(ctx)} ({what}){_kernel_suffix(ctx)}"
+        return (f"misaligned access{target} at {where}{_where_suffix(ctx)} ({what})"
+                f"{_kernel_suffix(ctx)}")
     return f"undefined behaviour at {where}{_where_suffix(ctx)}: {what}{_kernel_suffix(ctx)}"
 
 

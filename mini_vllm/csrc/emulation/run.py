@@ -9,6 +9,8 @@ Tensors travel as shared-memory files that the emulator maps: no copy for a tens
 (for outputs) one out for any other tensor. A copied tensor's bytes are placed so that they end
 at a page boundary, where the emulator puts an inaccessible page: reading past the end of such a
 buffer crashes even without a sanitizer.
+
+upstream: none (the CPU emulation is this course's)
 """
 
 from __future__ import annotations

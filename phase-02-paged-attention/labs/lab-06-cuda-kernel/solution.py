@@ -9,6 +9,7 @@ outside the source tree.
 from __future__ import annotations
 
 from pathlib import Path
+
 from mini_vllm.csrc import CSRC_DIR, KERNEL_SOURCES, load_ops
 from mini_vllm.csrc.ops import PARTITION_SIZE, paged_attention_v1, paged_attention_v2
 

@@ -73,8 +73,8 @@ def _check_tasks_done(needs_reduce: bool) -> None:
         if done and done.group(1) == "0":
             said = re.search(rf'"(lab 02-06, task {task}: [^"]*)"', text)
             raise NotImplementedError(
-                said.group(1) if said else
-                f"lab 02-06, task {task}: finish it in starter.cu, then set LAB_TASK_{task}_DONE to 1"
+                said.group(1) if said else f"lab 02-06, task {task}: finish it in starter.cu, "
+                f"then set LAB_TASK_{task}_DONE to 1"
             )
 
 
