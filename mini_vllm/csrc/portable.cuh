@@ -7,8 +7,9 @@
 //   MINI_VLLM_LAUNCH(kernel, grid, block, smem, stream)(args...);
 //                                                    // kernel<<<grid, block, smem, stream>>>(args...);
 //
-// `kernel` must be a single macro argument: a name, or a template-id in parentheses... or simply
-// a local `const auto kernel = my_kernel<T, N>;` as the launchers do.
+// `kernel` must be one macro argument: a kernel's name, or (for a template, whose arguments
+// contain commas) a local `const auto kernel = my_kernel<T, N>;` as the launchers do. The
+// emulation refuses a bare __shared__ with a compile error that points here.
 #pragma once
 
 #ifdef MINI_VLLM_EMULATION

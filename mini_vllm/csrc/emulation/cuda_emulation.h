@@ -43,6 +43,9 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
+// Shared memory must be declared through portable.cuh, which gives every block fresh storage.
+#define __shared__ \
+  _Pragma("GCC error \"the CPU emulation needs MINI_VLLM_SHARED or MINI_VLLM_DYNAMIC_SHARED (portable.cuh) instead of __shared__\"")
 // __restrict__ is understood by g++ and clang++ as it is.
 
 // ---- vector and index types -------------------------------------------------------------------

@@ -358,6 +358,12 @@ def _signal(stderr: str, exe: Path, own, ctx: _Context) -> str | None:
         return (f"stack overflow at {where}{_where_suffix(ctx)}: a thread used more than "
                 f"{int(m.group(5)) // 1024} KB of stack (a huge local array, or recursion?)"
                 f"{_kernel_suffix(ctx)}")
+    if sig == 6:  # abort(): the C library found its own data corrupted
+        said = re.search(r"^(?!MINI_VLLM)(.+)$", stderr, re.M)
+        why = f" ({said.group(1).strip()})" if said else ""
+        return (f"the emulator aborted{why} at {where}{_where_suffix(ctx)}: memory outside the "
+                f"buffers was overwritten, most likely by an out-of-bounds write; "
+                f"backend='emulation-asan' names the exact access{_kernel_suffix(ctx)}")
     names = {11: "segmentation fault", 7: "bus error", 8: "arithmetic exception",
              4: "illegal instruction"}
     buffer, detail = _describe_address(addr, _regions(stderr))

@@ -250,14 +250,19 @@ struct Launch {
 };
 
 // The block being run: its fibers, shared memory and (for ThreadSanitizer) sync objects.
+// A page-guarded allocation: the data ends (16-byte aligned) where an inaccessible page begins.
+struct Guarded {
+  char* reserve = nullptr;
+  size_t total = 0;
+  void* data = nullptr;
+};
 struct SharedAlloc {
   const void* key;
-  void* ptr;
-  size_t bytes;
+  Guarded mem;
 };
 struct BlockState {
   std::vector<SharedAlloc> shared;
-  void* dynamic = nullptr;
+  Guarded dynamic;
   size_t static_bytes = 0;
   // Addresses whose only use is as ThreadSanitizer sync objects; fresh for every block, so
   // blocks never synchronise with each other.
@@ -753,17 +758,40 @@ uint64_t arrive(State state, Op op, unsigned mask, uint64_t bits, int bytes, int
 
 // ---- shared memory ------------------------------------------------------------------------------
 
-void* fresh_shared(size_t bytes, size_t align, const std::string& name) {
-  void* p = nullptr;
+// Shared memory lives between inaccessible pages (and, under AddressSanitizer, poisoned bytes),
+// so that an index past a shared array faults at once instead of corrupting the heap.
+Guarded fresh_shared(size_t bytes, size_t align, const std::string& name) {
+  if (align > 16) fail("shared memory aligned to more than 16 bytes is not emulated: " + name);
+  const size_t padded = (std::max<size_t>(bytes, 1) + 15) / 16 * 16;
+  const size_t span = (padded + kPage - 1) / kPage * kPage;
+  Guarded g;
   {
     NotAnAccess quiet;
-    if (posix_memalign(&p, std::max<size_t>(align, 16), std::max<size_t>(bytes, 1)) != 0) {
-      fail("out of memory for shared memory");
-    }
-    memset(p, 0xff, bytes);  // NaN in every floating-point type
+    g.total = span + 2 * kPage;
+    void* mem = mmap(nullptr, g.total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+    if (mem == MAP_FAILED) fail("out of memory for shared memory");
+    g.reserve = static_cast<char*>(mem);
+    mprotect(g.reserve + kPage, span, PROT_READ | PROT_WRITE);
+    g.data = g.reserve + kPage + span - padded;
+    memset(g.data, 0xff, bytes);  // NaN in every floating-point type
   }
-  regions().push_back({name, reinterpret_cast<uintptr_t>(p), bytes});
-  return p;
+#if defined(MINI_VLLM_EMU_ASAN)
+  __asan_poison_memory_region(g.reserve, g.total);
+  __asan_unpoison_memory_region(g.data, bytes);
+#endif
+  regions().push_back({name, reinterpret_cast<uintptr_t>(g.data), bytes});
+  return g;
+}
+
+void release(Guarded& g) {
+  if (g.reserve == nullptr) return;
+#if defined(MINI_VLLM_EMU_ASAN)
+  __asan_unpoison_memory_region(g.reserve, g.total);  // the addresses may be mapped again
+#endif
+  NotAnAccess quiet;
+  munmap(g.reserve, g.total);
+  g = Guarded{};
 }
 
 const char* basename(const char* path) {
@@ -794,11 +822,9 @@ void check_smem_budget(const char* name, const char* file, int line) {
 }
 
 void free_block_memory() {
-  NotAnAccess quiet;
-  for (SharedAlloc& a : g_block.shared) free(a.ptr);
+  for (SharedAlloc& a : g_block.shared) release(a.mem);
   g_block.shared.clear();
-  free(g_block.dynamic);
-  g_block.dynamic = nullptr;
+  release(g_block.dynamic);
   g_block.static_bytes = 0;
   auto& r = regions();
   r.erase(std::remove_if(r.begin(), r.end(),
@@ -878,7 +904,7 @@ void initialize() {
   sa.sa_sigaction = &on_fatal_signal;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigaction(sig, &sa, nullptr);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(sig, &sa, nullptr);
 #endif
 }
 
@@ -906,10 +932,11 @@ void* shared_array(const void* key, size_t bytes, size_t align, const char* name
   if (g_launch == nullptr) fail(std::string("shared memory used outside a kernel: ") + name);
   NotAnAccess quiet;  // the bookkeeping below is the emulator's, not the kernel's
   for (const SharedAlloc& a : g_block.shared) {
-    if (a.key == key) return a.ptr;
+    if (a.key == key) return a.mem.data;
   }
-  void* p = fresh_shared(bytes, align, std::string("shared ") + name);
-  g_block.shared.push_back({key, p, bytes});
+  const Guarded mem = fresh_shared(bytes, align, std::string("shared ") + name);
+  void* p = mem.data;
+  g_block.shared.push_back({key, mem});
   g_block.static_bytes += bytes;
   KernelInfo& info = kernels()[g_launch->kernel];
   info.static_smem_seen = std::max(info.static_smem_seen, g_block.static_bytes);
@@ -920,11 +947,11 @@ void* shared_array(const void* key, size_t bytes, size_t align, const char* name
 void* dynamic_shared(size_t align, const char* name, const char* file, int line) {
   if (g_launch == nullptr) fail(std::string("shared memory used outside a kernel: ") + name);
   NotAnAccess quiet;
-  if (g_block.dynamic == nullptr) {
+  if (g_block.dynamic.data == nullptr) {
     g_block.dynamic = fresh_shared(g_launch->dynamic_smem, align, std::string("shared ") + name);
     check_smem_budget(name, file, line);
   }
-  return g_block.dynamic;
+  return g_block.dynamic.data;
 }
 
 cudaError_t func_get_attributes(cudaFuncAttributes* attr, const void* kernel) {
