@@ -20,6 +20,10 @@
 //     consecutive blocks are never ordered with each other, as on a GPU, but thread t of block
 //     b + 2 runs after thread t of block b in the same TSan fiber (a race between those two
 //     blocks can go unseen).
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700  // macOS declares the ucontext functions only with it
+#define _DARWIN_C_SOURCE 1
+#endif
 #include <dlfcn.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -52,9 +56,12 @@ extern "C" void __tsan_ignore_thread_begin();
 extern "C" void __tsan_ignore_thread_end();
 #endif
 
-#if !defined(__x86_64__)
-#include <ucontext.h>
+// The context switch: a few instructions of assembly on x86-64 ELF systems (Linux), the C
+// library's ucontext elsewhere (slower: it saves the signal mask with a system call).
+#if defined(__x86_64__) && defined(__ELF__) && !defined(MINI_VLLM_EMU_UCONTEXT)
+#define MINI_VLLM_EMU_ASM_SWITCH 1
 #endif
+#include <ucontext.h>
 
 namespace mini_vllm_emu {
 
@@ -170,7 +177,7 @@ std::string format(const char* fmt, ...) {
 
 // ---- fibers -------------------------------------------------------------------------------------
 
-#if defined(__x86_64__)
+#if defined(MINI_VLLM_EMU_ASM_SWITCH)
 // switch_context(save, load): saves the callee-saved registers, the SSE control word and the x87
 // control word on the current stack, stores the stack pointer in *save, and resumes the context
 // whose stack pointer is `load`.
@@ -470,7 +477,7 @@ void unmap_stack(Fiber& f) {
 
 // Prepares `f` to start at fiber_main on its own stack.
 void reset_context(Fiber& f) {
-#if defined(__x86_64__)
+#if defined(MINI_VLLM_EMU_ASM_SWITCH)
   auto top = reinterpret_cast<uintptr_t>(f.stack + f.stack_bytes) & ~uintptr_t{15};
   auto* sp = reinterpret_cast<uint64_t*>(top);
   *--sp = 0;                                              // fiber_main's (absent) return address
@@ -490,7 +497,7 @@ void reset_context(Fiber& f) {
 }
 
 void raw_switch(Context& from, Context& to) {
-#if defined(__x86_64__)
+#if defined(MINI_VLLM_EMU_ASM_SWITCH)
   mini_vllm_emu_switch_context(&from.sp, to.sp);
 #else
   swapcontext(&from.uc, &to.uc);
