@@ -1,3 +1,8 @@
-"""Root conftest: the course's pytest plugin (LAB_IMPL, markers, Hypothesis profiles, reporting)."""
+"""Root conftest: the course's pytest plugins.
 
-pytest_plugins = ["course.pytest_plugin"]
+course.pytest_plugin: LAB_IMPL, markers, skip reasons, the results that `python -m course` reads.
+course.feedback: what a run prints (one line per unwritten task, repeats once, the task list),
+torch threads, the Hypothesis profiles, pytest's cache outside the repository.
+"""
+
+pytest_plugins = ["course.pytest_plugin", "course.feedback"]

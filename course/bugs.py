@@ -1,8 +1,11 @@
 """Planted bugs: known-wrong edits to the reference that a lab's tests must reject.
 
-Each lab lists its bugs in `planted_bugs.py` as `BUGS = [PlantedBug(...)]`. A bug is a textual
-edit (find exactly once, replace) to a file of the repository, so it works the same for
-`mini_vllm` modules, a lab's own `solution.py` and CUDA sources.
+Each lab lists its bugs in `planted_bugs/PP-LL.py` (at the top of the repository, named by the
+lab's id) as `BUGS = [PlantedBug(...)]`. They live there, not in the lab folder: they are the
+instructors' and the tooling's, and they quote lines of the reference, which a student's folder
+should not hand out. A bug is a textual edit (find exactly once, replace) to a file of the
+repository, so it works the same for `mini_vllm` modules, a lab's own `solution.py` and CUDA
+sources.
 """
 
 from __future__ import annotations
@@ -56,9 +59,17 @@ class PlantedBug:
         path.write_text(text.replace(self.find, self.replace, 1), encoding="utf-8")
 
 
+BUGS_DIR = "planted_bugs"
+
+
+def bugs_path(lab: Lab) -> Path:
+    """Where the lab's planted bugs live: planted_bugs/PP-LL.py in the lab's repository."""
+    return lab.phase_dir.parent / BUGS_DIR / f"{lab.id}.py"
+
+
 def load_bugs(lab: Lab) -> list[PlantedBug]:
-    """The planted bugs of a lab (an empty list when it has no planted_bugs.py)."""
-    path = lab.path / "planted_bugs.py"
+    """The planted bugs of a lab (an empty list when it has no planted_bugs/PP-LL.py)."""
+    path = bugs_path(lab)
     if not path.is_file():
         return []
     spec = importlib.util.spec_from_file_location(f"course_bugs_{lab.id.replace('-', '_')}", path)

@@ -6,6 +6,9 @@ python -m course grade --out DIR grades.json + one JUnit XML per lab (exit 0 wha
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
 python -m course list            the labs, in order
 python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
+python -m course engine [--exam]  your finished labs as one engine; the engine exam
+python -m course hint 02-03 4 [--level 2|3]  a hint for task 4 of lab 02-03, one rung at a time
+python -m course measure 02-01 [--plot F]    predict, then measure: your code beside the reference
 """
 
 from __future__ import annotations
@@ -97,8 +100,12 @@ def cmd_list(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from course.engine import exam_row, record_lab_status
+
     labs = select(discover(), args.labs)
     runs = run_labs(labs, args.impl, args.jobs)
+    if args.impl == "starter":
+        record_lab_status(runs)
     rows = []
     for r in runs:
         rows.append(
@@ -111,6 +118,9 @@ def cmd_status(args) -> int:
                 r.next_step[:70],
             ]
         )
+    exam = exam_row(runs, args.jobs) if args.impl == "starter" and not args.no_exam else None
+    if exam:
+        rows.append(exam)
     print(table(["Phase", "Lab", "Title", "Tests", "Status", "Next step"], rows))
     done = sum(r.status == "done" for r in runs)
     print(f"\n{done} of {len(runs)} labs done ({args.impl}).", end=" ")
@@ -256,7 +266,7 @@ def cmd_check(args) -> int:
             bug_lists[lab.id] = [] if args.no_bugs else load_bugs(lab)
         except Exception as exc:  # reported as a violation by check_lab
             bug_lists[lab.id] = []
-            print(f"  lab {lab.id}: cannot read planted_bugs.py: {exc}", file=sys.stderr)
+            print(f"  lab {lab.id}: cannot read its planted bugs: {exc}", file=sys.stderr)
     has_cuda = _cuda_available()
     n_units = len(labs) + sum(len(b) for b in bug_lists.values())
     progress = Progress(n_units, "checking")
@@ -284,6 +294,7 @@ def cmd_check(args) -> int:
                 r = bug_results[lab.id][i] = fut.result()
                 progress.finished(f"lab {lab.id}: planted bug {r.bug.name}: {r.status}")
     progress.close()
+    exam_problems, exam_bugs = _check_engine_exam(args, labs)
     for lab in labs:
         c = checks[lab.id]
         c.bugs = bug_results[lab.id]
@@ -319,7 +330,16 @@ def cmd_check(args) -> int:
     for lab in labs:
         for note in checks[lab.id].notes:
             print(f"  note: lab {lab.id}: {note}")
-    violations = course_problems + [
+    if exam_bugs:
+        rejected = sum(b.status == "rejected" for b in exam_bugs)
+        print(f"\nEngine exam: the reference and stand-in students pass; {rejected} of "
+              f"{len(exam_bugs)} planted bugs of the engine labs are rejected by the exam as "
+              "well (the rest cannot change what an engine computes, or only a lab test sees "
+              "them):")
+        for b in exam_bugs:
+            blamed = f"  bisection: lab {', '.join(b.blamed)}" if b.blamed else ""
+            print(f"  {b.lab_id}  {b.bug.name:<38} {b.status:<13}{blamed}")
+    violations = course_problems + exam_problems + [
         f"lab {lab.id}: {v}" for lab in labs for v in checks[lab.id].violations
     ]
     if violations:
@@ -329,6 +349,21 @@ def cmd_check(args) -> int:
         return 1
     print(f"\nAll {len(labs)} labs pass the integrity checks.")
     return 0
+
+
+def _check_engine_exam(args, labs: list[Lab]):
+    """The engine exam part of `course check` (see course/exam_check.py)."""
+    from course.exam_check import CPU_LABS_EXCLUDED, exam_units, run_exam_checks
+
+    exam_labs = [lab.id for lab in labs if lab.engine_parts and lab.id not in CPU_LABS_EXCLUDED]
+    if args.no_exam or not exam_labs:
+        return [], []
+    only = None if not args.labs else exam_labs
+    bugs_of = [] if args.no_bugs else only
+    progress = Progress(exam_units(bugs_of) if not args.no_bugs else 2, "engine exam")
+    problems, results = run_exam_checks(_workers(args.jobs), bugs_of, progress)
+    progress.close()
+    return problems, results
 
 
 def cmd_refs(args) -> int:
@@ -350,6 +385,54 @@ def cmd_refs(args) -> int:
     return 1 if problems else 0
 
 
+def _cmd_engine(args) -> int:
+    from course.engine import cmd_engine
+    from course.exam import GRADED_SWEEP
+
+    if args.sweep is None:
+        args.sweep = GRADED_SWEEP
+    if args.max_tokens < 1 or args.sweep < 0 or args.case_timeout <= 0 or args.timeout <= 0:
+        print("error: --max-tokens must be >= 1, --sweep >= 0, --case-timeout and --timeout > 0",
+              file=sys.stderr)
+        return 2
+    return cmd_engine(args)
+def cmd_hint(args) -> int:
+    from course.hints import render_hint
+
+    (lab,) = select(discover(), [args.lab])
+    try:
+        print(render_hint(lab, args.task, args.level))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_measure(args) -> int:
+    from course.measure import format_table, measure, plot, predict_questions
+
+    (lab,) = select(discover(), [args.lab])
+    questions = predict_questions(lab)
+    if questions is not None:
+        line, heading, body = questions
+        print(f"{heading} (README.md:{line}): answer these before you look at the numbers.\n")
+        print(body + "\n")
+    try:
+        module, series = measure(lab, quick=args.quick)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(module.TITLE)
+    print(format_table(module, series))
+    if args.plot or args.show:
+        path = plot(module, series, Path(args.plot) if args.plot else None, args.show)
+        if path is not None:
+            print(f"\nplot: {path}")
+    else:
+        print("\nDraw it: add --plot FILE.png (or --show for a window).")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m course",
@@ -369,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="every lab against your starter (the default)")
     labs_and_jobs(p)
     p.add_argument("--impl", choices=("starter", "solution"), default="starter")
+    p.add_argument("--no-exam", action="store_true",
+                   help="leave out the engine exam row (it runs on your finished engine labs)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("grade", help="grade for CI: grades.json, grades.txt, JUnit XML per lab")
@@ -389,7 +474,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--lab", dest="labs_opt", action="append", default=[], help="same as a positional lab"
     )
     p.add_argument("--no-bugs", action="store_true", help="skip the planted-bug runs")
+    p.add_argument("--no-exam", action="store_true",
+                   help="skip the engine exam (the reference, stand-ins, planted bugs)")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser(
+        "engine",
+        help="your finished labs as one mini_vllm: generate, compare with the reference, exam",
+        description="Your finished labs' pieces put into mini_vllm. See course/engine.py.",
+    )
+    p.add_argument("--labs", help="comma-separated lab ids whose pieces are yours, or 'all' "
+                   "(default: every finished engine lab)")
+    p.add_argument("--impl", choices=("starter", "solution"), default="starter",
+                   help="solution: the reference engine")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="a prompt (repeatable; \\n is a newline); default the finale's")
+    p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--exam", action="store_true", help="run the engine exam")
+    p.add_argument("--case", action="append", default=[], help="only this exam case "
+                   "(repeatable)")
+    p.add_argument("--list", action="store_true", help="list the exam cases")
+    p.add_argument("--sweep", type=int, default=None,
+                   help="randomized configurations in the exam (default: the graded 8)")
+    p.add_argument("--case-timeout", type=float, default=60.0, help="seconds per exam case")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds for building and running an engine, beyond the cases")
+    p.add_argument("--json", metavar="PATH", help="write the exam's results as JSON")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="processes in parallel")
+    p.set_defaults(func=_cmd_engine)
 
     p = sub.add_parser("list", help="the labs, in order, with their titles")
     p.set_defaults(func=cmd_list)
@@ -403,13 +515,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="an unpacked vLLM release (repeatable, one per pinned version)",
     )
     p.set_defaults(func=cmd_refs)
+
+    p = sub.add_parser("hint", help="a hint for one task: a question, the steps, upstream lines")
+    p.add_argument("lab", help="lab id (02-03), folder name or path")
+    p.add_argument("task", type=int, help="the task number (as in the starter's messages)")
+    p.add_argument(
+        "--level",
+        type=int,
+        choices=(1, 2, 3),
+        default=1,
+        help="1: a question (default); 2: the steps; 3: the upstream lines to read",
+    )
+    p.set_defaults(func=cmd_hint)
+
+    p = sub.add_parser("measure", help="predict, then measure: your code beside the reference")
+    p.add_argument("lab", help="lab id (02-01), folder name or path")
+    p.add_argument("--plot", metavar="FILE", help="draw the plot into FILE (.png, .svg, .pdf)")
+    p.add_argument("--show", action="store_true", help="show the plot in a window")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller sizes")
+    p.set_defaults(func=cmd_measure)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("status", "grade", "check", "list", "refs")
+    commands = ("status", "grade", "check", "list", "refs", "engine", "hint", "measure")
     if not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help")):
         argv = ["status", *argv]  # `python -m course [labs] [options]` is the dashboard
     args = parser.parse_args(argv)

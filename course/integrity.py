@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.api import compare
-from course.bugs import PlantedBug, load_bugs
+from course.bugs import BUGS_DIR, PlantedBug, bugs_path, load_bugs
+from course.hints import check_hints, hints_required
 from course.labs import REPO_ROOT, Lab, lab_metadata
 from course.loader import load_module
 from course.refs import check_consistency
@@ -67,16 +68,22 @@ def _cuda_available() -> bool:
 
 
 def check_starter_messages(lab: Lab) -> list[str]:
-    """Each `raise NotImplementedError(...)` in the starter names this lab and a task number."""
+    """Each `raise NotImplementedError(...)` in the starter names this lab and a task number
+    (and, in a lab with hints, the hint command for that task)."""
     problems = []
     text = (lab.path / "starter.py").read_text(encoding="utf-8")
-    expected = re.compile(rf"lab {re.escape(lab.id)}, task \d+: \S")
+    expected = re.compile(rf"lab {re.escape(lab.id)}, task (\d+): \S")
     for m in _RAISE_RE.finditer(text):
-        if not expected.search(m["arg"]):
-            line = text.count("\n", 0, m.start()) + 1
+        line = text.count("\n", 0, m.start()) + 1
+        found = expected.search(m["arg"])
+        if not found:
             problems.append(
                 f'starter.py:{line}: NotImplementedError should say "lab {lab.id}, task N: ..."'
             )
+        elif hints_required(lab):
+            hint = f"python -m course hint {lab.id} {found[1]}"
+            if hint not in " ".join(m["arg"].replace('"', " ").split()):
+                problems.append(f"starter.py:{line}: the message should end with ({hint})")
     if not _RAISE_RE.search(text) and not (lab.path / "starter.cu").is_file():
         problems.append("starter.py leaves nothing to implement (no NotImplementedError)")
     return problems
@@ -161,16 +168,24 @@ def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -
         check.violations.append(f"missing {', '.join(missing)}")
         return check
     check.violations.extend(check_starter_messages(lab))
+    check.violations.extend(f"hints: {p}" for p in check_hints(lab))
+    if (lab.path / "planted_bugs.py").exists():
+        check.violations.append(
+            f"planted_bugs.py belongs in {bugs_path(lab).relative_to(lab.phase_dir.parent)}, "
+            f"not in the student's lab folder (it quotes the reference)"
+        )
     check_api(check)
     check_runs(check, root)
     if bugs_required:
         try:
             listed = load_bugs(lab)
         except Exception as exc:
-            check.violations.append(f"planted_bugs.py: {exc}")
+            check.violations.append(f"{BUGS_DIR}/{lab.id}.py: {exc}")
         else:
             if not listed:
-                check.violations.append("no planted bugs (planted_bugs.py with BUGS = [...])")
+                check.violations.append(
+                    f"no planted bugs ({BUGS_DIR}/{lab.id}.py with BUGS = [...])"
+                )
             if len({b.name for b in listed}) != len(listed):
                 check.violations.append("planted bug names are not unique")
     return check
@@ -187,7 +202,7 @@ def check_metadata(labs: list[Lab]) -> list[str]:
     problems = [f"course/labs.toml: no table for lab {i}" for i in sorted(ids - set(meta))]
     problems += [f"course/labs.toml: lab {i} does not exist" for i in sorted(set(meta) - ids)]
     for lab in labs:
-        for name in lab.engine_parts:
+        for name in (*lab.engine_parts, *lab.meta.get("notebook", ())):
             for impl in ("starter", "solution"):
                 if name not in _exported_names(lab, impl):
                     problems.append(

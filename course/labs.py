@@ -92,9 +92,10 @@ def lab_metadata(path: Path = METADATA_PATH) -> dict[str, dict]:
         points = table.get("points")
         if not isinstance(points, (int, float)) or isinstance(points, bool) or points <= 0:
             raise ValueError(f"{path}: lab {lab_id}: points must be a positive number")
-        names = table.get("engine", [])
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{path}: lab {lab_id}: engine must be a list of names")
+        for key in ("engine", "notebook"):
+            names = table.get(key, [])
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"{path}: lab {lab_id}: {key} must be a list of names")
     return labs
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -41,7 +42,17 @@ def module_name(lab_id: str, impl: str) -> str:
     return f"course_labs.lab_{lab_id.replace('-', '_')}.{impl}"
 
 
+# Tools load lab files from several threads at once; a module is in sys.modules before it has
+# finished executing, so an unlocked second caller could get a half-loaded module.
+_LOAD_LOCK = threading.RLock()
+
+
 def load_module(lab_dir: Path, impl: str, lab_id: str) -> ModuleType:
+    with _LOAD_LOCK:
+        return _load_module(lab_dir, impl, lab_id)
+
+
+def _load_module(lab_dir: Path, impl: str, lab_id: str) -> ModuleType:
     name = module_name(lab_id, impl)
     if name in sys.modules:
         return sys.modules[name]

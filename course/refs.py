@@ -24,6 +24,7 @@ SCANNED = (
     "mini_vllm/**/*.cpp",
     "phase-*/**/README.md",
     "phase-*/README.md",
+    "phase-*/labs/*/hints.toml",
 )
 
 

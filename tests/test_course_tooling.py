@@ -32,6 +32,8 @@ def demo(tmp_path: Path) -> Path:
         '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib -p no:cacheprovider"\n'
     )
     shutil.copytree(FIXTURE, root / LAB)
+    (root / "planted_bugs").mkdir()
+    shutil.copy(FIXTURE.parent / "demo_planted_bugs.py", root / "planted_bugs" / "09-01.py")
     (root / "upstream_refs" / "map").mkdir(parents=True)
     return root
 
@@ -56,11 +58,16 @@ def test_starter_failures_are_one_line_not_a_traceback(demo):
     proc = run(demo, "-m", "pytest", LAB, "-q", impl="starter")
     out = proc.stdout
     assert proc.returncode == 1
-    assert "NOT IMPLEMENTED  lab 09-01, task 1: implement add  (starter.py:5, in add)" in out
-    assert "NOT IMPLEMENTED  lab 09-01, task 2: implement Counter.bump" in out
+    assert "not implemented yet: 2 tests" in out
+    assert "test_add   lab 09-01, task 1: implement add" in out
+    assert "test_bump  lab 09-01, task 2: implement Counter.bump" in out
     assert "Traceback" not in out and "raise NotImplementedError" not in out
-    assert "what to implement next" in out and "Start with lab 09-01, task 1" in out
-    assert "2 failed, 1 passed" in out
+    assert "1 passed, 2 not implemented" in out
+    # After pytest's closing line: every task, next first, with where to read and a hint.
+    tail = out[out.index("1 passed, 2 not implemented") :]
+    assert "lab 09-01: 2 tasks to do, next first" in tail
+    assert "next task 1   add  (starter.py:5)" in tail
+    assert "python -m course hint 09-01 1" in tail
 
 
 def test_other_failures_keep_their_full_report(demo):
@@ -119,7 +126,7 @@ def test_check_reports_api_drift_and_stale_bugs(demo):
     starter.write_text(
         starter.read_text().replace("def bump(self, by: int = 1)", "def bump(self, n=1)")
     )
-    bugs = demo / LAB / "planted_bugs.py"
+    bugs = demo / "planted_bugs" / "09-01.py"
     bugs.write_text(bugs.read_text().replace('find="return a + b"', 'find="return a+b"'))
     proc = run(demo, "-m", "course", "check")
     assert proc.returncode == 1

@@ -1,13 +1,18 @@
 """Lab 02-01 starter: the paged block allocator.
 
 Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
+Each docstring is a contract: what goes in, what comes out, what must hold afterwards, which
+errors, and how fast. How to get there is yours to work out; when stuck, climb the hint ladder:
+``python -m course hint 02-01 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read).
+
 Everything else in this file is complete and is yours to read and use: the block metadata, the
 queue's constructor with its two sentinels, the prefix-cache index, the request hasher and the
 events.
 
 Run the tests against this file with::
 
-    LAB_IMPL=starter pytest phase-02-paged-attention/labs/lab-01-block-allocator -q
+    LAB_IMPL=starter python -m pytest phase-02-paged-attention/labs/lab-01-block-allocator -q
 """
 
 from __future__ import annotations
@@ -86,15 +91,24 @@ def hash_block_tokens(
     curr_block_token_ids: Sequence[int],
     extra_keys: tuple[Any, ...] | None = None,
 ) -> BlockHash:
-    """Hash of one full block of tokens, chained onto its parent block's hash.
+    """The name of one full block of tokens, chained onto the name of the block before it.
 
-    Return ``hash_function((parent, tokens, extra_keys))`` where ``parent`` is
-    ``parent_block_hash``, or ``NONE_HASH`` when there is no parent (``None``), and ``tokens`` is
-    ``curr_block_token_ids`` as a tuple (lists are not the same pickle as tuples).
+    Inputs: ``hash_function`` maps any picklable object to bytes; ``parent_block_hash`` is the
+    hash of the previous block of the same sequence, or ``None`` (also ``b""``) for the first
+    block; ``curr_block_token_ids`` is any sequence of ints; ``extra_keys`` is ``None`` or a tuple
+    (LoRA id, cache salt) and defaults to ``None``.
 
-    Hint: why must the parent be part of the input? Think of two requests "ab|cd" and "xy|cd".
+    Output: exactly ``hash_function((parent, tokens, extra_keys))``, where ``parent`` is
+    ``parent_block_hash`` or, when there is none, this module's ``NONE_HASH`` read at call time
+    (it can be re-initialised), and ``tokens`` is a tuple (a list pickles differently, so the
+    same tokens given as a list or a tuple must hash the same). Processes that share a cache must
+    agree on this input bit for bit; the tests compare against an independent computation.
+
+    Invariant: equal tokens under different parents give different hashes. Pure: no state.
     """
-    raise NotImplementedError("lab 02-01, task 5: implement hash_block_tokens")
+    raise NotImplementedError(
+        "lab 02-01, task 5: implement hash_block_tokens (hint: python -m course hint 02-01 5)"
+    )
 
 
 def _extra_keys(request: Any, start_token_idx: int) -> tuple[Any, ...] | None:
@@ -183,12 +197,18 @@ class KVCacheBlock:
 
 class FreeKVCacheBlockQueue:
     """Free blocks in eviction order, as a doubly linked list through the blocks' own
-    ``prev_free_block`` / ``next_free_block`` fields (no node objects).
+    ``prev_free_block`` / ``next_free_block`` fields (no node objects are allocated).
 
-    ``fake_free_list_head`` and ``fake_free_list_tail`` are sentinels that are always in the
-    list and never popped: every real block in the queue has a real neighbour on both sides, so
-    no method needs an "is it the first / last block?" branch. Keep ``num_free_blocks`` exact.
-    A block that leaves the queue must have both pointers set back to None.
+    Invariants, after every method:
+
+    * following ``next_free_block`` from ``fake_free_list_head`` reaches
+      ``fake_free_list_tail`` through exactly the queued blocks, front first, and following
+      ``prev_free_block`` from the tail walks the same blocks back;
+    * the two sentinels (block id -1) are always in the list and never handed out;
+    * ``num_free_blocks`` equals the number of queued blocks;
+    * a block that is not in the queue has both pointers ``None`` (exactly ``None``).
+
+    The front is the next block to be reused: the order of the queue is the eviction policy.
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -206,37 +226,67 @@ class FreeKVCacheBlockQueue:
         last.next_free_block = self.fake_free_list_tail
 
     def popleft(self) -> KVCacheBlock:
-        """Unlink and return the front block. On an empty queue raise
-        ``ValueError("No free blocks available")``."""
-        raise NotImplementedError("lab 02-01, task 2: implement FreeKVCacheBlockQueue.popleft")
+        """Take the front block out of the queue and return it.
 
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Unlink and return the first ``n`` blocks, front first, in one walk. ``n == 0``
-        returns ``[]``; ``n`` larger than the queue raises ValueError and changes nothing."""
-        raise NotImplementedError("lab 02-01, task 2: implement FreeKVCacheBlockQueue.popleft_n")
-
-    def remove(self, block: KVCacheBlock) -> None:
-        """Unlink ``block`` from the middle of the queue in O(1): relink its two neighbours,
-        never walk the list. A block that is not in the queue (no neighbours) raises
-        RuntimeError."""
-        raise NotImplementedError("lab 02-01, task 3: implement FreeKVCacheBlockQueue.remove")
-
-    def append(self, block: KVCacheBlock) -> None:
-        """Link ``block`` in at the back, just before the tail sentinel."""
-        raise NotImplementedError("lab 02-01, task 4: implement FreeKVCacheBlockQueue.append")
-
-    def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        """Link ``blocks`` in at the back, keeping their order (the first is evicted first)."""
-        raise NotImplementedError("lab 02-01, task 4: implement FreeKVCacheBlockQueue.append_n")
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """All real blocks in the queue, front to back (not the sentinels).
-
-        Hint: start at ``fake_free_list_head.next_free_block`` and stop at the block whose
-        ``next_free_block`` is None -- only the tail sentinel has none.
+        Output: the block that was first; it leaves with both pointers ``None`` and
+        ``num_free_blocks`` drops by one. Errors: an empty queue raises
+        ``ValueError("No free blocks available")`` (that exact message, as upstream) and
+        changes nothing. O(1).
         """
         raise NotImplementedError(
-            "lab 02-01, task 1: implement FreeKVCacheBlockQueue.get_all_free_blocks"
+            "lab 02-01, task 2: implement FreeKVCacheBlockQueue.popleft "
+            "(hint: python -m course hint 02-01 2)"
+        )
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take the first ``n`` blocks out of the queue; return them front first.
+
+        Each leaves with both pointers ``None``; ``num_free_blocks`` drops by ``n``; ``n == 0``
+        returns ``[]`` and changes nothing. Errors: ``n`` larger than the queue (or negative)
+        raises ``ValueError`` naming ``n`` and changes nothing. O(n), one pass over the popped
+        blocks (the pool calls this for every allocation).
+        """
+        raise NotImplementedError(
+            "lab 02-01, task 2: implement FreeKVCacheBlockQueue.popleft_n "
+            "(hint: python -m course hint 02-01 2)"
+        )
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of the queue, wherever it is.
+
+        Afterwards its former neighbours link to each other, it has both pointers ``None`` and
+        ``num_free_blocks`` drops by one; no other block changes. O(1): it must not walk the
+        list (the test cuts both sentinels off the list first; a walk would crash). Errors: a
+        block that is not in the queue (either pointer ``None``) raises ``RuntimeError`` naming
+        its block id, and changes nothing.
+        """
+        raise NotImplementedError(
+            "lab 02-01, task 3: implement FreeKVCacheBlockQueue.remove "
+            "(hint: python -m course hint 02-01 3)"
+        )
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` (not in the queue) at the back: it becomes the last to be reused.
+        ``num_free_blocks`` grows by one. O(1)."""
+        raise NotImplementedError(
+            "lab 02-01, task 4: implement FreeKVCacheBlockQueue.append "
+            "(hint: python -m course hint 02-01 4)"
+        )
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` (none of them in the queue) at the back, in the given order: the first
+        of them is reused first. ``[]`` changes nothing. O(len(blocks)), one pass."""
+        raise NotImplementedError(
+            "lab 02-01, task 4: implement FreeKVCacheBlockQueue.append_n "
+            "(hint: python -m course hint 02-01 4)"
+        )
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every real block in the queue, front to back, as a new list (never a sentinel).
+        Changes nothing. O(n)."""
+        raise NotImplementedError(
+            "lab 02-01, task 1: implement FreeKVCacheBlockQueue.get_all_free_blocks "
+            "(hint: python -m course hint 02-01 1)"
         )
 
 
@@ -360,9 +410,17 @@ class BlockPool:
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: list[int]
     ) -> list[KVCacheBlock] | None:
-        """For each group id, the block cached under ``(block_hash, group id)``; None if any
-        group misses. Changes nothing (the caller touches what it keeps)."""
-        raise NotImplementedError("lab 02-01, task 10: implement BlockPool.get_cached_block")
+        """Look a full block up in the prefix cache.
+
+        Output: one block per group id, in the order given: the block indexed under
+        ``make_block_hash_with_group_id(block_hash, group_id)`` (with duplicates, the one indexed
+        first); ``None`` when any group has none. Changes nothing, not even reference counts
+        (the caller ``touch``-es the blocks it keeps). O(number of groups).
+        """
+        raise NotImplementedError(
+            "lab 02-01, task 10: implement BlockPool.get_cached_block "
+            "(hint: python -m course hint 02-01 10)"
+        )
 
     def cache_full_blocks(
         self,
@@ -373,50 +431,110 @@ class BlockPool:
         block_size: int,
         kv_cache_group_id: int,
     ) -> None:
-        """Cache ``blocks[num_cached_blocks:num_full_blocks]``: block ``i`` gets the key
-        ``make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)`` and goes
-        into ``cached_block_hash_to_block``.
+        """Enter the request's newly full blocks into the prefix cache.
 
-        Check everything before changing anything, with ValueError: the range must satisfy
-        ``0 <= num_cached_blocks <= num_full_blocks <= len(blocks)``; the request must have at
-        least ``num_full_blocks`` hashes (it only hashes full blocks: that is I3); no block in
-        the range may already be cached or be the null block. With events enabled, record one
-        ``BlockStored`` (hashes as BlockHash bytes; parent = hash of ``blocks[num_cached_blocks
-        - 1]`` or None; the tokens of the range; ``lora_id`` from ``request.lora_request``).
+        Inputs: ``blocks`` is the request's whole block list, of which the first
+        ``num_cached_blocks`` are cached already; ``request.block_hashes[i]`` is the hash of
+        block ``i`` (a request hashes full blocks only).
+
+        Afterwards each block ``i`` in ``blocks[num_cached_blocks:num_full_blocks]`` has
+        ``block_hash == make_block_hash_with_group_id(request.block_hashes[i],
+        kv_cache_group_id)`` and is indexed under that key, beside any other block with the
+        same key (I2: never merged). Reference counts and the free queue do not change.
+        ``num_cached_blocks == num_full_blocks`` changes nothing.
+
+        Errors, all checked before anything changes (ValueError, nothing changed): the range
+        must satisfy ``0 <= num_cached_blocks <= num_full_blocks <= len(blocks)`` (the message
+        gives the three numbers); the request must have at least ``num_full_blocks`` hashes (I3;
+        the message gives both numbers); no block in the range may be cached already or be the
+        null block (the message names the block and which of the two it is).
+
+        Events (only when enabled): one ``BlockStored`` per call that caches something, with
+        the new hashes as BlockHash bytes in chain order, ``parent_block_hash`` = the BlockHash
+        of ``blocks[num_cached_blocks - 1]`` (``None`` from the first block), the tokens of the
+        range, ``block_size``, ``lora_id`` (``request.lora_request.lora_int_id`` or ``None``) and
+        ``medium=MEDIUM_GPU``. O(number of new blocks).
         """
-        raise NotImplementedError("lab 02-01, task 10: implement BlockPool.cache_full_blocks")
+        raise NotImplementedError(
+            "lab 02-01, task 10: implement BlockPool.cache_full_blocks "
+            "(hint: python -m course hint 02-01 10)"
+        )
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` blocks from the front of the free queue; each leaves with
-        ``ref_cnt == 1`` and, when caching is on, evicted from the prefix cache first.
-        More than are free (or a negative count): ValueError naming both numbers, no change."""
-        raise NotImplementedError("lab 02-01, task 6: implement BlockPool.get_new_blocks")
+        """Hand out ``num_blocks`` blocks (``0 <= num_blocks <= get_num_free_blocks()``).
+
+        Output: the blocks that were at the front of the free queue, in queue order; each leaves
+        the queue (both pointers ``None``) with ``ref_cnt == 1``. With caching enabled, a block
+        that is cached (it has a hash) is evicted first (task 7), so a later lookup of its old
+        hash cannot find it. The prefix cache is not consulted for hits. An allocation that
+        fits exactly, ``get_new_blocks(get_num_free_blocks())``, succeeds.
+
+        Errors: more blocks than are free, or a negative count, raises ``ValueError`` whose
+        message gives the number asked for and the number free, and changes nothing.
+        O(num_blocks).
+        """
+        raise NotImplementedError(
+            "lab 02-01, task 6: implement BlockPool.get_new_blocks "
+            "(hint: python -m course hint 02-01 6)"
+        )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """If ``block`` is in the index, pop exactly its entry (other blocks under the same key
-        stay), reset its hash, record a ``BlockRemoved`` when events are on, and return True;
-        else return False."""
+        """Evict ``block`` from the prefix cache if it is indexed.
+
+        When ``block`` itself is indexed under its ``block_hash``: its entry is removed (other
+        blocks under the same key stay indexed), its hash is reset, one
+        ``BlockRemoved([its BlockHash], MEDIUM_GPU)`` is recorded when events are enabled, and
+        the result is ``True``. Otherwise (no hash, or the key indexes only other blocks) nothing
+        changes and the result is ``False``. O(1).
+        """
         raise NotImplementedError(
-            "lab 02-01, task 7: implement BlockPool._maybe_evict_cached_block"
+            "lab 02-01, task 7: implement BlockPool._maybe_evict_cached_block "
+            "(hint: python -m course hint 02-01 7)"
         )
 
     def touch(self, blocks: tuple[list[KVCacheBlock], ...]) -> None:
-        """Add a reference to every block (one list per KV-cache group). A block with
-        ``ref_cnt == 0`` is in the free queue: remove it first (O(1)). Skip the null block."""
-        raise NotImplementedError("lab 02-01, task 9: implement BlockPool.touch")
+        """Add one reference to every block of every list (one list per KV-cache group).
+
+        A block whose ``ref_cnt`` was 0 is in the free queue (I1): it leaves the queue, from
+        wherever it is, and keeps its hash (a prefix hit revives it, I4). The null block is
+        never put into or taken out of the queue. O(number of blocks): never walk the queue
+        (the test cuts the sentinels off first).
+        """
+        raise NotImplementedError(
+            "lab 02-01, task 9: implement BlockPool.touch (hint: python -m course hint 02-01 9)"
+        )
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; those reaching 0 (never the null block) go to the
-        back of the free queue in the given order. Cached blocks keep their hash.
-        A block whose ``ref_cnt`` is already 0 -- also when listed twice -- is a double free:
-        ValueError, and no block may change."""
-        raise NotImplementedError("lab 02-01, task 8: implement BlockPool.free_blocks")
+        """Drop one reference per entry of ``ordered_blocks`` (any iterable, read once).
+
+        Each block whose count reaches 0 (never the null block) joins the back of the free
+        queue, in the order the counts reach 0: a block listed twice (held twice) joins once,
+        at its second entry. Blocks still referenced stay out; cached blocks keep their hash and
+        stay findable (I4). ``num_free_blocks`` grows by the number of blocks that joined.
+
+        Errors: an entry whose block has no reference left (a double free, also a block listed
+        more times than it is held) raises ``ValueError`` whose message gives the block id and
+        how many times this call lists it; then no block, pointer or count may differ from
+        before the call, whatever came before or after that entry. O(number of entries).
+        """
+        raise NotImplementedError(
+            "lab 02-01, task 8: implement BlockPool.free_blocks "
+            "(hint: python -m course hint 02-01 8)"
+        )
 
     def reset_prefix_cache(self) -> bool:
-        """If no block is in use (only the null block), drop the whole index and every block's
-        hash, record ``AllBlocksCleared`` when events are on, and return True. Otherwise log a
-        warning, change nothing and return False."""
-        raise NotImplementedError("lab 02-01, task 11: implement BlockPool.reset_prefix_cache")
+        """Forget the whole prefix cache, if no block is in use.
+
+        When every block but the null block is free: the index becomes empty, every block's
+        hash is reset, the free queue keeps its order, ``AllBlocksCleared()`` is recorded when
+        events are enabled, and the result is ``True``. Otherwise: a warning is logged (on this
+        module's logger) that gives the number of blocks still in use, nothing changes and the
+        result is ``False``. O(number of blocks).
+        """
+        raise NotImplementedError(
+            "lab 02-01, task 11: implement BlockPool.reset_prefix_cache "
+            "(hint: python -m course hint 02-01 11)"
+        )
 
     def get_num_free_blocks(self) -> int:
         """Blocks that get_new_blocks can hand out."""

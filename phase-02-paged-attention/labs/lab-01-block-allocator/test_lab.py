@@ -6,12 +6,19 @@ touch (I4) in O(1); eviction drops the index entry; the null block; the hash cha
 change nothing; events; reset_prefix_cache; and a stateful machine checking I1-I4 after every
 step. Several tests port upstream's tests/v1/core/test_kv_cache_utils.py and
 test_prefix_caching.py at v0.11.0, with the same block ids and free-queue orders.
+
+Task by task: every test uses only the task it is about and the tasks before it (set-ups that
+need a later task build the state by hand with the complete helpers), so a student sees tests
+pass after each task. `scripts/task_by_task.py 02-01` checks that.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import pickle
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +65,14 @@ class FakeRequest:
         self.block_hashes.extend(self._hasher(self))
 
 
+def impl_globals(function) -> dict:
+    """The module namespace a lab function lives in (starter.py or mini_vllm's module)."""
+    return vars(sys.modules[function.__module__])
+
+
 def none_hash() -> bytes:
     """The NONE_HASH the lab's hash_block_tokens reads (its module global, read now)."""
-    return lab.hash_block_tokens.__globals__["NONE_HASH"]
+    return impl_globals(lab.hash_block_tokens)["NONE_HASH"]
 
 
 def ref_hash(parent: bytes | None, tokens, extra=None) -> bytes:
@@ -108,13 +120,14 @@ def index_ids(pool) -> dict[bytes, list[int]]:
 
 def snapshot(pool) -> tuple:
     """Everything a failed call must leave untouched."""
+    # Pointers exactly None when unlinked: a "" or 0 left behind is a corrupted block.
     blocks = tuple(
         (
             b.block_id,
             b.ref_cnt,
             b.block_hash,
-            b.prev_free_block.block_id if b.prev_free_block else None,
-            b.next_free_block.block_id if b.next_free_block else None,
+            b.prev_free_block.block_id if b.prev_free_block is not None else None,
+            b.next_free_block.block_id if b.next_free_block is not None else None,
         )
         for b in pool.blocks
     )
@@ -160,7 +173,7 @@ def test_kv_cache_block_hash_is_set_once_and_reset():
 
 @pytest.mark.starter_ok
 def test_none_hash_follows_pythonhashseed(monkeypatch):
-    g = lab.init_none_hash.__globals__
+    g = impl_globals(lab.init_none_hash)
     saved = g["NONE_HASH"]
     try:
         monkeypatch.setenv("PYTHONHASHSEED", "python hash seed")
@@ -234,7 +247,7 @@ def test_popleft_until_empty_then_error():
     assert queue.num_free_blocks == 0
     assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
     assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
-    with pytest.raises(ValueError, match="No free blocks available"):
+    with pytest.raises(ValueError, match=r"^No free blocks available$"):
         queue.popleft()
     assert queue.num_free_blocks == 0
 
@@ -265,6 +278,18 @@ def test_popleft_n_more_than_free_raises_and_changes_nothing():
         queue.popleft_n(5)
     assert queue.num_free_blocks == 4
     assert walk_free(queue, 1000) == blocks
+    with pytest.raises(ValueError):
+        queue.popleft_n(-1)
+    assert queue.num_free_blocks == 4 and walk_free(queue, 1000) == blocks
+    assert all(b.prev_free_block is not None and b.next_free_block is not None for b in blocks)
+
+
+def test_popleft_n_of_everything_leaves_the_sentinels_linked():
+    blocks, queue = queue_of(3)
+    assert queue.popleft_n(3) == blocks
+    assert queue.num_free_blocks == 0
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
 
 
 def test_remove_from_the_middle_relinks_both_neighbours():
@@ -294,6 +319,18 @@ def test_remove_a_block_that_is_not_queued_raises():
     with pytest.raises(RuntimeError):
         queue.remove(popped)
     assert queue.num_free_blocks == 2 and walk_free(queue, 1000) == blocks[1:]
+
+
+def test_remove_a_half_linked_block_raises_naming_it_and_changes_nothing():
+    # Adversarial: one pointer set, the other None. Only a check of both refuses it cleanly.
+    blocks = [lab.KVCacheBlock(i) for i in (31, 37, 41)]
+    queue = lab.FreeKVCacheBlockQueue(blocks)
+    stray = lab.KVCacheBlock(block_id=4242)
+    stray.prev_free_block = blocks[1]
+    with pytest.raises(RuntimeError, match="4242"):
+        queue.remove(stray)
+    assert queue.num_free_blocks == 3 and walk_free(queue, 10) == blocks
+    assert blocks[1].next_free_block is blocks[2] and blocks[2].prev_free_block is blocks[1]
 
 
 def test_remove_touches_only_the_two_neighbours():
@@ -437,6 +474,15 @@ def test_a_pool_of_one_block_has_nothing_to_give():
         pool.get_new_blocks(1)
 
 
+def test_an_allocation_that_fits_exactly_succeeds():
+    # An over-strict capacity check (>= instead of >) refuses this.
+    pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True)
+    got = pool.get_new_blocks(5)
+    assert [b.block_id for b in got] == [1, 2, 3, 4, 5]
+    assert pool.get_num_free_blocks() == 0 and free_ids(pool) == []
+    assert pool.get_new_blocks(0) == []
+
+
 def test_caching_disabled_allocates_the_same_way():
     pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=False)
     got = pool.get_new_blocks(2)
@@ -462,6 +508,43 @@ def test_out_of_blocks_names_both_numbers_and_changes_nothing():
     with pytest.raises(ValueError):
         pool.get_new_blocks(-1)
     assert snapshot(pool) == before
+
+
+def test_a_failed_free_undoes_everything_before_the_bad_entry():
+    """The bad entry sits in the middle: blocks before it reached zero (and may already be
+    linked into the queue) or lost a reference; blocks after it were not reached. All of it must
+    be as before the call."""
+    pool = lab.BlockPool(num_gpu_blocks=12, enable_caching=True)
+    a, b, shared, c, d, gone = pool.get_new_blocks(6)
+    pool.touch(([shared],))  # held twice
+    pool.free_blocks([gone])
+    before = snapshot(pool)
+    with pytest.raises(ValueError):
+        pool.free_blocks([a, shared, b, gone, c, d])
+    assert snapshot(pool) == before
+    assert (a.ref_cnt, b.ref_cnt, shared.ref_cnt, c.ref_cnt, d.ref_cnt) == (1, 1, 2, 1, 1)
+    # And the pool still works: the same blocks free normally afterwards.
+    pool.free_blocks([a, shared, b, c, d])
+    assert free_ids(pool) == [7, 8, 9, 10, 11, 6, 1, 2, 4, 5] and shared.ref_cnt == 1
+
+
+def test_a_double_free_names_the_block_and_how_often_it_is_listed():
+    pool = lab.BlockPool(num_gpu_blocks=12, enable_caching=True)
+    blocks = pool.get_new_blocks(8)
+    held = blocks[6]  # block 7: held once, listed twice below
+    with pytest.raises(ValueError) as err:
+        pool.free_blocks([blocks[4], held, blocks[5], held, blocks[3]])
+    numbers = {int(n) for n in re.findall(r"-?\d+", str(err.value))}
+    assert held.block_id in numbers and 2 in numbers, str(err.value)
+
+
+def test_blocks_still_referenced_stay_out_and_are_not_counted():
+    pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    pool.touch(([a, b],))
+    pool.free_blocks([a, b, c])  # a and b are still held once
+    assert (a.ref_cnt, b.ref_cnt, c.ref_cnt) == (1, 1, 0)
+    assert free_ids(pool) == [4, 5, 6, 7, 3] and pool.get_num_free_blocks() == 5
 
 
 def test_double_free_is_an_error_and_changes_nothing():
@@ -560,6 +643,58 @@ def test_cache_full_blocks_continues_from_num_cached_blocks():
     assert [b.block_hash for b in blocks] == [key(h) for h in req.block_hashes]
     pool.cache_full_blocks(req, blocks, 3, 3, 4, 0)  # nothing new: a no-op
     assert len(pool.cached_block_hash_to_block) == 3
+
+
+def test_evicting_a_block_whose_key_indexes_another_changes_nothing():
+    # Task 7 alone: the index is set up by hand. Block 2 carries the key of block 1's entry
+    # but is not itself indexed: only block 1's own entry may ever be removed.
+    pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=True, enable_kv_cache_events=True)
+    h = key(b"h")
+    b1, b2 = pool.blocks[1], pool.blocks[2]
+    b1.block_hash = h
+    pool.cached_block_hash_to_block.insert(h, b1)
+    b2.block_hash = h
+    assert pool._maybe_evict_cached_block(b2) is False
+    assert index_ids(pool) == {h: [1]} and b2.block_hash == h and pool.take_events() == []
+    assert pool._maybe_evict_cached_block(pool.blocks[3]) is False  # no hash at all
+    assert pool._maybe_evict_cached_block(b1) is True
+    assert index_ids(pool) == {} and b1.block_hash is None
+    assert pool.take_events() == [lab.BlockRemoved(block_hashes=[b"h"], medium=lab.MEDIUM_GPU)]
+
+
+def test_get_cached_block_needs_a_hit_in_every_group():
+    pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True)
+    h = b"x" * 32
+    b1, b2 = pool.blocks[1], pool.blocks[2]
+    for blk, group in ((b1, 7), (b2, 3)):
+        blk.block_hash = key(h, group)
+        pool.cached_block_hash_to_block.insert(key(h, group), blk)
+    before = snapshot(pool)
+    assert pool.get_cached_block(h, [3, 7]) == [b2, b1]  # in the order asked
+    assert pool.get_cached_block(h, [7, 5]) is None  # group 5 misses
+    assert pool.get_cached_block(h, []) == []
+    assert snapshot(pool) == before  # a lookup changes nothing, not even reference counts
+
+
+def test_cache_full_blocks_errors_say_what_is_wrong():
+    pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
+    req = FakeRequest(list(range(14)), block_size=4)  # 3 hashes
+    blocks = pool.get_new_blocks(5)
+    with pytest.raises(ValueError) as err:
+        pool.cache_full_blocks(req, blocks, 2, 1, 4, 0)
+    assert {"2", "1", "5"} <= set(re.findall(r"\d+", str(err.value))), str(err.value)
+    with pytest.raises(ValueError) as err:
+        pool.cache_full_blocks(req, blocks, 0, 4, 4, 0)
+    assert {"3", "4"} <= set(re.findall(r"\d+", str(err.value))), str(err.value)
+    with pytest.raises(ValueError, match="(?i)null"):
+        pool.cache_full_blocks(req, [pool.null_block, *blocks], 0, 1, 4, 0)
+    pool.cache_full_blocks(req, blocks, 0, 1, 4, 0)
+    before = snapshot(pool)
+    with pytest.raises(ValueError) as err:
+        pool.cache_full_blocks(req, [blocks[1], blocks[0]], 0, 2, 4, 0)
+    assert "cached" in str(err.value).lower() and str(blocks[0].block_id) in str(err.value)
+    assert "null" not in str(err.value).lower()
+    assert snapshot(pool) == before  # blocks[1], checked first, was not cached either
 
 
 def test_the_null_block_is_never_cached():
@@ -663,8 +798,32 @@ def test_hash_block_tokens_hashes_parent_tokens_and_extras():
     got = lab.hash_block_tokens(lab.sha256, parent, (1, 2, 3), ("key1", "key2"))
     assert got == lab.sha256((parent, (1, 2, 3), ("key1", "key2")))
     assert got == ref_hash(parent, [1, 2, 3], ("key1", "key2"))
-    # A list hashes like the tuple; no parent means NONE_HASH.
+    # A list hashes like the tuple; no parent (None or b"") means NONE_HASH; extra_keys
+    # defaults to None.
     assert lab.hash_block_tokens(lab.sha256, None, [1, 2, 3]) == ref_hash(None, [1, 2, 3])
+    assert lab.hash_block_tokens(lab.sha256, b"", [1, 2, 3]) == ref_hash(None, [1, 2, 3])
+
+
+def test_hash_block_tokens_reads_none_hash_when_called():
+    g = impl_globals(lab.hash_block_tokens)
+    saved = g["NONE_HASH"]
+    try:
+        g["NONE_HASH"] = b"another seed"
+        got = lab.hash_block_tokens(lab.sha256, None, [5])
+        assert got == lab.sha256((b"another seed", (5,), None))
+    finally:
+        g["NONE_HASH"] = saved
+
+
+def test_hash_block_tokens_uses_the_hash_function_it_is_given():
+    seen = []
+
+    def fake(obj):
+        seen.append(obj)
+        return b"fake"
+
+    assert lab.hash_block_tokens(fake, b"p", [1, 2], (9,)) == b"fake"
+    assert seen == [(b"p", (1, 2), (9,))]
 
 
 def test_same_tokens_under_different_parents_hash_differently():
@@ -748,6 +907,18 @@ def test_no_events_when_disabled():
     assert pool.take_events() == [] and pool.kv_event_queue == []
 
 
+def test_a_refused_reset_logs_a_warning_with_the_blocks_in_use(caplog):
+    pool = lab.BlockPool(num_gpu_blocks=9, enable_caching=True)
+    held = pool.get_new_blocks(3)
+    with caplog.at_level(logging.INFO):
+        assert pool.reset_prefix_cache() is False
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings, "a refused reset must log a warning"
+    assert "3" in re.findall(r"\d+", warnings[-1].getMessage()), warnings[-1].getMessage()
+    pool.free_blocks(held)
+    assert pool.reset_prefix_cache() is True
+
+
 def test_reset_prefix_cache_only_when_nothing_is_in_use():
     pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True, enable_kv_cache_events=True)
     req = FakeRequest(list(range(8)), block_size=4)
@@ -779,12 +950,18 @@ class Seq:
     req: FakeRequest
     blocks: list[Any]
     num_cached: int
+    hits: int = 0
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Requests start (with prefix-cache hits), grow, and finish, as the KV-cache manager would
-    drive the pool. A model records, per block id, the tokens whose KV the block holds (its
-    whole prefix), and how many live requests hold it."""
+    """Requests start (with prefix-cache hits), grow chunk by chunk, finish or are preempted and
+    come back, as the KV-cache manager drives the pool. A model records, per block id, the
+    tokens whose KV the block holds (its whole prefix), how many live requests hold it, and the
+    free queue's order. After every step the invariants I1-I4 are checked; and every refusal is
+    checked both ways: the pool refused exactly when the model says it had to.
+
+    Rules pick a request by index (`finish(i=1)`), so a failing example prints as calls you can
+    read and replay."""
 
     @initialize()
     def setup(self):
@@ -802,14 +979,18 @@ class AllocatorMachine(RuleBasedStateMachine):
             end = min((i + 1) * BLOCK_SIZE, len(tokens))
             self.content[seq.blocks[i].block_id] = tuple(tokens[:end])
 
-    def _take(self, n: int) -> list[Any]:
-        if n > self.pool.get_num_free_blocks():
-            before = snapshot(self.pool)
-            with pytest.raises(ValueError):
-                self.pool.get_new_blocks(n)
-            assert snapshot(self.pool) == before
-            return []
-        new = self.pool.get_new_blocks(n)
+    def _take(self, n: int) -> list[Any] | None:
+        """Ask the pool for n blocks. It must refuse exactly when the model has fewer than n
+        free (and then change nothing), and otherwise hand out the front n of the queue."""
+        must_refuse = n > len(self.order)
+        before = snapshot(self.pool)
+        try:
+            new = self.pool.get_new_blocks(n)
+        except ValueError:
+            assert must_refuse, f"refused {n} blocks with {len(self.order)} free"
+            assert snapshot(self.pool) == before, "a refused allocation changed the pool"
+            return None
+        assert not must_refuse, f"handed out {n} blocks with only {len(self.order)} free"
         assert [b.block_id for b in new] == self.order[:n], "not taken from the queue's front"
         del self.order[:n]
         for b in new:
@@ -817,8 +998,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.refs[b.block_id] = 1
         return new
 
-    @rule(tokens=tokens_st)
-    def start(self, tokens):
+    def _pick(self, i: int) -> Seq:
+        return self.seqs[i % len(self.seqs)]
+
+    def _start(self, tokens: list[int]) -> Seq | None:
         req = FakeRequest(tokens, BLOCK_SIZE)
         hits = []
         # At least the last token is computed, so its block is never a hit (as upstream).
@@ -832,18 +1015,26 @@ class AllocatorMachine(RuleBasedStateMachine):
             hits.append(got[0])
         need = -(-len(tokens) // BLOCK_SIZE) - len(hits)
         reviving = sum(1 for b in hits if b.ref_cnt == 0)
-        if need > self.pool.get_num_free_blocks() - reviving:
-            self._take(self.pool.get_num_free_blocks() + 1)  # exercise the error path
-            return
+        if need > len(self.order) - reviving:
+            # Not enough room: the engine would not admit it. The allocation must be refused.
+            assert self._take(len(self.order) + 1) is None
+            return None
         self.pool.touch((hits,))
         for b in hits:
             if self.refs[b.block_id] == 0:
                 self.order.remove(b.block_id)  # revived from wherever it was in the queue
             self.refs[b.block_id] += 1
-        seq = Seq(req, hits + self._take(need), len(hits))
+        new = self._take(need)
+        assert new is not None
+        seq = Seq(req, hits + new, len(hits), hits=len(hits))
         self._write(seq, len(hits))
         self._cache(seq)
         self.seqs.append(seq)
+        return seq
+
+    @rule(tokens=tokens_st)
+    def start(self, tokens):
+        self._start(tokens)
 
     def _cache(self, seq: Seq) -> None:
         full = seq.req.num_tokens // BLOCK_SIZE
@@ -851,26 +1042,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         seq.num_cached = full
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data(), tokens=tokens_st)
-    def grow(self, data, tokens):
-        seq = data.draw(st.sampled_from(self.seqs))
+    @rule(i=st.integers(0, 7), tokens=tokens_st)
+    def grow(self, i, tokens):
+        """A chunk of prefill or a few decode steps: blocks only when the last one fills."""
+        seq = self._pick(i)
         old_len = len(seq.blocks)
         need = -(-(seq.req.num_tokens + len(tokens)) // BLOCK_SIZE) - old_len
         if need > 0:
             new = self._take(need)
-            if not new:
+            if new is None:
                 return
             seq.blocks += new
         seq.req.append_tokens(tokens)
         self._write(seq, max(old_len - 1, 0))
         self._cache(seq)
 
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def finish(self, data):
-        seq = data.draw(st.sampled_from(self.seqs))
+    def _free(self, seq: Seq) -> None:
         self.seqs.remove(seq)
-        self.pool.free_blocks(reversed(seq.blocks))
+        self.pool.free_blocks(reversed(seq.blocks))  # tail first, as the manager frees
         for b in reversed(seq.blocks):
             self.refs[b.block_id] -= 1
             if self.refs[b.block_id] == 0:
@@ -880,13 +1069,31 @@ class AllocatorMachine(RuleBasedStateMachine):
             before = snapshot(self.pool)
             with pytest.raises(ValueError):
                 self.pool.free_blocks(freed[:1])
-            assert snapshot(self.pool) == before
+            assert snapshot(self.pool) == before, "a refused double free changed the pool"
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 7))
+    def finish(self, i):
+        """A request finishes or is aborted, at any point."""
+        self._free(self._pick(i))
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 7))
+    def preempt_and_readmit(self, i):
+        """Preemption by recomputation: free everything, then come back with the same tokens.
+        Nothing was allocated in between, so every full block but the last token's must hit."""
+        seq = self._pick(i)
+        tokens = list(seq.req.all_token_ids)
+        self._free(seq)
+        again = self._start(tokens)  # may be refused: its last block can be held by others
+        if again is not None:
+            assert again.hits == (len(tokens) - 1) // BLOCK_SIZE, "its own cached blocks missed"
 
     @rule()
     def reset(self):
         before = snapshot(self.pool)
         ok = self.pool.reset_prefix_cache()
-        assert ok == (not self.seqs)
+        assert ok == (not self.seqs), "reset refused with nothing in use, or done with blocks held"
         if not ok:
             assert snapshot(self.pool) == before
 

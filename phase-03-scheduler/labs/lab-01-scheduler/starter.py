@@ -82,8 +82,14 @@ class Scheduler:
     Queues: ``waiting`` (a deque, FCFS; a preempted request goes back to its *head*),
     ``running`` (a list in admission order; the *last* one is the newest and the preemption
     victim). ``requests`` maps every unfinished request id to its request. This lab has no swap
-    mode: ``swapped`` stays empty and ``swap_space`` is None (lab 03-03 adds them).
+    mode: ``swapped`` stays empty and ``swap_space`` is None. Lab 03-03 subclasses this class,
+    sets ``swap_space_cls`` and adds ``_preempt_by_swap`` and ``_schedule_swapped``; the given
+    code below already calls them when a swap space exists, so your scheduler runs swap mode
+    once lab 03-03 is done (``python -m course engine`` puts the two together).
     """
+
+    # Lab 03-03 sets its SwapSpace here; without one, preemption is by recompute only.
+    swap_space_cls: type | None = None
 
     def __init__(self, scheduler_config: SchedulerConfig, log_stats: bool = False) -> None:
         if not isinstance(scheduler_config, SchedulerConfig):
@@ -105,7 +111,16 @@ class Scheduler:
             enable_caching=scheduler_config.enable_prefix_caching,
             log_stats=log_stats,
         )
-        self.swap_space = None
+        if self.preemption_mode == "swap" and self.swap_space_cls is None:
+            raise ValueError(
+                "Scheduler: preemption_mode='swap' needs lab 03-03's swap space; this scheduler "
+                "preempts by recompute only"
+            )
+        self.swap_space = (
+            self.swap_space_cls(scheduler_config.num_cpu_blocks)
+            if self.preemption_mode == "swap"
+            else None
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -130,14 +145,18 @@ class Scheduler:
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
     ) -> None:
-        """Finish requests from outside (a client abort): take each out of its queue, set
-        ``finished_status`` and free it with ``_free_request``. Unknown ids are ignored; a status
-        that is not ``FINISHED_*`` is a ``ValueError``."""
+        """Finish requests from outside (a client abort): take each out of its queue
+        (``running``, ``waiting`` or ``swapped``), set ``finished_status`` and free it with
+        ``_free_request``. Unknown ids are ignored; a status that is not ``FINISHED_*`` is a
+        ``ValueError``."""
         raise NotImplementedError("lab 03-01, task 6: implement Scheduler.finish_requests")
 
     def _free_request(self, request: Request) -> None:
-        """Release a finished request's blocks, report it to the runner and forget it."""
+        """Release a finished request's blocks (GPU, and CPU in swap mode), report it to the
+        runner and forget it."""
         self.kv_cache_manager.free(request)
+        if self.swap_space is not None:
+            self.swap_space.free(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -156,11 +175,13 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step: running requests first, then waiting ones if nothing was
-        preempted. (Complete: it calls your helpers.)"""
+        """Decide the next step: running requests first, then (swap mode, lab 03-03) swapped
+        ones, then waiting ones, if nothing was preempted. (Complete: it calls your helpers.)"""
         step = _Step(token_budget=self.max_num_scheduled_tokens)
         self._schedule_running(step)
-        if not step.preempted_reqs:
+        if not step.preempted_reqs and self.swapped:
+            self._schedule_swapped(step)  # lab 03-03; `swapped` stays empty without it
+        if not step.preempted_reqs and not self.swapped:
             self._schedule_waiting(step)
         total = sum(step.num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens and step.token_budget >= 0
@@ -185,12 +206,27 @@ class Scheduler:
         raise NotImplementedError("lab 03-01, task 2: implement Scheduler._schedule_running")
 
     def _preempt(self, request: Request, step: _Step) -> None:
-        """Preempt ``request`` (already removed from ``running``) by recomputation: count it
-        (``stats.num_preemptions``, ``stats.num_recompute_preemptions``,
-        ``stats.num_recomputed_tokens``, ``request.num_preemptions``), record it in
-        ``step.preempted_reqs``, free its blocks, set it PREEMPTED with
-        ``num_computed_tokens = 0`` and put it at the head of ``waiting``."""
-        raise NotImplementedError("lab 03-01, task 3: implement Scheduler._preempt")
+        """Preempt ``request`` (already removed from ``running``): count it, record it in
+        ``step``, then swap it out (lab 03-03, when a swap space has room for its computed
+        blocks) or drop its KV with your ``_preempt_by_recompute``. (Complete.)"""
+        self.stats.num_preemptions += 1
+        request.num_preemptions += 1
+        step.preempted_reqs.append(request)
+        if self.swap_space is not None and request.num_computed_tokens > 0:
+            num_blocks = cdiv(request.num_computed_tokens, self.block_size)
+            if self.swap_space.can_swap_out(num_blocks):
+                self.stats.num_swap_preemptions += 1
+                self._preempt_by_swap(request, step)  # lab 03-03
+                return
+        self.stats.num_recompute_preemptions += 1
+        self.stats.num_recomputed_tokens += request.num_computed_tokens
+        self._preempt_by_recompute(request, step)
+
+    def _preempt_by_recompute(self, request: Request, step: _Step) -> None:
+        """Drop the KV of ``request`` (already removed from ``running`` and counted by
+        ``_preempt``): free its blocks, set it PREEMPTED with ``num_computed_tokens = 0`` and put
+        it at the head of ``waiting``, so that it is the first to be admitted again."""
+        raise NotImplementedError("lab 03-01, task 3: implement Scheduler._preempt_by_recompute")
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests front to back while budget is left and fewer than
@@ -260,5 +296,3 @@ class Scheduler:
         raise NotImplementedError("lab 03-01, task 5: implement Scheduler.update_from_output")
 
 
-# cdiv is imported for your add_request check: blocks needed for n tokens = cdiv(n, block_size).
-_ = cdiv

@@ -1,0 +1,469 @@
+"""``python -m course engine``: your finished labs as one engine, and the engine exam.
+
+python -m course engine                        the finale prompts through your mini_vllm
+python -m course engine --labs 02-01,03-01     these labs' pieces yours, the rest the reference
+python -m course engine --impl solution        the reference engine
+python -m course engine --exam                 the engine exam on your mini_vllm
+python -m course engine --exam --case NAME     one case (see --list)
+
+By default the pieces of every *finished* engine lab are yours: every task of its starter written
+and every graded test passing (results are cached outside the repository, keyed by the files, so
+an unchanged lab is not run again). Exit status: 0 when the engine's output is identical to the
+reference engine's (every exam case passes), 1 when it is not, 2 when it could not run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from course.compose import GPU_ONLY_LABS, engine_labs, unfinished_tasks
+from course.labs import REPO_ROOT, Lab
+
+FINALE_PROMPTS = ["HAMLET.\n", "KING.\n"]
+CASE_TIMEOUT_S = 60.0
+
+
+def cache_dir() -> Path:
+    """Where the course keeps what it may recompute (outside the repository)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mini_vllm-course"
+
+
+# ----------------------------------------------------------------------------------------------
+# Which labs are finished
+# ----------------------------------------------------------------------------------------------
+
+
+def _lab_key(lab: Lab) -> str:
+    digest = hashlib.sha256()
+    for name in ("starter.py", "starter.cu", "test_lab.py"):
+        path = lab.path / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _load_status_cache() -> dict:
+    try:
+        return json.loads((cache_dir() / "lab-status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def record_lab_status(runs) -> None:
+    """Remember which starters passed every graded test (the dashboard and this command)."""
+    cache = _load_status_cache()
+    for run in runs:
+        if run.impl != "starter" or run.broken:
+            continue
+        cache[run.lab.id] = {"key": _lab_key(run.lab), "done": run.status == "done",
+                             "passed": run.passed, "total": run.total}
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir() / "lab-status.json.tmp"
+        tmp.write_text(json.dumps(cache, indent=1), encoding="utf-8")
+        tmp.replace(cache_dir() / "lab-status.json")
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+
+
+def finished_labs(labs: list[Lab], jobs: int | None = None) -> dict[str, str]:
+    """``{lab id: why it is not yours}`` for unfinished labs, ``""`` for finished ones."""
+    from course.cli import run_labs
+
+    status: dict[str, str] = {}
+    cache = _load_status_cache()
+    to_run = []
+    for lab in labs:
+        todo = unfinished_tasks(lab)
+        if todo:
+            task = todo[0].split(":")[0].split(", ", 1)[1]
+            status[lab.id] = f"not finished: {task} unwritten"
+            continue
+        entry = cache.get(lab.id)
+        if entry and entry.get("key") == _lab_key(lab):
+            status[lab.id] = "" if entry["done"] else (
+                f"not finished: {entry['passed']}/{entry['total']} tests pass")
+        else:
+            to_run.append(lab)
+    if to_run:
+        print(f"Running the tests of {len(to_run)} lab(s) against your starter to see which are "
+              "finished (cached afterwards) ...", file=sys.stderr)
+        runs = run_labs(to_run, "starter", jobs)
+        record_lab_status(runs)
+        for run in runs:
+            status[run.lab.id] = "" if run.status == "done" else (
+                f"not finished: {run.passed}/{run.total} tests pass")
+    return status
+
+
+def exam_row(runs, jobs: int | None = None) -> list[str] | None:
+    """The dashboard's row for the engine exam, run on the finished engine labs (cached by their
+    files); None when the dashboard shows no engine lab."""
+    gpu = _cuda_available()
+    engine_runs = [r for r in runs if r.lab.engine_parts
+                   and (gpu or r.lab.id not in GPU_ONLY_LABS)]
+    if not engine_runs:
+        return None
+    done = [r.lab for r in engine_runs if r.status == "done"]
+    title = "Your mini_vllm: the engine exam"
+    if not done:
+        return ["-", "exam", title, "-", "not started",
+                "finish an engine lab (02-01 is the first), then `python -m course engine`"]
+    from course.exam import GRADED_SWEEP, cases
+
+    digest = hashlib.sha256()
+    for lab in done:
+        digest.update(lab.id.encode() + _lab_key(lab).encode())
+    for name in ("exam.py", "compose.py", "labs.toml"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    key = digest.hexdigest()
+    cache_file = cache_dir() / "exam-status.json"
+    try:
+        cached = json.loads(cache_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cached = {}
+    if cached.get("key") != key:
+        student = [lab.id for lab in done]
+        names = [c.name for c in cases(GRADED_SWEEP)]
+        job = {"mode": "exam", "labs": student, "cases": names, "sweep": GRADED_SWEEP,
+               "timeout": CASE_TIMEOUT_S, "gpu": gpu}
+        print(f"Running the engine exam on your labs {', '.join(student)} ...", file=sys.stderr)
+        report = run_exam_job(job, 300 + 2 * CASE_TIMEOUT_S * len(names))
+        cached = {"key": key, "passed": report["passed"], "total": report["total"]}
+        try:
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(cached), encoding="utf-8")
+        except OSError:
+            pass
+    passed, total = cached["passed"], cached["total"]
+    mine = ", ".join(lab.id for lab in done)
+    if passed == total:
+        status = "done" if len(done) == len(engine_runs) else "in progress"
+        step = ("`python -m course engine`: your engine generates" if status == "done" else
+                f"passes with {mine} yours; finish the other engine labs")
+    else:
+        status = "failing"
+        step = "`python -m course engine --exam`: which case fails, and which lab"
+    return ["-", "exam", title, f"{passed}/{total}", status, step]
+
+
+# ----------------------------------------------------------------------------------------------
+# Running one engine in a child process
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerResult:
+    records: list[dict] = field(default_factory=list)
+    exit_code: int = 0
+    seconds: float = 0.0
+    timed_out: bool = False
+
+    def of(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r.get("type") == kind]
+
+    @property
+    def error(self) -> str | None:
+        errors = self.of("error")
+        if errors:
+            return errors[0]["message"]
+        if self.timed_out:
+            return "the engine did not finish in time (killed)"
+        if not self.of("done"):
+            return f"the engine process ended without finishing (exit {self.exit_code})"
+        return None
+
+
+def run_worker(job: dict, timeout_s: float, root: Path = REPO_ROOT) -> WorkerResult:
+    """Run one engine job in a fresh process (its own process group, killed on timeout or
+    Ctrl-C) and collect the records it wrote."""
+    with tempfile.TemporaryDirectory(prefix="course-engine-") as tmp:
+        out = Path(tmp) / "records.jsonl"
+        out.touch()
+        env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [sys.executable, "-m", "course.engine_worker", json.dumps({**job, "out": str(out)})]
+        start = time.perf_counter()
+        result = WorkerResult()
+        proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+            result.exit_code = proc.returncode
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            output, _ = proc.communicate()
+            result.timed_out, result.exit_code = True, -1
+        except BaseException:
+            _kill_group(proc)
+            raise
+        result.seconds = time.perf_counter() - start
+        for line in out.read_text(encoding="utf-8").splitlines():
+            try:
+                result.records.append(json.loads(line))
+            except ValueError:
+                pass
+        if result.error and output.strip() and not result.of("error"):
+            tail = "\n".join(output.strip().splitlines()[-8:])
+            result.records.append({"type": "error", "message": f"{result.error}:\n{tail}"})
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------
+
+
+class UsageError(Exception):
+    """A request the command cannot run (exit 2, nothing runs)."""
+
+
+def _parse_labs(text: str, known: list[str]) -> list[str]:
+    if text.strip() == "all":
+        return list(known)
+    labs = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in labs if t not in known]
+    if unknown:
+        raise UsageError(
+            f"--labs: {', '.join(unknown)} builds no engine piece; engine labs: "
+            f"{', '.join(known)} (or 'all')"
+        )
+    return labs
+
+
+def _composition_table(rows: list[list[str]], reasons: dict[str, str]) -> str:
+    from course.cli import table
+
+    lines = []
+    for lab_id, origin, names in rows:
+        if origin == "reference" and reasons.get(lab_id):
+            origin = f"reference ({reasons[lab_id]})"
+        if len(names) > 60:
+            names = names[:57] + "..."
+        lines.append([lab_id, origin, names])
+    return table(["Lab", "Pieces from", "Pieces"], lines)
+
+
+def _show_token(token_id: int) -> str:
+    if 0 <= token_id < 256:
+        return repr(chr(token_id))
+    return str(token_id)
+
+
+def _reproduce(labs: list[str], case: str | None = None) -> str:
+    cmd = "python -m course engine --exam"
+    if case:
+        cmd += f" --case {case}"
+    return cmd + (f" --labs {','.join(labs)}" if labs else " --impl solution")
+
+
+def cmd_engine(args) -> int:
+    try:
+        return _cmd_engine(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_engine(args) -> int:
+    labs = engine_labs()
+    known = [lab.id for lab in labs]
+    gpu = _cuda_available()
+    if args.list:
+        from course.exam import cases
+
+        for case in cases(args.sweep):
+            print(f"{case.name:28} {case.what}")
+        return 0
+    reasons: dict[str, str] = {}
+    if args.impl == "solution":
+        student = []
+        reasons = {i: "--impl solution" for i in known}
+    elif args.labs:
+        student = _parse_labs(args.labs, known)
+        if not gpu:
+            student = [i for i in student if i not in GPU_ONLY_LABS]
+        reasons = {i: "not in --labs" for i in known if i not in student}
+    else:
+        status = finished_labs([lab for lab in labs if gpu or lab.id not in GPU_ONLY_LABS],
+                               args.jobs)
+        student = [i for i, why in status.items() if not why]
+        reasons = {i: why for i, why in status.items() if why}
+    if not gpu:
+        for i in GPU_ONLY_LABS:
+            reasons.setdefault(i, "used only on a CUDA GPU")
+    try:
+        if args.exam:
+            return _exam(args, student, reasons, gpu)
+        return _generate(args, student, reasons, gpu)
+    except KeyboardInterrupt:
+        print("\ninterrupted; every engine process was stopped.", file=sys.stderr)
+        return 2
+
+
+def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
+    prompts = [p.encode().decode("unicode_escape") for p in args.prompt] or FINALE_PROMPTS
+    job = {"mode": "generate", "prompts": prompts, "max_tokens": args.max_tokens, "gpu": gpu,
+           "budget": args.timeout}
+    yours_job = {**job, "labs": student}
+    jobs = [yours_job] + ([{**job, "labs": []}] if student else [])
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: run_worker(j, args.timeout), jobs))
+    mine, ref = results[0], results[-1]
+    rows = (mine.of("composition") or [{"rows": []}])[0]["rows"]
+    title = "Your mini_vllm" if student else "The reference mini_vllm"
+    print(f"{title}: pieces of {len(student)} lab(s) yours"
+          f"{' (' + ', '.join(student) + ')' if student else ''}\n")
+    if rows:
+        print(_composition_table(rows, reasons) + "\n")
+    if mine.error:
+        print(f"Your engine could not run: {mine.error}")
+        if not mine.of("composition"):
+            return 2
+        print(f"\nThe engine exam finds which lab: {_reproduce(student)}")
+        return 1
+    out = mine.of("generate")[0]
+    for prompt, text in zip(prompts, out["texts"]):
+        print(f"--- {prompt!r}")
+        print(prompt + text)
+    print(out["stats"])
+    if not student:
+        return 0
+    if ref.error:
+        print(f"\nThe reference engine could not run: {ref.error}")
+        return 2
+    want = ref.of("generate")[0]["token_ids"]
+    for i, (a_ids, b_ids) in enumerate(zip(out["token_ids"], want)):
+        for k, (a, b) in enumerate(zip(a_ids, b_ids)):
+            if a != b:
+                print(f"\nDIFFERENT from the reference engine: prompt {i + 1}, token {k}: yours "
+                      f"{_show_token(a)}, reference {_show_token(b)}; parts yours: "
+                      f"{', '.join(student)}.\nThe engine exam finds which lab: "
+                      f"{_reproduce(student)}")
+                return 1
+        if len(a_ids) != len(b_ids):
+            print(f"\nDIFFERENT from the reference engine: prompt {i + 1} has {len(a_ids)} "
+                  f"tokens, the reference {len(b_ids)}.\nThe engine exam finds which lab: "
+                  f"{_reproduce(student)}")
+            return 1
+    total = sum(len(t) for t in want)
+    print(f"\nIdentical to the reference engine, token for token ({total} tokens); parts yours: "
+          f"{', '.join(student)}.")
+    return 0
+
+
+def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
+    from course.exam import cases
+
+    names = [c.name for c in cases(args.sweep)]
+    if args.case:
+        unknown = [c for c in args.case if c not in names]
+        if unknown:
+            raise UsageError(f"no exam case named {', '.join(unknown)}; see "
+                             "`python -m course engine --list`")
+        names = [n for n in names if n in args.case]
+    job = {"mode": "exam", "labs": student, "cases": names, "sweep": args.sweep,
+           "timeout": args.case_timeout, "gpu": gpu, "bisect": True}
+    who = f"yours: {', '.join(student)}" if student else "all reference"
+    print(f"Engine exam: {len(names)} case(s) on your mini_vllm ({who}) ...", file=sys.stderr)
+    report = run_exam_job(job, args.timeout + 3 * args.case_timeout * (len(names) + 2))
+    if report["composition"]:
+        print(_composition_table(report["composition"], reasons) + "\n")
+    for r in report["cases"]:
+        mark = "PASS" if r["outcome"] == "passed" else r["outcome"].upper()
+        secs = f"{r['seconds']:.1f} s" if "seconds" in r else ""
+        print(f"  {mark:8} {r['case']:28} {secs:>7}  {r['message']}")
+    print(f"\n{report['passed']}/{report['total']} exam cases passed ({report['seconds']:.0f} s).")
+    if report["error"]:
+        print(f"The exam could not finish: {report['error']}")
+    failing = [r for r in report["cases"] if r["outcome"] != "passed"]
+    if failing and student:
+        first = failing[0]
+        print(f"\nFirst failure: {first['case']}: {first['message']}\nParts yours: "
+              f"{', '.join(student)}. Reproduce it: {_reproduce(student, first['case'])}")
+        _print_bisection(report.get("bisection"), student)
+    elif failing:
+        print("\nThe reference engine fails the exam: that is a bug of the course, not yours.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
+    if report["composition_error"]:
+        return 2
+    return 0 if not failing else 1
+
+
+def run_exam_job(job: dict, timeout_s: float, root: Path = REPO_ROOT) -> dict:
+    """Run an exam job in a worker and turn its records into a report: the composition, one
+    entry per case (cases that never ran say why), the bisection, the totals."""
+    result = run_worker(job, timeout_s, root)
+    rows = (result.of("composition") or [{"rows": []}])[0]["rows"]
+    outcomes = {r["case"]: r for r in result.of("case")}
+    error = result.error
+    cases = []
+    for name in job["cases"]:
+        r = outcomes.get(name)
+        if r is None:
+            r = {"case": name, "outcome": "not run",
+                 "message": error or "the exam stopped at an earlier failure"}
+        cases.append(r)
+    bisection = None
+    if result.of("bisect"):
+        alone = {r["lab"]: r for r in result.of("bisect")}
+        bisection = {
+            "case": result.of("bisect-start")[0]["case"],
+            "alone": {lab: {"outcome": r["outcome"], "message": r["message"]}
+                      for lab, r in alone.items()},
+            "blamed": [lab for lab, r in alone.items() if r["outcome"] != "passed"],
+        }
+    composition_error = any(r.get("composition") is False for r in result.of("error"))
+    return {"student_labs": job["labs"], "composition": rows, "cases": cases,
+            "passed": sum(c["outcome"] == "passed" for c in cases), "total": len(cases),
+            "bisection": bisection, "error": error, "composition_error": composition_error,
+            "seconds": round(result.seconds, 1)}
+
+
+def _print_bisection(bisection: dict | None, student: list[str]) -> None:
+    if not bisection:
+        return
+    if len(student) == 1:
+        print(f"Only lab {student[0]} is yours here: the failure comes from its pieces.")
+        return
+    print(f"Bisecting: {bisection['case']} with one of your labs at a time:")
+    for lab, r in bisection["alone"].items():
+        verdict = "passes" if r["outcome"] == "passed" else f"FAILS: {r['message']}"
+        print(f"  only {lab} yours: {verdict}")
+    blamed = bisection["blamed"]
+    if blamed:
+        print(f"\nThe failure comes from lab {', '.join(blamed)}: "
+              f"{'it fails' if len(blamed) == 1 else 'each fails'} the case with the reference's "
+              "pieces around it. When a lab's own tests pass, the mistake is in what the other "
+              "pieces expect of it: reread the lab's README on how the engine uses it.")
+    else:
+        print("\nEvery lab passes alone: the failure needs several of your pieces together "
+              "(one lab relies on another doing something the reference does).")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False

@@ -1,0 +1,230 @@
+"""The worker process of ``python -m course engine``: build engines, run them, report as JSON.
+
+Composition patches the process it runs in (:mod:`course.compose`). The worker imports torch,
+mini_vllm and the exam once, and, for each engine it must run (the student's composition, then
+one lab at a time while bisecting), forks a child that composes and runs it: every engine gets a
+clean process without paying for the imports again. The reference engine's statistics and the
+oracle's completions are computed once, before anything is composed, and inherited by the
+children.
+
+The parent passes a JSON job on the command line; the worker appends one JSON object per line to
+``job["out"]`` as the work goes, so a case that hangs or kills the process leaves every result
+before it. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode`` ("generate" or
+"exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam ``cases`` (names),
+``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect``, and optionally
+``reference`` (a JSON file of reference statistics and oracle completions to reuse; written there
+when missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _emit(out, record: dict) -> None:
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+
+
+def _error_record(exc: BaseException) -> dict:
+    from course.compose import CompositionError
+    from course.exam import _where
+
+    if isinstance(exc, CompositionError):
+        return {"type": "error", "message": str(exc), "composition": False}
+    return {"type": "error", "message": f"{type(exc).__name__}: {exc} (at {_where(exc)})"}
+
+
+def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
+    """Run ``work(out)`` in a forked child that writes records to ``out``; returns the records
+    and, when the child did not finish cleanly, why. The child is killed after ``timeout_s``."""
+    if not hasattr(os, "fork"):  # pragma: no cover - the course targets Linux and macOS
+        raise RuntimeError("the engine exam needs os.fork (Linux or macOS)")
+    with tempfile.NamedTemporaryFile("w+", suffix=".jsonl", delete=False) as tmp:
+        path = tmp.name
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: compose, run, report, and never return into the worker's code
+        code = 0
+        try:
+            with open(path, "a", encoding="utf-8") as out:
+                try:
+                    work(out)
+                except BaseException as exc:  # noqa: BLE001 - everything is reported
+                    _emit(out, _error_record(exc))
+                    code = 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while status is None:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = raw
+        elif time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            status = -1
+        else:
+            time.sleep(0.02)
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pass
+    os.unlink(path)
+    why = None
+    if status == -1:
+        why = f"killed after {timeout_s:.0f} s"
+    elif os.WIFSIGNALED(status):
+        why = f"the engine process died (signal {os.WTERMSIG(status)})"
+    return records, why
+
+
+def run_generate(job: dict, out) -> None:
+    from course.compose import compose
+    from mini_vllm.llm import LLM
+    from mini_vllm.sampling_params import SamplingParams
+
+    composition = compose(job["labs"], gpu=job.get("gpu", False))
+    _emit(out, {"type": "composition", "rows": composition.lab_rows()})
+    llm = LLM()
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    outputs = llm.generate(job["prompts"], params, use_tqdm=False)
+    _emit(out, {
+        "type": "generate",
+        "texts": [o.outputs[0].text for o in outputs],
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "stats": llm.last_stats.summary(),
+    })
+
+
+def _select_cases(job: dict):
+    from course.exam import cases
+
+    all_cases = cases(job["sweep"])
+    wanted = job.get("cases")
+    if wanted:
+        unknown = sorted(set(wanted) - {c.name for c in all_cases})
+        if unknown:
+            raise ValueError(f"no exam case named {', '.join(unknown)}")
+        all_cases = [c for c in all_cases if c.name in wanted]
+    return all_cases
+
+
+def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
+    """(statistics per case, the oracle's completions) of the reference engine, computed here
+    before anything is composed, or read from ``job["reference"]``. With ``out``, every case's
+    result is reported (the exam of the reference itself)."""
+    from course.exam import Exam, cases, run_case
+
+    path = Path(job["reference"]) if job.get("reference") else None
+    if path is not None and path.is_file() and out is None:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if all(c.name in data["stats"] for c in chosen):
+            return data["stats"], data
+    exam = Exam()
+    stats = {}
+    todo = cases(job["sweep"]) if path is not None else chosen  # a shared file holds them all
+    for case in todo:
+        result = run_case(case, exam, job["timeout"])
+        if out is not None:
+            _emit(out, {"type": "case", **result.as_dict()})
+        elif result.outcome != "passed":
+            raise RuntimeError(f"the reference engine fails exam case {case.name}: "
+                               f"{result.message}")
+        stats[case.name] = exam.recorded
+    data = {"stats": stats, **exam.export()}
+    if path is not None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        tmp.replace(path)
+    return stats, data
+
+
+def run_exam(job: dict, out) -> None:
+    from course.compose import compose
+    from course.exam import Exam, run_case
+
+    chosen = _select_cases(job)
+    labs = job["labs"]
+    if not labs and job.get("reference"):
+        # The reference engine itself, in this process (nothing is composed), saving its data.
+        _emit(out, {"type": "composition", "rows": compose([]).lab_rows()})
+        _reference_data(job, chosen, out)
+        return
+    stats, oracle = _reference_data(job, chosen) if labs else (None, {})
+    budget = job["timeout"] * (len(chosen) + 1) + 120
+
+    def exam_in_child(student, names, fail_fast):
+        def work(child_out):
+            composition = compose(student, gpu=job.get("gpu", False))
+            _emit(child_out, {"type": "composition", "rows": composition.lab_rows()})
+            exam = Exam(stats)
+            exam.preload(oracle)
+            for case in chosen:
+                if case.name not in names:
+                    continue
+                result = run_case(case, exam, job["timeout"])
+                _emit(child_out, {"type": "case", **result.as_dict()})
+                if fail_fast and result.outcome != "passed":
+                    break
+        return in_child(work, budget)
+
+    records, why = exam_in_child(labs, {c.name for c in chosen}, job.get("fail_fast", False))
+    for record in records:
+        _emit(out, record)
+    if why:
+        _emit(out, {"type": "error", "message": why})
+    failed = [r for r in records if r.get("type") == "case" and r["outcome"] != "passed"]
+    if not (failed and job.get("bisect") and labs):
+        return
+    first = failed[0]["case"]
+    _emit(out, {"type": "bisect-start", "case": first})
+    for lab_id in labs:
+        sub, why = exam_in_child([lab_id], {first}, True)
+        case = [r for r in sub if r.get("type") == "case"]
+        errors = [r["message"] for r in sub if r.get("type") == "error"]
+        outcome = case[0]["outcome"] if case else "error"
+        message = case[0]["message"] if case else (why or "; ".join(errors) or "no result")
+        _emit(out, {"type": "bisect", "lab": lab_id, "case": first, "outcome": outcome,
+                    "message": message})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    job = json.loads(argv[0])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    # One thread: forked children must not inherit a pool of OpenMP workers.
+    torch.set_num_threads(1)
+    with Path(job["out"]).open("a", encoding="utf-8") as out:
+        try:
+            if job["mode"] == "exam":
+                run_exam(job, out)
+            else:
+                records, why = in_child(lambda o: run_generate(job, o), job.get("budget", 600))
+                for record in records:
+                    _emit(out, record)
+                if why:
+                    _emit(out, {"type": "error", "message": why})
+        except KeyboardInterrupt:
+            _emit(out, {"type": "error", "message": "interrupted"})
+            return 2
+        except Exception as exc:
+            _emit(out, _error_record(exc))
+            return 2
+        _emit(out, {"type": "done"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

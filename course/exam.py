@@ -1,0 +1,599 @@
+"""The engine exam: the pieces of every lab have to be right *together*.
+
+Each lab's tests see one piece alone. The exam runs whole engines, built from whatever pieces this
+process composed (:mod:`course.compose`), and demands what nobody can argue with: every completion
+equals a recomputation of the same request with no cache at all, token for token (greedy, and
+seeded sampling with the same generator), with the same finish reason. Each case also asserts that
+the mechanism it is named after really happened (a prefix hit, a chunked prefill, a preemption, a
+swap), and that no KV block is still held once every request has finished.
+
+The model is a tiny random Llama (vocabulary 64, two layers, GQA) whose weights are scaled up so
+that its logits are far apart: a choice never hinges on float rounding, so any difference from the
+oracle is a logic error in the engine, not noise.
+
+Run it with ``python -m course engine --exam``; this module holds the cases and the oracle.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
+
+TINY = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=1024,
+)
+EOS = 63  # the exam tokenizer's end-of-sequence id
+SWEEP_SEED = 20261122  # the graded sweep's configurations are fixed by this seed
+GRADED_SWEEP = 8  # configurations of the randomized sweep in a graded exam
+
+
+def tiny_model(seed: int = 1) -> LlamaForCausalLM:
+    """The exam's model: random weights with a large scale, so that logits are well separated."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(TINY)
+    init_weights(model, seed=seed, std=0.5)
+    return model.eval().requires_grad_(False)
+
+
+class IdTokenizer:
+    """Token ids are the text: the exam's prompts are ids, and its messages show ids."""
+
+    eos_token_id = EOS
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return " ".join(str(int(t)) for t in token_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# The oracle: one request at a time, the whole sequence recomputed for every token
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    finish_reason: str  # "length" or "stop"
+
+
+def reference_completion(
+    model: LlamaForCausalLM,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    *,
+    eos_token_id: int | None,
+    max_model_len: int,
+) -> Completion:
+    """What the engine must produce for one request (``params.n == 1``), with no cache at all.
+
+    Same rules as the engine: stop tokens (and EOS unless ``ignore_eos``) are banned until
+    ``min_tokens`` outputs exist; a seeded sampled request draws from its own generator seeded
+    with ``params.seed``; the stop checks run in the scheduler's order (the length cap first, then
+    EOS, then ``stop_token_ids``).
+    """
+    ids = list(prompt)
+    out: list[int] = []
+    generator = None
+    if params.seed is not None and not params.greedy:
+        generator = torch.Generator(device="cpu").manual_seed(params.seed)
+    sampler = Sampler()
+    stops = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        stops.append(eos_token_id)
+    while True:
+        logits = model.forward_reference(torch.tensor(ids))[-1:]
+        banned = stops if len(out) < params.min_tokens else []
+        meta = SamplingMetadata.from_params(
+            [params], generators={0: generator} if generator else {}, banned_token_ids=[banned]
+        )
+        token = int(sampler(logits, meta)[0])
+        out.append(token)
+        ids.append(token)
+        if len(ids) >= max_model_len or len(out) >= params.max_tokens:
+            return Completion(out, "length")
+        if token in stops:
+            return Completion(out, "stop")
+
+
+# ----------------------------------------------------------------------------------------------
+# Running one engine and comparing it with the oracle
+# ----------------------------------------------------------------------------------------------
+
+
+class ExamFailure(AssertionError):
+    """A case's engine output or bookkeeping differs from what it must be."""
+
+
+class CaseTimeout(BaseException):  # noqa: N818  (not an Exception: student code must not catch it)
+    """A case ran past its time limit (a loop that never ends, an engine that never finishes)."""
+
+
+@dataclass
+class Run:
+    """One ``generate`` call of a case: the prompts, their params, the outputs and statistics."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    outputs: list = field(default_factory=list)
+    stats: object = None
+
+
+# What an engine must do exactly as the reference engine does: with the same requests and the
+# same configuration, the labs' specifications leave no freedom in these numbers.
+MATCHED_STATS = {
+    "prefix_cache_hits": "prefix-cache hit tokens (full blocks left unhashed, hashed too early, "
+    "or evicted in a different order)",
+    "num_prompt_tokens_computed": "prompt tokens computed (prefix hits taken differently)",
+    "num_preemptions": "preemptions",
+    "num_blocks_swapped_out": "blocks swapped out",
+    "num_blocks_swapped_in": "blocks swapped in",
+    "peak_kv_blocks_in_use": "KV blocks in use at the peak (blocks allocated differently)",
+    "num_steps": "steps (the scheduler decides differently: budget, chunking or admission)",
+}
+
+
+class Exam:
+    """The context a case runs in: the model, the oracle (memoised) and the checks.
+
+    With ``reference_stats`` (case name -> the statistics of each ``generate`` call of that case
+    on the reference engine), every call must also match those numbers.
+    """
+
+    def __init__(self, reference_stats: dict[str, list[dict]] | None = None) -> None:
+        self.model = tiny_model()
+        self._oracle: dict[tuple, Completion] = {}
+        self.reference_stats = reference_stats
+        self._cpu_free: dict[int, int] = {}
+        self.case = ""
+        self.recorded: list[dict] = []
+
+    def start(self, case: str) -> None:
+        self.case, self.recorded = case, []
+
+    def export(self) -> dict:
+        """The oracle's completions, as JSON (so another process need not recompute them)."""
+        return {"oracle": [[list(k[0]), k[1], k[2], v.token_ids, v.finish_reason]
+                           for k, v in self._oracle.items()]}
+
+    def preload(self, data: dict) -> None:
+        for prompt, params, max_model_len, tokens, reason in data.get("oracle", []):
+            self._oracle[(tuple(prompt), params, max_model_len)] = Completion(tokens, reason)
+
+    def llm(self, **config):
+        from mini_vllm.llm import LLM
+
+        config.setdefault("max_model_len", TINY.max_position_embeddings)
+        llm = LLM(self.model, tokenizer=IdTokenizer(), **config)
+        swap = llm.engine.scheduler.swap_space
+        self._cpu_free[id(llm)] = swap.get_num_free_blocks() if swap is not None else 0
+        return llm
+
+    def expected(self, prompt: Sequence[int], params: SamplingParams, max_model_len: int):
+        key = (tuple(prompt), repr(params), max_model_len)
+        if key not in self._oracle:
+            self._oracle[key] = reference_completion(
+                self.model, prompt, params, eos_token_id=EOS, max_model_len=max_model_len
+            )
+        return self._oracle[key]
+
+    def generate(self, llm, prompts, params) -> Run:
+        """Run ``prompts`` through ``llm`` and check every completion against the oracle."""
+        prompts = [list(p) for p in prompts]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        run = Run(prompts, params_list)
+        run.outputs = llm.generate(prompts, params_list, use_tqdm=False)
+        run.stats = llm.last_stats
+        max_model_len = llm.engine.scheduler.max_model_len
+        for i, (prompt, p, out) in enumerate(zip(prompts, params_list, run.outputs)):
+            for j, comp in enumerate(out.outputs):
+                child = p
+                if p.n > 1:
+                    child = SamplingParams(**{**p.__dict__, "n": 1})
+                    if p.seed is not None:
+                        child.seed = p.seed + j
+                want = self.expected(prompt, child, max_model_len)
+                _compare(i if p.n == 1 else f"{i}.{j}", prompt, comp, want)
+        held = run.stats.kv_blocks_in_use
+        if held:
+            raise ExamFailure(
+                f"{held} KV block(s) still held after every request finished: a request's blocks "
+                "were not all freed (look at free() and at what preemption and finishing release)"
+            )
+        swap = llm.engine.scheduler.swap_space
+        if swap is not None and swap.get_num_free_blocks() != self._cpu_free[id(llm)]:
+            held = self._cpu_free[id(llm)] - swap.get_num_free_blocks()
+            raise ExamFailure(
+                f"{held} CPU swap block(s) still held after every request finished: a swapped "
+                "request's CPU blocks were not all freed when it came back or finished"
+            )
+        stats = {k: getattr(run.stats, k) for k in MATCHED_STATS}
+        call = len(self.recorded)
+        self.recorded.append(stats)
+        want = (self.reference_stats or {}).get(self.case)
+        if want is not None and call < len(want):
+            for key, what in MATCHED_STATS.items():
+                if stats[key] != want[call][key]:
+                    raise ExamFailure(
+                        f"generate call {call + 1}: {what}: yours {stats[key]}, reference "
+                        f"{want[call][key]} (same requests, same configuration; the tokens were "
+                        "right)"
+                    )
+        return run
+
+
+def _compare(index, prompt: list[int], got, want: Completion) -> None:
+    tokens = list(got.token_ids)
+    for k, (a, b) in enumerate(zip(tokens, want.token_ids)):
+        if a != b:
+            raise ExamFailure(
+                f"request {index} (prompt of {len(prompt)} tokens), token {k}: yours {a}, "
+                f"reference {b}"
+            )
+    if len(tokens) != len(want.token_ids):
+        raise ExamFailure(
+            f"request {index} (prompt of {len(prompt)} tokens): {len(tokens)} tokens generated, "
+            f"the reference generates {len(want.token_ids)} (finish reason: yours "
+            f"{got.finish_reason}, reference {want.finish_reason})"
+        )
+    if got.finish_reason != want.finish_reason:
+        raise ExamFailure(
+            f"request {index}: finish reason {got.finish_reason!r}, reference "
+            f"{want.finish_reason!r}"
+        )
+
+
+def expect(condition: bool, what: str) -> None:
+    """A case's claim about its mechanism (so that it cannot pass without testing anything)."""
+    if not condition:
+        raise ExamFailure(f"the case did not exercise what it is for: {what}")
+
+
+def _prompts(rng: random.Random, lengths: Sequence[int]) -> list[list[int]]:
+    # Ids below EOS only, so that a prompt never holds the stop token by accident.
+    return [[rng.randrange(EOS) for _ in range(n)] for n in lengths]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cases
+# ----------------------------------------------------------------------------------------------
+
+
+def case_prefix_odd_lengths(exam: Exam) -> None:
+    """Prompts sharing prefixes of odd lengths (7, 13, 21 tokens) with block size 4: only whole
+    blocks of a shared prefix are reused, and a request's own tail is computed."""
+    rng = random.Random(1)
+    base = _prompts(rng, [40])[0]
+    tails = _prompts(rng, [5, 3, 9, 1])
+    prompts = [base, base[:13] + tails[0], base[:21] + tails[1], base[:7] + tails[2],
+               base[:21] + tails[3]]
+    llm = exam.llm(block_size=4, num_gpu_blocks=128, max_num_batched_tokens=256)
+    exam.generate(llm, prompts[:1], GREEDY)  # the shared prefix is cached once finished
+    run = exam.generate(llm, prompts[1:], GREEDY)
+    expect(run.stats.prefix_cache_hits >= 4 * (3 + 5 + 1 + 5), "prefix-cache hits on the "
+           "whole shared blocks")
+    expect(run.stats.num_prompt_tokens_computed < run.stats.num_prompt_tokens,
+           "prefill skipped for the cached blocks")
+
+
+def case_prompt_plus_output(exam: Exam) -> None:
+    """A prompt equal to an earlier prompt plus its output hits the blocks of that output too:
+    they were cached as the earlier request decoded."""
+    rng = random.Random(2)
+    prompt = _prompts(rng, [10])[0]
+    llm = exam.llm(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=64)
+    first = exam.generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=20))
+    longer = prompt + list(first.outputs[0].outputs[0].token_ids)
+    run = exam.generate(llm, [longer], GREEDY)
+    cached = run.outputs[0].metrics["num_cached_tokens"]
+    expect(cached > len(prompt), f"a hit past the original prompt ({cached} tokens cached, "
+           f"prompt {len(prompt)})")
+
+
+def case_chunked_shared_prefix(exam: Exam) -> None:
+    """Chunked prefill whose chunks end inside a block (17 tokens, block size 16), and requests
+    sharing that prompt's prefix admitted in the same step: they may reuse only blocks whose KV
+    has really been computed, never a block the prefill has only started to fill."""
+    rng = random.Random(3)
+    long = _prompts(rng, [70])[0]
+    prompts = [long, long[:50] + [5, 6], long[:40], _prompts(rng, [21])[0]]
+    llm = exam.llm(block_size=16, num_gpu_blocks=48, max_num_batched_tokens=40,
+                   long_prefill_token_threshold=17)
+    run = exam.generate(llm, prompts, GREEDY)
+    expect(run.stats.num_steps > GREEDY.max_tokens, "prefills split over steps")
+    expect(run.stats.prefix_cache_hits > 0, "the later requests reuse computed blocks")
+
+
+def case_chunked_budget_one(exam: Exam) -> None:
+    """A token budget of 3: every prefill takes many steps, decodes share the budget."""
+    rng = random.Random(4)
+    prompts = _prompts(rng, [9, 4, 14])
+    llm = exam.llm(block_size=2, num_gpu_blocks=64, max_num_batched_tokens=3)
+    run = exam.generate(llm, prompts, GREEDY)
+    expect(run.stats.num_steps >= (9 + 4 + 14) // 3, "prefills split over steps")
+
+
+def case_preempt_recompute(exam: Exam) -> None:
+    """A cache too small for everyone: the newest requests are preempted, freed, admitted again
+    and recomputed (helped by their own cached blocks), and still produce the oracle's tokens."""
+    rng = random.Random(5)
+    prompts = _prompts(rng, [13, 9, 17, 6, 11])
+    llm = exam.llm(block_size=4, num_gpu_blocks=14, max_num_batched_tokens=32)
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    expect(run.stats.num_preemptions > 0, "preemptions")
+    # The blocks a re-admitted request filled must be cached like any others.
+    exam.generate(llm, prompts[::-1], GREEDY)
+
+
+def case_preempt_recompute_no_cache(exam: Exam) -> None:
+    """The same pressure with prefix caching off: a re-admitted request recomputes everything."""
+    rng = random.Random(6)
+    prompts = _prompts(rng, [10, 12, 7, 15])
+    llm = exam.llm(block_size=2, num_gpu_blocks=20, max_num_batched_tokens=16,
+                   enable_prefix_caching=False)
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=14))
+    expect(run.stats.num_preemptions > 0, "preemptions")
+    expect(run.stats.prefix_cache_hits == 0, "no prefix hits with caching off")
+
+
+def case_preempt_swap(exam: Exam) -> None:
+    """Preemption by swapping: KV parked in CPU blocks and copied back, progress kept."""
+    rng = random.Random(7)
+    prompts = _prompts(rng, [13, 9, 17, 6, 11])
+    llm = exam.llm(block_size=4, num_gpu_blocks=14, max_num_batched_tokens=32,
+                   preemption_mode="swap", num_cpu_blocks=64)
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    expect(run.stats.num_blocks_swapped_out > 0 and run.stats.num_blocks_swapped_in > 0,
+           "blocks swapped out and back in")
+    exam.generate(llm, prompts[::-1], GREEDY)
+
+
+def case_parallel_sampling(exam: Exam) -> None:
+    """``n > 1`` with a seed: three seeded samples per prompt (seeds s, s+1, s+2), each equal to
+    the oracle's draw from its own generator; the children share the prompt's cached blocks."""
+    rng = random.Random(8)
+    prompts = _prompts(rng, [11, 18])
+    params = [
+        SamplingParams(n=3, temperature=0.9, top_k=20, top_p=0.95, seed=11, max_tokens=10),
+        SamplingParams(n=2, temperature=0.7, seed=5, max_tokens=10),
+    ]
+    llm = exam.llm(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=64)
+    run = exam.generate(llm, prompts, params)
+    texts = {tuple(c.token_ids) for c in run.outputs[0].outputs}
+    expect(len(texts) > 1, "different samples for different seeds")
+    expect(run.stats.prefix_cache_hits > 0, "the children reuse the prompt's blocks")
+
+
+def case_stop_tokens_and_min_tokens(exam: Exam) -> None:
+    """Stop tokens, EOS and ``min_tokens``: stops are banned before ``min_tokens``; a stop arriving
+    as the last allowed token is a length cap (the length check comes first)."""
+    rng = random.Random(9)
+    prompts = _prompts(rng, [8, 12, 5, 9])
+    free_run = [exam.expected(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                              TINY.max_position_embeddings) for p in prompts]
+    # Stop tokens taken from the greedy continuations, so that they really occur.
+    stop_a = free_run[0].token_ids[3]
+    stop_b = free_run[1].token_ids[5]
+    # For the third request: a token that first occurs at position k, with max_tokens = k + 1.
+    cont = free_run[2].token_ids
+    k = next(i for i in range(2, len(cont)) if cont[i] not in cont[:i] and EOS not in cont[:i])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_a]),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_b], min_tokens=7),
+        SamplingParams(temperature=0.0, max_tokens=k + 1, stop_token_ids=[cont[k]]),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, min_tokens=4,
+                       stop_token_ids=[stop_a, stop_b]),
+    ]
+    llm = exam.llm(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=64)
+    run = exam.generate(llm, prompts, params)
+    reasons = [o.outputs[0].finish_reason for o in run.outputs]
+    expect("stop" in reasons, "a request stopped on a stop token")
+    expect(reasons[2] == "length", "a stop token as the last allowed token is a length cap")
+
+
+def case_several_generate_calls(exam: Exam) -> None:
+    """One engine, three ``generate`` calls with overlapping prompts: what one call cached the
+    next one reuses, and nothing leaks between calls."""
+    rng = random.Random(10)
+    shared = _prompts(rng, [16])[0]
+    calls = [
+        [shared + [1, 2], _prompts(rng, [7])[0]],
+        [shared + [3], shared[:8] + [4, 5, 6]],
+        [shared + [1, 2], _prompts(rng, [21])[0], shared[:9]],
+    ]
+    llm = exam.llm(block_size=4, num_gpu_blocks=40, max_num_batched_tokens=24)
+    hits = 0
+    for prompts in calls:
+        run = exam.generate(llm, prompts, GREEDY)
+        hits += run.stats.prefix_cache_hits
+    expect(hits > 0, "later calls hit what earlier calls cached")
+
+
+def case_long_context(exam: Exam) -> None:
+    """Decode over a context longer than one 512-token partition: PagedAttention v2 (the split
+    context and the merge of the partitions' partial results) serves these steps."""
+    from mini_vllm.attention.paged_attn import PARTITION_SIZE
+
+    rng = random.Random(11)
+    prompts = _prompts(rng, [PARTITION_SIZE + 90, PARTITION_SIZE // 2])
+    llm = exam.llm(block_size=16, num_gpu_blocks=96, max_num_batched_tokens=1024)
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    expect(run.stats.num_steps >= 8, "decode steps over the long context")
+
+
+def _block_size_case(block_size: int) -> Callable[[Exam], None]:
+    def case(exam: Exam) -> None:
+        rng = random.Random(100 + block_size)
+        base = _prompts(rng, [37])[0]
+        prompts = [base, base[: 2 * block_size + 1] + [7], _prompts(rng, [3])[0], base[:30]]
+        blocks = max(8, 2 * (37 + 12) // block_size + 4)
+        llm = exam.llm(block_size=block_size, num_gpu_blocks=blocks,
+                       max_num_batched_tokens=max(8, block_size + 3))
+        exam.generate(llm, prompts, GREEDY)
+
+    case.__doc__ = (f"Block size {block_size}: chunked prefill, a shared prefix and a tight "
+                    "cache at this block size.")
+    return case
+
+
+def _sweep_case(seed: int) -> Callable[[Exam], None]:
+    def case(exam: Exam) -> None:
+        rng = random.Random(seed)
+        block_size = rng.choice([1, 2, 4, 8, 16, 32])
+        n_prompts = rng.randint(2, 6)
+        base = _prompts(rng, [rng.randint(10, 60)])[0]
+        prompts = []
+        for _ in range(n_prompts):
+            if rng.random() < 0.5:
+                tail = _prompts(rng, [rng.randint(0, 8)])[0]
+                prompts.append(base[: rng.randint(1, len(base))] + tail)
+            else:
+                prompts.append(_prompts(rng, [rng.randint(1, 50)])[0])
+        params = []
+        for _ in prompts:
+            max_tokens = rng.randint(1, 20)
+            if rng.random() < 0.6:
+                p = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            else:
+                p = SamplingParams(temperature=rng.choice([0.5, 1.0]), seed=rng.randrange(1000),
+                                   top_k=rng.choice([0, 10]), max_tokens=max_tokens,
+                                   n=rng.choice([1, 1, 2]))
+            if rng.random() < 0.3:
+                p.stop_token_ids = [rng.randrange(EOS)]
+                p.min_tokens = rng.randint(0, max_tokens)
+            params.append(p)
+        longest = max(len(p) + q.max_tokens for p, q in zip(prompts, params))
+        need = -(-longest // block_size)
+        mode = rng.choice(["recompute", "swap"])
+        config = dict(
+            block_size=block_size,
+            num_gpu_blocks=need + 1 + rng.randint(0, 2 * need),
+            max_num_batched_tokens=rng.choice([3, 8, 16, 64, 256]),
+            max_num_seqs=rng.choice([1, 2, 4, 64]),
+            enable_prefix_caching=rng.random() < 0.8,
+            long_prefill_token_threshold=rng.choice([0, 0, 4]),
+            preemption_mode=mode,
+            num_cpu_blocks=4 * need if mode == "swap" else 0,
+        )
+        llm = exam.llm(**config)
+        exam.generate(llm, prompts, params)
+
+    case.__doc__ = f"Randomized configuration (seed {seed})."
+    return case
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    run: Callable[[Exam], None]
+
+    @property
+    def what(self) -> str:
+        return " ".join((self.run.__doc__ or "").split())
+
+
+def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
+    """The exam's cases in order: the named mechanisms, block sizes 1 to 32, then ``sweep``
+    randomized configurations (the first ``GRADED_SWEEP`` are the graded ones)."""
+    named = [
+        Case("prefix-odd-lengths", case_prefix_odd_lengths),
+        Case("prompt-plus-output", case_prompt_plus_output),
+        Case("chunked-shared-prefix", case_chunked_shared_prefix),
+        Case("chunked-budget-3", case_chunked_budget_one),
+        Case("preempt-recompute", case_preempt_recompute),
+        Case("preempt-recompute-no-cache", case_preempt_recompute_no_cache),
+        Case("preempt-swap", case_preempt_swap),
+        Case("parallel-sampling", case_parallel_sampling),
+        Case("stop-tokens-min-tokens", case_stop_tokens_and_min_tokens),
+        Case("several-generate-calls", case_several_generate_calls),
+        Case("long-context-v2", case_long_context),
+    ]
+    named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
+    rng = random.Random(SWEEP_SEED)
+    seeds = [rng.randrange(1 << 30) for _ in range(sweep)]
+    named += [Case(f"sweep-{i:03d}", _sweep_case(s)) for i, s in enumerate(seeds)]
+    return named
+
+
+# ----------------------------------------------------------------------------------------------
+# Running cases with a time limit, reporting where student code failed
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaseResult:
+    case: str
+    outcome: str  # "passed", "failed", "error", "timeout"
+    message: str = ""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"case": self.case, "outcome": self.outcome, "message": self.message,
+                "seconds": round(self.seconds, 3)}
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of the student's code (a lab's starter.py), else the innermost one."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if Path(frame.filename).name in ("starter.py", "starter.cu"):
+            lab = Path(frame.filename).parent.name
+            return f"{lab}/starter.py:{frame.lineno}, in {frame.name}"
+    if frames:
+        f = frames[-1]
+        return f"{Path(f.filename).name}:{f.lineno}, in {f.name}"
+    return "?"
+
+
+def _on_alarm(signum, frame):
+    raise CaseTimeout()
+
+
+def run_case(case: Case, exam: Exam, timeout_s: float) -> CaseResult:
+    """Run one case; a time limit (SIGALRM, where the OS has it) turns a hang into a result."""
+    use_alarm = hasattr(signal, "SIGALRM") and timeout_s > 0
+    if use_alarm:
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    start = time.perf_counter()
+    exam.start(case.name)
+    try:
+        case.run(exam)
+        result = CaseResult(case.name, "passed")
+    except ExamFailure as exc:
+        result = CaseResult(case.name, "failed", str(exc))
+    except CaseTimeout:
+        result = CaseResult(case.name, "timeout", f"did not finish within {timeout_s:g} s (a loop "
+                            "that never ends, or an engine that never finishes its requests)")
+    except NotImplementedError as exc:
+        result = CaseResult(case.name, "error", f"not implemented: {exc} ({_where(exc)})")
+    except Exception as exc:
+        result = CaseResult(case.name, "error",
+                            f"{type(exc).__name__}: {exc} (at {_where(exc)})")
+    finally:
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    result.seconds = time.perf_counter() - start
+    return result

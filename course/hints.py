@@ -1,0 +1,187 @@
+"""The hint ladder: `python -m course hint 02-03 4 [--level 2|3]`.
+
+Docstrings state contracts; the algorithm lives here, one rung at a time. Each lab keeps its
+hints in `hints.toml` in its folder, one table per task of its starter:
+
+    [task.4]
+    question = "..."   # level 1: a question that points at the idea, not at the code
+    steps = "..."      # level 2: the steps, in order, in words
+    read = ["vllm/v1/core/kv_cache_manager.py:212 @ v0.11.0"]   # level 3: upstream lines
+    look_for = "..."   # level 3, optional: what to notice in those lines
+
+Every `read` reference must be an entry of upstream_refs/map (so `python -m course refs
+--vllm-src ...` checks it against the release). `course check` requires all three levels for
+every task of every lab in CONVERTED_LABS.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from course.labs import Lab
+from course.refs import REF_RE, load_map
+from course.tasks import open_tasks, readme_section
+
+HINTS_FILE = "hints.toml"
+LEVELS = {1: "a question", 2: "the steps", 3: "the upstream lines to read"}
+
+# Labs whose hints `course check` requires (every task, all three levels). The labs not listed
+# are being converted (issues 12 and 15); once every lab is, delete this set and the one line in
+# `hints_required` that reads it, so that every lab is held to the rule.
+CONVERTED_LABS = {"02-01"}
+
+
+def hints_required(lab: Lab) -> bool:
+    return lab.id in CONVERTED_LABS
+
+
+@dataclass(frozen=True)
+class Hint:
+    task: int
+    question: str
+    steps: str
+    read: tuple[str, ...]
+    look_for: str = ""
+
+
+def hints_path(lab: Lab) -> Path:
+    return lab.path / HINTS_FILE
+
+
+def load_hints(lab: Lab) -> dict[int, Hint]:
+    """{task number: Hint} from the lab's hints.toml ({} when it has none).
+
+    A malformed file raises ValueError naming the file and the problem."""
+    path = hints_path(lab)
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path.name}: not valid TOML ({exc})") from None
+    hints = {}
+    for key, table in data.get("task", {}).items():
+        if not key.isdigit() or not isinstance(table, dict):
+            raise ValueError(f"{path.name}: [task.{key}] must be [task.N] with N a task number")
+        read = table.get("read", [])
+        if isinstance(read, str):
+            read = [read]
+        hints[int(key)] = Hint(
+            int(key),
+            str(table.get("question", "")).strip(),
+            str(table.get("steps", "")).strip(),
+            tuple(str(r).strip() for r in read),
+            str(table.get("look_for", "")).strip(),
+        )
+    return hints
+
+
+def check_hints(lab: Lab) -> list[str]:
+    """Problems with the lab's hints: for a converted lab, a task without all three levels is
+    one; for any lab, hints for a task that does not exist and references that are not mapped."""
+    try:
+        hints = load_hints(lab)
+    except ValueError as exc:
+        return [str(exc)]
+    required = hints_required(lab)
+    problems = []
+    tasks = {t.number: t for t in open_tasks(lab)}
+    if required and not hints_path(lab).is_file():
+        return [f"no {HINTS_FILE}: every task needs hints (levels 1-3)"]
+    mapped = {(r.file, r.line, r.version) for r in load_map(lab.phase_dir.parent)[0]}
+    for number in sorted(tasks):
+        hint = hints.get(number)
+        if hint is None:
+            if required:
+                problems.append(f"{HINTS_FILE}: task {number} has no hints")
+            continue
+        for level, value in ((1, hint.question), (2, hint.steps), (3, hint.read)):
+            if required and not value:
+                problems.append(
+                    f"{HINTS_FILE}: task {number} has no level {level} ({LEVELS[level]})"
+                )
+    for number, hint in sorted(hints.items()):
+        if number not in tasks:
+            problems.append(f"{HINTS_FILE}: [task.{number}] names no task of the starter")
+        for ref in hint.read:
+            m = REF_RE.fullmatch(ref)
+            if m is None:
+                problems.append(f"{HINTS_FILE}: task {number}: {ref!r} is not `path:line @ vX.Y.Z`")
+            elif (m["file"], int(m["line"]), m["version"]) not in mapped:
+                problems.append(f"{HINTS_FILE}: task {number}: {ref} is not in upstream_refs/map")
+    return problems
+
+
+def render_hint(lab: Lab, number: int, level: int) -> str:
+    """The text `python -m course hint` prints; ValueError with what to do when there is none."""
+    tasks = {t.number: t for t in open_tasks(lab)}
+    hints = load_hints(lab)
+    if not hints:
+        section = readme_section(lab, number)
+        where = f"README.md:{section[0]}" if section else "its README"
+        raise ValueError(f"lab {lab.id} has no hints yet; task {number} is explained in {where}")
+    if number not in hints:
+        known = ", ".join(str(n) for n in sorted(hints))
+        raise ValueError(f"lab {lab.id} has no task {number}; its tasks with hints: {known}")
+    if level not in LEVELS:
+        raise ValueError(f"--level must be 1, 2 or 3, not {level}")
+    hint = hints[number]
+    task = tasks.get(number)
+    title = f"lab {lab.id}, task {number}"
+    if task is not None:
+        title += f": {task.names} ({task.file}:{task.line})"
+    else:
+        title += " (already written in your starter)"
+    lines = [title, f"hint {level} of 3: {LEVELS[level]}", ""]
+    if level == 1:
+        lines.append(_indent(hint.question))
+    elif level == 2:
+        lines.append(_indent(hint.steps))
+    else:
+        texts = {(r.file, r.line, r.version): r for r in load_map(lab.phase_dir.parent)[0]}
+        for ref in hint.read:
+            m = REF_RE.fullmatch(ref)
+            entry = texts.get((m["file"], int(m["line"]), m["version"])) if m else None
+            lines.append(f"  {ref}")
+            if entry is not None:
+                lines.append(f"      {entry.text.strip()}")
+        if hint.look_for:
+            lines += ["", _indent(hint.look_for)]
+        lines += [
+            "",
+            "  (paths are relative to a checkout of vLLM at that release's tag, e.g. v0.11.0)",
+        ]
+    if level < 3:
+        lines += [
+            "",
+            f"More: python -m course hint {lab.id} {number} --level {level + 1} "
+            f"({LEVELS[level + 1]})",
+        ]
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    """Wrap hint text to the terminal: paragraphs are filled, numbered or dashed items keep
+    their own lines (a line that continues an item joins it), and `name:` lines stay headings."""
+    marker = re.compile(r"^(\d+\.|[-*])\s")
+    out = []
+    for para in text.strip().split("\n\n"):
+        items: list[str] = []
+        for raw in para.strip().splitlines():
+            line = raw.strip()
+            starts = marker.match(line) or line.endswith(":") or not items
+            if starts or items[-1].endswith(":"):
+                items.append(line)
+            else:
+                items[-1] += " " + line
+        for item in items:
+            m = marker.match(item)
+            hang = " " * (len(m.group(0)) if m else 0)
+            out.append(textwrap.fill(item, 96, initial_indent="  ", subsequent_indent="  " + hang))
+        out.append("")
+    return "\n".join(out).rstrip()

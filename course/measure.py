@@ -1,0 +1,171 @@
+"""Predict, then measure, on your own code: `python -m course measure 02-01 [--plot out.png]`.
+
+A lab opts in with a `measure.py` in its folder that defines:
+
+    TITLE = "..."                 # what is measured
+    X_LABEL, Y_LABEL = "...", "..."
+    LOG_X, LOG_Y = True, True     # axes of the plot (optional; default linear)
+    def sizes(quick: bool) -> list[int]: ...          # the x values
+    def run(impl, x: int) -> float: ...               # one measurement of a lab implementation
+                                                      # (the module: starter or solution)
+    BASELINES = {"name": callable(x) -> float}        # optional: other designs to compare
+
+The command runs `run` on the student's starter and on the reference side by side (a starter
+function that still raises NotImplementedError shows as "not written", and the rest goes on),
+prints a table, draws the plot when asked, and prints the questions of the README section whose
+heading starts with "Predict" next to it: the student answers them first, then looks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from course.labs import Lab
+from course.loader import LabImplError, load_module
+
+MEASURE_FILE = "measure.py"
+
+
+@dataclass
+class Series:
+    name: str
+    values: dict[int, float | None] = field(default_factory=dict)  # None: not written
+    note: str = ""
+
+
+def load_measurement(lab: Lab) -> ModuleType:
+    path = lab.path / MEASURE_FILE
+    if not path.is_file():
+        raise ValueError(f"lab {lab.id} has no measurement yet (no {MEASURE_FILE} in its folder)")
+    spec = importlib.util.spec_from_file_location(
+        f"course_measure_{lab.id.replace('-', '_')}", path
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("TITLE", "X_LABEL", "Y_LABEL", "sizes", "run"):
+        if not hasattr(module, name):
+            raise ValueError(f"{path}: a measurement must define {name}")
+    return module
+
+
+def predict_questions(lab: Lab) -> tuple[int, str, str] | None:
+    """(line, heading, body) of the README section whose heading starts with "Predict"."""
+    readme = lab.path / "README.md"
+    if not readme.is_file():
+        return None
+    lines = readme.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^(#+)\s+(Predict.*)$", line)
+        if not m:
+            continue
+        body = []
+        for nxt in lines[i + 1 :]:
+            h = re.match(r"^(#+)\s", nxt)
+            if h and len(h[1]) <= len(m[1]):
+                break
+            body.append(nxt)
+        return i + 1, m[2].strip(), "\n".join(body).strip()
+    return None
+
+
+def _impl(lab: Lab, impl: str) -> tuple[ModuleType | None, str]:
+    try:
+        return load_module(lab.path, impl, lab.id), ""
+    except LabImplError as exc:
+        return None, str(exc)
+
+
+def measure(lab: Lab, quick: bool = False, impls: tuple[str, ...] = ("starter", "solution")):
+    """Run the lab's measurement; returns (module, [Series]) in the order: yours, reference,
+    baselines."""
+    module = load_measurement(lab)
+    names = {"starter": "yours (starter.py)", "solution": "reference"}
+    series = []
+    runners = []
+    for impl in impls:
+        loaded, error = _impl(lab, impl)
+        s = Series(names[impl], note=error)
+        series.append(s)
+        runners.append((s, None if loaded is None else (lambda x, m=loaded: module.run(m, x))))
+    for name, fn in getattr(module, "BASELINES", {}).items():
+        s = Series(name)
+        series.append(s)
+        runners.append((s, fn))
+    for x in module.sizes(quick):
+        for s, fn in runners:
+            if fn is None or s.note:
+                s.values[x] = None
+                continue
+            try:
+                s.values[x] = float(fn(x))
+            except NotImplementedError as exc:
+                s.values[x] = None
+                s.note = f"not written yet: {' '.join(str(exc).split())}"
+    return module, series
+
+
+def format_table(module: ModuleType, series: list[Series]) -> str:
+    xs = sorted({x for s in series for x in s.values})
+    headers = [module.X_LABEL] + [s.name for s in series]
+    rows = [[f"{x:,}"] + [_fmt(s.values.get(x)) for s in series] for x in xs]
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    line = "  ".join(f"{{:>{w}}}" for w in widths)
+    out = [module.Y_LABEL, line.format(*headers), line.format(*("-" * w for w in widths))]
+    out += [line.format(*r) for r in rows]
+    for s in series:
+        if s.note:
+            out.append(f"{s.name}: {s.note}")
+    return "\n".join(out)
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3g}" if v < 1000 else f"{v:,.0f}"
+
+
+def plot(module: ModuleType, series: list[Series], path: Path | None, show: bool) -> Path | None:
+    """Draw the series (matplotlib); save to `path` and/or show a window."""
+    import matplotlib
+
+    if not show:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in series:
+        pts = [(x, y) for x, y in sorted(s.values.items()) if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=s.name)
+    if getattr(module, "LOG_X", False):
+        ax.set_xscale("log")
+    if getattr(module, "LOG_Y", False):
+        ax.set_yscale("log")
+    ax.set_xlabel(module.X_LABEL)
+    ax.set_ylabel(module.Y_LABEL)
+    ax.set_title(module.TITLE)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    if show:
+        plt.show()
+    plt.close(fig)
+    return path
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    """The fastest of `repeats` calls of fn() in seconds (the least disturbed by the machine)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,134 @@
+"""Fill a lab's starter task by task from the reference and count the passing tests after each.
+
+Issue 12's rule: implementing the tasks one at a time makes the number of passing tests grow
+after every task (a student sees progress before writing the next one). This script checks it
+in a scratch copy of the repository (the checkout is never touched):
+
+    python scripts/task_by_task.py 02-01
+
+For k = 0, 1, ..., N it replaces the bodies of tasks 1..k in starter.py by the reference's
+functions (looked up by qualified name in solution.py's objects; a private method the reference
+class has and the starter's lacks is added with the first task of that class), runs the lab's
+tests against that starter and prints the passing count. Exit status 1 when some task adds no
+passing test, or when a filled-in starter fails to import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import shutil
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from course.integrity import copy_ignore  # noqa: E402
+from course.labs import Lab, discover, select  # noqa: E402
+from course.loader import load_module  # noqa: E402
+from course.runner import run_lab  # noqa: E402
+from course.tasks import open_tasks  # noqa: E402
+
+
+def _reference_function(solution, qualname: str):
+    obj = solution
+    for part in qualname.split("."):
+        holder = obj
+        obj = vars(obj).get(part) if inspect.isclass(obj) else getattr(obj, part)
+        if obj is None:
+            raise LookupError(f"the reference has no {qualname}")
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        obj = obj.fget
+    return holder, inspect.unwrap(obj)
+
+
+def _nodes(tree: ast.AST, prefix: str = ""):
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield f"{prefix}{node.name}", node
+        elif isinstance(node, ast.ClassDef):
+            yield f"{prefix}{node.name}", node
+            yield from _nodes(node, f"{prefix}{node.name}.")
+
+
+def fill(source: str, solution, qualnames: list[str]) -> str:
+    """`source` with the functions `qualnames` replaced by the reference's (bottom-up, so that
+    line numbers stay valid), plus the reference's private helpers their classes lack."""
+    tree = ast.parse(source)
+    nodes = dict(_nodes(tree))
+    lines = source.splitlines(keepends=True)
+    edits = []  # (first line index, last line index exclusive, new text)
+    helpers_added = set()
+    for qualname in qualnames:
+        node = nodes[qualname]
+        holder, ref = _reference_function(solution, qualname)
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+        indent = lines[node.lineno - 1][: node.col_offset]
+        text = textwrap.indent(textwrap.dedent(inspect.getsource(ref)), indent)
+        edits.append((first, node.end_lineno, text))
+        cls_name = qualname.rsplit(".", 1)[0] if "." in qualname else None
+        if cls_name and cls_name not in helpers_added and inspect.isclass(holder):
+            helpers_added.add(cls_name)
+            cls_node = nodes[cls_name]
+            have = {n.name for n in cls_node.body if isinstance(n, ast.FunctionDef)}
+            extra = [
+                textwrap.indent(textwrap.dedent(inspect.getsource(f)), indent)
+                for name, f in vars(holder).items()
+                if name.startswith("_")
+                and not name.startswith("__")
+                and inspect.isfunction(f)
+                and name not in have
+            ]
+            if extra:
+                edits.append((cls_node.end_lineno, cls_node.end_lineno, "\n" + "\n".join(extra)))
+    for first, last, text in sorted(edits, key=lambda e: e[0], reverse=True):
+        lines[first:last] = [text if text.endswith("\n") else text + "\n"]
+    return "".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("lab", help="lab id, e.g. 02-01")
+    args = parser.parse_args(argv)
+    (lab,) = select(discover(), [args.lab])
+    tasks = open_tasks(lab)
+    solution = load_module(lab.path, "solution", lab.id)
+    original = (lab.path / "starter.py").read_text(encoding="utf-8")
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory(prefix="task-by-task-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(REPO_ROOT, copy, ignore=copy_ignore)
+        lab_copy = Lab(copy / lab.path.relative_to(REPO_ROOT))
+        previous = -1
+        for k in range(len(tasks) + 1):
+            names = [name for t in tasks[:k] for name, _ in t.functions]
+            (lab_copy.path / "starter.py").write_text(fill(original, solution, names))
+            run = run_lab(lab_copy, "starter", root=copy)
+            label = "untouched" if k == 0 else f"task {tasks[k - 1].number}"
+            broken = run.broken or any("CANNOT LOAD" in t["message"] for t in run.tests)
+            rows.append((label, run.passed, run.total, broken))
+            if broken or (k > 0 and run.passed <= previous):
+                ok = False
+            previous = run.passed
+            print(
+                f"{label:<10} {run.passed:>4}/{run.total} graded tests pass"
+                + ("  <- the run broke" if broken else "")
+                + (
+                    "  <- no new test passes"
+                    if k > 0 and not broken and run.passed <= rows[-2][1]
+                    else ""
+                ),
+                flush=True,
+            )
+    print("ok: every task adds passing tests" if ok else "FAILED: see the marked rows")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

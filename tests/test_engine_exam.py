@@ -1,0 +1,192 @@
+"""`python -m course engine`: the student's finished labs composed into mini_vllm, and the exam.
+
+The student is played by tests/fixtures/student/ (labs 02-01, 02-03, 02-04 and 03-01 written
+without reading the reference) and by stand-ins (course/shadow.py: private copies of the
+reference). Every engine runs in its own process, as the command runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from course.compose import unfinished_tasks
+from course.integrity import copy_ignore
+from course.labs import REPO_ROOT, Lab, discover
+
+FIXTURE = REPO_ROOT / "tests" / "fixtures" / "student"
+STUDENT_LABS = ("02-01", "02-03", "02-04", "03-01")
+LABS = {lab.id: lab for lab in discover()}
+
+# A mistake a student really makes, that lab 02-03's own tests do not see: free() keeps the
+# request's "blocks already cached" count, and a re-admitted request only sets that count when it
+# has none. After a preemption the request's new full blocks are never hashed.
+FORGETS_CACHED_COUNT = [
+    ("        self.num_cached_block.pop(request.request_id, None)\n        if table is None:",
+     "        if table is None:"),
+    ("        self.num_cached_block[request_id] = len(new_computed_blocks)",
+     "        self.num_cached_block.setdefault(request_id, len(new_computed_blocks))"),
+]
+
+
+def _course_copy(tmp_path: Path, labs=STUDENT_LABS) -> Path:
+    root = tmp_path / "course"
+    shutil.copytree(REPO_ROOT, root, ignore=copy_ignore)
+    for lab_id in labs:
+        rel = LABS[lab_id].rel
+        shutil.copyfile(FIXTURE / rel / "starter.py", root / rel / "starter.py")
+    return root
+
+
+def _run(root: Path, *args: str, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(cache), OMP_NUM_THREADS="1")
+    env.pop("LAB_IMPL", None)
+    return subprocess.run([sys.executable, "-m", "course", *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _plant(path: Path, edits: list[tuple[str, str]]) -> None:
+    text = path.read_text(encoding="utf-8")
+    for find, replace in edits:
+        assert text.count(find) == 1, f"the fixture changed: {find!r} not found once"
+        text = text.replace(find, replace)
+    path.write_text(text, encoding="utf-8")
+
+
+def test_unfinished_tasks_are_read_from_the_starter():
+    """The untouched starters have tasks left, in task order; the fixture's have none."""
+    todo = unfinished_tasks(LABS["03-01"])
+    assert todo and todo[0].startswith("lab 03-01, task 1: ")
+    numbers = [int(t.split("task ")[1].split(":")[0]) for t in todo]
+    assert numbers == sorted(numbers)
+    for lab_id in STUDENT_LABS:
+        assert not unfinished_tasks(LABS[lab_id], root=FIXTURE)
+
+
+def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path):
+    """Default composition: the labs whose starter is complete and passes its tests. Lab 02-04's
+    slow tests are marked passed in the cache (keyed by the files) to keep this test short."""
+    root = _course_copy(tmp_path)
+    cache = tmp_path / "cache"
+    from course.engine import _lab_key
+
+    status = cache / "mini_vllm-course" / "lab-status.json"
+    status.parent.mkdir(parents=True)
+    lab_0204 = Lab(root / LABS["02-04"].rel)
+    status.write_text(json.dumps({"02-04": {"key": _lab_key(lab_0204), "done": True,
+                                            "passed": 1, "total": 1}}))
+    proc = _run(root, "engine", "--max-tokens", "24", cache=cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Identical to the reference engine, token for token" in out
+    for lab_id in STUDENT_LABS:
+        assert f"\n{lab_id}  yours" in out, out
+    assert "03-02  reference (not finished: task 1 unwritten)" in out
+    # The tests that ran were remembered: a second run runs none.
+    assert set(json.loads(status.read_text())) >= set(STUDENT_LABS)
+    again = _run(root, "engine", "--max-tokens", "4", cache=cache)
+    assert "Running the tests" not in again.stderr and again.returncode == 0
+
+
+def test_an_integration_mistake_fails_the_exam_and_bisection_names_the_lab(tmp_path):
+    root = _course_copy(tmp_path)
+    _plant(root / LABS["02-03"].rel / "starter.py", FORGETS_CACHED_COUNT)
+    report = tmp_path / "exam.json"
+    proc = _run(root, "engine", "--exam", "--labs", ",".join(STUDENT_LABS), "--case",
+                "preempt-recompute", "--case", "prefix-odd-lengths", "--json", str(report),
+                cache=tmp_path / "cache")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads(report.read_text())
+    outcomes = {c["case"]: c["outcome"] for c in data["cases"]}
+    assert outcomes == {"prefix-odd-lengths": "passed", "preempt-recompute": "failed"}
+    assert data["bisection"]["blamed"] == ["02-03"]
+    assert "The failure comes from lab 02-03" in proc.stdout
+    assert ("Reproduce it: python -m course engine --exam --case preempt-recompute --labs "
+            "02-01,02-03,02-04,03-01") in proc.stdout
+
+
+def test_a_hung_piece_is_a_timeout_not_a_hang(tmp_path):
+    root = _course_copy(tmp_path, labs=("03-01",))
+    starter = root / LABS["03-01"].rel / "starter.py"
+    text = starter.read_text()
+    head = "    def _num_new_tokens(self, request: Request, token_budget: int) -> int:\n"
+    assert text.count(head) == 1
+    starter.write_text(text.replace(head, head + "        while True:\n            pass\n"))
+    proc = _run(root, "engine", "--exam", "--labs", "03-01", "--case", "prefix-odd-lengths",
+                "--case-timeout", "3", cache=tmp_path / "cache", timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "TIMEOUT" in proc.stdout and "did not finish within 3 s" in proc.stdout
+
+
+def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp_path):
+    """Lab 03-01 a stand-in's, lab 03-03 the reference: in swap mode the engine runs the
+    stand-in's scheduler with the reference's swap members on top."""
+    from course.shadow import shadow_tree
+
+    root = shadow_tree(tmp_path / "tree")
+    code = (
+        "from course.compose import compose\n"
+        "c = compose(['03-01'])\n"
+        "import mini_vllm.llm as llm, mini_vllm.scheduler as ref\n"
+        "from mini_vllm_shadow_03_01.scheduler import Scheduler as Theirs\n"
+        "cls = llm.Scheduler\n"
+        "assert cls is ref.Scheduler and issubclass(cls, Theirs) and cls is not Theirs\n"
+        "assert cls.__dict__['_preempt_by_swap'].__module__ == 'mini_vllm.scheduler'\n"
+        "print(dict((r[0], r[1]) for r in c.lab_rows()))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "'03-01': 'yours'" in proc.stdout and "'03-03': 'reference'" in proc.stdout
+    exam = _run(root, "engine", "--exam", "--labs", "03-01", "--case", "preempt-swap",
+                cache=tmp_path / "cache")
+    assert exam.returncode == 0, exam.stdout + exam.stderr
+
+
+def test_bad_requests_exit_2_and_change_nothing(tmp_path):
+    before = sorted(p.name for p in REPO_ROOT.iterdir())
+    proc = _run(REPO_ROOT, "engine", "--labs", "02-02", cache=tmp_path / "cache")
+    assert proc.returncode == 2
+    assert "02-02 builds no engine piece" in proc.stderr
+    proc = _run(REPO_ROOT, "engine", "--exam", "--case", "no-such-case", "--impl", "solution",
+                cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "no exam case named no-such-case" in proc.stderr
+    assert sorted(p.name for p in REPO_ROOT.iterdir()) == before
+
+
+def test_compose_twice_in_one_process_is_refused(tmp_path):
+    code = ("from course.compose import compose, CompositionError\n"
+            "compose([])\n"
+            "try:\n    compose([])\nexcept CompositionError as e:\n    print('refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert "refused: compose() already ran in this process" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("phase", ["02", "03"])
+def test_the_notebook_switch_draws_the_students_pieces(tmp_path, phase):
+    root = _course_copy(tmp_path)
+    cache = tmp_path / "cache"
+    from course.engine import _lab_key
+
+    status = cache / "mini_vllm-course" / "lab-status.json"
+    status.parent.mkdir(parents=True)
+    status.write_text(json.dumps({
+        lab_id: {"key": _lab_key(Lab(root / LABS[lab_id].rel)), "done": True, "passed": 1,
+                 "total": 1} for lab_id in STUDENT_LABS}))
+    code = (f"from course.compose import use_pieces\npieces = use_pieces(True, phase={phase!r})\n"
+            "import mini_vllm.kv_cache_manager as m, mini_vllm.scheduler as s\n"
+            "print(m.KVCacheManager.__module__, s.Scheduler.__module__)\n")
+    env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(cache))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "lab 02-03: yours" in proc.stdout and "lab 03-02: reference" in proc.stdout
+    assert "course_labs.lab_02_03.starter course_labs.lab_03_01.starter" in proc.stdout

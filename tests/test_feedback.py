@@ -1,0 +1,240 @@
+"""Tests of what a test run prints (course/feedback.py), the task list, hints and measure."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from course.feedback import choose_threads, default_cache_dir, tensor_summary
+from course.hints import check_hints, render_hint
+from course.labs import REPO_ROOT, discover, select
+from course.tasks import open_tasks, readme_section, tasks_in_source
+
+LAB = "phase-09-demo/labs/lab-01-feedback"
+
+STARTER = '''
+__all__ = ["double", "halve", "Box"]
+
+
+def double(x):
+    raise NotImplementedError("lab 09-01, task 1: implement double")
+
+
+def halve(x):
+    raise NotImplementedError(
+        "lab 09-01, task 3: implement halve (hint: python -m course hint 09-01 3)"
+    )
+
+
+class Box:
+    def __init__(self):
+        self.items = []
+
+    def put(self, x):
+        raise NotImplementedError("lab 09-01, task 2: implement Box.put")
+'''
+
+SOLUTION = '''
+__all__ = ["double", "halve", "Box"]
+
+
+def double(x):
+    return x * 3  # a bug every case of the grid below trips over
+
+
+def halve(x):
+    return x / 2
+
+
+class Box:
+    def __init__(self):
+        self.items = []
+
+    def put(self, x):
+        self.items.append(x)
+'''
+
+TESTS = '''
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+
+from course.loader import load_lab
+
+lab = load_lab(__file__)
+
+
+@pytest.mark.parametrize("x", range(30))
+def test_double(x):
+    assert lab.double(x) == 2 * x
+
+
+def test_tensors():
+    a = torch.arange(4000.0).reshape(40, 100)
+    assert torch.equal(a * lab.double(1), a * 2)
+
+
+class BoxMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self):
+        self.box = lab.Box()
+
+    @rule(x=st.integers())
+    def put(self, x):
+        self.box.put(x)
+
+
+TestBoxMachine = BoxMachine.TestCase
+'''
+
+README = """# Lab 09-01: Feedback
+
+## Tasks
+
+1. `double`.
+2. `Box.put`.
+3. `halve`.
+"""
+
+
+@pytest.fixture
+def course(tmp_path: Path) -> Path:
+    root = tmp_path / "course-repo"
+    root.mkdir()
+    shutil.copytree(
+        REPO_ROOT / "course", root / "course", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copy(REPO_ROOT / "conftest.py", root)
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib"\n'
+        'cache_dir = "$COURSE_PYTEST_CACHE"\n'
+    )
+    lab = root / LAB
+    lab.mkdir(parents=True)
+    for name, text in {
+        "starter.py": STARTER,
+        "solution.py": SOLUTION,
+        "test_lab.py": TESTS,
+        "README.md": README,
+    }.items():
+        (lab / name).write_text(textwrap.dedent(text))
+    return root
+
+
+def pytest_run(root: Path, impl: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(root), LAB_IMPL=impl)
+    for var in ("HYPOTHESIS_PROFILE", "OMP_NUM_THREADS"):
+        env.pop(var, None)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", LAB, "-q", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_starter_run_is_one_line_per_test_then_the_task_list(course):
+    proc = pytest_run(course, "starter")
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    assert "Traceback" not in out and "Falsifying" not in out
+    assert re.search(r"test_double \[30 cases\] +lab 09-01, task 1: implement double", out)
+    assert re.search(r"TestBoxMachine::runTest +lab 09-01, task 2: implement Box.put", out)
+    closing = re.search(r"\d+ not implemented in", out)
+    assert closing, out
+    tail = out[closing.start() :]
+    # All three tasks, in order, also task 3 that no test reached; next first.
+    assert "lab 09-01: 3 tasks to do, next first" in tail
+    lines = [line for line in tail.splitlines() if "(starter.py:" in line]
+    assert [line.split("task ")[1].split()[0] for line in lines] == ["1", "2", "3"]
+    assert lines[0].startswith("next") and "halve" in lines[2] and "README.md:7" in lines[2]
+    assert "stuck? python -m course hint 09-01 1" in tail
+    assert len(out.splitlines()) < 20
+    # The cache is outside the repository, so --lf works.
+    assert not (course / ".pytest_cache").exists()
+    again = pytest_run(course, "starter", "--lf")
+    assert "not implemented" in again.stdout and "passed" not in again.stdout
+
+
+def test_a_failure_repeated_over_a_grid_is_rendered_once(course):
+    proc = pytest_run(course, "solution")
+    out = proc.stdout
+    assert proc.returncode == 1
+    assert out.count("def test_double") == 1  # one full report
+    # x=0 passes (0 * 3 == 0): the first failing case is x=1, 28 others fail the same way.
+    assert "the same failure in 28 other cases of test_double" in out
+    assert "[2] [3] [4]" in out and "... and 4 more" in out  # the ids of the others (24 shown)
+    # Tensors are summarised, not printed.
+    assert "tensor(shape=(40, 100), dtype=float32" in out
+    assert "30 failed" in out and len(out.splitlines()) < 150
+    every = pytest_run(course, "solution", "--every-failure")
+    assert every.stdout.count("def test_double") == 29
+
+
+def test_threads_are_half_the_cores_between_1_and_4():
+    assert [choose_threads(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4, 4]
+
+
+def test_the_cache_is_in_the_temporary_folder_one_per_checkout(tmp_path):
+    assert REPO_ROOT not in default_cache_dir().parents
+    assert default_cache_dir(tmp_path / "a") != default_cache_dir(tmp_path / "b")
+
+
+def test_tensor_summary_is_one_line():
+    torch = pytest.importorskip("torch")
+    text = tensor_summary(torch.arange(10_000, dtype=torch.float16).reshape(100, 100))
+    assert text.startswith("tensor(shape=(100, 100), dtype=float16, first=[0, 1, 2")
+    assert "\n" not in text and text.endswith(", ...])")
+
+
+def test_tasks_are_read_from_the_source_including_unreached_ones():
+    tasks = tasks_in_source(textwrap.dedent(STARTER), "09-01")
+    assert [(t.number, t.names) for t in tasks] == [(1, "double"), (2, "Box.put"), (3, "halve")]
+    assert tasks[2].what == "implement halve"  # the hint suffix is not part of the task
+
+
+def test_every_task_of_lab_02_01_has_all_three_hint_levels():
+    (lab,) = select(discover(), ["02-01"])
+    assert check_hints(lab) == []
+    assert [t.number for t in open_tasks(lab)] == list(range(1, 12))
+    assert readme_section(lab, 8) is not None
+    text = render_hint(lab, 3, 3)
+    assert "vllm/v1/core/kv_cache_utils.py:334 @ v0.11.0" in text
+    assert "def remove(self, block: KVCacheBlock)" in text
+    with pytest.raises(ValueError, match="no task 12"):
+        render_hint(lab, 12, 1)
+
+
+def test_hint_and_measure_commands():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    hint = subprocess.run(
+        [sys.executable, "-m", "course", "hint", "02-01", "8", "--level", "2"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert hint.returncode == 0 and "hint 2 of 3: the steps" in hint.stdout
+    assert "--level 3" in hint.stdout
+    measure = subprocess.run(
+        [sys.executable, "-m", "course", "measure", "02-01", "--quick"],
+        cwd=REPO_ROOT,
+        env=dict(env, LAB_IMPL="starter"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert measure.returncode == 0, measure.stderr
+    out = measure.stdout
+    assert "Predict, then measure" in out and "reference" in out and "deque.remove" in out
+    assert "not written yet: lab 02-01, task 3" in out  # the untouched starter
