@@ -216,6 +216,22 @@ class Build:
                 list(pool.map(lambda so: self._compile(cxx, so[0], so[1], flags), todo))
         return objects
 
+    def _bindings_objects(self, cxx: str) -> list[Path]:
+        """The op bindings' objects: shared by every instantiation (and checkout) they fit."""
+        flags = self._runtime_flags()
+        portable = [f for f in flags if not f.startswith("-I")]
+        key = _digest([*self.bindings, *_csrc_headers(), *_emulation_files()], portable,
+                      _compiler_identity(cxx))
+        folder = _build_root() / f"bindings-{self.flavor}-{key}"
+        objects = [folder / f"{i}-{p.stem}.o" for i, p in enumerate(self.bindings)]
+        if all(o.is_file() for o in objects):
+            return objects
+        with _Lock(folder):
+            for source, obj in zip(self.bindings, objects):
+                if not obj.is_file():
+                    self._compile(cxx, source, obj, flags)
+        return objects
+
     def _compile(self, cxx: str, source: Path, obj: Path, flags: list[str]) -> None:
         tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
         lang = ["-x", "c++"] if source.suffix in (".cu", ".cuh") else []
@@ -237,16 +253,14 @@ class Build:
         exe = folder / "emulator"
         if exe.is_file():
             return exe
-        runtime = self._runtime_objects(cxx)
+        runtime = self._runtime_objects(cxx) + self._bindings_objects(cxx)
         with _Lock(folder):
             if exe.is_file():
                 return exe
-            units = [(p, kernel_flags) for p in self.sources]
-            units += [(p, self._runtime_flags()) for p in self.bindings]
-            objects = [folder / f"{i}-{p.stem}.o" for i, (p, _) in enumerate(units)]
+            objects = [folder / f"{i}-{p.stem}.o" for i, p in enumerate(self.sources)]
             with ThreadPoolExecutor(max_workers=_jobs()) as pool:
-                list(pool.map(lambda uo: self._compile(cxx, uo[0][0], uo[1], uo[0][1]),
-                              zip(units, objects)))
+                list(pool.map(lambda so: self._compile(cxx, so[0], so[1], kernel_flags),
+                              zip(self.sources, objects)))
             tmp = folder / f"emulator.{os.getpid()}.tmp"
             _run_compiler([cxx, *_LINK_FLAGS[self.flavor], *map(str, objects), *map(str, runtime),
                            "-ldl", "-o", str(tmp)], f"the {self.name} emulator (link)")
