@@ -74,7 +74,7 @@ class Variant:
         ]
 
     def tag(self) -> str:
-        dt = "-".join(d.replace("float", "f").replace("bf", "bf") for d in self.dtypes) or "none"
+        dt = "-".join(d.replace("float", "f") for d in self.dtypes) or "none"
         hs = "-".join(map(str, self.head_sizes)) or "none"
         bs = "-".join(map(str, self.block_sizes)) or "none"
         return f"{dt}_d{hs}_b{bs}"

@@ -89,7 +89,7 @@ MINI_VLLM_EMU_OP(reshape_and_cache) {
 MINI_VLLM_EMU_OP(copy_blocks) {
   // As bindings.cpp does on the GPU: arrays of every layer's cache base address.
   const int layers = static_cast<int>(req.integer("num_layers"));
-  static std::vector<int64_t> key_ptrs, value_ptrs;
+  std::vector<int64_t> key_ptrs, value_ptrs;
   for (int i = 0; i < layers; ++i) {
     key_ptrs.push_back(reinterpret_cast<int64_t>(req.buffer("key_cache_" + std::to_string(i))));
     value_ptrs.push_back(reinterpret_cast<int64_t>(req.buffer("value_cache_" + std::to_string(i))));

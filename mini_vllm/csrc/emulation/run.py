@@ -113,8 +113,7 @@ def _span(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    flat = torch.as_strided(t, (last + 1,), (1,))
-    return flat.view(torch.uint8) if flat.element_size() > 1 else flat.view(torch.uint8)
+    return torch.as_strided(t, (last + 1,), (1,)).view(torch.uint8)
 
 
 @dataclass

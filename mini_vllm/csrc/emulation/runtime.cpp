@@ -587,7 +587,7 @@ int shuffle_source(Op op, int l, int arg, int width) {
     const Fiber& r = *groups[i].front();
     if (i > 0) msg += (i + 1 == groups.size()) ? " and " : ", ";
     if (r.state == State::kDone) {
-      msg += who(groups[i]) + (groups[i].size() == 1 ? " left" : " left") + " the kernel";
+      msg += who(groups[i]) + " left the kernel";
     } else {
       msg += who(groups[i]) + (groups[i].size() == 1 ? " waits" : " wait") + " at " + what(r);
     }
