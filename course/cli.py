@@ -9,6 +9,7 @@ python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, 
 python -m course engine [--exam]  your finished labs as one engine; the engine exam
 python -m course hint 02-03 4 [--level 2|3]  a hint for task 4 of lab 02-03, one rung at a time
 python -m course measure 02-01 [--plot F]    predict, then measure: your code beside the reference
+python -m course figures [--check]  draw the README figures (phase-*/figures/*.svg)
 """
 
 from __future__ import annotations
@@ -490,6 +491,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[],
                    help="a prompt (repeatable; \\n is a newline); default the finale's")
     p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--model", default=None,
+                   help="a model for mini_vllm.LLM (a Hugging Face folder, a .gguf file, "
+                   "'smollm2'); default the shipped Shakespeare model")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template")
     p.add_argument("--exam", action="store_true", help="run the engine exam")
     p.add_argument("--case", action="append", default=[], help="only this exam case "
                    "(repeatable)")
@@ -502,6 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the exam's results as JSON")
     p.add_argument("-j", "--jobs", type=int, default=None, help="processes in parallel")
     p.set_defaults(func=_cmd_engine)
+
+    p = sub.add_parser("figures", add_help=False,
+                       help="draw the README figures (phase-*/figures/*.svg); --check compares")
+    p.set_defaults(func=None)  # main() hands `figures ...` to course.figures.main
 
     p = sub.add_parser("list", help="the labs, in order, with their titles")
     p.set_defaults(func=cmd_list)
@@ -540,7 +550,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("status", "grade", "check", "list", "refs", "engine", "hint", "measure")
+    commands = ("status", "grade", "check", "list", "refs", "engine", "hint", "measure", "figures")
+    if argv[:1] == ["figures"]:
+        from course.figures import main as figures_main
+
+        return figures_main(argv[1:])
     if not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help")):
         argv = ["status", *argv]  # `python -m course [labs] [options]` is the dashboard
     args = parser.parse_args(argv)
