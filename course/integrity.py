@@ -135,18 +135,28 @@ def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT)
         return BugResult(bug, "invalid", "; ".join(problems))
     if bug.requires == "cuda" and not has_cuda:
         return BugResult(bug, "not checked", "needs a CUDA GPU")
+    # A tier runs only its own tests: the bug must be seen by the kind of test meant to see it.
+    tier = ("-m", bug.requires) if bug.requires else ()
     with tempfile.TemporaryDirectory(prefix="course-bug-") as tmp:
         copy = Path(tmp) / "repo"
         shutil.copytree(root, copy, ignore=copy_ignore)
         bug.apply(copy)
-        run = run_lab(lab, "solution", root=copy, extra_args=("-x",))
+        run = run_lab(lab, "solution", root=copy, extra_args=("-x", *tier))
         if run.exit_code == 1 and not _rejections(run):
             # The first failure was a crash; look further for a test that fails on behaviour.
-            run = run_lab(lab, "solution", root=copy)
+            run = run_lab(lab, "solution", root=copy, extra_args=tier)
     rejecting = _rejections(run)
+    by = f", {bug.requires} tier" if bug.requires else ""
     if run.exit_code == 1 and rejecting:
         t = rejecting[0]
-        return BugResult(bug, "rejected", f"by {t['nodeid'].split('::', 1)[-1]} ({t['exception']})")
+        return BugResult(bug, "rejected",
+                         f"by {t['nodeid'].split('::', 1)[-1]} ({t['exception']}{by})")
+    skipped = run.by_outcome("skipped", graded=False)
+    if run.exit_code == 0 and run.tests and len(skipped) == len(run.tests):
+        return BugResult(bug, "not checked", f"the {bug.requires} tests were all skipped here "
+                         f"({skipped[0]['message']})")
+    if run.exit_code == 5 and bug.requires:
+        return BugResult(bug, "invalid", f"no test of lab {lab.id} is marked {bug.requires}")
     if run.exit_code == 0:
         return BugResult(bug, "NOT REJECTED", "every test passed with the bug in place")
     crashes = run.by_outcome("failed", "not_implemented", graded=False)

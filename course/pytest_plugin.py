@@ -40,6 +40,10 @@ def pytest_configure(config):
         "points(n): weight of a graded test (default 1)",
         "cuda: needs a CUDA GPU (skipped without one)",
         "nvcc: needs the nvcc compiler on PATH (skipped without it)",
+        "oracle: runs kernels and compares them with a PyTorch oracle (on a GPU or emulated)",
+        "emulation: runs CUDA kernels in the CPU emulation (needs a host C++ compiler)",
+        "asan: runs CUDA kernels emulated under AddressSanitizer and UBSan",
+        "race: runs CUDA kernels emulated under ThreadSanitizer",
         "slow: a long test",
     ):
         config.addinivalue_line("markers", line)
