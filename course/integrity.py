@@ -288,6 +288,7 @@ def build_grading_fixture(dest: Path) -> tuple[Path, Path]:
     shutil.copytree(GRADING_FIXTURE / "submissions", klass)
     # A starter that is a link to the lab's solution (made here: its target is an absolute path).
     link = klass / "symlink" / FIXTURE_LAB / "starter.py"
+    link.parent.mkdir(parents=True, exist_ok=True)  # git keeps no empty folder
     link.unlink(missing_ok=True)
     link.symlink_to(course / FIXTURE_LAB / "solution.py")
     return course, klass
