@@ -435,12 +435,15 @@ def test_resume_pairs_the_cpu_blocks_with_the_first_new_blocks():
     check_pools(scheduler)
 
 
-def test_a_resumed_request_takes_its_tokens_from_the_budget():
-    """Budget 6: "r1" takes 1, "r2" resumes with 1, and the waiting "r3" gets the 4 left."""
-    scheduler, requests, _ = _one_swapped_and_room(budget=6)
+@pytest.mark.parametrize("budget, want", [(6, {"r1": 1, "r2": 1, "r3": 4}),
+                                          (2, {"r1": 1, "r2": 1})])
+def test_a_resumed_request_takes_its_tokens_from_the_budget(budget, want):
+    """"r1" takes 1 token, "r2" resumes with 1 (the last one of a budget of 2), and the waiting
+    "r3" gets what is left."""
+    scheduler, requests, _ = _one_swapped_and_room(budget=budget)
     scheduler.add_request(requests[3])
     so = scheduler.schedule()
-    assert so.num_scheduled_tokens == {"r1": 1, "r2": 1, "r3": 4}
+    assert so.num_scheduled_tokens == want
 
 
 @pytest.mark.parametrize("case", ["seats", "budget", "nothing-to-do", "fcfs"])
