@@ -115,6 +115,10 @@ def measure(lab: Lab, quick: bool = False, impls: tuple[str, ...] = ("starter", 
             except NotImplementedError as exc:
                 s.values[x] = None
                 s.note = f"not written yet: {' '.join(str(exc).split())}"
+            except Exception as exc:  # the student's code failed: say so, measure the rest
+                s.values[x] = None
+                s.note = (f"failed at {x:,}: {type(exc).__name__}: {' '.join(str(exc).split())} "
+                          "(run the lab's tests first)")
     return module, series
 
 
