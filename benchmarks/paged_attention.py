@@ -129,7 +129,7 @@ def mini_vllm_kernels() -> dict[str, KernelFactory]:
     """The raw extension functions (no Python input checks inside the timed region)."""
     from mini_vllm.csrc import load_ops
 
-    ops = load_ops()
+    ops = load_ops(backend="cuda")  # timings are of the GPU kernels, whatever the default
     return {
         "mini_vllm_v1": lambda b: (lambda: ops.paged_attention_v1(*b.v1_args())),
         "mini_vllm_v2": lambda b: (lambda: ops.paged_attention_v2(*b.v2_args())),

@@ -16,6 +16,18 @@ from pathlib import Path
 
 from course.labs import REPO_ROOT, Lab
 
+# The tiers a bug can require: each is a pytest marker of the lab's tests. A bug that names one
+# is checked by running only the tests with that marker, so "rejected" says which kind of test
+# sees the mistake; where the machine cannot run that tier (its tests are all skipped), the bug
+# is reported as not checked. No tier: any of the lab's tests.
+TIERS = {
+    "oracle": "kernels run and compared with a PyTorch oracle (on a GPU, else emulated on the CPU)",
+    "asan": "kernels emulated on the CPU under AddressSanitizer and UBSan",
+    "race": "kernels emulated on the CPU under ThreadSanitizer",
+    "nvcc": "CUDA sources compiled by nvcc",
+    "cuda": "a run on a CUDA GPU (what only a GPU shows)",
+}
+
 
 @dataclass(frozen=True)
 class PlantedBug:
@@ -24,7 +36,7 @@ class PlantedBug:
     file: str
     find: str
     replace: str
-    requires: str | None = None  # "cuda": only a GPU run can reject it
+    requires: str | None = None  # a key of TIERS: the tests that must reject it
 
     def problems(self, root: Path = REPO_ROOT) -> list[str]:
         """Why this bug cannot be applied as written (empty when it can)."""
@@ -36,6 +48,8 @@ class PlantedBug:
             return [f"{self.name}: `find` occurs {count} times in {self.file}; it must occur once"]
         if self.find == self.replace:
             return [f"{self.name}: `replace` equals `find`; the edit changes nothing"]
+        if self.requires is not None and self.requires not in TIERS:
+            return [f"{self.name}: requires={self.requires!r} is not a tier ({', '.join(TIERS)})"]
         return []
 
     def apply(self, root: Path) -> None:

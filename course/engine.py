@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,41 +187,104 @@ class WorkerResult:
 def run_worker(job: dict, timeout_s: float, root: Path = REPO_ROOT) -> WorkerResult:
     """Run one engine job in a fresh process (its own process group, killed on timeout or
     Ctrl-C) and collect the records it wrote."""
+    return run_workers([job], timeout_s, root)[0]
+
+
+def run_workers(jobs: list[dict], timeout_s: float, root: Path = REPO_ROOT) -> list[WorkerResult]:
+    """Run engine jobs side by side, each in a fresh process of its own process group.
+
+    For this checkout the processes are forks of this one (no new interpreter is executed: a
+    grading sandbox may forbid that); for another tree (a stand-in student's copy of the course),
+    a new interpreter started there. A job is killed after ``timeout_s``; Ctrl-C kills them all.
+    """
     with tempfile.TemporaryDirectory(prefix="course-engine-") as tmp:
-        out = Path(tmp) / "records.jsonl"
-        out.touch()
-        env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "course.engine_worker", json.dumps({**job, "out": str(out)})]
-        start = time.perf_counter()
-        result = WorkerResult()
-        proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = []
+        for i, job in enumerate(jobs):
+            out, log = Path(tmp) / f"records-{i}.jsonl", Path(tmp) / f"log-{i}.txt"
+            out.touch()
+            spec = json.dumps({**job, "out": str(out)})
+            pid = _fork_worker(spec, log) if _same_tree(root) else _exec_worker(spec, log, root)
+            procs.append((pid, out, log, time.perf_counter()))
+        results = [WorkerResult() for _ in jobs]
+        waiting = {i for i in range(len(jobs))}
+        deadline = time.monotonic() + timeout_s
         try:
-            output, _ = proc.communicate(timeout=timeout_s)
-            result.exit_code = proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            output, _ = proc.communicate()
-            result.timed_out, result.exit_code = True, -1
+            while waiting:
+                for i in sorted(waiting):
+                    pid, _, _, begun = procs[i]
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        waiting.discard(i)
+                        results[i].exit_code = os.waitstatus_to_exitcode(status)
+                        results[i].seconds = time.perf_counter() - begun
+                if waiting and time.monotonic() > deadline:
+                    for i in waiting:
+                        _kill_group(procs[i][0])
+                        os.waitpid(procs[i][0], 0)
+                        results[i].timed_out, results[i].exit_code = True, -1
+                        results[i].seconds = time.perf_counter() - procs[i][3]
+                    waiting.clear()
+                time.sleep(0.05)
         except BaseException:
-            _kill_group(proc)
+            for i in waiting:
+                _kill_group(procs[i][0])
             raise
-        result.seconds = time.perf_counter() - start
-        for line in out.read_text(encoding="utf-8").splitlines():
-            try:
-                result.records.append(json.loads(line))
-            except ValueError:
-                pass
-        if result.error and output.strip() and not result.of("error"):
-            tail = "\n".join(output.strip().splitlines()[-8:])
-            result.records.append({"type": "error", "message": f"{result.error}:\n{tail}"})
-    return result
+        for result, (_, out, log, _) in zip(results, procs):
+            for line in out.read_text(encoding="utf-8").splitlines():
+                try:
+                    result.records.append(json.loads(line))
+                except ValueError:
+                    pass
+            output = log.read_text(encoding="utf-8", errors="replace").strip()
+            if result.error and output and not result.of("error"):
+                tail = "\n".join(output.splitlines()[-8:])
+                result.records.append({"type": "error", "message": f"{result.error}:\n{tail}"})
+    return results
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _same_tree(root: Path) -> bool:
+    return Path(root).resolve() == REPO_ROOT.resolve() and hasattr(os, "fork")
+
+
+def _fork_worker(spec: str, log: Path) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 2
+    try:  # the child: a process group of its own, output to the log, then the worker
+        os.setsid()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        from course.engine_worker import main
+
+        code = main([spec])
+    except BaseException:  # noqa: BLE001 - reported through the log and the exit status
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _exec_worker(spec: str, log: Path, root: Path) -> int:
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "course.engine_worker", spec], cwd=root,
+                                env=env, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT)
+    return proc.pid
+
+
+def _kill_group(pid: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -320,13 +382,15 @@ def _cmd_engine(args) -> int:
 
 
 def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
-    prompts = [p.encode().decode("unicode_escape") for p in args.prompt] or FINALE_PROMPTS
+    prompts = [p.encode().decode("unicode_escape") for p in args.prompt]
+    if not prompts and (args.chat or args.model):
+        raise UsageError("give the prompt(s) for this model with --prompt")
+    prompts = prompts or FINALE_PROMPTS
     job = {"mode": "generate", "prompts": prompts, "max_tokens": args.max_tokens, "gpu": gpu,
-           "budget": args.timeout}
+           "budget": args.timeout, "model": args.model, "chat": args.chat}
     yours_job = {**job, "labs": student}
     jobs = [yours_job] + ([{**job, "labs": []}] if student else [])
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda j: run_worker(j, args.timeout), jobs))
+    results = run_workers(jobs, args.timeout)
     mine, ref = results[0], results[-1]
     rows = (mine.of("composition") or [{"rows": []}])[0]["rows"]
     title = "Your mini_vllm" if student else "The reference mini_vllm"
@@ -343,7 +407,7 @@ def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> i
     out = mine.of("generate")[0]
     for prompt, text in zip(prompts, out["texts"]):
         print(f"--- {prompt!r}")
-        print(prompt + text)
+        print(text if args.chat else prompt + text)
     print(out["stats"])
     if not student:
         return 0

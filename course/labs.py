@@ -81,12 +81,26 @@ class Lab:
 
 
 @cache
-def lab_metadata(path: Path = METADATA_PATH) -> dict[str, dict]:
-    """course/labs.toml as {lab id: table}; a malformed file is an error naming it."""
+def _metadata(path: Path = METADATA_PATH) -> dict:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"{path}: cannot read the lab metadata: {exc}") from exc
+
+
+def exam_metadata(path: Path = METADATA_PATH) -> dict:
+    """The `[exam]` table of course/labs.toml (the engine exam's grade weight), or {}."""
+    exam = _metadata(path).get("exam", {})
+    points = exam.get("points")
+    if exam and (not isinstance(points, (int, float)) or isinstance(points, bool) or points <= 0):
+        raise ValueError(f"{path}: [exam] points must be a positive number")
+    return exam
+
+
+@cache
+def lab_metadata(path: Path = METADATA_PATH) -> dict[str, dict]:
+    """course/labs.toml as {lab id: table}; a malformed file is an error naming it."""
+    data = _metadata(path)
     labs = data.get("lab", {})
     for lab_id, table in labs.items():
         points = table.get("points")

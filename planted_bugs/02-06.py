@@ -1,14 +1,21 @@
 """Known-wrong edits to the reference that lab 02-06's tests must reject.
 
-Most of them change what a kernel computes, so only a GPU run can reject them (requires="cuda").
-The last two are rejected everywhere: one leaves a kernel without its output store (the nvcc
-test sees a kernel that writes nothing), one lets v2 accept partition buffers too small for
-max_seq_len (the input-check test), which on a GPU would be an out-of-bounds write.
+Each names the tier of tests that must see it (`requires`, see course/bugs.py); all of them are
+checked on a machine without a GPU, where the kernels run in the CPU emulation:
+
+* oracle: the output differs from the PyTorch oracle, or the emulation reports misused
+  collectives (a GPU run of the same tests sees the first kind too);
+* asan: an access outside a buffer, or an integer overflow, that leaves the output right in these
+  tests (a GPU would read whatever lies there, or fault only with a larger pool);
+* race: a missing barrier that happens not to change the output in the emulation's thread order;
+* nvcc: visible in the compiled code;
+* none: an input check.
 """
 
 from course.bugs import PlantedBug
 
 CORE = "mini_vllm/csrc/attention_core.cuh"
+GQA = "mini_vllm/csrc/paged_attention_gqa.cu"
 
 BUGS = [
     PlantedBug(
@@ -18,7 +25,7 @@ BUGS = [
         file=CORE,
         find="w.alibi_slope * static_cast<float>(token - (w.seq_len - 1))",
         replace="w.alibi_slope * static_cast<float>((w.seq_len - 1) - token)",
-        requires="cuda",
+        requires="oracle",
     ),
     PlantedBug(
         name="softmax-over-padding",
@@ -27,7 +34,7 @@ BUGS = [
         file=CORE,
         find="w.num_tokens = min(end_block * BLOCK_SIZE, seq_len) - w.start_token;",
         replace="w.num_tokens = (end_block - first_block) * BLOCK_SIZE;",
-        requires="cuda",
+        requires="oracle",
     ),
     PlantedBug(
         name="values-past-the-end-multiplied",
@@ -36,7 +43,7 @@ BUGS = [
         file=CORE,
         find="if (valid[e]) acc[r] += prob[e] * vals[e];",
         replace="acc[r] += prob[e] * vals[e];",
-        requires="cuda",
+        requires="oracle",
     ),
     PlantedBug(
         name="gqa-kv-head-modulo",
@@ -45,7 +52,7 @@ BUGS = [
         file=CORE,
         find="w.kv_head = head / (p.num_heads / p.num_kv_heads);",
         replace="w.kv_head = head % p.num_kv_heads;",
-        requires="cuda",
+        requires="oracle",
     ),
     PlantedBug(
         name="reduce-without-rescaling",
@@ -54,16 +61,16 @@ BUGS = [
         file="mini_vllm/csrc/partition_reduce.cuh",
         find="const float w = exp_sums[i] * expf(max_logits[i] - global_max);",
         replace="const float w = exp_sums[i];",
-        requires="cuda",
+        requires="oracle",
     ),
     PlantedBug(
         name="gqa-kernel-rows-not-split",
         description="in the GQA-aware kernel every warp accumulates the first quarter of the "
         "head's rows; the rest of each output row is never written",
-        file="mini_vllm/csrc/paged_attention_gqa.cu",
+        file=GQA,
         find="const int first_row = warp * ROWS_PER_WARP;",
         replace="const int first_row = 0;",
-        requires="cuda",
+        requires="oracle",
     ),
     PlantedBug(
         name="key-cache-without-x-interleave",
@@ -72,7 +79,58 @@ BUGS = [
         file="mini_vllm/csrc/cache_kernels.cu",
         find="(static_cast<int64_t>(d / X) * p.block_size + offset) * X + d % X",
         replace="static_cast<int64_t>(offset) * p.head_size + d",
-        requires="cuda",
+        requires="oracle",
+    ),
+    PlantedBug(
+        name="gqa-shuffle-skipped-past-the-end",
+        description="the GQA-aware kernel skips the logit's shuffle for tokens past the end of "
+        "the sequence, so in a partial last block some lanes of the warp shuffle and the others "
+        "do not (undefined on a GPU: a hang or garbage)",
+        file=GQA,
+        find="      if (g < num_q) {  // num_q is the same for the whole block: no divergence "
+        "around shuffles",
+        replace="      if (g < num_q && valid) {",
+        requires="oracle",
+    ),
+    PlantedBug(
+        name="v2-last-partition-one-block-too-far",
+        description="v2 computes the sequence's block count as seq_len / BLOCK_SIZE + 1, one too "
+        "many when seq_len is a multiple of the block size: the last partition reads a block-"
+        "table entry past the sequence's row (silently, unless it lies past the table)",
+        file="mini_vllm/csrc/paged_attention_v2.cu",
+        find="  const int end_block = min(first_block + BLOCKS_PER_PARTITION, "
+        "div_round_up(seq_len, BLOCK_SIZE));",
+        replace="  const int end_block = min(first_block + BLOCKS_PER_PARTITION, "
+        "seq_len / BLOCK_SIZE + 1);",
+        requires="asan",
+    ),
+    PlantedBug(
+        name="key-offset-in-32-bits",
+        description="the key's element offset in the cache is computed in int: it overflows "
+        "once the block pool holds more than 2^31 elements",
+        file=CORE,
+        find="    const int64_t physical = w.block_table[block];\n"
+        "    // Chunk c of this token's key starts at key_cache[physical, kv_head, c, "
+        "token_in_block, 0].\n"
+        "    const T* k = key_cache + physical * p.kv_block_stride + w.kv_head * "
+        "p.kv_head_stride +\n"
+        "                 token_in_block * X + lane_in_group * VEC;",
+        replace="    const int physical = w.block_table[block];\n"
+        "    const int offset = physical * static_cast<int>(p.kv_block_stride) +\n"
+        "                       w.kv_head * static_cast<int>(p.kv_head_stride) +\n"
+        "                       token_in_block * X + lane_in_group * VEC;\n"
+        "    const T* k = key_cache + offset;",
+        requires="asan",
+    ),
+    PlantedBug(
+        name="no-barrier-before-reusing-shared-memory",
+        description="accumulate_values reuses the probabilities' shared memory for the warps' "
+        "partial rows without a barrier: a fast warp overwrites probabilities a slow warp may "
+        "still read",
+        file=CORE,
+        find="  __syncthreads();  // every warp is done reading probs: reuse the buffer\n",
+        replace="",
+        requires="race",
     ),
     PlantedBug(
         name="reduce-never-stores-output",
@@ -80,13 +138,6 @@ BUGS = [
         file="mini_vllm/csrc/partition_reduce.cuh",
         find="out[d] = from_float<T>(acc * inv_total);",
         replace="(void)acc;",
-    ),
-    PlantedBug(
-        name="small-partition-buffers-accepted",
-        description="v2 accepts exp_sums / max_logits / tmp_out with fewer partitions than "
-        "max_seq_len needs, and its kernels would write past them",
-        file="mini_vllm/csrc/ops.py",
-        find="if t.dtype != dtype or tuple(t.shape) != shape or width < parts or",
-        replace="if t.dtype != dtype or tuple(t.shape) != shape or",
+        requires="nvcc",
     ),
 ]

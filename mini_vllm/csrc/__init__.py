@@ -9,6 +9,15 @@ content, so an edited kernel is rebuilt and an unchanged one is loaded in a seco
 The engine asks ``cuda_ops_available()`` and uses these ops when it says True, the PyTorch ops of
 ``mini_vllm.attention`` otherwise. The wrappers with the checked signatures are in ``ops.py``.
 
+Backends. The same ops also run without a GPU, in the CPU emulation of ``emulation/`` (the
+kernel sources compiled by the host C++ compiler; CPU tensors in and out). Each op takes a
+``backend`` argument, and ``$MINI_VLLM_KERNEL_BACKEND`` sets the default:
+
+  cuda              the nvcc build on the GPU (the default when torch sees a GPU)
+  emulation         the CPU emulation (the default without a GPU)
+  emulation-asan    the emulation with AddressSanitizer + UndefinedBehaviorSanitizer
+  emulation-race    the emulation with ThreadSanitizer (races between the threads of a block)
+
 upstream: none (vLLM compiles its kernels ahead of time with CMake; this JIT loader is ours)
 """
 
@@ -23,13 +32,16 @@ from pathlib import Path
 from types import ModuleType
 
 __all__ = [
+    "BACKENDS",
     "CSRC_DIR",
     "KERNEL_SOURCES",
     "HEADERS",
     "CudaBuildError",
     "build_extension",
     "cuda_ops_available",
+    "emulation_build",
     "load_ops",
+    "resolve_backend",
 ]
 
 CSRC_DIR = Path(__file__).resolve().parent
@@ -42,6 +54,7 @@ KERNEL_SOURCES = (
 )
 HEADERS = (
     "kernel_params.h",
+    "portable.cuh",
     "common.cuh",
     "dispatch.cuh",
     "attention_core.cuh",
@@ -50,9 +63,15 @@ HEADERS = (
 BINDINGS = "bindings.cpp"
 OPS_NAME = "mini_vllm_ops"
 
+BACKENDS = ("cuda", "emulation", "emulation-asan", "emulation-race")
+BACKEND_ENV = "MINI_VLLM_KERNEL_BACKEND"
+# The build flavour of each emulation backend (see emulation/build.py).
+EMULATION_FLAVORS = {"emulation": "plain", "emulation-asan": "asan", "emulation-race": "race"}
+
 _lock = threading.Lock()
 _ops: ModuleType | None = None
 _ops_error: Exception | None = None
+_emulated: dict[str, object] = {}
 
 
 class CudaBuildError(RuntimeError):
@@ -141,12 +160,49 @@ def build_extension(
             os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch_list
 
 
-def load_ops(verbose: bool = False) -> ModuleType:
-    """The compiled mini_vllm ops (built on the first call, then cached for the process).
+def resolve_backend(backend: str | None = None) -> str:
+    """The backend to use: `backend` if given, else $MINI_VLLM_KERNEL_BACKEND, else "cuda" when
+    torch sees a GPU and "emulation" when it does not ("auto" means the same)."""
+    choice = backend or os.environ.get(BACKEND_ENV, "") or "auto"
+    if choice == "auto":
+        import torch
 
-    Raises ``CudaBuildError`` (with the compiler output) when they cannot be built; a failed
-    build is remembered and re-raised rather than retried on every call.
+        return "cuda" if torch.cuda.is_available() else "emulation"
+    if choice not in BACKENDS:
+        source = "backend" if backend else f"${BACKEND_ENV}"
+        raise ValueError(f"{source} must be one of {', '.join(BACKENDS)} or auto, got {choice!r}")
+    return choice
+
+
+def emulation_build(name: str, sources: Sequence[str | Path], backend: str, *,
+                    attention_only: bool = False, own_files: Sequence[Path] = ()):
+    """The emulation build of `sources` for an emulation `backend` (see emulation/build.py)."""
+    from mini_vllm.csrc.emulation import Build
+
+    paths = tuple(Path(s) if Path(s).is_absolute() else CSRC_DIR / s for s in sources)
+    return Build(name, paths, flavor=EMULATION_FLAVORS[backend], attention_only=attention_only,
+                 own_files=tuple(own_files) or paths)
+
+
+def load_ops(verbose: bool = False, backend: str | None = None):
+    """The mini_vllm ops for `backend` (see resolve_backend): the compiled extension module for
+    "cuda" (built on the first call, then cached for the process), an ``EmulatedOps`` with the
+    same functions for the emulation backends (each kernel instantiation built on first use).
+
+    Raises ``CudaBuildError`` (with the compiler output) when the CUDA ops cannot be built; a
+    failed build is remembered and re-raised rather than retried on every call.
     """
+    backend = resolve_backend(backend)
+    if backend != "cuda":
+        with _lock:
+            if backend not in _emulated:
+                from mini_vllm.csrc.emulation import EmulatedOps
+
+                own = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
+                _emulated[backend] = EmulatedOps(
+                    emulation_build(OPS_NAME, KERNEL_SOURCES, backend, own_files=own)
+                )
+            return _emulated[backend]
     global _ops, _ops_error
     with _lock:
         if _ops is not None:

@@ -198,10 +198,10 @@ __device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, 
                               float* max_logit_out, float* exp_sum_out) {
   static_assert(NUM_THREADS % kWarpSize == 0, "whole warps only");
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
-  __shared__ float q_smem[HEAD_SIZE];
-  __shared__ float red_max[NUM_WARPS];
-  __shared__ float red_sum[NUM_WARPS];
-  extern __shared__ float logits[];  // attention_smem_bytes(...) bytes
+  MINI_VLLM_SHARED(float, q_smem, [HEAD_SIZE]);
+  MINI_VLLM_SHARED(float, red_max, [NUM_WARPS]);
+  MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
+  MINI_VLLM_DYNAMIC_SHARED(float, logits);  // attention_smem_bytes(...) bytes
 
   AttentionWork w;
   w.seq = seq;

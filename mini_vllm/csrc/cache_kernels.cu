@@ -47,7 +47,8 @@ Status launch_reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t str
   const int threads = const_min(p.num_kv_heads * p.head_size, 512);
   return dispatch_dtype(p.dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
-    reshape_and_cache_kernel<T><<<p.num_tokens, threads, 0, stream>>>(p);
+    const auto kernel = reshape_and_cache_kernel<T>;
+    MINI_VLLM_LAUNCH(kernel, p.num_tokens, threads, 0, stream)(p);
     return cuda_status(cudaGetLastError());
   });
 }
@@ -76,8 +77,8 @@ Status launch_copy_blocks(const int64_t* key_cache_ptrs, const int64_t* value_ca
   const int64_t chunks = bytes_per_block / 16;
   const int threads = static_cast<int>(chunks < 256 ? chunks : 256);
   const dim3 grid(num_layers, num_pairs);
-  copy_blocks_kernel<<<grid, threads, 0, stream>>>(key_cache_ptrs, value_cache_ptrs,
-                                                   block_mapping, chunks);
+  MINI_VLLM_LAUNCH(copy_blocks_kernel, grid, threads, 0, stream)(key_cache_ptrs, value_cache_ptrs,
+                                                                 block_mapping, chunks);
   return cuda_status(cudaGetLastError());
 }
 

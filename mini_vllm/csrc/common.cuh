@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include "kernel_params.h"
+#include "portable.cuh"
 
 namespace mini_vllm {
 

@@ -2,16 +2,42 @@
 //
 // Each kernel is compiled once per (element type, head size, block size) so that all loop bounds
 // are compile-time constants: the loops unroll and the per-thread arrays live in registers.
-// Defining MINI_VLLM_COMPILE_CHECK builds a small subset (all dtypes, head size 128, block 16),
-// which is what the CPU-side compile test uses to stay fast on a small machine.
+//
+// A build may compile fewer instantiations by defining the lists it wants (the others then
+// return an "unsupported" Status naming the missing value):
+//   MINI_VLLM_DTYPES       DType values, default 0, 1, 2 (fp32, fp16, bf16)
+//   MINI_VLLM_HEAD_SIZES   default 64, 80, 96, 112, 128, 256
+//   MINI_VLLM_BLOCK_SIZES  default 8, 16, 32
+// (0 alone means none.) The CPU emulation builds one combination per executable; defining
+// MINI_VLLM_COMPILE_CHECK keeps every dtype with head size 128 and block size 16, which is what
+// the compile tests use to stay fast on a small machine.
 #pragma once
 
+#include <initializer_list>
 #include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernel_params.h"
+
+#if defined(MINI_VLLM_COMPILE_CHECK)
+#ifndef MINI_VLLM_HEAD_SIZES
+#define MINI_VLLM_HEAD_SIZES 128
+#endif
+#ifndef MINI_VLLM_BLOCK_SIZES
+#define MINI_VLLM_BLOCK_SIZES 16
+#endif
+#endif
+#ifndef MINI_VLLM_DTYPES
+#define MINI_VLLM_DTYPES 0, 1, 2
+#endif
+#ifndef MINI_VLLM_HEAD_SIZES
+#define MINI_VLLM_HEAD_SIZES 64, 80, 96, 112, 128, 256
+#endif
+#ifndef MINI_VLLM_BLOCK_SIZES
+#define MINI_VLLM_BLOCK_SIZES 8, 16, 32
+#endif
 
 namespace mini_vllm {
 
@@ -22,50 +48,83 @@ struct TypeTag {
 template <int N>
 using IntTag = std::integral_constant<int, N>;
 
+constexpr bool in_list(std::initializer_list<int> list, int value) {
+  for (int x : list) {
+    if (x == value) return true;
+  }
+  return false;
+}
+constexpr bool dtype_built(DType d) { return in_list({MINI_VLLM_DTYPES}, static_cast<int>(d)); }
+constexpr bool head_size_built(int h) { return in_list({MINI_VLLM_HEAD_SIZES}, h); }
+constexpr bool block_size_built(int b) { return in_list({MINI_VLLM_BLOCK_SIZES}, b); }
+
+inline Status not_built(const char* what) { return unsupported(what); }
+
+// The same, over the dtype only (for kernels whose sizes are run-time values).
+template <typename Fn>
+Status dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32:
+      if constexpr (dtype_built(DType::kFloat32)) return fn(TypeTag<float>{});
+      break;
+    case DType::kFloat16:
+      if constexpr (dtype_built(DType::kFloat16)) return fn(TypeTag<__half>{});
+      break;
+    case DType::kBFloat16:
+      if constexpr (dtype_built(DType::kBFloat16)) return fn(TypeTag<__nv_bfloat16>{});
+      break;
+    default:
+      return unsupported("dtype must be float32, float16 or bfloat16");
+  }
+  return not_built("this build has no kernel for that dtype (MINI_VLLM_DTYPES)");
+}
+
 // Calls fn(TypeTag<T>{}, IntTag<HEAD_SIZE>{}, IntTag<BLOCK_SIZE>{}) and returns its Status, or
 // an "unsupported" Status naming the value that has no compiled kernel.
 template <typename Fn>
 Status dispatch_attention(DType dtype, int head_size, int block_size, Fn&& fn) {
   auto by_block = [&](auto type_tag, auto head_tag) -> Status {
     switch (block_size) {
-#ifndef MINI_VLLM_COMPILE_CHECK
-      case 8: return fn(type_tag, head_tag, IntTag<8>{});
-      case 32: return fn(type_tag, head_tag, IntTag<32>{});
-#endif
-      case 16: return fn(type_tag, head_tag, IntTag<16>{});
-      default: return unsupported("block size must be 8, 16 or 32");
+      case 8:
+        if constexpr (block_size_built(8)) return fn(type_tag, head_tag, IntTag<8>{});
+        break;
+      case 16:
+        if constexpr (block_size_built(16)) return fn(type_tag, head_tag, IntTag<16>{});
+        break;
+      case 32:
+        if constexpr (block_size_built(32)) return fn(type_tag, head_tag, IntTag<32>{});
+        break;
+      default:
+        return unsupported("block size must be 8, 16 or 32");
     }
+    return not_built("this build has no kernel for that block size (MINI_VLLM_BLOCK_SIZES)");
   };
   auto by_head = [&](auto type_tag) -> Status {
     switch (head_size) {
-#ifndef MINI_VLLM_COMPILE_CHECK
-      case 64: return by_block(type_tag, IntTag<64>{});
-      case 80: return by_block(type_tag, IntTag<80>{});
-      case 96: return by_block(type_tag, IntTag<96>{});
-      case 112: return by_block(type_tag, IntTag<112>{});
-      case 256: return by_block(type_tag, IntTag<256>{});
-#endif
-      case 128: return by_block(type_tag, IntTag<128>{});
-      default: return unsupported("head size must be 64, 80, 96, 112, 128 or 256");
+      case 64:
+        if constexpr (head_size_built(64)) return by_block(type_tag, IntTag<64>{});
+        break;
+      case 80:
+        if constexpr (head_size_built(80)) return by_block(type_tag, IntTag<80>{});
+        break;
+      case 96:
+        if constexpr (head_size_built(96)) return by_block(type_tag, IntTag<96>{});
+        break;
+      case 112:
+        if constexpr (head_size_built(112)) return by_block(type_tag, IntTag<112>{});
+        break;
+      case 128:
+        if constexpr (head_size_built(128)) return by_block(type_tag, IntTag<128>{});
+        break;
+      case 256:
+        if constexpr (head_size_built(256)) return by_block(type_tag, IntTag<256>{});
+        break;
+      default:
+        return unsupported("head size must be 64, 80, 96, 112, 128 or 256");
     }
+    return not_built("this build has no kernel for that head size (MINI_VLLM_HEAD_SIZES)");
   };
-  switch (dtype) {
-    case DType::kFloat32: return by_head(TypeTag<float>{});
-    case DType::kFloat16: return by_head(TypeTag<__half>{});
-    case DType::kBFloat16: return by_head(TypeTag<__nv_bfloat16>{});
-  }
-  return unsupported("dtype must be float32, float16 or bfloat16");
-}
-
-// The same, over the dtype only (for kernels whose sizes are run-time values).
-template <typename Fn>
-Status dispatch_dtype(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat32: return fn(TypeTag<float>{});
-    case DType::kFloat16: return fn(TypeTag<__half>{});
-    case DType::kBFloat16: return fn(TypeTag<__nv_bfloat16>{});
-  }
-  return unsupported("dtype must be float32, float16 or bfloat16");
+  return dispatch_dtype(dtype, by_head);
 }
 
 }  // namespace mini_vllm

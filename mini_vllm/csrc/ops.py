@@ -2,7 +2,9 @@
 
 Each function checks its inputs (shapes, dtypes, layouts, devices: metadata only, no GPU sync)
 and raises ``ValueError`` saying what to change before anything is built or written; then it
-builds the extension if needed (``load_ops``) and calls the kernel. As upstream does, the
+builds the extension if needed (``load_ops``) and calls the kernel. ``backend`` picks where the
+kernels run (see ``mini_vllm.csrc.resolve_backend``): "cuda" takes CUDA tensors, the emulation
+backends take CPU tensors and run the same kernel sources on the CPU. As upstream does, the
 *values* of ``seq_lens``, ``block_tables`` and ``slot_mapping`` are trusted: checking them would
 copy them to the CPU on every call. The kernels clamp lengths so that bad values cannot make
 them touch memory outside the given tensors.
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from mini_vllm.csrc import load_ops
+# Through the package, not `from ... import load_ops`: a test (or a user) that replaces
+# mini_vllm.csrc.load_ops is then obeyed here too.
+import mini_vllm.csrc as _csrc
 
 __all__ = [
     "PARTITION_SIZE",
@@ -44,17 +48,26 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def _require_cuda(tensors: dict[str, torch.Tensor], ref: str) -> None:
-    """Every tensor on the same CUDA device (checked last, so CPU runs test all other checks)."""
+def _require_device(tensors: dict[str, torch.Tensor], ref: str, backend: str | None) -> str:
+    """Every tensor on the backend's device: one CUDA device for "cuda", the CPU for the
+    emulation. Checked last, so that every other check also runs on a machine without a GPU.
+    Returns the resolved backend."""
+    backend = _csrc.resolve_backend(backend)
     device = tensors[ref].device
-    if device.type != "cuda":
+    if backend == "cuda" and device.type != "cuda":
         raise ValueError(
-            f"{ref} is on {device}; the CUDA ops need CUDA tensors (without a GPU, use "
-            "mini_vllm.attention's PyTorch ops)"
+            f"{ref} is on {device}; the CUDA ops need CUDA tensors (without a GPU, pass CPU "
+            "tensors with backend='emulation', or use mini_vllm.attention's PyTorch ops)"
+        )
+    if backend != "cuda" and device.type != "cpu":
+        raise ValueError(
+            f"{ref} is on {device}; the {backend} backend runs the kernels on the CPU: pass CPU "
+            "tensors (or backend='cuda')"
         )
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move it there")
+    return backend
 
 
 def check_attention_inputs(
@@ -69,11 +82,13 @@ def check_attention_inputs(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None,
     partition_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+    backend: str | None = None,
+) -> str:
     """Raise ValueError unless the decode inputs fit the kernels; never writes anything.
 
-    ``partition_buffers`` are v2's (exp_sums, max_logits, tmp_out). Devices are checked last,
-    so that every other check also runs (and is tested) on a machine without a GPU.
+    ``partition_buffers`` are v2's (exp_sums, max_logits, tmp_out). Devices are checked last
+    (against ``backend``'s device), so that every other check also runs on a machine without a
+    GPU. Returns the resolved backend.
 
     upstream: none (upstream checks with TORCH_CHECK inside each C++ op)
     """
@@ -143,7 +158,7 @@ def check_attention_inputs(
                              f"({num_heads},), got {alibi_slopes.dtype} "
                              f"{tuple(alibi_slopes.shape)}")
         tensors["alibi_slopes"] = alibi_slopes
-    _require_cuda(tensors, "query")
+    return _require_device(tensors, "query", backend)
 
 
 def check_partition_buffers(
@@ -186,6 +201,7 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> None:
     """Decode attention over the paged cache, one thread block per (head, sequence).
 
@@ -193,10 +209,12 @@ def paged_attention_v1(
 
     upstream: vllm/_custom_ops.py:39 @ v0.11.0
     """
-    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes)
-    load_ops().paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
-                                  block_tables, seq_lens, block_size, max_seq_len, alibi_slopes)
+    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                     block_tables, seq_lens, block_size, max_seq_len,
+                                     alibi_slopes, backend=backend)
+    _csrc.load_ops(backend=backend).paged_attention_v1(out, query, key_cache, value_cache,
+                                                 num_kv_heads, scale, block_tables, seq_lens,
+                                                 block_size, max_seq_len, alibi_slopes)
 
 
 def paged_attention_v2(
@@ -214,6 +232,7 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> None:
     """Partitioned decode attention (512-token partitions, then a merge); writes ``out``.
 
@@ -222,12 +241,13 @@ def paged_attention_v2(
 
     upstream: vllm/_custom_ops.py:68 @ v0.11.0
     """
-    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes,
-                           (exp_sums, max_logits, tmp_out))
-    load_ops().paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache,
-                                  value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                                  block_size, max_seq_len, alibi_slopes)
+    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                     block_tables, seq_lens, block_size, max_seq_len,
+                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
+    _csrc.load_ops(backend=backend).paged_attention_v2(out, exp_sums, max_logits, tmp_out, query,
+                                                 key_cache, value_cache, num_kv_heads, scale,
+                                                 block_tables, seq_lens, block_size, max_seq_len,
+                                                 alibi_slopes)
 
 
 def paged_attention_gqa(
@@ -245,6 +265,7 @@ def paged_attention_gqa(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> None:
     """Like ``paged_attention_v2`` (same arguments, same result), but one thread block serves
     all query heads of a KV head, so each K/V block is read once per KV head, not once per
@@ -252,12 +273,13 @@ def paged_attention_gqa(
 
     upstream: none (this course's kernel; upstream's grid re-reads K/V once per query head)
     """
-    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes,
-                           (exp_sums, max_logits, tmp_out))
-    load_ops().paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query, key_cache,
-                                   value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                                   block_size, max_seq_len, alibi_slopes)
+    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                     block_tables, seq_lens, block_size, max_seq_len,
+                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
+    _csrc.load_ops(backend=backend).paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query,
+                                                  key_cache, value_cache, num_kv_heads, scale,
+                                                  block_tables, seq_lens, block_size,
+                                                  max_seq_len, alibi_slopes)
 
 
 def reshape_and_cache(
@@ -266,6 +288,7 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    backend: str | None = None,
 ) -> None:
     """Write token ``i``'s key and value into cache slot ``slot_mapping[i]`` (negative: skip).
 
@@ -299,10 +322,11 @@ def reshape_and_cache(
     ):
         raise ValueError(f"slot_mapping must be a 1-D int64 (or int32) tensor of {num_tokens} "
                          f"slots, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    _require_cuda({"key": key, "value": value, "key_cache": key_cache,
-                   "value_cache": value_cache, "slot_mapping": slot_mapping}, "key")
+    backend = _require_device({"key": key, "value": value, "key_cache": key_cache,
+                               "value_cache": value_cache, "slot_mapping": slot_mapping}, "key",
+                              backend)
     slots = slot_mapping.to(torch.int64).contiguous()  # a new tensor when it converts
-    load_ops().reshape_and_cache(key, value, key_cache, value_cache, slots)
+    _csrc.load_ops(backend=backend).reshape_and_cache(key, value, key_cache, value_cache, slots)
 
 
 def _check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> torch.Tensor:
@@ -328,6 +352,7 @@ def copy_blocks(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
     block_mapping: torch.Tensor,
+    backend: str | None = None,
 ) -> None:
     """For every (src, dst) pair, copy block src onto block dst in every layer's caches.
 
@@ -347,13 +372,15 @@ def copy_blocks(
                 raise ValueError(f"{name} must be a contiguous, 16-byte aligned {first.dtype} "
                                  f"cache with {first.shape[0]} blocks like key_caches[0]")
     mapping = _check_mapping(block_mapping, first.shape[0], first.shape[0])
-    for t in (*key_caches, *value_caches):
-        if t.device != first.device or t.device.type != "cuda":
-            raise ValueError(f"a cache is on {t.device}; every cache must be on one CUDA device")
-    load_ops().copy_blocks(key_caches, value_caches, mapping)
+    caches = {f"caches[{i}]": t for i, t in enumerate((*key_caches, *value_caches))}
+    backend = _require_device(caches, "caches[0]", backend)
+    if backend != "cuda":
+        mapping = mapping.to(first.device)
+    _csrc.load_ops(backend=backend).copy_blocks(key_caches, value_caches, mapping)
 
 
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
+                backend: str | None = None) -> None:
     """Copy block ``s`` of ``src`` to block ``d`` of ``dst`` for every (s, d) pair; one of the
     two caches may be on the CPU (pinned memory makes the copy asynchronous).
 
@@ -365,8 +392,13 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     if not src.is_contiguous() or not dst.is_contiguous():
         raise ValueError("src and dst must be contiguous")
     mapping = _check_mapping(block_mapping, src.shape[0], dst.shape[0])
-    if "cuda" not in (src.device.type, dst.device.type):
-        raise ValueError("swap_blocks needs at least one CUDA cache (GPU <-> CPU or GPU <-> GPU)")
-    if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
-        raise ValueError(f"src is on {src.device} and dst on {dst.device}; use one GPU")
-    load_ops().swap_blocks(src, dst, mapping)
+    backend = _csrc.resolve_backend(backend)
+    if backend == "cuda":
+        if "cuda" not in (src.device.type, dst.device.type):
+            raise ValueError("swap_blocks needs at least one CUDA cache (GPU <-> CPU or GPU <-> "
+                             "GPU)")
+        if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
+            raise ValueError(f"src is on {src.device} and dst on {dst.device}; use one GPU")
+    else:
+        _require_device({"src": src, "dst": dst}, "src", backend)
+    _csrc.load_ops(backend=backend).swap_blocks(src, dst, mapping)

@@ -59,10 +59,10 @@ __global__ void __launch_bounds__(NUM_THREADS)
   const T* value_cache = static_cast<const T*>(p.value_cache);
   const int* block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
 
-  __shared__ float q_smem[kMaxGroup][HEAD_SIZE];
-  __shared__ float logits[kMaxGroup][kPartitionSize];
-  __shared__ float red_max[kMaxGroup][NUM_WARPS];
-  __shared__ float red_sum[kMaxGroup][NUM_WARPS];
+  MINI_VLLM_SHARED(float, q_smem, [kMaxGroup][HEAD_SIZE]);
+  MINI_VLLM_SHARED(float, logits, [kMaxGroup][kPartitionSize]);
+  MINI_VLLM_SHARED(float, red_max, [kMaxGroup][NUM_WARPS]);
+  MINI_VLLM_SHARED(float, red_sum, [kMaxGroup][NUM_WARPS]);
 
   // Queries of the chunk (rows past num_q are zero and never used), scaled once.
   for (int i = tid; i < kMaxGroup * HEAD_SIZE; i += NUM_THREADS) {
@@ -243,8 +243,8 @@ Status launch_gqa(const PagedAttentionParams& p, cudaStream_t stream) {
   const int chunks_per_kv_head = div_round_up(group_size, kMaxGroup);
   const int parts_needed = div_round_up(p.max_seq_len, kPartitionSize);
   const dim3 grid(p.num_kv_heads * chunks_per_kv_head, p.num_seqs, parts_needed);
-  paged_attention_gqa_kernel<T, HEAD_SIZE, BLOCK_SIZE, kGqaThreads>
-      <<<grid, kGqaThreads, 0, stream>>>(p);
+  const auto kernel = paged_attention_gqa_kernel<T, HEAD_SIZE, BLOCK_SIZE, kGqaThreads>;
+  MINI_VLLM_LAUNCH(kernel, grid, kGqaThreads, 0, stream)(p);
   const Status status = cuda_status(cudaGetLastError());
   if (status.code != StatusCode::kOk) return status;
   return launch_partition_reduce<T, HEAD_SIZE, kGqaThreads>(p, stream);

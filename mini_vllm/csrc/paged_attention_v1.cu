@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
-  auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kV1Threads>;
+  const auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kV1Threads>;
   const int slots = div_round_up(p.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE;
   const int smem = attention_smem_bytes<HEAD_SIZE, kV1Threads>(slots);
   if (smem > 48 * 1024) {
@@ -46,7 +46,7 @@ Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return cuda_status(err);
   }
   const dim3 grid(p.num_heads, p.num_seqs);
-  kernel<<<grid, kV1Threads, smem, stream>>>(p);
+  MINI_VLLM_LAUNCH(kernel, grid, kV1Threads, smem, stream)(p);
   return cuda_status(cudaGetLastError());
 }
 

@@ -38,8 +38,8 @@ Status launch_v2(const PagedAttentionParams& p, cudaStream_t stream) {
   const int parts_needed = div_round_up(p.max_seq_len, kPartitionSize);
   const int smem = attention_smem_bytes<HEAD_SIZE, kV2Threads>(kPartitionSize);  // < 48 KB
   const dim3 grid(p.num_heads, p.num_seqs, parts_needed);
-  paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, kV2Threads>
-      <<<grid, kV2Threads, smem, stream>>>(p);
+  const auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, kV2Threads>;
+  MINI_VLLM_LAUNCH(kernel, grid, kV2Threads, smem, stream)(p);
   const Status status = cuda_status(cudaGetLastError());
   if (status.code != StatusCode::kOk) return status;
   return launch_partition_reduce<T, HEAD_SIZE, kV2Threads>(p, stream);

@@ -29,9 +29,9 @@ __global__ void __launch_bounds__(NUM_THREADS)
   const T* tmp_out = static_cast<const T*>(p.tmp_out) + row * p.max_num_partitions * HEAD_SIZE;
   T* out = static_cast<T*>(p.out) + row * HEAD_SIZE;
 
-  extern __shared__ float weights[];  // [num_parts]
-  __shared__ float red_max[NUM_WARPS];
-  __shared__ float red_sum[NUM_WARPS];
+  MINI_VLLM_DYNAMIC_SHARED(float, weights);  // [num_parts]
+  MINI_VLLM_SHARED(float, red_max, [NUM_WARPS]);
+  MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
 
   float my_max = -FLT_MAX;
   for (int i = tid; i < num_parts; i += NUM_THREADS) my_max = fmaxf(my_max, max_logits[i]);
@@ -59,7 +59,8 @@ Status launch_partition_reduce(const PagedAttentionParams& p, cudaStream_t strea
   const int parts_needed = div_round_up(p.max_seq_len, kPartitionSize);
   const dim3 grid(p.num_heads, p.num_seqs);
   const size_t smem = sizeof(float) * parts_needed;
-  partition_reduce_kernel<T, HEAD_SIZE, NUM_THREADS><<<grid, NUM_THREADS, smem, stream>>>(p);
+  const auto kernel = partition_reduce_kernel<T, HEAD_SIZE, NUM_THREADS>;
+  MINI_VLLM_LAUNCH(kernel, grid, NUM_THREADS, smem, stream)(p);
   return cuda_status(cudaGetLastError());
 }
 

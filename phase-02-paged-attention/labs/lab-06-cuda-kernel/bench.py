@@ -30,7 +30,7 @@ def _load(name: str, path: Path):
 def student_kernels() -> dict:
     """The starter build's raw v1 / v2 (no Python checks inside the timed region)."""
     starter = _load("lab_02_06_starter_bench", LAB_DIR / "starter.py")
-    mod = starter.build()
+    mod = starter.build(backend="cuda")
     return {
         "student_v1": lambda b: (lambda: mod.paged_attention_v1(*b.v1_args())),
         "student_v2": lambda b: (lambda: mod.paged_attention_v2(*b.v2_args())),

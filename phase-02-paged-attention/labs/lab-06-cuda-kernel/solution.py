@@ -2,13 +2,13 @@
 
 The kernels live once, in ``mini_vllm/csrc``; this file only exposes them with the lab's API.
 Nothing is compiled at import: ``build()`` (called by the ops on first use) compiles the
-extension for the GPU that is present and caches it outside the source tree.
+kernels for the chosen backend (the GPU that is present, or the CPU emulation) and caches them
+outside the source tree.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
 from mini_vllm.csrc import CSRC_DIR, KERNEL_SOURCES, load_ops
 from mini_vllm.csrc.ops import PARTITION_SIZE, paged_attention_v1, paged_attention_v2
@@ -22,9 +22,9 @@ __all__ = [
 ]
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile (once, then cached) and import the extension that holds these kernels."""
-    return load_ops(verbose=verbose)
+def build(verbose: bool = False, backend: str | None = None):
+    """Compile (once, then cached) the kernels for `backend` and return their ops."""
+    return load_ops(verbose=verbose, backend=backend)
 
 
 def kernel_sources() -> list[Path]:

@@ -94,10 +94,10 @@ __device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, 
                               int first_block, int end_block, T* __restrict__ out,
                               float* max_logit_out, float* exp_sum_out) {
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
-  __shared__ float q_smem[HEAD_SIZE];
-  __shared__ float red_max[NUM_WARPS];
-  __shared__ float red_sum[NUM_WARPS];
-  extern __shared__ float logits[];
+  MINI_VLLM_SHARED(float, q_smem, [HEAD_SIZE]);  // __shared__ float q_smem[HEAD_SIZE];
+  MINI_VLLM_SHARED(float, red_max, [NUM_WARPS]);
+  MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
+  MINI_VLLM_DYNAMIC_SHARED(float, logits);  // extern __shared__ float logits[];
 
   AttentionWork w;
   w.seq = seq;
@@ -181,9 +181,9 @@ __global__ void __launch_bounds__(NUM_THREADS)
   [[maybe_unused]] const T* tmp_out =
       static_cast<const T*>(p.tmp_out) + row * p.max_num_partitions * HEAD_SIZE;
   [[maybe_unused]] T* out = static_cast<T*>(p.out) + row * HEAD_SIZE;
-  extern __shared__ float weights[];
-  [[maybe_unused]] __shared__ float red_max[NUM_WARPS];
-  [[maybe_unused]] __shared__ float red_sum[NUM_WARPS];
+  [[maybe_unused]] MINI_VLLM_DYNAMIC_SHARED(float, weights);
+  [[maybe_unused]] MINI_VLLM_SHARED(float, red_max, [NUM_WARPS]);
+  [[maybe_unused]] MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
   // TODO(lab 02-06, task 4): merge the partitions into `out`; then set LAB_TASK_4_DONE to 1.
 }
 
@@ -200,15 +200,28 @@ inline const char* missing_task(bool needs_reduce) {
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
-  auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
+  const auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
   const int slots = div_round_up(p.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE;
   const int smem = attention_smem_bytes<HEAD_SIZE, kThreads>(slots);
-  if (smem > 48 * 1024) {  // past 48 KB a kernel must opt in to more shared memory
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (smem > 48 * 1024) {
+    // Past 48 KB a kernel must opt in, up to the device's limit minus its static shared memory.
+    int device = 0, optin = 0;
+    cudaFuncAttributes attrs{};
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, kernel);
+    if (err != cudaSuccess) return cuda_status(err);
+    if (smem > optin - static_cast<int>(attrs.sharedSizeBytes)) {
+      return unsupported(
+          "max_seq_len is too long for paged_attention_v1 (its logits do not fit in shared "
+          "memory); use paged_attention_v2");
+    }
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cuda_status(err);
   }
-  kernel<<<dim3(p.num_heads, p.num_seqs), kThreads, smem, stream>>>(p);
+  MINI_VLLM_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs), kThreads, smem, stream)(p);
   return cuda_status(cudaGetLastError());
 }
 
@@ -216,12 +229,13 @@ template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_v2(const PagedAttentionParams& p, cudaStream_t stream) {
   const int parts = div_round_up(p.max_seq_len, kPartitionSize);
   const int smem = attention_smem_bytes<HEAD_SIZE, kThreads>(kPartitionSize);
-  paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>
-      <<<dim3(p.num_heads, p.num_seqs, parts), kThreads, smem, stream>>>(p);
+  const auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
+  MINI_VLLM_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs, parts), kThreads, smem, stream)(p);
   const Status status = cuda_status(cudaGetLastError());
   if (status.code != StatusCode::kOk) return status;
-  partition_reduce_kernel<T, HEAD_SIZE, kThreads>
-      <<<dim3(p.num_heads, p.num_seqs), kThreads, sizeof(float) * parts, stream>>>(p);
+  const auto reduce = partition_reduce_kernel<T, HEAD_SIZE, kThreads>;
+  MINI_VLLM_LAUNCH(reduce, dim3(p.num_heads, p.num_seqs), kThreads, sizeof(float) * parts,
+                   stream)(p);
   return cuda_status(cudaGetLastError());
 }
 

@@ -1,22 +1,29 @@
 """Lab 02-06: PagedAttention in CUDA. This file builds and calls *your* kernels.
 
 There is nothing to write here: your work is in ``starter.cu`` (tasks 1-4 of the README). This
-module compiles ``starter.cu`` together with mini_vllm's bindings into its own extension
-(``lab_02_06_starter``, cached under ``~/.cache/mini_vllm/build``) the first time an op is
-called, checks every call's inputs exactly as the reference does, and runs your kernels.
+module compiles ``starter.cu`` the first time an op is called, checks every call's inputs exactly
+as the reference does, and runs your kernels, on one of two backends (the ``backend`` argument,
+or ``$MINI_VLLM_KERNEL_BACKEND``; see ``mini_vllm.csrc.resolve_backend``):
 
-While a task is not marked done in starter.cu (``LAB_TASK_N_DONE``), calling an op raises
-``NotImplementedError`` naming that task.
+* ``cuda`` (the default on a machine with a GPU): nvcc builds starter.cu with mini_vllm's
+  bindings into its own extension, ``lab_02_06_starter``;
+* ``emulation`` (the default without a GPU), ``emulation-asan``, ``emulation-race``: the host
+  C++ compiler builds the same starter.cu against a CUDA emulation and runs it on the CPU, with
+  AddressSanitizer or ThreadSanitizer for the last two.
+
+Builds are cached under ``~/.cache/mini_vllm/build``. While a task is not marked done in
+starter.cu (``LAB_TASK_N_DONE``), calling an op raises ``NotImplementedError`` naming that task
+(without building anything).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
-from mini_vllm.csrc import CSRC_DIR, build_extension
+from mini_vllm.csrc import CSRC_DIR, build_extension, emulation_build, resolve_backend
 from mini_vllm.csrc.ops import PARTITION_SIZE, check_attention_inputs
 
 __all__ = [
@@ -28,24 +35,49 @@ __all__ = [
 ]
 
 LAB_DIR = Path(__file__).resolve().parent
+STARTER_CU = LAB_DIR / "starter.cu"
 EXTENSION_NAME = "lab_02_06_starter"
-_module: ModuleType | None = None
+_built: dict[str, object] = {}
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile starter.cu (once per content, then cached) and import it.
+def build(verbose: bool = False, backend: str | None = None):
+    """Compile starter.cu for `backend` (once per content, then cached) and return its ops.
 
-    A compiler error comes back as ``mini_vllm.csrc.CudaBuildError`` with nvcc's output.
+    On "cuda", a compiler error comes back as ``mini_vllm.csrc.CudaBuildError`` with nvcc's
+    output; on the emulation backends as ``EmulationBuildError`` with the host compiler's.
     """
-    global _module
-    if _module is None:
-        _module = build_extension(
-            EXTENSION_NAME,
-            [LAB_DIR / "starter.cu", CSRC_DIR / "bindings.cpp"],
-            defines=["MINI_VLLM_ATTENTION_ONLY"],  # bind only v1 and v2
-            verbose=verbose,
-        )
-    return _module
+    backend = resolve_backend(backend)
+    if backend not in _built:
+        if backend == "cuda":
+            _built[backend] = build_extension(
+                EXTENSION_NAME,
+                [STARTER_CU, CSRC_DIR / "bindings.cpp"],
+                defines=["MINI_VLLM_ATTENTION_ONLY"],  # bind only v1 and v2
+                verbose=verbose,
+            )
+        else:
+            from mini_vllm.csrc.emulation import EmulatedOps
+
+            _built[backend] = EmulatedOps(emulation_build(
+                EXTENSION_NAME, [STARTER_CU], backend, attention_only=True, own_files=[STARTER_CU]
+            ))
+    return _built[backend]
+
+
+def _check_tasks_done(needs_reduce: bool) -> None:
+    """Raise the launchers' NotImplementedError for the first task starter.cu does not mark
+    done, before anything is compiled (the message is the one starter.cu itself returns)."""
+    text = STARTER_CU.read_text(encoding="utf-8")
+    for task in (1, 2, 3, 4) if needs_reduce else (1, 2, 3):
+        done = re.search(rf"^#define LAB_TASK_{task}_DONE\s+(\d+)", text, re.M)
+        if done and done.group(1) == "0":
+            said = re.search(rf'"(lab 02-06, task {task}: [^"]*)"', text)
+            # The message is starter.cu's own "lab 02-06, task N: ..." for that task.
+            error = NotImplementedError(
+                said.group(1) if said else f"lab 02-06, task {task}: finish it in starter.cu, "
+                f"then set LAB_TASK_{task}_DONE to 1"
+            )
+            raise error
 
 
 def kernel_sources() -> list[Path]:
@@ -65,12 +97,16 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> None:
     """Your v1 kernel (tasks 1-3): decode attention over the paged cache, written to ``out``."""
-    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes)
-    build().paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
-                               block_tables, seq_lens, block_size, max_seq_len, alibi_slopes)
+    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                     block_tables, seq_lens, block_size, max_seq_len,
+                                     alibi_slopes, backend=backend)
+    _check_tasks_done(needs_reduce=False)
+    build(backend=backend).paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads,
+                                              scale, block_tables, seq_lens, block_size,
+                                              max_seq_len, alibi_slopes)
 
 
 def paged_attention_v2(
@@ -88,11 +124,14 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> None:
     """Your v2 kernels (tasks 1-4): partitioned attention, then the merge, written to ``out``."""
-    check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes,
-                           (exp_sums, max_logits, tmp_out))
-    build().paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache,
-                               value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                               block_size, max_seq_len, alibi_slopes)
+    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                     block_tables, seq_lens, block_size, max_seq_len,
+                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
+    _check_tasks_done(needs_reduce=True)
+    build(backend=backend).paged_attention_v2(out, exp_sums, max_logits, tmp_out, query,
+                                              key_cache, value_cache, num_kv_heads, scale,
+                                              block_tables, seq_lens, block_size, max_seq_len,
+                                              alibi_slopes)

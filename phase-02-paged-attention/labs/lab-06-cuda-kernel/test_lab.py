@@ -1,18 +1,29 @@
 """Lab 02-06 tests: the CUDA paged-attention kernels against lab 02-04's PyTorch oracle.
 
-Two kinds of tests:
+The kernels run on a GPU when there is one and in the CPU emulation when there is not (see
+``mini_vllm.csrc.emulation``; $MINI_VLLM_KERNEL_BACKEND overrides the choice). Tiers, by marker:
 
-* everywhere (CPU): the implementation imports without building anything, calls no PyTorch
-  attention, rejects bad inputs before touching anything, and -- where nvcc is installed -- its
-  CUDA sources compile with plain nvcc (no torch headers) into kernels that each load and store
-  global memory with the vector loads the design calls for (an empty TODO body stores nothing);
-* on a GPU (marked ``cuda``): v1 and v2 over a grid like upstream's test (7 sequences, (40, 40)
-  and (64, 8) heads, head sizes 64/80/128/256, block sizes 16/32, ALiBi on and off, random
-  lengths with partial last blocks whose unused slots hold NaN), every dtype, and the reference
-  ops the engine uses besides (GQA-aware kernel, reshape_and_cache, copy/swap_blocks).
+* no marker (CPU, everywhere): the implementation imports without building anything, calls no
+  PyTorch attention, and rejects bad inputs before touching anything;
+* ``nvcc`` (where nvcc is installed): the CUDA sources compile with plain nvcc (no torch headers)
+  into kernels that each load and store global memory, with vector loads for the cache;
+* ``oracle`` (also ``cuda`` or ``emulation``, by where it runs): v1 and v2 against the oracle.
+  On a GPU, a grid like upstream's test (7 sequences, (40, 40) and (64, 8) heads, head sizes
+  64/80/128/256, block sizes 16/32, ALiBi on and off) plus every dtype and the other head
+  sizes; in the emulation a reduced grid that still covers every dtype, head sizes
+  64/80/96/112/128/256, block sizes 8/16/32, GQA and ALiBi. Lengths include 1, a block plus
+  one, 512 and 513 (partition edges) and several partitions, so last blocks are partial; the
+  unused slots of those blocks hold NaN and block-table columns past a sequence's end hold an id
+  far outside the cache, so a kernel that reads either fails. Also: a context of 9 partitions,
+  and v1 just below and just past the shared memory a block may use on the (modelled) device;
+* ``asan`` (emulation with AddressSanitizer + UBSan): no access outside buffers sized exactly,
+  no misaligned vector load, and a block pool of more than 2^31 elements (64-bit offsets);
+* ``race`` (emulation with ThreadSanitizer, where only barriers and warp collectives order the
+  threads of a block): no data race, even where the output happens to come out right.
 
-Tests marked ``starter_ok`` check given code (input checks, reference-only ops) and pass on the
-untouched starter by design.
+Tests marked ``starter_ok`` check given code (input checks, the launchers' limits, reference-only
+ops: the GQA-aware kernel, reshape_and_cache, copy/swap_blocks) and pass on the untouched starter
+by design.
 """
 
 from __future__ import annotations
@@ -31,15 +42,49 @@ import torch
 
 from course.loader import load_lab
 from course.numerics import assert_close
+from mini_vllm.csrc import resolve_backend
 
 lab = load_lab(__file__)
 
 PARTITION_SIZE = 512
+# Where the oracle tests run: "cuda" with a GPU, "emulation" without ($MINI_VLLM_KERNEL_BACKEND
+# may name another backend).
+KERNEL_BACKEND = resolve_backend()
+ON_GPU = KERNEL_BACKEND == "cuda"
+DEVICE = "cuda" if ON_GPU else "cpu"
+WHERE = pytest.mark.cuda if ON_GPU else pytest.mark.emulation
+
+# The GPU grid (upstream's shape).
 GRID_HEADS = [(40, 40), (64, 8)]
 GRID_HEAD_SIZES = [64, 80, 128, 256]
 GRID_BLOCK_SIZES = [16, 32]
 NUM_SEQS = 7
 MAX_LEN = 1800  # four v2 partitions; keeps the oracle's gathered copies small
+# The emulation grid: one case per head size, so that together they cover every dtype, block
+# size, grouped-query and plain multi-head attention, with and without ALiBi. The first case is
+# the most telling (GQA, ALiBi, fp16), so a broken kernel fails fast.
+EMU_GRID = [
+    (torch.float16, 128, 16, (8, 2), True),
+    (torch.bfloat16, 64, 32, (4, 4), False),
+    (torch.float32, 80, 8, (4, 1), True),
+    (torch.float16, 96, 8, (6, 3), False),
+    (torch.bfloat16, 112, 16, (4, 2), True),
+    (torch.float32, 256, 32, (2, 1), False),
+]
+EMU_NUM_SEQS = 5
+EMU_MAX_LEN = 1100  # three v2 partitions
+
+
+def require(backend: str) -> None:
+    """Skip (with the reason) when this machine cannot build `backend`."""
+    if backend == "cuda":
+        return
+    from mini_vllm.csrc import EMULATION_FLAVORS
+    from mini_vllm.csrc.emulation import flavor_supported
+
+    reason = flavor_supported(EMULATION_FLAVORS[backend])
+    if reason:
+        pytest.skip(reason)
 
 
 # ------------------------------------------------------------------------------------------
@@ -57,30 +102,36 @@ def make_batch(
     num_seqs: int = NUM_SEQS,
     max_len: int = MAX_LEN,
     seed: int = 0,
-    device: str = "cuda",
+    device: str = DEVICE,
+    lens: list[int] | None = None,
+    spare_blocks: int = 3,
+    table_fill: int = 2**30,
 ) -> dict:
     """A decode batch in the paged layout, plus a copy of the caches with poisoned tails.
 
     Each sequence gets its own physical blocks (a random permutation), so the unused slots of
     its last block belong to it alone: the kernel's caches hold NaN there, the oracle's hold the
     clean values. A kernel that lets an unused slot reach the output produces NaN. Block-table
-    columns past a sequence's end hold a huge id that must never be read.
+    columns past a sequence's end hold `table_fill` (by default an id far outside the cache)
+    that must never be read. `lens` replaces the default lengths (the last is the longest).
     """
     from mini_vllm.attention.reference import alibi_slopes
 
     rng = random.Random(seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     nh, nkv = num_heads
-    # Edge lengths first (one token, a block plus one, partition boundaries), then random ones;
-    # the last sequence is the longest.
-    lens = [1, block_size + 1, PARTITION_SIZE, PARTITION_SIZE + 1]
-    lens += [rng.randint(1, max_len) for _ in range(num_seqs)]
-    lens = lens[: num_seqs - 1] + [max_len]
-    max_blocks = -(-max_len // block_size)
+    if lens is None:
+        # Edge lengths first (one token, a block plus one, partition boundaries), then random
+        # ones; the last sequence is the longest.
+        lens = [1, block_size + 1, PARTITION_SIZE, PARTITION_SIZE + 1]
+        lens += [rng.randint(1, max_len) for _ in range(num_seqs)]
+        lens = lens[: num_seqs - 1] + [max_len]
+    num_seqs = len(lens)
+    max_blocks = -(-max(lens) // block_size)
     used = [-(-n // block_size) for n in lens]
-    num_blocks = sum(used) + 3
+    num_blocks = sum(used) + spare_blocks
     perm = torch.randperm(num_blocks, generator=gen, device=device).cpu().tolist()
-    table = torch.full((num_seqs, max_blocks), 2**30, dtype=torch.int32)
+    table = torch.full((num_seqs, max_blocks), table_fill, dtype=torch.int32)
     start = 0
     for s, n in enumerate(used):
         table[s, :n] = torch.tensor(perm[start : start + n], dtype=torch.int32)
@@ -138,18 +189,18 @@ def expected_output(b: dict) -> torch.Tensor:
     return out
 
 
-def run_kernel(version: str, b: dict, fn=None) -> torch.Tensor:
+def run_kernel(version: str, b: dict, fn=None, backend: str = KERNEL_BACKEND) -> torch.Tensor:
     """Run v1 or v2 (lab's, or `fn` with the v2 signature) on the poisoned caches."""
     out = torch.full_like(b["query"], float("nan"))
     common = (b["query"], b["poisoned_k"], b["poisoned_v"], b["num_kv_heads"], b["scale"],
               b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"],
               b["alibi_slopes"])
     if version == "v1":
-        lab.paged_attention_v1(out, *common)
+        (fn or lab.paged_attention_v1)(out, *common, backend=backend)
     else:
-        fn = fn or lab.paged_attention_v2
-        fn(out, *partition_buffers(b), *common)
-    torch.cuda.synchronize()
+        (fn or lab.paged_attention_v2)(out, *partition_buffers(b), *common, backend=backend)
+    if backend == "cuda":
+        torch.cuda.synchronize()
     return out
 
 
@@ -167,6 +218,7 @@ def test_importing_the_implementation_builds_nothing(monkeypatch):
 
     monkeypatch.setattr(csrc, "build_extension", refuse)
     monkeypatch.setattr(csrc, "load_ops", refuse)
+    monkeypatch.setattr(csrc, "emulation_build", refuse)
     spec = importlib.util.spec_from_file_location("lab_02_06_import_probe", lab.source_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # must not call build_extension / load_ops
@@ -222,7 +274,7 @@ BAD_INPUTS = {
     "alibi per kv head": (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
     "out of another dtype": (dict(out=torch.zeros(2, 4, 64)), "out"),
     "non-contiguous query": (dict(query=torch.randn(2, 64, 4).half().transpose(1, 2)), "query"),
-    "CPU tensors": ({}, "CUDA"),
+    "CPU tensors for the cuda backend": ({}, "CUDA"),
 }
 
 
@@ -239,12 +291,32 @@ def test_bad_input_is_rejected_before_anything_is_written(version, case):
     args = [a[k] for k in ("out", "query", "key_cache", "value_cache", "num_kv_heads", "scale",
                            "block_tables", "seq_lens", "block_size", "max_seq_len",
                            "alibi_slopes")]
+    # backend="cuda": every check runs before anything is built, with or without a GPU.
     with pytest.raises(ValueError, match=phrase):
         if version == "v1":
-            lab.paged_attention_v1(*args)
+            lab.paged_attention_v1(*args, backend="cuda")
         else:
-            lab.paged_attention_v2(args[0], *bufs, *args[1:])
+            lab.paged_attention_v2(args[0], *bufs, *args[1:], backend="cuda")
     assert torch.equal(a["out"], before), "a rejected call must not write out"
+
+
+@pytest.mark.starter_ok
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_emulation_backend_rejects_tensors_off_the_cpu(version):
+    a = cpu_batch(seq_lens=torch.empty(2, dtype=torch.int32, device="meta"))
+    num_seqs, nh, hs = a["out"].shape
+    bufs = (torch.zeros(num_seqs, nh, 1), torch.zeros(num_seqs, nh, 1),
+            torch.zeros(num_seqs, nh, 1, hs, dtype=a["out"].dtype))
+    args = [a[k] for k in ("out", "query", "key_cache", "value_cache", "num_kv_heads", "scale",
+                           "block_tables", "seq_lens", "block_size", "max_seq_len",
+                           "alibi_slopes")]
+    with pytest.raises(ValueError, match="seq_lens is on meta"):
+        if version == "v1":
+            lab.paged_attention_v1(*args, backend="emulation")
+        else:
+            lab.paged_attention_v2(args[0], *bufs, *args[1:], backend="emulation")
+    with pytest.raises(ValueError, match="must be one of"):
+        lab.paged_attention_v1(*cpu_batch().values(), backend="gpu")
 
 
 @pytest.mark.starter_ok
@@ -268,13 +340,13 @@ def test_reference_cache_ops_reject_bad_input():
     with pytest.raises(ValueError, match="key_cache"):
         ops.reshape_and_cache(key, key, v, v, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="CUDA"):
-        ops.reshape_and_cache(key, key, k, v, torch.zeros(3, dtype=torch.int64))
+        ops.reshape_and_cache(key, key, k, v, torch.zeros(3, dtype=torch.int64), backend="cuda")
     with pytest.raises(ValueError, match="outside"):
         ops.swap_blocks(k, k.clone(), torch.tensor([[0, 6]]))
     with pytest.raises(ValueError, match="twice"):
         ops.swap_blocks(k, k, torch.tensor([[0, 1], [2, 1]]))
     with pytest.raises(ValueError, match="CUDA"):
-        ops.swap_blocks(k, k.clone(), torch.tensor([[0, 1]]))
+        ops.swap_blocks(k, k.clone(), torch.tensor([[0, 1]]), backend="cuda")
     with pytest.raises(ValueError, match="int64"):
         ops.copy_blocks([k], [v], torch.tensor([[0, 1]], dtype=torch.int32))
 
@@ -363,29 +435,162 @@ def test_attention_kernels_load_the_cache_with_vector_loads():
 
 
 # ------------------------------------------------------------------------------------------
-# GPU: the lab's kernels against the oracle
+# Kernels against the oracle: given reference ops first, then the lab's kernels
 # ------------------------------------------------------------------------------------------
 
-GRID = [
-    pytest.param(h, hs, bs, alibi,
-                 id=f"heads{h[0]}-{h[1]}-d{hs}-b{bs}-{'alibi' if alibi else 'plain'}")
-    for h in GRID_HEADS
-    for hs in GRID_HEAD_SIZES
-    for bs in GRID_BLOCK_SIZES
-    for alibi in (False, True)
-]
+GQA_CASES = (
+    [pytest.param(h, hs, a, marks=pytest.mark.cuda,
+                  id=f"{name}-d{hs}-{'alibi' if a else 'plain'}")
+     for h, name in [((40, 40), "mha"), ((64, 8), "group8"), ((48, 16), "group3"),
+                     ((128, 8), "group16")]
+     for hs in (64, 128, 256) for a in (False, True)]
+    if ON_GPU else
+    [pytest.param((16, 2), 128, True, marks=pytest.mark.emulation, id="group8-d128-alibi"),
+     pytest.param((12, 4), 128, False, marks=pytest.mark.emulation, id="group3-d128-plain"),
+     pytest.param((20, 1), 128, True, marks=pytest.mark.emulation, id="group20-d128-alibi")]
+)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("version", ["v1", "v2"])
-@pytest.mark.parametrize("num_heads, head_size, block_size, use_alibi", GRID)
-def test_kernel_matches_the_pytorch_oracle(version, num_heads, head_size, block_size, use_alibi):
-    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=block_size,
-                   use_alibi=use_alibi)
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@pytest.mark.parametrize("num_heads, head_size, use_alibi", GQA_CASES)
+def test_reference_gqa_kernel_matches_the_oracle(num_heads, head_size, use_alibi):
+    from mini_vllm.csrc.ops import paged_attention_gqa
+
+    require(KERNEL_BACKEND)
+    kw = {} if ON_GPU else dict(num_seqs=EMU_NUM_SEQS, max_len=EMU_MAX_LEN)
+    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=16, use_alibi=use_alibi,
+                   **kw)
+    assert_close(run_kernel("v2", b, fn=paged_attention_gqa), expected_output(b),
+                 msg="GQA-aware kernel")
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("dtype, block_size", [(torch.float32, 8), (torch.bfloat16, 32)]
+                         if ON_GPU else [(torch.float32, 8), (torch.bfloat16, 16)],
+                         ids=["fp32-via-v2", "bf16"])
+def test_reference_gqa_kernel_in_other_dtypes_and_block_sizes(dtype, block_size):
+    from mini_vllm.csrc.ops import paged_attention_gqa
+
+    require(KERNEL_BACKEND)
+    kw = {} if ON_GPU else dict(num_seqs=EMU_NUM_SEQS, max_len=EMU_MAX_LEN)
+    # In the emulation, instantiations the oracle grid builds anyway.
+    head_size = 128 if ON_GPU else (80 if dtype == torch.float32 else 112)
+    if not ON_GPU:
+        block_size = 8 if dtype == torch.float32 else 16
+    b = make_batch(num_heads=(32, 4) if ON_GPU else (8, 1), head_size=head_size,
+                   block_size=block_size, dtype=dtype, use_alibi=True, **kw)
+    assert_close(run_kernel("v2", b, fn=paged_attention_gqa), expected_output(b),
+                 msg=f"GQA-aware kernel, {dtype}, block {block_size}")
+
+
+def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -> None:
+    from mini_vllm.attention import cache_ops
+    from mini_vllm.csrc import ops
+
+    dev = "cuda" if backend == "cuda" else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    num_tokens, nkv, hs, num_blocks = 37, 4, 128, 12
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    key = torch.randn(num_tokens, nkv, hs, generator=gen, device=dev).to(dtype)
+    value = torch.randn(num_tokens, nkv, hs, generator=gen, device=dev).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=dev)[:num_tokens]
+    slots[::5] = -1  # padding tokens
+    kc = torch.randn(num_blocks, nkv, hs // x, block_size, x, generator=gen, device=dev)
+    vc = torch.randn(num_blocks, nkv, hs, block_size, generator=gen, device=dev)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    ek, ev = kc.clone(), vc.clone()
+    cache_ops.reshape_and_cache(key, value, ek, ev, slots)
+    ops.reshape_and_cache(key, value, kc, vc, slots, backend=backend)
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache differs from the oracle"
+
+
+def check_copy_and_swap_blocks(backend: str) -> None:
+    from mini_vllm.attention import cache_ops
+    from mini_vllm.csrc import ops
+
+    dev = "cuda" if backend == "cuda" else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(2)
+    layers = [(torch.randn(10, 2, 8, 16, 8, generator=gen, device=dev).half(),
+               torch.randn(10, 2, 64, 16, generator=gen, device=dev).half()) for _ in range(3)]
+    mapping = torch.tensor([[0, 5], [3, 7], [9, 1]], dtype=torch.int64)
+    mine = [(k.clone(), v.clone()) for k, v in layers]
+    ops.copy_blocks([k for k, _ in mine], [v for _, v in mine], mapping, backend=backend)
+    cache_ops.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    for (k, v), (ek, ev) in zip(mine, layers):
+        assert torch.equal(k, ek) and torch.equal(v, ev), "copy_blocks differs from the oracle"
+
+    gpu = layers[0][0]
+    cpu = torch.zeros(4, *gpu.shape[1:], dtype=gpu.dtype)
+    if backend == "cuda":
+        cpu = cpu.pin_memory()
+    ops.swap_blocks(gpu, cpu, torch.tensor([[2, 0], [8, 3]]), backend=backend)
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(cpu[0], gpu[2].cpu()) and torch.equal(cpu[3], gpu[8].cpu())
+    back = torch.zeros_like(gpu)
+    ops.swap_blocks(cpu, back, torch.tensor([[3, 6]]), backend=backend)
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(back[6], gpu[8]) and not back[:6].any()
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reference_reshape_and_cache_matches_the_oracle(dtype, block_size):
+    require(KERNEL_BACKEND)
+    check_reshape_and_cache(dtype, block_size, KERNEL_BACKEND)
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+def test_reference_copy_and_swap_blocks_match_the_oracle():
+    require(KERNEL_BACKEND)
+    check_copy_and_swap_blocks(KERNEL_BACKEND)
+
+
+def grid_params():
+    if ON_GPU:
+        return [
+            pytest.param(version, torch.float16, hs, bs, h, alibi, marks=pytest.mark.cuda,
+                         id=f"{version}-heads{h[0]}-{h[1]}-d{hs}-b{bs}-"
+                            f"{'alibi' if alibi else 'plain'}")
+            for h in GRID_HEADS for hs in GRID_HEAD_SIZES for bs in GRID_BLOCK_SIZES
+            for alibi in (False, True) for version in ("v1", "v2")
+        ]
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return [
+        pytest.param(version, dtype, hs, bs, h, alibi, marks=pytest.mark.emulation,
+                     id=f"{version}-{names[dtype]}-heads{h[0]}-{h[1]}-d{hs}-b{bs}-"
+                        f"{'alibi' if alibi else 'plain'}")
+        for dtype, hs, bs, h, alibi in EMU_GRID for version in ("v1", "v2")
+    ]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("version, dtype, head_size, block_size, num_heads, use_alibi",
+                         grid_params())
+def test_kernel_matches_the_pytorch_oracle(version, dtype, head_size, block_size, num_heads,
+                                           use_alibi):
+    require(KERNEL_BACKEND)
+    kw = {} if ON_GPU else dict(num_seqs=EMU_NUM_SEQS, max_len=EMU_MAX_LEN)
+    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=block_size, dtype=dtype,
+                   use_alibi=use_alibi, **kw)
     assert_close(run_kernel(version, b), expected_output(b),
                  msg=f"{version} vs the PyTorch oracle")
 
 
+@pytest.mark.oracle
 @pytest.mark.cuda
 @pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -394,6 +599,7 @@ def test_kernel_matches_the_oracle_in_every_dtype(version, dtype):
     assert_close(run_kernel(version, b), expected_output(b), msg=f"{version} {dtype}")
 
 
+@pytest.mark.oracle
 @pytest.mark.cuda
 @pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("head_size, block_size", [(96, 8), (112, 8), (80, 8), (256, 8)])
@@ -402,97 +608,162 @@ def test_other_head_and_block_sizes(version, head_size, block_size):
     assert_close(run_kernel(version, b), expected_output(b), msg=f"{version} d{head_size}")
 
 
-@pytest.mark.cuda
+@pytest.mark.oracle
+@WHERE
 def test_v1_and_v2_agree_on_a_context_longer_than_eight_partitions():
-    b = make_batch(num_heads=(16, 4), head_size=128, block_size=16, max_len=4500, num_seqs=3)
+    require(KERNEL_BACKEND)
+    heads = (16, 4) if ON_GPU else (4, 1)
+    b = make_batch(num_heads=heads, head_size=128, block_size=16, max_len=4500, num_seqs=3)
     expected = expected_output(b)
     assert_close(run_kernel("v1", b), expected, msg="v1, 9 partitions")
     assert_close(run_kernel("v2", b), expected, msg="v2, 9 partitions")
 
 
+def _smem_optin() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(props.shared_memory_per_block_optin)
+
+
+# In the emulation, the shared memory a block may opt in to is that of the modelled device.
+SMEM_DEVICES = [None] if ON_GPU else ["default", "t4", "a100", "h100"]
+EMU_SMEM_OPTIN = {"default": 48 * 1024, "t4": 64 * 1024, "a100": 163 * 1024, "h100": 227 * 1024}
+
+
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("device", SMEM_DEVICES)
+def test_v1_runs_up_to_the_shared_memory_limit_and_refuses_past_it(device, monkeypatch):
+    """v1 keeps one fp32 logit per token in shared memory: just under the limit it still runs
+    (and is right), just past it the launcher refuses and v2 does the job."""
+    require(KERNEL_BACKEND)
+    if device is not None:
+        monkeypatch.setenv("MINI_VLLM_EMU_DEVICE", device)
+    optin = _smem_optin() if ON_GPU else EMU_SMEM_OPTIN[device]
+    block_size = 16
+    # Just under: leave 1 KB for the kernel's static shared memory (the query row, scratch).
+    fits = (optin - 1024) // 4 // block_size * block_size
+    b = make_batch(num_heads=(2, 1), head_size=128, block_size=block_size, dtype=torch.float16,
+                   lens=[7, fits], use_alibi=True)
+    assert_close(run_kernel("v1", b), expected_output(b), msg=f"v1 at {fits} tokens")
+    # Just past: one token more than the logits that fit.
+    past = optin // 4 + 1
+    b = make_batch(num_heads=(2, 1), head_size=128, block_size=block_size, dtype=torch.float16,
+                   lens=[3, past])
+    with pytest.raises(ValueError, match="too long for paged_attention_v1"):
+        run_kernel("v1", b)
+    assert_close(run_kernel("v2", b), expected_output(b), msg=f"v2 at {past} tokens")
+
+
 # ------------------------------------------------------------------------------------------
-# GPU: the reference ops the engine uses besides (given code, so starter_ok)
+# Emulation with AddressSanitizer + UBSan: every access inside its buffer, aligned, no overflow
 # ------------------------------------------------------------------------------------------
+
+ASAN = "emulation-asan"
+RACE = "emulation-race"
+
+
+def tight_batch(**kw) -> dict:
+    """A batch with no slack: block tables exactly as wide as the longest sequence (which comes
+    last, and fills its last block, so reading one entry too many reads past the table), no
+    spare cache blocks, and padding columns pointing at block 0 as upstream's tables do, so a
+    stray read stays silent on a GPU but not under AddressSanitizer."""
+    return make_batch(device="cpu", spare_blocks=0, table_fill=0,
+                      lens=[1, 17, 512, 513, 704], **kw)
+
+
+@pytest.mark.asan
+@pytest.mark.emulation
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_no_out_of_bounds_or_misaligned_access(version):
+    require(ASAN)
+    b = tight_batch(num_heads=(4, 2), head_size=128, block_size=16, use_alibi=True)
+    assert_close(run_kernel(version, b, backend=ASAN), expected_output(b),
+                 msg=f"{version} under AddressSanitizer")
+
+
+@pytest.mark.asan
+@pytest.mark.emulation
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_block_pool_of_more_than_two_billion_elements(version):
+    """Element offsets into the cache exceed 2^31: an int32 offset overflows (UBSan reports the
+    signed overflow). The pool's memory is mapped, not allocated: only the blocks written cost."""
+    from mini_vllm.csrc.emulation import shared_empty
+
+    require(ASAN)
+    head_size, block_size, nkv = 128, 16, 1
+    per_block = nkv * head_size * block_size  # elements
+    num_blocks = 2**31 // per_block + 64  # the last 64 blocks lie past element 2^31
+    x = 8
+    key_cache = shared_empty(num_blocks, nkv, head_size // x, block_size, x, dtype=torch.float16)
+    value_cache = shared_empty(num_blocks, nkv, head_size, block_size, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(3)
+    lens = [40, 300]
+    top = list(range(num_blocks - 64, num_blocks))
+    table = torch.zeros(2, 19, dtype=torch.int32)
+    table[0, :3] = torch.tensor(top[:3])
+    table[1, :19] = torch.tensor(top[3:22])
+    for blk in top[:22]:
+        key_cache[blk] = torch.randn(nkv, head_size // x, block_size, x, generator=gen).half()
+        value_cache[blk] = torch.randn(nkv, head_size, block_size, generator=gen).half()
+    b = dict(query=torch.randn(2, 4, head_size, generator=gen).half(), key_cache=key_cache,
+             value_cache=value_cache, poisoned_k=key_cache, poisoned_v=value_cache,
+             num_kv_heads=nkv, scale=head_size**-0.5, block_tables=table,
+             seq_lens=torch.tensor(lens, dtype=torch.int32), block_size=block_size,
+             max_seq_len=max(lens), alibi_slopes=None)
+    assert_close(run_kernel(version, b, backend=ASAN), expected_output(b),
+                 msg=f"{version} with a block pool of {num_blocks * per_block} elements")
 
 
 @pytest.mark.starter_ok
-@pytest.mark.cuda
-@pytest.mark.parametrize("num_heads", [(40, 40), (64, 8), (48, 16), (128, 8)],
-                         ids=["mha", "group8", "group3", "group16"])
-@pytest.mark.parametrize("head_size", [64, 128, 256])
-@pytest.mark.parametrize("use_alibi", [False, True], ids=["plain", "alibi"])
-def test_reference_gqa_kernel_matches_the_oracle(num_heads, head_size, use_alibi):
+@pytest.mark.asan
+@pytest.mark.emulation
+def test_reference_ops_under_address_sanitizer():
     from mini_vllm.csrc.ops import paged_attention_gqa
 
-    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=16, use_alibi=use_alibi)
-    assert_close(run_kernel("v2", b, fn=paged_attention_gqa), expected_output(b),
-                 msg="GQA-aware kernel")
+    require(ASAN)
+    b = tight_batch(num_heads=(8, 2), head_size=128, block_size=16, use_alibi=True)
+    assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=ASAN), expected_output(b),
+                 msg="GQA-aware kernel under AddressSanitizer")
+    check_reshape_and_cache(torch.float16, 16, ASAN)
+    check_copy_and_swap_blocks(ASAN)
+
+
+# ------------------------------------------------------------------------------------------
+# Emulation with ThreadSanitizer: ordering only at barriers and warp collectives
+# ------------------------------------------------------------------------------------------
+
+
+def small_batch(**kw) -> dict:
+    return make_batch(device="cpu", lens=[17, 600], **kw)
+
+
+@pytest.mark.race
+@pytest.mark.emulation
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_no_data_race_between_threads(version):
+    require(RACE)
+    b = small_batch(num_heads=(2, 1), head_size=64, block_size=16, use_alibi=True)
+    assert_close(run_kernel(version, b, backend=RACE), expected_output(b),
+                 msg=f"{version} under ThreadSanitizer")
 
 
 @pytest.mark.starter_ok
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-via-v2", "bf16"])
-@pytest.mark.parametrize("block_size", [8, 32])
-def test_reference_gqa_kernel_in_other_dtypes_and_block_sizes(dtype, block_size):
+@pytest.mark.race
+@pytest.mark.emulation
+def test_reference_ops_have_no_data_race():
     from mini_vllm.csrc.ops import paged_attention_gqa
 
-    b = make_batch(num_heads=(32, 4), head_size=128, block_size=block_size, dtype=dtype,
-                   use_alibi=True)
-    assert_close(run_kernel("v2", b, fn=paged_attention_gqa), expected_output(b),
-                 msg=f"GQA-aware kernel, {dtype}, block {block_size}")
+    require(RACE)
+    b = small_batch(num_heads=(4, 2), head_size=64, block_size=16)
+    assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=RACE), expected_output(b),
+                 msg="GQA-aware kernel under ThreadSanitizer")
+    check_reshape_and_cache(torch.bfloat16, 8, RACE)
+    check_copy_and_swap_blocks(RACE)
 
 
-@pytest.mark.starter_ok
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_reference_reshape_and_cache_matches_the_oracle(dtype, block_size):
-    from mini_vllm.attention import cache_ops
-    from mini_vllm.csrc import ops
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    num_tokens, nkv, hs, num_blocks = 37, 4, 128, 12
-    x = 16 // torch.empty((), dtype=dtype).element_size()
-    key = torch.randn(num_tokens, nkv, hs, generator=gen, device="cuda").to(dtype)
-    value = torch.randn(num_tokens, nkv, hs, generator=gen, device="cuda").to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
-    slots[::5] = -1  # padding tokens
-    kc = torch.randn(num_blocks, nkv, hs // x, block_size, x, generator=gen, device="cuda")
-    vc = torch.randn(num_blocks, nkv, hs, block_size, generator=gen, device="cuda")
-    kc, vc = kc.to(dtype), vc.to(dtype)
-    ek, ev = kc.clone(), vc.clone()
-    cache_ops.reshape_and_cache(key, value, ek, ev, slots)
-    ops.reshape_and_cache(key, value, kc, vc, slots)
-    torch.cuda.synchronize()
-    assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache differs from the oracle"
-
-
-@pytest.mark.starter_ok
-@pytest.mark.cuda
-def test_reference_copy_and_swap_blocks_match_the_oracle():
-    from mini_vllm.attention import cache_ops
-    from mini_vllm.csrc import ops
-
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    layers = [(torch.randn(10, 2, 8, 16, 8, generator=gen, device="cuda").half(),
-               torch.randn(10, 2, 64, 16, generator=gen, device="cuda").half()) for _ in range(3)]
-    mapping = torch.tensor([[0, 5], [3, 7], [9, 1]], dtype=torch.int64)
-    mine = [(k.clone(), v.clone()) for k, v in layers]
-    ops.copy_blocks([k for k, _ in mine], [v for _, v in mine], mapping)
-    cache_ops.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
-    torch.cuda.synchronize()
-    for (k, v), (ek, ev) in zip(mine, layers):
-        assert torch.equal(k, ek) and torch.equal(v, ev), "copy_blocks differs from the oracle"
-
-    gpu = layers[0][0]
-    cpu = torch.zeros(4, *gpu.shape[1:], dtype=gpu.dtype).pin_memory()
-    ops.swap_blocks(gpu, cpu, torch.tensor([[2, 0], [8, 3]]))
-    torch.cuda.synchronize()
-    assert torch.equal(cpu[0], gpu[2].cpu()) and torch.equal(cpu[3], gpu[8].cpu())
-    back = torch.zeros_like(gpu)
-    ops.swap_blocks(cpu, back, torch.tensor([[3, 6]]))
-    torch.cuda.synchronize()
-    assert torch.equal(back[6], gpu[8]) and not back[:6].any()
+# ------------------------------------------------------------------------------------------
+# GPU only
+# ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.starter_ok

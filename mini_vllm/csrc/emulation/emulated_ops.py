@@ -1,0 +1,148 @@
+"""The CUDA extension's functions, run by the emulator: same names, same arguments, CPU tensors.
+
+``EmulatedOps`` stands where ``load_ops()`` returns the torch extension module on a GPU. It fills
+in what ``bindings.cpp`` computes from the tensors (sizes, strides, dtype codes) and runs the op
+in an emulator process built for exactly the instantiation the call needs.
+
+upstream: none (the emulation's stand-in for bindings.cpp, which follows vllm's _custom_ops)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_vllm.csrc.emulation.build import Build, Variant
+from mini_vllm.csrc.emulation.run import Arg, run_op
+
+_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+PARTITION_SIZE = 512
+
+
+class EmulatedOps:
+    """Runs the kernels of `build` on the CPU; ``device`` picks the modelled GPU
+    (None: $MINI_VLLM_EMU_DEVICE, else "default")."""
+
+    def __init__(self, build: Build, device: str | None = None):
+        self.build = build
+        self.device = device
+        self._executables: dict[Variant, object] = {}
+
+    def __repr__(self) -> str:
+        return f"EmulatedOps({self.build.name!r}, flavor={self.build.flavor!r})"
+
+    def executable(self, variant: Variant):
+        exe = self._executables.get(variant)
+        if exe is None:
+            exe = self._executables[variant] = self.build.executable(variant)
+        return exe
+
+    def _run(self, variant: Variant, op: str, buffers: dict, scalars: dict) -> None:
+        run_op(self.executable(variant), op, buffers, scalars, device=self.device,
+               own_files=self.build.own_files)
+
+    # ---- attention ---------------------------------------------------------------------------
+
+    def _attention(self, op, out, query, key_cache, value_cache, num_kv_heads, scale,
+                   block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                   partition_buffers=None) -> None:
+        dtype = _DTYPE[query.dtype]
+        variant = Variant((dtype,), (query.shape[2],), (int(block_size),))
+        buffers = {
+            "out": Arg(out, writable=True),
+            "query": Arg(query),
+            "key_cache": Arg(key_cache),
+            "value_cache": Arg(value_cache),
+            "block_tables": Arg(block_tables),
+            "seq_lens": Arg(seq_lens),
+        }
+        if alibi_slopes is not None:
+            buffers["alibi_slopes"] = Arg(alibi_slopes)
+        scalars = {
+            "dtype": _CODE[dtype],
+            "num_seqs": query.shape[0],
+            "num_heads": query.shape[1],
+            "num_kv_heads": int(num_kv_heads),
+            "head_size": query.shape[2],
+            "block_size": int(block_size),
+            "max_num_blocks_per_seq": block_tables.shape[1],
+            "max_seq_len": int(max_seq_len),
+            "q_stride": query.stride(0),
+            "kv_block_stride": key_cache.stride(0),
+            "kv_head_stride": key_cache.stride(1),
+            "scale": float(scale),
+        }
+        if partition_buffers is not None:
+            exp_sums, max_logits, tmp_out = partition_buffers
+            buffers["exp_sums"] = Arg(exp_sums, writable=True)
+            buffers["max_logits"] = Arg(max_logits, writable=True)
+            buffers["tmp_out"] = Arg(tmp_out, writable=True)
+            scalars["max_num_partitions"] = exp_sums.shape[2]
+        self._run(variant, op, buffers, scalars)
+
+    def paged_attention_v1(self, out, query, key_cache, value_cache, num_kv_heads, scale,
+                           block_tables, seq_lens, block_size, max_seq_len,
+                           alibi_slopes=None) -> None:
+        self._attention("paged_attention_v1", out, query, key_cache, value_cache, num_kv_heads,
+                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes)
+
+    def paged_attention_v2(self, out, exp_sums, max_logits, tmp_out, query, key_cache,
+                           value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+                           max_seq_len, alibi_slopes=None) -> None:
+        self._attention("paged_attention_v2", out, query, key_cache, value_cache, num_kv_heads,
+                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                        (exp_sums, max_logits, tmp_out))
+
+    def paged_attention_gqa(self, out, exp_sums, max_logits, tmp_out, query, key_cache,
+                            value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+                            max_seq_len, alibi_slopes=None) -> None:
+        self._attention("paged_attention_gqa", out, query, key_cache, value_cache, num_kv_heads,
+                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                        (exp_sums, max_logits, tmp_out))
+
+    # ---- cache kernels -----------------------------------------------------------------------
+
+    _CACHE_VARIANT = Variant()  # every dtype, no attention instantiation
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self._run(self._CACHE_VARIANT, "reshape_and_cache", {
+            "key": Arg(key),
+            "value": Arg(value),
+            "key_cache": Arg(key_cache, writable=True),
+            "value_cache": Arg(value_cache, writable=True),
+            "slot_mapping": Arg(slot_mapping),
+        }, {
+            "dtype": _CODE[_DTYPE[key.dtype]],
+            "num_tokens": key.shape[0],
+            "num_kv_heads": key.shape[1],
+            "head_size": key.shape[2],
+            "block_size": key_cache.shape[3],
+            "num_blocks": key_cache.shape[0],
+            "key_stride": key.stride(0),
+            "value_stride": value.stride(0),
+        })
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
+        if not key_caches or block_mapping.shape[0] == 0:
+            return
+        buffers = {"block_mapping": Arg(block_mapping.contiguous())}
+        for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+            buffers[f"key_cache_{i}"] = Arg(k, writable=True)
+            buffers[f"value_cache_{i}"] = Arg(v, writable=True)
+        first = key_caches[0]
+        self._run(self._CACHE_VARIANT, "copy_blocks", buffers, {
+            "num_layers": len(key_caches),
+            "num_pairs": block_mapping.shape[0],
+            "bytes_per_block": first.stride(0) * first.element_size(),
+        })
+
+    def swap_blocks(self, src, dst, block_mapping) -> None:
+        self._run(self._CACHE_VARIANT, "swap_blocks", {
+            "src": Arg(src),
+            "dst": Arg(dst, writable=True),
+            "block_mapping": Arg(block_mapping.contiguous()),
+        }, {
+            "num_pairs": block_mapping.shape[0],
+            "bytes_per_block": src.stride(0) * src.element_size(),
+            "kind": 4,  # cudaMemcpyDefault: in the emulation every buffer is host memory
+        })
