@@ -44,10 +44,20 @@ def sizes(quick: bool) -> list[int]:
 def _model():
     import torch
 
-    from mini_vllm.llm import load_default_model
+    from mini_vllm.config import SchedulerConfig
+    from mini_vllm.llm import EngineCore, load_default_model
+    from mini_vllm.sampling_params import SamplingParams
 
     torch.manual_seed(0)
-    return load_default_model()
+    model = load_default_model()
+    # Warm up (first calls pay one-time costs that would land in the first measurement).
+    engine = EngineCore(model, SchedulerConfig(block_size=BLOCK_SIZE, num_gpu_blocks=16),
+                        eos_token_id=None)
+    for i, prompt in enumerate(_prompts()[:4]):
+        engine.add_request(engine.make_request(f"w{i}", prompt, SamplingParams(max_tokens=4)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return model
 
 
 def _prompts() -> list[list[int]]:
