@@ -9,6 +9,9 @@ A lab opts in with a `measure.py` in its folder that defines:
     def run(impl, x: int) -> float: ...               # one measurement of a lab implementation
                                                       # (the module: starter or solution)
     BASELINES = {"name": callable(x) -> float}        # optional: other designs to compare
+    METRICS = {"key": "label", ...}   # optional: several quantities per run; `run` (and each
+                                      # baseline) then returns {key: value or None}, and each
+                                      # metric gets its own table and plot panel
 
 The command runs `run` on the student's starter and on the reference side by side (a starter
 function that still raises NotImplementedError shows as "not written", and the rest goes on),
@@ -34,7 +37,8 @@ MEASURE_FILE = "measure.py"
 @dataclass
 class Series:
     name: str
-    values: dict[int, float | None] = field(default_factory=dict)  # None: not written
+    # None: not written; a {metric key: value} dict when the measurement defines METRICS
+    values: dict[int, float | dict[str, float] | None] = field(default_factory=dict)
     note: str = ""
 
 
@@ -102,21 +106,50 @@ def measure(lab: Lab, quick: bool = False, impls: tuple[str, ...] = ("starter", 
                 s.values[x] = None
                 continue
             try:
-                s.values[x] = float(fn(x))
+                value = fn(x)
+                s.values[x] = (
+                    {k: None if value[k] is None else float(value[k]) for k in module.METRICS}
+                    if hasattr(module, "METRICS")
+                    else float(value)
+                )
             except NotImplementedError as exc:
                 s.values[x] = None
                 s.note = f"not written yet: {' '.join(str(exc).split())}"
+            except Exception as exc:  # the student's code failed: say so, measure the rest
+                s.values[x] = None
+                s.note = (f"failed at {x:,}: {type(exc).__name__}: {' '.join(str(exc).split())} "
+                          "(run the lab's tests first)")
     return module, series
 
 
+def panels(module: ModuleType, series: list[Series]) -> list[tuple[str, list[Series]]]:
+    """(y label, series of plain numbers) per quantity: one panel, or one per METRICS entry."""
+    metrics = getattr(module, "METRICS", None)
+    if not metrics:
+        return [(module.Y_LABEL, series)]
+    return [
+        (
+            label,
+            [
+                Series(s.name, {x: None if v is None else v[key] for x, v in s.values.items()},
+                       s.note)
+                for s in series
+            ],
+        )
+        for key, label in metrics.items()
+    ]
+
+
 def format_table(module: ModuleType, series: list[Series]) -> str:
-    xs = sorted({x for s in series for x in s.values})
-    headers = [module.X_LABEL] + [s.name for s in series]
-    rows = [[f"{x:,}"] + [_fmt(s.values.get(x)) for s in series] for x in xs]
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    line = "  ".join(f"{{:>{w}}}" for w in widths)
-    out = [module.Y_LABEL, line.format(*headers), line.format(*("-" * w for w in widths))]
-    out += [line.format(*r) for r in rows]
+    out = []
+    for y_label, panel in panels(module, series):
+        xs = sorted({x for s in panel for x in s.values})
+        headers = [module.X_LABEL] + [s.name for s in panel]
+        rows = [[f"{x:,}"] + [_fmt(s.values.get(x)) for s in panel] for x in xs]
+        widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+        line = "  ".join(f"{{:>{w}}}" for w in widths)
+        out += ([""] if out else []) + [y_label, line.format(*headers)]
+        out += [line.format(*("-" * w for w in widths))] + [line.format(*r) for r in rows]
     for s in series:
         if s.note:
             out.append(f"{s.name}: {s.note}")
@@ -137,20 +170,26 @@ def plot(module: ModuleType, series: list[Series], path: Path | None, show: bool
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in series:
-        pts = [(x, y) for x, y in sorted(s.values.items()) if y is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=s.name)
-    if getattr(module, "LOG_X", False):
-        ax.set_xscale("log")
-    if getattr(module, "LOG_Y", False):
-        ax.set_yscale("log")
-    ax.set_xlabel(module.X_LABEL)
-    ax.set_ylabel(module.Y_LABEL)
-    ax.set_title(module.TITLE)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    groups = panels(module, series)
+    cols = min(2, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, (y_label, panel) in zip(axes.flat, groups):
+        for s in panel:
+            pts = [(x, y) for x, y in sorted(s.values.items()) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=s.name)
+        if getattr(module, "LOG_X", False):
+            ax.set_xscale("log")
+        if getattr(module, "LOG_Y", False):
+            ax.set_yscale("log")
+        ax.set_xlabel(module.X_LABEL)
+        ax.set_ylabel(y_label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(module.TITLE)
     fig.tight_layout()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

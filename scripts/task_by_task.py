@@ -57,9 +57,11 @@ def _nodes(tree: ast.AST, prefix: str = ""):
             yield from _nodes(node, f"{prefix}{node.name}.")
 
 
-def fill(source: str, solution, qualnames: list[str]) -> str:
+def fill(source: str, solution, qualnames: list[str], starter=None) -> str:
     """`source` with the functions `qualnames` replaced by the reference's (bottom-up, so that
-    line numbers stay valid), plus the reference's private helpers their classes lack."""
+    line numbers stay valid), plus the reference's private helpers their classes lack (a
+    helper the class of the loaded `starter` module already has, e.g. from a base class it
+    takes from mini_vllm, is not added)."""
     tree = ast.parse(source)
     nodes = dict(_nodes(tree))
     lines = source.splitlines(keepends=True)
@@ -77,6 +79,9 @@ def fill(source: str, solution, qualnames: list[str]) -> str:
             helpers_added.add(cls_name)
             cls_node = nodes[cls_name]
             have = {n.name for n in cls_node.body if isinstance(n, ast.FunctionDef)}
+            starter_cls = getattr(starter, cls_name, None) if starter is not None else None
+            if inspect.isclass(starter_cls):
+                have |= set(dir(starter_cls))
             extra = [
                 textwrap.indent(textwrap.dedent(inspect.getsource(f)), indent)
                 for name, f in vars(holder).items()
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     (lab,) = select(discover(), [args.lab])
     tasks = open_tasks(lab)
     solution = load_module(lab.path, "solution", lab.id)
+    starter = load_module(lab.path, "starter", lab.id)
     original = (lab.path / "starter.py").read_text(encoding="utf-8")
     rows, ok = [], True
     with tempfile.TemporaryDirectory(prefix="task-by-task-") as tmp:
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = -1
         for k in range(len(tasks) + 1):
             names = [name for t in tasks[:k] for name, _ in t.functions]
-            (lab_copy.path / "starter.py").write_text(fill(original, solution, names))
+            (lab_copy.path / "starter.py").write_text(fill(original, solution, names, starter))
             run = run_lab(lab_copy, "starter", root=copy)
             label = "untouched" if k == 0 else f"task {tasks[k - 1].number}"
             broken = run.broken or any("CANNOT LOAD" in t["message"] for t in run.tests)

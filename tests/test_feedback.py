@@ -238,3 +238,27 @@ def test_hint_and_measure_commands():
     out = measure.stdout
     assert "Predict, then measure" in out and "reference" in out and "deque.remove" in out
     assert "not written yet: lab 02-01, task 3" in out  # the untouched starter
+
+
+def test_measure_with_several_metrics_gets_a_table_and_a_panel_each(tmp_path):
+    """A measurement with METRICS: `run` returns one value per metric (None: nothing to show);
+    each metric gets its own table and plot panel, and an unwritten starter shows "-"."""
+    import types
+
+    from course.measure import Series, format_table, panels, plot
+
+    module = types.SimpleNamespace(
+        TITLE="t", X_LABEL="batch", Y_LABEL="y", METRICS={"a": "alpha (ms)", "b": "beta"}
+    )
+    series = [
+        Series("yours (starter.py)", {1: None, 2: None}, "not written yet: lab 99-01, task 1"),
+        Series("reference", {1: {"a": 1.5, "b": None}, 2: {"a": 3.0, "b": 7.0}}),
+    ]
+    groups = panels(module, series)
+    assert [label for label, _ in groups] == ["alpha (ms)", "beta"]
+    assert groups[1][1][1].values == {1: None, 2: 7.0}
+    table = format_table(module, series)
+    assert table.index("alpha (ms)") < table.index("beta")
+    assert table.count("reference") == 2 and "not written yet: lab 99-01" in table
+    path = plot(module, series, tmp_path / "m.png", show=False)
+    assert path is not None and path.stat().st_size > 0
