@@ -93,13 +93,19 @@ def fill(source: str, solution, qualnames: list[str]) -> str:
     # Module-level helpers a reference function calls that the starter does not define (e.g.
     # upstream's generate_block_hash_extra_keys): import them from the reference's module.
     defined = _top_level_names(tree)
-    imports = {}
+    missing = {}
     for qualname in qualnames:
         _, ref = _reference_function(solution, qualname)
         for name in sorted(_global_names(ref.__code__)):
             if name in ref.__globals__ and name not in defined and name not in vars(builtins):
-                imports.setdefault(name, ref.__module__)
-    lines += [f"from {module} import {name}  # noqa: E402\n" for name, module in imports.items()]
+                missing.setdefault(name, ref.__globals__[name])
+    for name, value in missing.items():
+        if inspect.ismodule(value):
+            lines.append(f"import {value.__name__} as {name}  # noqa: E402\n")
+        elif getattr(value, "__module__", "").startswith("course_labs."):
+            lines.append("\n" + textwrap.dedent(inspect.getsource(value)))  # lab-only helper
+        else:
+            lines.append(f"from {value.__module__} import {name}  # noqa: E402\n")
     return "".join(lines)
 
 
