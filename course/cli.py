@@ -2,27 +2,24 @@
 
 python -m course                 status of every lab against your starter.py files
 python -m course status --impl solution
-python -m course grade --out DIR grades.json + one JUnit XML per lab (exit 0 whatever the score)
+python -m course grade --submission DIR --out OUT    grade one student (exit 0 whatever the score)
+python -m course grade --class DIR --out OUT -j 4    grade a class: one CSV row per student
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
 python -m course list            the labs, in order
 python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
 python -m course engine [--exam]  your finished labs as one engine; the engine exam
 python -m course hint 02-03 4 [--level 2|3]  a hint for task 4 of lab 02-03, one rung at a time
 python -m course measure 02-01 [--plot F]    predict, then measure: your code beside the reference
+python -m course figures [--check]  draw the README figures (phase-*/figures/*.svg)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from datetime import datetime, timezone
 from pathlib import Path
 
 from course.labs import REPO_ROOT, Lab, discover, select
@@ -139,123 +136,67 @@ def cmd_status(args) -> int:
     return 1 if broken else 0
 
 
-def _git_revision() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def cmd_grade(args) -> int:
-    from course.grading import given_names, overlay_submission
-    from course.pytest_plugin import GIVEN_ENV
+    from course.grading import GradingError, Options, class_folders, grade
 
-    out = Path(args.out).resolve()
-    junit_dir = out / "junit"
-    junit_dir.mkdir(parents=True, exist_ok=True)
     labs = select(discover(), args.labs)
-    with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
-        if args.submission:
-            root, taken = overlay_submission(Path(args.submission).resolve(), Path(tmp), labs)
-            print(
-                f"Grading {len(taken)} starter file(s) from {args.submission} against this "
-                f"checkout's tests.",
-                file=sys.stderr,
-            )
-            env_for = {lab.id: {GIVEN_ENV: json.dumps(given_names(lab))} for lab in labs}
-        else:
-            root, taken, env_for = REPO_ROOT, None, None
-            print(
-                "Grading in place: tests and tooling come from this checkout. To grade a "
-                "student's work against the published tests, run this from a clean copy of the "
-                "course with --submission STUDENT_DIR.",
-                file=sys.stderr,
-            )
-        runs = run_labs(labs, args.impl, args.jobs, junit_dir, root=root, env_for=env_for)
-    report = {
-        "course": "mini_vllm",
-        "impl": args.impl,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "revision": _git_revision(),
-        "python": platform.python_version(),
-        "submission": str(Path(args.submission).resolve()) if args.submission else None,
-        "files_graded": taken,
-        "labs": [],
-    }
-    total_got = total_max = 0.0
-    for r in runs:
-        got, maximum = r.points
-        total_got, total_max = total_got + got, total_max + maximum
-        report["labs"].append(
-            {
-                "id": r.lab.id,
-                "phase": r.lab.phase,
-                "title": r.lab.title,
-                "folder": r.lab.rel,
-                "status": r.status,
-                "passed": r.passed,
-                "failed": len(r.by_outcome("failed")),
-                "not_implemented": len(r.by_outcome("not_implemented")),
-                "skipped": len(r.by_outcome("skipped", graded=False)),
-                "total": r.total,
-                "points": got,
-                "max_points": maximum,
-                "junit": f"junit/lab-{r.lab.id}.xml",
-                "uses_reference": r.reexported,
-                "tests": [
-                    {
-                        "id": t["nodeid"],
-                        "outcome": t["outcome"],
-                        "graded": not t["starter_ok"],
-                        "points": t["points"]
-                        if t["outcome"] == "passed" and not t["starter_ok"] and not r.reexported
-                        else 0.0,
-                        "max_points": 0.0 if t["starter_ok"] else t["points"],
-                        "message": t["message"],
-                    }
-                    for t in r.tests
-                ],
-                "error": r.output[-4000:] if r.broken else None,
-            }
-        )
-    report["points"], report["max_points"] = total_got, total_max
-    (out / "grades.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    rows = [
-        [
-            r.lab.id,
-            r.lab.title,
-            f"{r.passed}/{r.total}",
-            f"{r.points[0]:g}/{r.points[1]:g}",
-            r.status,
-        ]
-        for r in runs
-    ]
-    text = table(["Lab", "Title", "Tests", "Points", "Status"], rows)
-    text += f"\n\nTotal: {total_got:g} / {total_max:g} points"
-    (out / "grades.txt").write_text(text + "\n", encoding="utf-8")
-    print(text)
-    for r in runs:
-        if r.reexported:
-            print(
-                f"\nlab {r.lab.id}: starter.py takes {', '.join(r.reexported)} from the reference "
-                f"solution instead of implementing it; the lab scores 0."
-            )
-    print(f"\nWrote {out / 'grades.json'}, {out / 'grades.txt'} and {junit_dir}/lab-*.xml")
-    # Only a broken grader is an error; a student's failing or crashing code is a score.
-    missing_results = [r for r in runs if r.exit_code not in (0, 1)]
-    for r in missing_results:
+    out = Path(args.out).resolve()
+    class_mode = bool(args.class_dir)
+    if args.class_dir and args.submission:
+        raise SystemExit("error: give --class or --submission, not both")
+    if class_mode:
+        paths = class_folders(Path(args.class_dir).resolve())
+    elif args.submission:
+        sub = Path(args.submission).resolve()
+        if not sub.is_dir():
+            raise SystemExit(f"error: --submission {sub} is not a folder")
+        paths = [(args.name, sub)]
+    else:
+        paths = [(args.name or "this-checkout", REPO_ROOT)]
         print(
-            f"\nGRADING ERROR in lab {r.lab.id} (pytest exit {r.exit_code}):\n{r.output[-2000:]}",
+            "Grading in place: your own starter files, with this checkout's tests. Instructors "
+            "grade from a clean copy of the course with --submission DIR or --class DIR.",
             file=sys.stderr,
         )
-    return 2 if missing_results else 0
+    opts = Options(
+        out=out,
+        jobs=_workers(args.jobs),
+        impl=args.impl,
+        test_timeout=args.test_timeout,
+        lab_timeout=args.lab_timeout,
+        reference_zero=args.reference_zero,
+        similarity=not args.no_similarity,
+    )
+    print(f"Grading {len(paths)} submission(s) x {len(labs)} lab(s), {opts.jobs} at a time.",
+          file=sys.stderr)
+    try:
+        code = grade(paths, labs, opts, class_mode, log=lambda m: print(m, file=sys.stderr))
+    except GradingError as exc:
+        print(f"GRADING ERROR: {exc}", file=sys.stderr)
+        return 2
+    if class_mode:
+        print((out / "summary.md").read_text(encoding="utf-8"))
+        print(f"Wrote {out / 'grades.csv'}, {out / 'similarity.csv'}, {out / 'summary.md'} and "
+              f"one folder per student under {out / 'students'}/")
+    else:
+        print((out / "grades.txt").read_text(encoding="utf-8"))
+        print(f"Wrote {out / 'grades.json'}, {out / 'grades.txt'}, {out / 'grades.csv'} and "
+              f"{out / 'junit'}/*.xml")
+    # Only a broken grader is an error; a student's failing, crashing or hanging code is a score.
+    return code
 
 
 def cmd_check(args) -> int:
     from course.bugs import load_bugs
-    from course.integrity import _cuda_available, check_bug, check_course, check_lab
+    from course.integrity import (
+        GRADING_EXPECTATIONS,
+        GRADING_FIXTURE,
+        _cuda_available,
+        check_bug,
+        check_course,
+        check_grading_path,
+        check_lab,
+    )
 
     labs = select(discover(), args.labs)
     course_problems = [] if args.labs else check_course()
@@ -342,6 +283,13 @@ def cmd_check(args) -> int:
     violations = course_problems + exam_problems + [
         f"lab {lab.id}: {v}" for lab in labs for v in checks[lab.id].violations
     ]
+    if not args.labs and not args.no_grading_path and GRADING_FIXTURE.is_dir():
+        print("\nThe grading path: grading the fixture class (honest, cheating and hanging "
+              "submissions) end to end ...", flush=True)
+        problems, facts = check_grading_path(jobs=_workers(args.jobs))
+        print(f"  {len(GRADING_EXPECTATIONS)} submissions graded in {facts['seconds']:g} s; "
+              f"{'ok' if not problems else 'PROBLEMS'}")
+        violations += [f"grading path: {p}" for p in problems]
     if violations:
         print(f"\n{len(violations)} violation(s):")
         for v in violations:
@@ -456,16 +404,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out the engine exam row (it runs on your finished engine labs)")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("grade", help="grade for CI: grades.json, grades.txt, JUnit XML per lab")
+    p = sub.add_parser(
+        "grade", help="grade submissions: grades.json, JUnit per lab, one CSV row per student"
+    )
     labs_and_jobs(p)
-    p.add_argument("--out", required=True, help="folder for the report")
+    p.add_argument("--out", required=True, help="folder for the reports")
     p.add_argument(
         "--submission",
         metavar="DIR",
-        help="a student's checkout: grade its starter files against this checkout's "
-        "tests (recommended; without it the grade runs in place)",
+        help="a student's checkout: grade its starter files against this checkout's tests",
     )
+    p.add_argument(
+        "--class",
+        dest="class_dir",
+        metavar="DIR",
+        help="a folder of students' checkouts (one sub-folder each, named after the student)",
+    )
+    p.add_argument("--name", help="the student's name in the reports (default: the folder's)")
     p.add_argument("--impl", choices=("starter", "solution"), default="starter")
+    p.add_argument(
+        "--test-timeout", type=float, default=60.0, metavar="S", help="per test (default 60 s)"
+    )
+    p.add_argument(
+        "--lab-timeout", type=float, default=900.0, metavar="S", help="per lab (default 900 s)"
+    )
+    p.add_argument(
+        "--reference-zero",
+        type=float,
+        default=0.9,
+        metavar="FRACTION",
+        help="a starter this similar to the reference scores 0 for the lab (default 0.9; "
+        "above 1 switches it off)",
+    )
+    p.add_argument("--no-similarity", action="store_true", help="skip the similarity report")
     p.set_defaults(func=cmd_grade)
 
     p = sub.add_parser("check", help="course integrity checks (for course authors and CI)")
@@ -474,6 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--lab", dest="labs_opt", action="append", default=[], help="same as a positional lab"
     )
     p.add_argument("--no-bugs", action="store_true", help="skip the planted-bug runs")
+    p.add_argument(
+        "--no-grading-path",
+        action="store_true",
+        help="skip grading the fixture class of cheating and hanging submissions",
+    )
     p.add_argument("--no-exam", action="store_true",
                    help="skip the engine exam (the reference, stand-ins, planted bugs)")
     p.set_defaults(func=cmd_check)
@@ -490,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[],
                    help="a prompt (repeatable; \\n is a newline); default the finale's")
     p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--model", default=None,
+                   help="a model for mini_vllm.LLM (a Hugging Face folder, a .gguf file, "
+                   "'smollm2'); default the shipped Shakespeare model")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template")
     p.add_argument("--exam", action="store_true", help="run the engine exam")
     p.add_argument("--case", action="append", default=[], help="only this exam case "
                    "(repeatable)")
@@ -502,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the exam's results as JSON")
     p.add_argument("-j", "--jobs", type=int, default=None, help="processes in parallel")
     p.set_defaults(func=_cmd_engine)
+
+    p = sub.add_parser("figures", add_help=False,
+                       help="draw the README figures (phase-*/figures/*.svg); --check compares")
+    p.set_defaults(func=None)  # main() hands `figures ...` to course.figures.main
 
     p = sub.add_parser("list", help="the labs, in order, with their titles")
     p.set_defaults(func=cmd_list)
@@ -540,7 +525,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("status", "grade", "check", "list", "refs", "engine", "hint", "measure")
+    commands = ("status", "grade", "check", "list", "refs", "engine", "hint", "measure", "figures")
+    if argv[:1] == ["figures"]:
+        from course.figures import main as figures_main
+
+        return figures_main(argv[1:])
     if not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help")):
         argv = ["status", *argv]  # `python -m course [labs] [options]` is the dashboard
     args = parser.parse_args(argv)

@@ -1,52 +1,742 @@
-"""Grading a submission against a pristine copy of the course.
+"""Grading students' work against the instructor's copy of the course.
 
-A student's fork can change anything, tests included. `python -m course grade --submission DIR`
-therefore grades in a temporary copy of *this* checkout (the instructor's: tests, tooling and
-mini_vllm as published) with only the student's starter files laid over it.
+The trust model, in order:
+
+1. Everything that decides a grade comes from the instructor's checkout, snapshotted before any
+   student code runs: the tests, the tooling, mini_vllm, and the *manifest* (every graded test,
+   its weight and tier), collected with the reference solution. A lab's maximum is its weight in
+   course/labs.toml, whatever runs: a test that did not run scores 0 with its reason.
+2. A submission contributes only its starter files, read without following links.
+3. Each lab runs in its own copy of the course (no other lab's student code) through
+   course.sandbox, in a pytest session that never imports student code itself: each test runs in
+   a forked child (see course.grading_plugin), and only the session's verified messages reach
+   the grader, which writes every report.
+4. Beyond the tests: a reference check (does the starter take the reference's objects?), a scan
+   for code that reaches into the grader, and a similarity report (course.similarity).
+
+A graded unit is anything with an id, a title, fixed maxima per tier and a run method: labs are
+`LabUnit`; a command that writes a list of cases (the engine exam) is `CommandUnit`.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import os
+import platform
+import re
 import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
-from course.integrity import copy_ignore
+from course import sandbox
 from course.labs import REPO_ROOT, Lab
-from course.loader import load_module
 
 STUDENT_FILES = ("starter.py", "starter.cu")
+MAX_FILE_BYTES = 1 << 20
+TIERS = ("cpu", "gpu")
+# What the course copy for one lab holds besides the lab itself.
+TREE_PARTS = ("course", "mini_vllm", "conftest.py", "pyproject.toml")
+# Grading sessions load exactly these plugins (no autoloading of whatever else is installed).
+SESSION_PLUGINS = ("-p", "no:cacheprovider", "-p", "pytest_timeout", "-p",
+                   "_hypothesis_pytestplugin", "-p", "course.grading_plugin")
 
 
-def overlay_submission(submission: Path, workdir: Path, labs: list[Lab]) -> tuple[Path, list[str]]:
-    """Copy the course to `workdir` and lay the submission's starter files over it.
+# --- the instructor's side ----------------------------------------------------------------------
 
-    Returns the graded tree and the files taken from the submission. A lab the submission lacks
-    keeps the untouched starter (and so scores as not started).
-    """
-    if not submission.is_dir():
-        raise SystemExit(f"error: --submission {submission} is not a folder")
-    root = workdir / "graded"
-    shutil.copytree(REPO_ROOT, root, ignore=copy_ignore)
-    taken = []
-    for lab in labs:
-        for name in STUDENT_FILES:
-            src = submission / lab.rel / name
-            if src.is_file():
-                shutil.copyfile(src, root / lab.rel / name)
-                taken.append(f"{lab.rel}/{name}")
-    return root, taken
+
+def copy_ignore(src, names):
+    from course.integrity import copy_ignore as ignore
+
+    return ignore(src, names)
+
+
+def published_tasks(source: str) -> list[str]:
+    """Names in `__all__` whose published definition raises NotImplementedError: what the student
+    writes. Every other exported name is a helper the starter gives."""
+    tree = ast.parse(source)
+    exported = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            exported = set(ast.literal_eval(node.value))
+    tasks = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and (
+            node.name in exported
+        ):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Raise) and "NotImplementedError" in ast.dump(sub.exc or sub):
+                    tasks.append(node.name)
+                    break
+    return sorted(tasks)
 
 
 def given_names(lab: Lab) -> list[str]:
-    """Names the untouched starter takes from the reference on purpose (complete helpers).
+    """The exported names of the published starter that are not tasks (helpers it gives)."""
+    source = (lab.path / "starter.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    exported: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            exported = list(ast.literal_eval(node.value))
+    tasks = set(published_tasks(source))
+    return sorted(n for n in exported if n not in tasks)
 
-    Read from this checkout's own starter.py, which must be the published one: pass the
-    student's work with --submission.
-    """
-    starter = load_module(lab.path, "starter", lab.id)
-    solution = load_module(lab.path, "solution", lab.id)
-    return sorted(
-        name
-        for name in getattr(starter, "__all__", ())
-        if getattr(starter, name, None) is getattr(solution, name, object())
+
+def student_files(lab: Lab) -> list[str]:
+    """The files of `lab` a submission may replace: starter.py when it has something to write,
+    starter.cu when there is one. (Lab 02-06's starter.py only builds the student's kernels; a
+    submitted one is ignored.)"""
+    names = []
+    starter = lab.path / "starter.py"
+    if starter.is_file() and published_tasks(starter.read_text(encoding="utf-8")):
+        names.append("starter.py")
+    if (lab.path / "starter.cu").is_file():
+        names.append("starter.cu")
+    return names
+
+
+class Instructor:
+    """The instructor's checkout, snapshotted, and the manifest of graded tests."""
+
+    def __init__(self, labs: list[Lab], staging: Path, root: Path = REPO_ROOT):
+        self.labs = labs
+        self.root = root
+        self.snapshot = staging / "course"
+        self.snapshot.mkdir()
+        for part in TREE_PARTS:
+            src = root / part
+            if src.is_dir():
+                shutil.copytree(src, self.snapshot / part, ignore=copy_ignore)
+            elif src.is_file():
+                shutil.copy2(src, self.snapshot / part)
+        for lab in labs:
+            shutil.copytree(lab.path, self.snapshot / lab.rel, ignore=copy_ignore)
+        self.revision, self.dirty = git_state(root)
+        self.manifest = collect_manifest(self.snapshot, labs)
+        self.specs = {lab.id: self._spec(lab) for lab in labs}
+
+    def _spec(self, lab: Lab) -> dict:
+        source = (lab.path / "starter.py").read_text(encoding="utf-8")
+        return {
+            "tasks": published_tasks(source),
+            "published_source": source,
+            "reference_check": True,
+            "student_files": student_files(lab),
+        }
+
+
+def git_state(root: Path) -> tuple[str, bool]:
+    def git(*args):
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+
+    try:
+        return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain"))
+    except Exception:
+        return "unknown", False
+
+
+def collect_manifest(snapshot: Path, labs: list[Lab]) -> dict[str, list[dict]]:
+    """Every test of every lab, collected in the snapshot with the reference solution."""
+    out = snapshot.parent / "manifest.json"
+    files = [f"{lab.rel}/test_lab.py" for lab in labs]
+    env = dict(os.environ, LAB_IMPL="solution", PYTHONPATH=str(snapshot), OMP_NUM_THREADS="1",
+               PYTHONDONTWRITEBYTECODE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *files, "--collect-only", "-q", *SESSION_PLUGINS,
+         f"--course-manifest={out}"],
+        cwd=snapshot, env=env, capture_output=True, text=True, timeout=900,
     )
+    if proc.returncode != 0 or not out.is_file():
+        raise GradingError(
+            "collecting the graded tests in the instructor's checkout failed "
+            f"(pytest exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
+    by_lab: dict[str, list[dict]] = {lab.id: [] for lab in labs}
+    for t in json.loads(out.read_text())["tests"]:
+        by_lab.setdefault(t["lab"], []).append(t)
+    return by_lab
+
+
+class GradingError(Exception):
+    """Grading itself broke (not the student's code)."""
+
+
+# --- the student's side -------------------------------------------------------------------------
+
+
+@dataclass
+class Submission:
+    name: str
+    path: Path
+    commit: str | None = None
+    files: dict[str, bytes] = field(default_factory=dict)  # "lab rel/starter.py" -> content
+    flags: list[str] = field(default_factory=list)
+    lab_flags: dict[str, list[str]] = field(default_factory=dict)
+
+    def flag(self, lab_id: str | None, text: str) -> None:
+        if lab_id is None:
+            self.flags.append(text)
+        else:
+            self.lab_flags.setdefault(lab_id, []).append(text)
+
+
+def read_commit(path: Path) -> str | None:
+    """HEAD of a git checkout, read from its files (no git command runs in a student's repo)."""
+    git = path / ".git"
+    try:
+        if git.is_file():  # a worktree or submodule: "gitdir: <path>"
+            target = git.read_text().strip().removeprefix("gitdir:").strip()
+            git = (path / target).resolve()
+        head = (git / "HEAD").read_text().strip()
+        bases = [git]
+        if (git / "commondir").is_file():
+            bases.append((git / (git / "commondir").read_text().strip()).resolve())
+        if head.startswith("ref:"):
+            ref, head = head[4:].strip(), ""
+            for base in bases:
+                if (base / ref).is_file():
+                    head = (base / ref).read_text().strip()
+                    break
+                packed = base / "packed-refs"
+                if packed.is_file():
+                    for line in packed.read_text().splitlines():
+                        if line.endswith(" " + ref):
+                            head = line.split()[0]
+                if head:
+                    break
+        return head if re.fullmatch(r"[0-9a-f]{40}", head) else None
+    except OSError:
+        return None
+
+
+def _read_no_links(root: Path, rel: str) -> tuple[bytes | None, str | None]:
+    """The bytes of root/rel, refusing any symbolic link on the way; (None, why) otherwise."""
+    current = root
+    for part in Path(rel).parts:
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return None, None
+        if stat.S_ISLNK(st.st_mode):
+            return None, f"{current.relative_to(root)} is a symbolic link; not graded"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{rel}: not a regular file; not graded"
+    if st.st_size > MAX_FILE_BYTES:
+        return None, f"{rel}: larger than {MAX_FILE_BYTES} bytes; not graded"
+    fd = os.open(current, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        return os.read(fd, MAX_FILE_BYTES + 1), None
+    finally:
+        os.close(fd)
+
+
+def intake(path: Path, labs: list[Lab], name: str | None = None) -> Submission:
+    """Read a submission's starter files (only those; nothing else of a fork is used)."""
+    sub = Submission(name or safe_name(path.name), path, read_commit(path))
+    for lab in labs:
+        allowed = student_files(lab)
+        for fname in STUDENT_FILES:
+            rel = f"{lab.rel}/{fname}"
+            data, why = _read_no_links(path, rel)
+            if why:
+                sub.flag(lab.id, why)
+                continue
+            if data is None:
+                continue
+            published = (lab.path / fname).read_bytes()
+            if fname not in allowed:
+                if data != published:
+                    sub.flag(lab.id, f"{fname}: nothing to write in this file; the published one "
+                             "is graded instead")
+                continue
+            if data != published:
+                sub.files[rel] = data
+    return sub
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "student"
+
+
+# --- static scan: code that reaches for the grader ----------------------------------------------
+
+_SUSPICIOUS_MODULES = {
+    "pytest", "_pytest", "pluggy", "atexit", "signal", "ctypes", "gc", "inspect", "subprocess",
+    "socket", "multiprocessing", "importlib", "builtins", "site", "sitecustomize", "course",
+    "shutil", "sys", "resource", "pty", "mmap",
+}
+_SUSPICIOUS_ATTRS = {
+    ("os", "_exit"), ("os", "fork"), ("os", "setsid"), ("os", "system"), ("os", "environ"),
+    ("os", "putenv"), ("os", "kill"), ("os", "killpg"), ("os", "execv"), ("os", "execve"),
+    ("os", "popen"), ("os", "write"), ("os", "dup2"), ("sys", "exit"), ("sys", "modules"),
+    ("sys", "_getframe"), ("sys", "settrace"), ("sys", "setprofile"), ("sys", "path"),
+}
+_SUSPICIOUS_NAMES = {"__import__", "exec", "eval", "compile", "exit", "quit", "globals",
+                     "__builtins__", "breakpoint"}
+
+
+def suspicious(source: bytes, filename: str) -> set[str]:
+    """What in a Python file reaches beyond the lab: process control, the test machinery, the
+    environment, dynamic code. Names only, for an instructor to read; nothing is scored."""
+    if not filename.endswith(".py"):
+        return {f"#include {m}" for m in re.findall(rb'#\s*include\s*[<"]([^>"]+)', source)
+                for m in [m.decode(errors="replace")]}
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {f"import {a.name}" for a in node.names
+                      if a.name.split(".")[0] in _SUSPICIOUS_MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in _SUSPICIOUS_MODULES or node.module == "os":
+                found |= {f"from {node.module} import {a.name}" for a in node.names
+                          if node.module != "os" or ("os", a.name) in _SUSPICIOUS_ATTRS}
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if (node.value.id, node.attr) in _SUSPICIOUS_ATTRS:
+                found.add(f"{node.value.id}.{node.attr}")
+            if node.attr.startswith("__") and node.attr in ("__code__", "__globals__"):
+                found.add(f".{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in _SUSPICIOUS_NAMES:
+            found.add(f"{node.id}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for needle in ("conftest", ".pth", "grades", "/proc/", "LAB_IMPL", "COURSE_"):
+                if needle in node.value:
+                    found.add(f"string mentioning {needle!r}")
+    return found
+
+
+# --- graded units -------------------------------------------------------------------------------
+
+
+@dataclass
+class TestScore:
+    id: str
+    tier: str
+    outcome: str  # passed failed not_implemented skipped timed_out crashed exited not_run
+    points: float
+    max_points: float
+    message: str = ""
+    kind: str = ""
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class UnitResult:
+    id: str
+    title: str
+    kind: str
+    folder: str = ""
+    status: str = ""
+    max_points: dict[str, float] = field(default_factory=dict)
+    tests: list[TestScore] = field(default_factory=list)
+    uses_reference: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None  # grading itself broke
+    log: str = ""
+
+    def points(self, tier: str) -> float:
+        if self.uses_reference:
+            return 0.0
+        return round(sum(t.points for t in self.tests if t.tier == tier), 6)
+
+    def count(self, *outcomes: str) -> int:
+        return sum(t.outcome in outcomes for t in self.tests)
+
+
+@dataclass
+class RunContext:
+    instructor: Instructor
+    iso: sandbox.Isolation
+    work: Path  # where workspaces go
+    hide: list[Path]
+    impl: str = "starter"
+    test_timeout: float = 60.0
+    lab_timeout: float = 900.0
+    kill_grace: float = 5.0
+    skip_untouched: bool = True
+
+
+class LabUnit:
+    kind = "lab"
+
+    def __init__(self, lab: Lab, manifest: list[dict]):
+        self.lab = lab
+        self.id, self.title = lab.id, lab.title
+        self.graded = [t for t in manifest if not t["starter_ok"]]
+        weights = {tier: sum(t["weight"] for t in self.graded if t["tier"] == tier)
+                   for tier in TIERS}
+        # The lab's weight is its maximum in every tier it has tests in, shared by mark weight.
+        self.max_points = {tier: float(lab.points) for tier in TIERS if weights[tier] > 0}
+        self.test_max = {
+            t["nodeid"]: lab.points * t["weight"] / weights[t["tier"]] for t in self.graded
+        }
+
+    def run(self, ctx: RunContext, sub: Submission) -> UnitResult:
+        lab = self.lab
+        result = UnitResult(self.id, self.title, self.kind, lab.rel, max_points=self.max_points)
+        result.flags.extend(sub.lab_flags.get(lab.id, []))
+        if ctx.skip_untouched and not any(r.startswith(lab.rel + "/") for r in sub.files):
+            # The published starter fails every graded test (`course check` proves it): no need
+            # to run it to know that the lab scores 0.
+            for t in self.graded:
+                result.tests.append(TestScore(
+                    t["nodeid"], t["tier"], "not_implemented", 0.0, self.test_max[t["nodeid"]],
+                    "not started: the submission leaves this lab's starter as published"))
+            result.status = "not started"
+            return result
+        ws = sandbox.Workspace(ctx.work, ctx.iso)
+        try:
+            snap = ctx.instructor.snapshot
+            for part in TREE_PARTS:
+                src = snap / part
+                if src.is_dir():
+                    shutil.copytree(src, ws.tree / part)
+                elif src.is_file():
+                    ws.tree.mkdir(exist_ok=True)
+                    shutil.copy2(src, ws.tree / part)
+            shutil.copytree(snap / lab.rel, ws.tree / lab.rel)
+            for rel, data in sub.files.items():
+                if rel.startswith(lab.rel + "/"):
+                    (ws.tree / rel).write_bytes(data)
+            spec = dict(ctx.instructor.specs[lab.id], test_timeout=ctx.test_timeout,
+                        kill_grace=ctx.kill_grace)
+            spec_path = ws.root / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            ws.seal()
+            os.chmod(spec_path, 0o444)
+            argv = [
+                sys.executable, "-m", "pytest", f"{lab.rel}/test_lab.py", "-q", "-s",
+                "--no-header", *SESSION_PLUGINS,
+                "--course-channel={channel}", f"--course-spec={spec_path}",
+                f"--timeout={ctx.test_timeout:g}",
+            ]
+            env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl,
+                                           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+            run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)
+        finally:
+            ws.remove()
+        result.seconds = run.seconds
+        result.log = run.log_tail
+        self._score(result, run, ctx)
+        return result
+
+    def _score(self, result: UnitResult, run: sandbox.SessionRun, ctx: RunContext) -> None:
+        seen: dict[str, dict] = {}
+        started = collect_error = False
+        reference = None
+        for msg in run.messages:
+            kind = msg.get("type")
+            if kind == "start":
+                started = True
+            elif kind == "collect_error":
+                collect_error = True
+            elif kind == "reference":
+                reference = msg
+            elif kind == "test" and msg.get("nodeid") in self.test_max:
+                seen.setdefault(msg["nodeid"], msg)  # the first report of a test counts
+        finished = any(m.get("type") == "done" for m in run.messages)
+        if run.timed_out:
+            why = f"not run: the lab's time budget ({ctx.lab_timeout:g} s) ran out"
+        elif collect_error:
+            why = "not run: the test file did not collect"
+        elif not finished:
+            why = "not run: the grading session ended early"
+        else:
+            why = "not run"
+        for t in self.graded:
+            msg = seen.get(t["nodeid"])
+            maximum = self.test_max[t["nodeid"]]
+            if msg is None:
+                result.tests.append(TestScore(t["nodeid"], t["tier"], "not_run", 0.0, maximum,
+                                              why))
+                continue
+            outcome = msg.get("outcome", "crashed")
+            message = str(msg.get("message", ""))
+            if outcome == "skipped":
+                message = f"not run: {message}"
+            result.tests.append(TestScore(
+                t["nodeid"], t["tier"], outcome, maximum if outcome == "passed" else 0.0,
+                maximum, message, str(msg.get("kind", "")), str(msg.get("detail", "")),
+                float(msg.get("duration", 0.0) or 0.0),
+            ))
+        if reference is not None:
+            if reference.get("findings"):
+                result.uses_reference = [str(f) for f in reference["findings"]][:20]
+            elif "findings" not in reference and ctx.impl == "starter":
+                result.flags.append(
+                    f"reference check did not finish: {reference.get('message', '')[:200]}")
+        if not started and not run.timed_out:
+            result.error = ("the grading session did not start (a problem of the grader, not of "
+                            f"the submission):\n{run.log_tail[-2000:]}")
+        result.status = _status(result, run.timed_out)
+
+
+def _status(r: UnitResult, timed_out: bool) -> str:
+    if r.error:
+        return "error"
+    if r.uses_reference:
+        return "uses the reference"
+    ran = [t for t in r.tests if t.outcome not in ("skipped",)]
+    passed = sum(t.outcome == "passed" for t in ran)
+    if timed_out:
+        return "timed out"
+    if not ran:
+        return "not run here"
+    if passed == len(ran):
+        return "done"
+    return "in progress" if passed else "not started"
+
+
+class CommandUnit:
+    """A graded unit run as a child command in the sandbox, e.g. the engine exam:
+    `argv` runs in a full course copy holding all of the submission's files and writes its cases
+    ({"case" or "id", "outcome", "message"}; a list, or a report with a "cases" list) to the path
+    substituted for "{json}". `cases` (the
+    instructor's list, fixed before anything runs) share `points` equally; a case that is missing
+    from the file scores 0. The file is written by a process that runs student code: trust it as
+    much as a test's report (see the README)."""
+
+    kind = "command"
+
+    def __init__(self, unit_id: str, title: str, points: float, argv: list[str],
+                 cases: list[str], tier: str = "cpu"):
+        self.id, self.title, self.argv, self.cases, self.tier = unit_id, title, argv, cases, tier
+        self.max_points = {tier: float(points)}
+        self.per_case = float(points) / max(1, len(cases))
+
+    def run(self, ctx: RunContext, sub: Submission) -> UnitResult:
+        result = UnitResult(self.id, self.title, self.kind, max_points=self.max_points)
+        ws = sandbox.Workspace(ctx.work, ctx.iso)
+        try:
+            shutil.copytree(ctx.instructor.snapshot, ws.tree)
+            for rel, data in sub.files.items():
+                (ws.tree / rel).write_bytes(data)
+            ws.seal()
+            out = ws.tmp / "cases.json"
+            argv = [a.replace("{json}", str(out)).replace("{python}", sys.executable)
+                    for a in self.argv]
+            env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl})
+            run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)
+            try:
+                data = json.loads(out.read_text())
+                listed = data.get("cases", []) if isinstance(data, dict) else data
+                reported = {str(c.get("case", c.get("id"))): c for c in listed
+                            if isinstance(c, dict)}
+            except (OSError, ValueError, AttributeError, TypeError):
+                reported = {}
+        finally:
+            ws.remove()
+        result.seconds, result.log = run.seconds, run.log_tail
+        for case in self.cases:
+            c = reported.get(case)
+            outcome = str(c.get("outcome", "failed")) if c else "not_run"
+            message = str(c.get("message", ""))[:2000] if c else (
+                "not run: the time budget ran out" if run.timed_out else "not run: no result")
+            result.tests.append(TestScore(case, self.tier, outcome,
+                                          self.per_case if outcome == "passed" else 0.0,
+                                          self.per_case, message))
+        result.status = _status(result, run.timed_out)
+        return result
+
+
+def graded_units(instructor: Instructor) -> list:
+    """Every graded unit, in course order.
+
+    The engine exam joins as a CommandUnit, its case list read on the instructor's side:
+
+        from course.exam import cases
+        units.append(CommandUnit("engine-exam", "The engine exam", POINTS,
+                                 ["{python}", "-m", "course", "engine", "--exam", "--json",
+                                  "{json}"], [c.name for c in cases()]))
+    """
+    return [LabUnit(lab, instructor.manifest.get(lab.id, [])) for lab in instructor.labs]
+
+
+# --- a whole grading run ------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    out: Path
+    jobs: int = 2
+    impl: str = "starter"
+    test_timeout: float = 60.0
+    lab_timeout: float = 900.0
+    similarity: bool = True
+    reference_zero: float = 0.9
+
+
+def _gpu_ran(manifest: dict[str, list[dict]]) -> bool | None:
+    """Whether this grader runs the GPU tier (None: the course has no GPU tests)."""
+    gpu = [t for tests in manifest.values() for t in tests if t["tier"] == "gpu"]
+    return any(t["skip"] is None for t in gpu) if gpu else None
+
+
+def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
+          class_mode: bool, log=print) -> int:
+    """Grade every submission in `paths` ((name or None, folder)) on every lab; write the reports
+    under opts.out as each lab finishes. Returns 0, or 2 when grading itself broke somewhere."""
+    from course import reports
+
+    out = opts.out
+    out.mkdir(parents=True, exist_ok=True)
+    iso = sandbox.probe()
+    staging = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    os.chmod(staging, 0o711)
+    work = staging / "work"
+    work.mkdir(mode=0o711)
+    started = time.monotonic()
+    try:
+        instructor = Instructor(labs, staging)
+        units = graded_units(instructor)
+        subs = [intake(p, labs, name) for name, p in paths]
+        _dedupe_names(subs)
+        meta = {
+            "course": "mini_vllm",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "course_revision": instructor.revision,
+            "course_dirty": instructor.dirty,
+            "python": platform.python_version(),
+            "impl": opts.impl,
+            "gpu": _gpu_ran(instructor.manifest),
+            "isolation": iso.as_dict(),
+            "test_timeout_s": opts.test_timeout,
+            "lab_timeout_s": opts.lab_timeout,
+        }
+        if instructor.dirty:
+            log(f"warning: the course checkout has uncommitted changes (revision "
+                f"{instructor.revision[:12]}); grades depend on them")
+        if iso.level != "namespaces+nobody":
+            log(f"warning: isolation is {iso.level!r}: " + "; ".join(iso.notes))
+        for sub in subs:
+            for rel, data in sub.files.items():
+                found = suspicious(data, rel)
+                published = (instructor.root / rel).read_bytes()
+                found -= suspicious(published, rel)
+                if found:
+                    lab_id = next(lab.id for lab in labs if rel.startswith(lab.rel + "/"))
+                    sub.flag(lab_id, f"review {Path(rel).name}: " + ", ".join(sorted(found)))
+        hide = [out, *{p.resolve() for _, p in paths}, staging / "course"]
+        if class_mode and paths:
+            hide.append(Path(paths[0][1]).resolve().parent)
+        # Never hide a folder that holds the workspaces or the Python environment.
+        keep = (work, Path(sys.executable).parent)
+        hide = [h for h in hide if not any(k == h or h in k.parents for k in keep)]
+        in_place = any(p.resolve() == instructor.root for _, p in paths)
+        ctx = RunContext(instructor, iso, work, hide, opts.impl, opts.test_timeout,
+                         opts.lab_timeout, kill_grace=min(5.0, max(1.0, opts.test_timeout / 2)),
+                         skip_untouched=opts.impl == "starter" and not in_place)
+        results: dict[str, dict[str, UnitResult]] = {s.name: {} for s in subs}
+        lock = threading.Lock()
+
+        def folder(sub: Submission) -> Path:
+            return out / "students" / sub.name if class_mode else out
+
+        def write_student(sub: Submission) -> None:
+            done = [results[sub.name][u.id] for u in units if u.id in results[sub.name]]
+            reports.write_student(folder(sub), sub, done, units, meta)
+
+        env_before = environment_files()
+        jobs = [(s, u) for s in subs for u in units]
+        n = 0
+        with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
+            futures = {pool.submit(u.run, ctx, s): (s, u) for s, u in jobs}
+            for fut in as_completed(futures):
+                sub, unit = futures[fut]
+                try:
+                    res = fut.result()
+                except Exception as exc:  # the grader's own fault: say so, keep going
+                    res = UnitResult(unit.id, unit.title, unit.kind, max_points=unit.max_points,
+                                     status="error", error=f"{type(exc).__name__}: {exc}")
+                with lock:
+                    results[sub.name][unit.id] = res
+                    for path in sorted(environment_files() - env_before):
+                        # Only possible below the full sandbox: undo it, and say who did it.
+                        Path(path).unlink(missing_ok=True)
+                        res.flags.append(f"wrote {path} into the grader's Python environment "
+                                         "(removed)")
+                        res.uses_reference.append("tampered with the grader's environment")
+                    write_student(sub)
+                    n += 1
+                    log(f"  [{n}/{len(jobs)}] {sub.name} {unit.id}: "
+                        f"{res.points('cpu'):g}/{res.max_points.get('cpu', 0):g} "
+                        f"{res.status} ({res.seconds:.0f} s)")
+        similarity = None
+        if opts.similarity and opts.impl == "starter":
+            from course.similarity import class_similarity
+
+            similarity = class_similarity(subs, labs, instructor.root,
+                                          zero=opts.reference_zero)
+            for sub in subs:
+                for lab_id, note in similarity.flags.get(sub.name, []):
+                    sub.flag(lab_id, note)
+                for lab_id in similarity.zero.get(sub.name, ()):
+                    res = results[sub.name].get(lab_id)
+                    if res is not None:
+                        res.uses_reference.append("its code is the reference's (similarity)")
+                        res.status = "uses the reference"
+                write_student(sub)
+        meta["seconds"] = round(time.monotonic() - started, 1)
+        reports.write_class(out, subs, results, units, meta, similarity, class_mode)
+        broken = [(s, r) for s in subs for r in results[s.name].values() if r.error]
+        for s, r in broken:
+            log(f"GRADING ERROR for {s.name}, {r.id}: {r.error}")
+        return 2 if broken else 0
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def environment_files() -> set[str]:
+    """Files that Python runs at start-up from its site folders (.pth, sitecustomize)."""
+    import site
+
+    found = set()
+    for d in {*site.getsitepackages(), site.getusersitepackages()}:
+        for pattern in ("*.pth", "sitecustomize.py", "usercustomize.py"):
+            found |= {str(p) for p in Path(d).glob(pattern)}
+    return found
+
+
+def _dedupe_names(subs: list[Submission]) -> None:
+    seen: dict[str, int] = {}
+    for s in subs:
+        if s.name in seen:
+            seen[s.name] += 1
+            s.name = f"{s.name}-{seen[s.name]}"
+        else:
+            seen[s.name] = 1
+
+
+def class_folders(class_dir: Path) -> list[tuple[str, Path]]:
+    """One submission per sub-folder of `class_dir` (named after it), links not followed."""
+    if not class_dir.is_dir():
+        raise SystemExit(f"error: --class {class_dir} is not a folder")
+    found = [
+        (safe_name(p.name), p)
+        for p in sorted(class_dir.iterdir())
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")
+    ]
+    if not found:
+        raise SystemExit(f"error: --class {class_dir} holds no submission folders")
+    return found

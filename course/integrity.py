@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -139,16 +140,42 @@ def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT)
         shutil.copytree(root, copy, ignore=copy_ignore)
         bug.apply(copy)
         run = run_lab(lab, "solution", root=copy, extra_args=("-x",))
-    failed = run.by_outcome("failed", "not_implemented", graded=False)
-    if run.exit_code == 1 and failed:
-        return BugResult(bug, "rejected", f"by {failed[0]['nodeid'].split('::', 1)[-1]}")
+        if run.exit_code == 1 and not _rejections(run):
+            # The first failure was a crash; look further for a test that fails on behaviour.
+            run = run_lab(lab, "solution", root=copy)
+    rejecting = _rejections(run)
+    if run.exit_code == 1 and rejecting:
+        t = rejecting[0]
+        return BugResult(bug, "rejected", f"by {t['nodeid'].split('::', 1)[-1]} ({t['exception']})")
     if run.exit_code == 0:
         return BugResult(bug, "NOT REJECTED", "every test passed with the bug in place")
+    crashes = run.by_outcome("failed", "not_implemented", graded=False)
+    if run.exit_code == 1 and crashes:
+        t = crashes[0]
+        return BugResult(
+            bug,
+            "NOT REJECTED",
+            f"only crashes or ungraded tests fail ({t['nodeid'].split('::', 1)[-1]}: "
+            f"{t.get('exception') or t['outcome']}); a graded test must fail on an assertion or "
+            "a documented error",
+        )
     return BugResult(
         bug,
         "NOT REJECTED",
         f"the test run broke instead (exit {run.exit_code}):\n" + _tail(run.output),
     )
+
+
+# A failure of these kinds says the code did not load or run, not that the tests caught the bug.
+CRASH_TYPES = {
+    "ImportError", "ModuleNotFoundError", "AttributeError", "SyntaxError", "IndentationError",
+    "NameError", "LabImplError", "NotImplementedError", "",
+}
+
+
+def _rejections(run: LabRun) -> list[dict]:
+    """Graded tests (not starter_ok) that failed on an assertion or a documented error."""
+    return [t for t in run.by_outcome("failed") if t.get("exception", "") not in CRASH_TYPES]
 
 
 def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -> LabCheck:
@@ -226,3 +253,134 @@ def check_course() -> list[str]:
 
 def _tail(text: str, n: int = 15) -> str:
     return "\n".join("      " + line for line in text.strip().splitlines()[-n:])
+
+
+# --- the grading path, end to end ---------------------------------------------------------------
+
+GRADING_FIXTURE = REPO_ROOT / "tests" / "fixtures" / "grading"
+FIXTURE_LAB = "phase-09-demo/labs/lab-01-stats"
+
+
+def build_grading_fixture(dest: Path) -> tuple[Path, Path]:
+    """A two-lab course with this checkout's tooling (dest/course) and a class of submissions
+    (dest/class): an honest one, one per known attack, and a hanging one."""
+    course = dest / "course"
+    course.mkdir(parents=True)
+    shutil.copytree(REPO_ROOT / "course", course / "course", ignore=copy_ignore)
+    shutil.copy(REPO_ROOT / "conftest.py", course)
+    (course / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib -p no:cacheprovider"\n'
+    )
+    for part in ("mini_vllm", "phase-09-demo"):
+        shutil.copytree(GRADING_FIXTURE / part, course / part)
+    shutil.copy(GRADING_FIXTURE / "course" / "labs.toml", course / "course" / "labs.toml")
+    klass = dest / "class"
+    shutil.copytree(GRADING_FIXTURE / "submissions", klass)
+    # A starter that is a link to the lab's solution (made here: its target is an absolute path).
+    link = klass / "symlink" / FIXTURE_LAB / "starter.py"
+    link.unlink(missing_ok=True)
+    link.symlink_to(course / FIXTURE_LAB / "solution.py")
+    return course, klass
+
+
+# What each fixture submission may score at most, per lab (09-01 is worth 10, 09-02 6), and the
+# flag its report must carry. Submissions that leave 09-02 as published score 0 there without a
+# run; the honest one, and those whose attack aims at the next lab (conftest-append) or at the
+# reports of the whole session (report-plugin), have their own 09-02 and must keep its 6 points.
+GRADING_EXPECTATIONS = {
+    # name: (09-01 points, 09-02 cpu points, a substring the flags must contain or "")
+    "honest": (10.0, 6.0, ""),
+    "exit-at-import": (0.0, 0.0, "os._exit"),
+    "pytest-exit": (0.0, 0.0, "import pytest"),
+    "report-plugin": (0.0, 6.0, "_pytest"),
+    "conftest-append": (0.0, 6.0, "conftest"),
+    "atexit-rewrite": (0.0, 0.0, "atexit"),
+    "orphan": (0.0, 0.0, "os.setsid"),
+    "env-switch": (0.0, 0.0, "uses the reference"),
+    "hidden-all": (0.0, 0.0, "uses the reference"),
+    "sys-modules": (0.0, 0.0, "uses the reference"),
+    "copies": (0.0, 0.0, "uses the reference"),
+    "patch-tests": (0.0, 0.0, "sys.modules"),
+    "paste": (0.0, 0.0, "the reference's code"),
+    "symlink": (0.0, 0.0, "symbolic link"),
+    "pth-file": (0.0, 0.0, ".pth"),
+    # add, histogram and bump pass (1.25 + 2.5 + 5); mean is killed; 09-02 hangs at import.
+    "hang": (8.75, 0.0, "import signal"),
+    # Remains possible (see the README): a counterfeit report written to its own pipe. Flagged.
+    "forge": (10.0, 0.0, "os.write"),
+}
+PTH_NAME = "course_grading_fixture_attack.pth"
+
+
+def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list[str], dict]:
+    """Grade the fixture class end to end with `python -m course grade --class` and compare
+    each submission's points with GRADING_EXPECTATIONS. Returns (problems, facts)."""
+    import csv
+    import json
+    import site
+    import subprocess
+    import sys
+    import time
+
+    own = workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="course-grading-check-")) if own else workdir
+    problems: list[str] = []
+    try:
+        course, klass = build_grading_fixture(workdir)
+        out = workdir / "grades"
+        sites = [Path(p) for p in site.getsitepackages()]
+        env = dict(os.environ, PYTHONPATH=str(course), OMP_NUM_THREADS="1")
+        env.pop("LAB_IMPL", None)
+        test_timeout, lab_timeout = 2, 60
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "course", "grade", "--class", str(klass), "--out", str(out),
+             "-j", str(jobs), "--test-timeout", str(test_timeout), "--lab-timeout",
+             str(lab_timeout)],
+            cwd=course, env=env, capture_output=True, text=True, timeout=1800,
+        )
+        seconds = time.monotonic() - start
+        facts = {"seconds": round(seconds, 1), "exit": proc.returncode, "out": str(out)}
+        if proc.returncode != 0 or not (out / "grades.csv").is_file():
+            return [f"grading the fixture class failed (exit {proc.returncode}):\n"
+                    + _tail(proc.stdout + proc.stderr, 30)], facts
+        snapshot = {p: p.read_bytes() for p in out.rglob("grades.json")}
+        time.sleep(6)  # the orphan's daemon would strike now
+        for p, data in snapshot.items():
+            if p.read_bytes() != data:
+                problems.append(f"{p.relative_to(out)} changed after grading finished")
+        for d in sites:
+            if (d / PTH_NAME).exists():
+                (d / PTH_NAME).unlink()
+                problems.append(f"a submission wrote {PTH_NAME} into {d}")
+        rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
+        for name, (lab1, lab2, flag) in GRADING_EXPECTATIONS.items():
+            row = rows.get(name)
+            if row is None:
+                problems.append(f"{name}: no row in grades.csv")
+                continue
+            got = (float(row["09-01"] or 0), float(row["09-02"] or 0))
+            if name in ("honest", "hang", "forge", "conftest-append", "report-plugin"):
+                ok = got == (lab1, lab2)
+            else:
+                ok = got[0] <= lab1 and got[1] == lab2
+            if not ok:
+                problems.append(f"{name}: scored {got} (09-01, 09-02), expected {(lab1, lab2)}")
+            if flag and flag not in row["flags"]:
+                problems.append(f"{name}: flags lack {flag!r}: {row['flags']!r}")
+            if row["cpu_max"] != "16.0":
+                problems.append(f"{name}: CPU maximum {row['cpu_max']}, expected 16 (fixed)")
+            report = json.loads((out / "students" / name / "grades.json").read_text())
+            for lab in report["labs"]:
+                junit = out / "students" / name / lab["junit"]
+                if not junit.is_file():
+                    problems.append(f"{name}: no JUnit file for {lab['id']}")
+        if rows.get("honest", {}).get("flags"):
+            problems.append(f"honest: flagged: {rows['honest']['flags']}")
+        budget = 2 * lab_timeout * len(GRADING_EXPECTATIONS) / jobs + 120
+        if seconds > budget:
+            problems.append(f"grading the fixture class took {seconds:.0f} s (budget {budget:.0f})")
+        return problems, facts
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)

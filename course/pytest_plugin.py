@@ -13,15 +13,12 @@ second plugin.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from course.labs import lab_for_path
-from course.loader import LabImplError, chosen_impl, load_module
+from course.loader import LabImplError, chosen_impl
 
 
 def pytest_addoption(parser):
@@ -124,39 +121,21 @@ def _short_message(report) -> str:
     return str(longrepr).splitlines()[-1] if str(longrepr) else "failed"
 
 
-GIVEN_ENV = "COURSE_GIVEN_NAMES"
+_EXCEPTIONS: dict[str, str] = {}
 
 
-def _reexported_names() -> list[str]:
-    """Names of a loaded starter that are the very objects of the reference solution.
-
-    The untouched starter takes some helpers from mini_vllm on purpose; `python -m course grade`
-    lists those in COURSE_GIVEN_NAMES. Any other name that is identical to the solution's object
-    means the starter imports the answer instead of implementing it.
-    """
-    given = os.environ.get(GIVEN_ENV)
-    if given is None or chosen_impl() != "starter":
-        return []
-    allowed = set(json.loads(given))
-    found = []
-    for name, module in list(sys.modules.items()):
-        if not (name.startswith("course_labs.") and name.endswith(".starter")):
-            continue
-        lab_dir = Path(module.__file__).parent
-        try:
-            solution = load_module(lab_dir, "solution", lab_for_path(lab_dir).id)
-        except Exception:
-            continue
-        for attr in getattr(module, "__all__", ()):
-            obj = getattr(module, attr, None)
-            if attr not in allowed and obj is not None and obj is getattr(solution, attr, None):
-                found.append(attr)
-    return sorted(found)
+def pytest_exception_interact(node, call, report):
+    """The type of the exception a test failed on (course check tells an assertion from a crash).
+    pytest calls this for every failure, after the report is logged."""
+    if call.excinfo is not None:
+        _EXCEPTIONS.setdefault(node.nodeid, call.excinfo.type.__name__)
 
 
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--course-results")
     if not path:
         return
-    report = {"exitstatus": int(exitstatus), "tests": _RESULTS, "reexported": _reexported_names()}
+    for result in _RESULTS:
+        result["exception"] = _EXCEPTIONS.get(result["nodeid"], "")
+    report = {"exitstatus": int(exitstatus), "tests": _RESULTS}
     Path(path).write_text(json.dumps(report, indent=1), encoding="utf-8")

@@ -35,6 +35,7 @@ def demo(tmp_path: Path) -> Path:
     (root / "planted_bugs").mkdir()
     shutil.copy(FIXTURE.parent / "demo_planted_bugs.py", root / "planted_bugs" / "09-01.py")
     (root / "upstream_refs" / "map").mkdir(parents=True)
+    (root / "course" / "labs.toml").write_text('[lab."09-01"]\npoints = 5\n')
     return root
 
 
@@ -142,13 +143,10 @@ def test_grade_writes_json_and_junit_and_exits_zero_on_a_low_score(demo):
     (lab,) = report["labs"]
     assert lab["id"] == "09-01" and lab["status"] == "not started"
     assert (lab["passed"], lab["not_implemented"], lab["total"]) == (0, 2, 2)
-    assert (lab["points"], lab["max_points"]) == (0, 3)
+    assert (lab["points"], lab["max_points"]) == ({"cpu": 0}, {"cpu": 5})
     outcomes = {t["id"].split("::")[-1]: t["outcome"] for t in lab["tests"]}
-    assert outcomes == {
-        "test_starter_imports": "passed",
-        "test_add": "not_implemented",
-        "test_bump": "not_implemented",
-    }
+    # Graded tests only: the starter_ok test is not part of the grade.
+    assert outcomes == {"test_add": "not_implemented", "test_bump": "not_implemented"}
     assert "<testsuite" in (out / "junit" / "lab-09-01.xml").read_text()
 
 
@@ -171,21 +169,23 @@ def test_grade_a_submission_against_the_published_tests(demo, tmp_path):
     (lab,) = report["labs"]
     outcomes = {t["id"].split("::")[-1]: t["outcome"] for t in lab["tests"]}
     assert outcomes["test_add"] == "passed" and outcomes["test_bump"] == "not_implemented"
-    assert (lab["points"], lab["max_points"], lab["uses_reference"]) == (1, 3, [])
+    # The lab's weight (5) shared by mark: add is 1 of 3.
+    assert lab["points"]["cpu"] == pytest.approx(5 / 3, abs=1e-3)
+    assert (lab["max_points"], lab["uses_reference"]) == ({"cpu": 5}, [])
     # The course's own files are untouched by grading.
     assert "NotImplementedError" in (demo / LAB / "starter.py").read_text()
 
 
 def test_grade_gives_nothing_for_importing_the_reference(demo, tmp_path):
-    # The reference lives in a package, as mini_vllm does; the starter is meant to write add.
-    (demo / "demo_pkg").mkdir()
-    (demo / "demo_pkg" / "__init__.py").write_text("")
-    (demo / "demo_pkg" / "adder.py").write_text("def add(a, b):\n    return a + b\n")
+    # The reference lives in a package, as in mini_vllm; the starter is meant to write add.
+    (demo / "mini_vllm").mkdir()
+    (demo / "mini_vllm" / "__init__.py").write_text("")
+    (demo / "mini_vllm" / "adder.py").write_text("def add(a, b):\n    return a + b\n")
     solution = demo / LAB / "solution.py"
     solution.write_text(
         solution.read_text().replace(
             "def add(a: int, b: int) -> int:\n    return a + b\n",
-            "from demo_pkg.adder import add\n",
+            "from mini_vllm.adder import add\n",
         )
     )
     student = tmp_path / "student"
@@ -195,16 +195,17 @@ def test_grade_gives_nothing_for_importing_the_reference(demo, tmp_path):
         starter.read_text().replace(
             'def add(a: int, b: int) -> int:\n    raise NotImplementedError("lab 09-01, task 1: '
             'implement add")\n',
-            "from demo_pkg.adder import add\n",
+            "from mini_vllm.adder import add\n",
         )
     )
     out = demo / "grades"
     proc = run(demo, "-m", "course", "grade", "--submission", str(student), "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (lab,) = json.loads((out / "grades.json").read_text())["labs"]
-    assert lab["uses_reference"] == ["add"] and lab["status"] == "uses the reference"
-    assert lab["points"] == 0 and lab["passed"] == 1
-    assert "takes add from the reference solution" in proc.stdout
+    assert lab["uses_reference"] == ["holds the reference's add"]
+    assert lab["status"] == "uses the reference"
+    assert lab["points"] == {"cpu": 0} and lab["passed"] == 1
+    assert "uses the reference (holds the reference's add)" in proc.stdout
 
 
 def test_status_shows_progress_and_the_next_step(demo):

@@ -1,6 +1,15 @@
-"""Every phase notebook executes top to bottom, draws its figures, and writes nothing to disk."""
+"""Every phase notebook executes top to bottom, draws its figures, and writes nothing to disk.
+
+With ``COURSE_EXECUTED_NOTEBOOKS=DIR`` set (a folder outside the repository), each executed
+notebook is also saved there as ``<phase folder>.ipynb``, so that CI's site build
+(``python -m course.site build --executed DIR``) publishes these runs instead of running the
+notebooks a second time.
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +44,6 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch):
         for out in cell.get("outputs", [])
     )
     assert figures >= 3, f"{path.name} drew {figures} figures; each phase notebook draws its own"
+    keep = os.environ.get("COURSE_EXECUTED_NOTEBOOKS")
+    if keep:
+        nbformat.write(nb, Path(keep) / f"{path.parent.name}.ipynb")

@@ -1,0 +1,5 @@
+import sys
+
+from course.figures import main
+
+sys.exit(main())

@@ -1,0 +1,197 @@
+"""Tests of `python -m course grade`: a small class of the fixture submissions graded end to end
+(the full class of attacks runs in `python -m course check`), the reports, and the pieces."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+
+from course.grading import published_tasks, read_commit, suspicious
+from course.integrity import GRADING_EXPECTATIONS, build_grading_fixture
+from course.labs import discover
+
+SMALL_CLASS = ("honest", "exit-at-import", "report-plugin", "patch-tests", "copies", "symlink",
+               "hang")
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory) -> Path:
+    """The fixture course and a small class, graded once for the tests below."""
+    root = tmp_path_factory.mktemp("grading")
+    course, klass = build_grading_fixture(root)
+    for d in klass.iterdir():
+        if d.name not in SMALL_CLASS:
+            shutil.rmtree(d)
+    out = root / "grades"
+    env = dict(os.environ, PYTHONPATH=str(course), OMP_NUM_THREADS="1")
+    env.pop("LAB_IMPL", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "course", "grade", "--class", str(klass), "--out", str(out),
+         "--test-timeout", "2", "--lab-timeout", "60"],
+        cwd=course, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def test_each_submission_scores_what_it_should(graded):
+    rows = {r["student"]: r for r in csv.DictReader((graded / "grades.csv").open())}
+    assert sorted(rows) == sorted(SMALL_CLASS)
+    for name in SMALL_CLASS:
+        lab1, lab2, flag = GRADING_EXPECTATIONS[name]
+        row = rows[name]
+        assert (float(row["09-01"]), float(row["09-02"])) == (lab1, lab2), (name, row)
+        assert flag in row["flags"], (name, row["flags"])
+        # Fixed maxima, whatever ran; the GPU tier is counted apart and not run without a GPU.
+        assert (row["cpu_max"], row["gpu_max"], row["gpu_points"]) == ("16.0", "6.0", "")
+    assert rows["honest"]["flags"] == ""
+
+
+def test_a_test_that_did_not_run_scores_zero_with_its_reason(graded):
+    report = json.loads((graded / "students" / "hang" / "grades.json").read_text())
+    tests = {t["id"].split("::")[-1]: t for lab in report["labs"] for t in lab["tests"]}
+    assert tests["test_mean"]["outcome"] == "timed_out"
+    assert "timed out" in tests["test_mean"]["message"]
+    assert tests["test_double_on_the_gpu"]["outcome"] == "skipped"
+    assert "needs a CUDA GPU" in tests["test_double_on_the_gpu"]["message"]
+    exited = json.loads((graded / "students" / "exit-at-import" / "grades.json").read_text())
+    (lab,) = [lab for lab in exited["labs"] if lab["id"] == "09-01"]
+    assert {t["outcome"] for t in lab["tests"]} == {"exited"}
+    assert lab["max_points"] == {"cpu": 10.0}
+
+
+def test_grades_json_names_the_student_and_the_course(graded):
+    report = json.loads((graded / "students" / "honest" / "grades.json").read_text())
+    assert report["student"] == "honest"
+    assert set(report) >= {"commit", "course_revision", "course_dirty", "isolation", "totals"}
+    assert report["totals"]["cpu"] == {"points": 16.0, "max_points": 16.0}
+    meta = json.loads((graded / "class.json").read_text())
+    assert meta["students"] == sorted(SMALL_CLASS)
+    assert (graded / "summary.md").read_text().startswith("## Grades")
+
+
+def _junit_structure_problems(path: Path) -> list[str]:
+    """The rules of pytest's junit-10.xsd that matter here, checked without the schema."""
+    problems = []
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    allowed_case_children = {"skipped", "errors", "failure", "system-out", "system-err"}
+    for suite in suites:
+        if suite.tag != "testsuite":
+            problems.append(f"{suite.tag} under testsuites")
+        for attr in ("name", "tests", "failures", "errors"):
+            if attr not in suite.attrib:
+                problems.append(f"testsuite without {attr}")
+        for child in suite:
+            if child.tag == "testcase":
+                problems += [f"testcase holds {c.tag}" for c in child
+                             if c.tag not in allowed_case_children]
+            elif child.tag == "properties":
+                problems += [f"property without name/value: {p.attrib}" for p in child
+                             if set(p.attrib) != {"name", "value"}]
+            elif child.tag not in ("system-out", "system-err", "testsuite"):
+                problems.append(f"testsuite holds {child.tag}")
+    return problems
+
+
+def _pytest_junit_schema(tmp: Path) -> Path | None:
+    """pytest's own junit-10.xsd: from JUNIT_XSD, or from pytest's source archive if pip's
+    cache or a folder named by PYTEST_SDIST holds it (nothing is downloaded here)."""
+    if os.environ.get("JUNIT_XSD"):
+        return Path(os.environ["JUNIT_XSD"])
+    for archive in Path(os.environ.get("PYTEST_SDIST", "/nonexistent")).glob("pytest-*.tar.gz"):
+        with tarfile.open(archive) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("junit-10.xsd"))
+            tar.extract(member, tmp, filter="data")
+            return tmp / member.name
+    return None
+
+
+def test_junit_is_valid_for_every_lab_even_crashed_ones(graded, tmp_path):
+    files = sorted(graded.glob("students/*/junit/*.xml"))
+    assert len(files) == 2 * len(SMALL_CLASS)
+    schema_path = _pytest_junit_schema(tmp_path)
+    for f in files:
+        assert _junit_structure_problems(f) == [], f
+    if schema_path is not None:
+        import xmlschema
+
+        schema = xmlschema.XMLSchema(str(schema_path))
+        for f in files:
+            schema.validate(str(f))
+    suite = ET.parse(graded / "students" / "hang" / "junit" / "lab-09-01.xml").getroot()[0]
+    props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert props["points.cpu"] == "8.75" and props["max_points.cpu"] == "10"
+    assert int(suite.get("tests")) == 5  # the graded tests only (not the starter_ok one)
+
+
+def test_read_commit_reads_head_without_running_git(tmp_path):
+    repo = tmp_path / "fork"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f").write_text("x")
+    git = ["git", "-C", str(repo), "-c", "user.name=a", "-c", "user.email=a@b"]
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "m"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert read_commit(repo) == head.strip()
+    assert read_commit(tmp_path) is None
+
+
+def test_tasks_are_what_the_published_starter_leaves_to_write():
+    source = (
+        '__all__ = ["given", "task", "K"]\nfrom x import given\n'
+        'def task():\n    raise NotImplementedError("lab 01-01, task 1: do it")\n'
+        "class K:\n    def m(self):\n        raise NotImplementedError\n"
+    )
+    assert published_tasks(source) == ["K", "task"]
+    for lab in discover():  # every real lab but the CUDA one has something to write in Python
+        tasks = published_tasks((lab.path / "starter.py").read_text())
+        assert tasks or (lab.path / "starter.cu").is_file(), lab.id
+
+
+def test_the_scan_names_what_reaches_for_the_grader():
+    found = suspicious(b"import os\nos._exit(0)\nimport pytest\nos.environ['LAB_IMPL']='x'\n",
+                       "starter.py")
+    assert {"os._exit", "import pytest", "os.environ", "string mentioning 'LAB_IMPL'"} <= found
+    assert suspicious(b"import math\nx = math.sqrt(2)\n", "starter.py") == set()
+
+
+COMMAND_UNIT = r"""
+import json, sys, tempfile
+from pathlib import Path
+from course import sandbox
+from course.grading import CommandUnit, Instructor, RunContext, Submission
+from course.labs import discover
+
+staging = Path(tempfile.mkdtemp())
+staging.chmod(0o711)
+(staging / "work").mkdir(mode=0o711)
+instructor = Instructor(discover(), staging)
+ctx = RunContext(instructor, sandbox.probe(), staging / "work", [], lab_timeout=60)
+writer = ("import json, sys; json.dump({'cases': [{'case': 'a', 'outcome': 'passed'}, "
+          "{'case': 'b', 'outcome': 'failed', 'message': 'wrong'}]}, open(sys.argv[1], 'w'))")
+unit = CommandUnit("engine-exam", "The engine exam", 9, ["{python}", "-c", writer, "{json}"],
+                   ["a", "b", "c"])
+r = unit.run(ctx, Submission("s", Path(".")))
+print(json.dumps([r.points("cpu"), r.max_points, [(t.id, t.outcome) for t in r.tests]]))
+"""
+
+
+def test_a_command_unit_scores_its_cases_against_a_fixed_list(tmp_path):
+    course, _ = build_grading_fixture(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", COMMAND_UNIT], cwd=course, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(course)), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    points, maximum, cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert points == 3.0 and maximum == {"cpu": 9.0}
+    assert cases == [["a", "passed"], ["b", "failed"], ["c", "not_run"]]
