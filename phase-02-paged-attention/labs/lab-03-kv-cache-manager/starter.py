@@ -379,7 +379,9 @@ class KVCacheManager:
         ``request.block_hashes[i]`` (``block_pool.cache_full_blocks`` does the indexing), and
         ``num_cached_block`` counts them. Blocks already cached are never passed to the pool
         again (the pool refuses a block that is cached already), and a count that does not go
-        beyond the cached blocks changes nothing. A partial block is never cached.
+        beyond the cached blocks changes nothing. A partial block is never cached. With KV-cache
+        events on, the pool records one ``BlockStored`` per call that caches something, with
+        the block size and group id you pass it: the manager's own.
 
         Errors: ``ValueError``, nothing changed, for a request that is not tracked (naming it),
         for more tokens than its table holds (giving both numbers), and for block hashes that

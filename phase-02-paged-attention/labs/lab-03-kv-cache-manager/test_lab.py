@@ -241,6 +241,11 @@ def test_hasher_starts_after_the_known_hashes_and_does_not_modify_the_request():
     assert hasher(fake) == [], "no new full block: nothing to return"
 
 
+def test_hasher_with_blocks_of_one_token():
+    req = make_request("r", [5, 6, 7], 1, own_hasher=True)
+    assert req.block_hashes == expected_hashes([5, 6, 7], 1)
+
+
 def test_hasher_rejects_a_bad_block_size():
     for bad in (0, -4):
         with pytest.raises(ValueError) as exc:
@@ -387,6 +392,8 @@ def test_allocate_a_new_request_without_caching():
     assert [b.ref_cnt for b in new.blocks[0]] == [1, 1, 1]
     assert all(b.block_hash is None for b in m.block_pool.blocks)
     assert free_ids(m) == [4, 5, 6, 7]
+    bare = lab.Request("bare", list(range(5)), lab.SamplingParams(), EOS)  # no block hashes
+    assert m.allocate_slots(bare, 5).get_block_ids() == ([4, 5],), "no hash check, caching off"
 
 
 def test_decode_takes_a_block_only_when_the_last_one_is_full():
@@ -588,6 +595,16 @@ def test_cache_blocks_caches_the_full_blocks_once():
     req.append_output_token_ids([10, 11, 12])
     m.cache_blocks(req, 12)  # only block 2 is new
     assert_cached_exactly(m, req, 3)
+
+
+def test_cache_blocks_reports_stored_blocks_with_their_block_size():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64,
+                           enable_kv_cache_events=True)
+    req = make_request("r", range(10), 4, lora_id=5)
+    m.allocate_slots(req, 10)
+    (event,) = m.take_events()
+    assert (event.block_hashes, event.token_ids) == (req.block_hashes, list(range(8)))
+    assert (event.parent_block_hash, event.block_size, event.lora_id) == (None, 4, 5)
 
 
 def test_cache_blocks_resumes_after_the_cached_blocks():
@@ -1003,6 +1020,16 @@ def test_num_common_prefix_blocks():
     c.status = lab.RequestStatus.RUNNING
     assert m.get_num_common_prefix_blocks(c, 3) == [1]  # block 0: a, b, c; block 1: a, c
     assert m.usage == pytest.approx(6 / 10)
+    d = make_request("d", list(range(8)) + [9], 4)
+    schedule_prompt(m, d)
+    d.status = lab.RequestStatus.RUNNING
+    assert m.get_num_common_prefix_blocks(d, 4) == [1]  # block 0: a, b, c, d
+    e = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    pair = [make_request(r, list(range(12)), 4) for r in ("x", "y")]
+    for r in pair:
+        schedule_prompt(e, r)
+        r.status = lab.RequestStatus.RUNNING
+    assert e.get_num_common_prefix_blocks(pair[0], 2) == [2]  # two full blocks shared
     lone = make_request("lone", [1], 4)
     lone.status = lab.RequestStatus.RUNNING
     assert m.get_num_common_prefix_blocks(lone, 1) == [0]
