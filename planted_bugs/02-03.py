@@ -187,4 +187,20 @@ BUGS = [
         find="            return self.create_empty_block_list(), 0",
         replace="            return [], 0",
     ),
+    PlantedBug(
+        name="hit-count-overwritten",
+        description="the lookup sets the hit counter instead of adding to it, so the hit rate "
+        "reports only the last request (a mutation survivor of the old tests)",
+        file=MANAGER,
+        find="self.prefix_cache_stats.hits += num_new_computed_tokens",
+        replace="self.prefix_cache_stats.hits = num_new_computed_tokens",
+    ),
+    PlantedBug(
+        name="max-model-len-off-by-one",
+        description="a request that reaches exactly max_model_len tokens is refused (a mutation "
+        "survivor of the old tests)",
+        file=MANAGER,
+        find="if num_computed_tokens + num_new_tokens > self.max_model_len:",
+        replace="if num_computed_tokens + num_new_tokens >= self.max_model_len:",
+    ),
 ]
