@@ -50,7 +50,7 @@ from course.tasks import open_tasks  # noqa: E402
 
 CONFIG_DIR = REPO_ROOT / "mutation"
 DEFAULT_OUT = CONFIG_DIR / "results.json"
-_NAME_RE = re.compile(r"^(?P<module>[\w.]+)\.x(?:ǁ(?P<cls>\w+)ǁ|_)(?P<func>\w+?)__mutmut_\d+$")
+_NAME_RE = re.compile(r"^(?P<module>[\w.-]+)\.x(?:ǁ(?P<cls>\w+)ǁ|_)(?P<func>\w+?)__mutmut_\d+$")
 
 
 def function_of(mutant: str) -> str:

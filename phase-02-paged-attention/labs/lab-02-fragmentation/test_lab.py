@@ -272,6 +272,10 @@ def test_paged_kv_a_newest_request_preempts_itself_not_an_older_one():
     assert new.num_preemptions == 1 and old.num_preemptions == 0
     assert new.rid not in kv.tables and kv.allocated(old) == 4
     assert kv.pool.get_num_free_blocks() == 1
+    assert kv.admit(new), "back from the queue"
+    running.append(new)
+    assert kv.grow(new, running) == [new] and new.num_preemptions == 2, "counted each time"
+    assert running == [old] and kv.pool.get_num_free_blocks() == 1
     assert kv.grow(old, running) == [] and kv.allocated(old) == 8
 
 
