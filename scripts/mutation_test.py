@@ -50,7 +50,7 @@ from course.tasks import open_tasks  # noqa: E402
 
 CONFIG_DIR = REPO_ROOT / "mutation"
 DEFAULT_OUT = CONFIG_DIR / "results.json"
-_NAME_RE = re.compile(r"^(?P<module>[\w.]+)\.x(?:ǁ(?P<cls>\w+)ǁ|_)(?P<func>\w+?)__mutmut_\d+$")
+_NAME_RE = re.compile(r"^(?P<module>[\w.-]+)\.x(?:ǁ(?P<cls>\w+)ǁ|_)(?P<func>\w+?)__mutmut_\d+$")
 
 
 def function_of(mutant: str) -> str:
@@ -116,6 +116,7 @@ def run_lab(lab_id: str, max_children: int) -> dict:
                 f"pytest_add_cli_args_test_selection = {json.dumps([test_file])}\n"
             )
         env = dict(os.environ, LAB_IMPL="solution", HYPOTHESIS_PROFILE="ci", OMP_NUM_THREADS="1")
+        env["COURSE_MODULE_NAMES_FROM_PATHS"] = "1"  # lab-only code: see course/loader.py
         proc = _mutmut(
             copy,
             "run",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import inspect
 import shutil
 import sys
@@ -94,7 +95,44 @@ def fill(source: str, solution, qualnames: list[str], starter=None) -> str:
                 edits.append((cls_node.end_lineno, cls_node.end_lineno, "\n" + "\n".join(extra)))
     for first, last, text in sorted(edits, key=lambda e: e[0], reverse=True):
         lines[first:last] = [text if text.endswith("\n") else text + "\n"]
+    # Module-level helpers a reference function calls that the starter does not define (e.g.
+    # upstream's generate_block_hash_extra_keys): import them from the reference's module.
+    defined = _top_level_names(tree)
+    missing = {}
+    for qualname in qualnames:
+        _, ref = _reference_function(solution, qualname)
+        for name in sorted(_global_names(ref.__code__)):
+            if name in ref.__globals__ and name not in defined and name not in vars(builtins):
+                missing.setdefault(name, ref.__globals__[name])
+    for name, value in missing.items():
+        if inspect.ismodule(value):
+            lines.append(f"import {value.__name__} as {name}  # noqa: E402\n")
+        elif getattr(value, "__module__", "").startswith("course_labs."):
+            lines.append("\n" + textwrap.dedent(inspect.getsource(value)))  # lab-only helper
+        else:
+            lines.append(f"from {value.__module__} import {name}  # noqa: E402\n")
     return "".join(lines)
+
+
+def _global_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
