@@ -193,6 +193,9 @@ def _gather_logits(
     # [seqs, blk, kvh, D, B] -> [seqs, kvh, blk, B, D] -> [seqs, kvh, T, D]
     values = value_cache[table].permute(0, 2, 1, 4, 3)
     values = values.reshape(num_seqs, num_kv_heads, num_tokens, head_size).float()
+    # Stale slots past seq_len (and padding blocks) may hold NaN or inf, and a zero softmax
+    # weight times NaN is NaN: zero those values, as upstream's kernel does (its line 417).
+    values = values.masked_fill(~valid[:, None, :, None], 0.0)
 
     q = query.float().reshape(num_seqs, num_kv_heads, group, head_size)
     logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [seqs, kvh, group, T]
@@ -367,7 +370,9 @@ def paged_attention_v2_reduce(
     rescaled = torch.where(active, exp_sums * torch.exp(m - global_max), torch.zeros_like(m))
     total = rescaled.sum(dim=-1, keepdim=True)
     weights = rescaled / total.clamp_min(torch.finfo(torch.float32).tiny)
-    merged = (weights[..., None] * tmp_out.float()).sum(dim=2)
+    # Partitions past a sequence's end may hold anything, NaN included: never multiply them.
+    partial = torch.where(active[..., None], tmp_out.float(), torch.zeros((), device=out.device))
+    merged = (weights[..., None] * partial).sum(dim=2)
     out.copy_(merged)
 
 
