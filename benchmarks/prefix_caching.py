@@ -50,7 +50,7 @@ def make_prompts(n: int, system_len: int, seed: int) -> list[list[int]]:
 def run(model, prompts, caching: bool, args):
     llm = LLM(model, block_size=args.block_size, num_gpu_blocks=args.kv_blocks,
               enable_prefix_caching=caching, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, num_threads=args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--model", choices=("shipped", "random"), default="shipped")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model, model_name = load_model(args.model)
     prompts = make_prompts(args.requests, args.system_len, args.seed)
-    LLM(model, num_gpu_blocks=8).generate([prompts[0][:8]], SamplingParams(
-        temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
+    LLM(model, num_gpu_blocks=8, num_threads=args.threads).generate(
+        [prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2),
+        use_tqdm=False)  # warm-up
     off_out, off = run(model, prompts, False, args)
     on_out, on = run(model, prompts, True, args)
     if [o.outputs[0].token_ids for o in off_out] != [o.outputs[0].token_ids for o in on_out]:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
+            "command": "python benchmarks/prefix_caching.py " + " ".join(sys.argv[1:]),
             "benchmark": "prefix_caching", "environment": environment(),
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "model": model_name, "results": [off, on],

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-steps", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--model", choices=("shipped", "random"), default="shipped")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
+            "command": "python benchmarks/scheduler_overhead.py " + " ".join(sys.argv[1:]),
             "benchmark": "scheduler_overhead", "environment": environment(),
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "scheduler": sched_rows, **model_row,

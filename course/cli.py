@@ -490,6 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[],
                    help="a prompt (repeatable; \\n is a newline); default the finale's")
     p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--model", default=None,
+                   help="a model for mini_vllm.LLM (a Hugging Face folder, a .gguf file, "
+                   "'smollm2'); default the shipped Shakespeare model")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template")
     p.add_argument("--exam", action="store_true", help="run the engine exam")
     p.add_argument("--case", action="append", default=[], help="only this exam case "
                    "(repeatable)")

@@ -320,9 +320,12 @@ def _cmd_engine(args) -> int:
 
 
 def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
-    prompts = [p.encode().decode("unicode_escape") for p in args.prompt] or FINALE_PROMPTS
+    prompts = [p.encode().decode("unicode_escape") for p in args.prompt]
+    if not prompts and (args.chat or args.model):
+        raise UsageError("give the prompt(s) for this model with --prompt")
+    prompts = prompts or FINALE_PROMPTS
     job = {"mode": "generate", "prompts": prompts, "max_tokens": args.max_tokens, "gpu": gpu,
-           "budget": args.timeout}
+           "budget": args.timeout, "model": args.model, "chat": args.chat}
     yours_job = {**job, "labs": student}
     jobs = [yours_job] + ([{**job, "labs": []}] if student else [])
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -343,7 +346,7 @@ def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> i
     out = mine.of("generate")[0]
     for prompt, text in zip(prompts, out["texts"]):
         print(f"--- {prompt!r}")
-        print(prompt + text)
+        print(text if args.chat else prompt + text)
     print(out["stats"])
     if not student:
         return 0

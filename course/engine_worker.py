@@ -95,9 +95,13 @@ def run_generate(job: dict, out) -> None:
 
     composition = compose(job["labs"], gpu=job.get("gpu", False))
     _emit(out, {"type": "composition", "rows": composition.lab_rows()})
-    llm = LLM()
+    llm = LLM(job.get("model"))
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
-    outputs = llm.generate(job["prompts"], params, use_tqdm=False)
+    if job.get("chat"):
+        conversations = [[{"role": "user", "content": p}] for p in job["prompts"]]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(job["prompts"], params, use_tqdm=False)
     _emit(out, {
         "type": "generate",
         "texts": [o.outputs[0].text for o in outputs],

@@ -8,15 +8,29 @@ Three layers, as upstream:
   the core until every request finishes (with a progress bar over requests) and detokenizes.
 * :class:`EngineConfig` -- every knob of the engine, checked once.
 
+What :class:`LLM` promises about failures:
+
+* bad input (a prompt, a ``SamplingParams``, an engine knob, a device) raises ``TypeError`` or
+  ``ValueError`` before anything is queued, and the engine is exactly as it was;
+* an exception inside a step (in the scheduler, the runner, the model, the sampler, or one of
+  the student's pieces plugged into them), or Ctrl-C, aborts every request that ``generate()``
+  queued, frees their KV blocks, drops the prefix cache (the failed step may have registered
+  blocks whose KV it never wrote) and re-raises: the next call runs on a clean engine;
+* a step that schedules nothing while requests wait, and leaves the engine as it found it, would
+  repeat forever: ``generate()`` raises ``RuntimeError`` instead of spinning.
+
 upstream: vllm/entrypoints/llm.py:66 @ v0.11.0
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +38,7 @@ from mini_vllm.config import PREEMPTION_MODES, SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
 from mini_vllm.model import LlamaForCausalLM
 from mini_vllm.model_runner import ModelRunner
-from mini_vllm.request import FinishReason, Request
+from mini_vllm.request import FinishReason, Request, RequestStatus
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import Scheduler
 from mini_vllm.scheduler_output import EngineCoreOutput
@@ -38,6 +52,7 @@ __all__ = [
     "EngineStats",
     "LLM",
     "RequestOutput",
+    "default_num_threads",
     "kv_block_bytes",
 ]
 
@@ -73,6 +88,35 @@ class EngineConfig:
     use_cuda_ops: bool | None = None
 
     def __post_init__(self) -> None:
+        for name, low, optional in (
+            ("block_size", 1, False), ("num_gpu_blocks", 2, True), ("kv_cache_memory", 1, True),
+            ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),
+            ("max_model_len", 1, True), ("num_cpu_blocks", 0, False),
+            ("long_prefill_token_threshold", 0, False),
+        ):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"EngineConfig: {name} must be an int{' or None' if optional else ''}, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            if value < low:
+                raise ValueError(f"EngineConfig: {name} must be >= {low}, got {value}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"EngineConfig: block_size must be a power of two, got {self.block_size}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(
+                f"EngineConfig: enable_prefix_caching must be True or False, got "
+                f"{self.enable_prefix_caching!r}"
+            )
+        if self.use_cuda_ops not in (None, True, False):
+            raise TypeError(
+                f"EngineConfig: use_cuda_ops must be None, True or False, got {self.use_cuda_ops!r}"
+            )
         if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "EngineConfig: give num_gpu_blocks or kv_cache_memory, not both"
@@ -92,7 +136,8 @@ class EngineConfig:
 
     def scheduler_config(self, model: LlamaForCausalLM) -> SchedulerConfig:
         """The scheduler's half of this config, with the KV-cache size resolved for ``model``."""
-        max_model_len = self.max_model_len or model.config.max_position_embeddings
+        max_model_len = (self.max_model_len if self.max_model_len is not None
+                         else model.config.max_position_embeddings)
         if max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"EngineConfig: max_model_len {max_model_len} exceeds the model's "
@@ -320,13 +365,158 @@ def load_default_model(device: str | torch.device = "cpu") -> LlamaForCausalLM:
     return load_checkpoint(DEFAULT_CHECKPOINT, device=device)
 
 
+# Models with fewer parameters than this run fastest on one thread: each operation is a few
+# microseconds of work, and splitting it over threads costs more in synchronisation than it saves
+# (and on a busy machine a thread that waits for a descheduled sibling stalls every operation).
+SMALL_MODEL_PARAMS = 20_000_000
+MAX_DEFAULT_THREADS = 8
+
+
+def default_num_threads(model: torch.nn.Module) -> int:
+    """The thread count ``LLM`` uses when none is given.
+
+    ``OMP_NUM_THREADS``, when set, wins. Otherwise 1 for a small model (below 20M parameters),
+    and for a larger one the CPU cores this process may use that are not already busy (the
+    one-minute load average says how many are), at least 1 and at most 8: an OpenMP thread that
+    waits for a sibling the OS has descheduled stalls every operation, so oversubscribing a busy
+    machine is far slower than using fewer threads.
+
+    upstream: none (vLLM's CPU backend binds its OpenMP threads in its CPU worker)
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except OSError:
+        busy = 0
+    return max(1, min(cores - busy, MAX_DEFAULT_THREADS))
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, or a ``ValueError`` saying why it cannot be used here.
+
+    upstream: none (vLLM picks its platform once, in vllm/platforms)
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"LLM: device {device!r} is not a device name ({exc})") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = ("this PyTorch is a CPU-only build" if torch.version.cuda is None
+               else "no CUDA GPU is visible")
+        raise ValueError(f"LLM: device={str(device)!r} but {why}; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLM: device type {dev.type!r} is not supported; use 'cpu' or 'cuda'")
+    return dev
+
+
+@dataclass
+class _LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Any
+    # EOS ids beyond the tokenizer's (generation_config.json may list several): stop tokens.
+    extra_eos_token_ids: list[int]
+
+
+def _load_model(model: object, tokenizer: object, device: torch.device) -> _LoadedModel:
+    """Resolve ``LLM(model=..., tokenizer=...)`` into a model and the tokenizer that goes with
+    it."""
+    from mini_vllm import gguf_loader
+    from mini_vllm.hf_loader import load_checkpoint, read_generation_config
+    from mini_vllm.tokenizer import load_tokenizer
+
+    extra_eos: list[int] = []
+    tok: Any = None
+    if model is None:
+        model, tok = load_default_model(device), ByteTokenizer()
+    elif isinstance(model, (str, Path)):
+        path = gguf_loader.resolve_model_name(model)
+        if path.suffix == ".gguf":
+            loaded = gguf_loader.load_gguf(path, device=device)
+            model, tok, extra_eos = loaded.model, loaded.tokenizer, loaded.extra_eos_token_ids
+        else:
+            model = load_checkpoint(path, device=device)
+            tok = load_tokenizer(path)
+            if tok is None and model.config.vocab_size == ByteTokenizer.vocab_size:
+                tok = ByteTokenizer()  # mini_vllm's own checkpoints are byte-level
+            gen_eos = read_generation_config(path).get("eos_token_id")
+            gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+            if tok is not None and tok.eos_token_id is None and gen_eos:
+                tok.eos_token_id = gen_eos[0]
+            primary = getattr(tok, "eos_token_id", None)
+            extra_eos = [t for t in gen_eos if isinstance(t, int) and t != primary]
+    elif not isinstance(model, LlamaForCausalLM):
+        raise TypeError(
+            "LLM: model must be a mini_vllm.model.LlamaForCausalLM, a checkpoint path, or "
+            f"None for the shipped model; got {type(model).__name__}"
+        )
+    elif model.config.vocab_size == ByteTokenizer.vocab_size:
+        tok = ByteTokenizer()
+    if tokenizer is not None:
+        if not (callable(getattr(tokenizer, "encode", None))
+                and callable(getattr(tokenizer, "decode", None))):
+            raise TypeError(
+                f"LLM: tokenizer must have encode() and decode(); got {type(tokenizer).__name__}"
+            )
+        tok = tokenizer
+    vocab = model.config.vocab_size
+    for tid in [getattr(tok, "eos_token_id", None), *extra_eos]:
+        if tid is not None and not 0 <= tid < vocab:
+            raise ValueError(f"LLM: EOS token id {tid} is outside the model's vocab [0, {vocab})")
+    return _LoadedModel(model, tok, extra_eos)
+
+
+def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
+                       include_in_output: bool) -> tuple[str, int] | None:
+    """The first stop string found in the last ``new_char_count`` characters (or straddling
+    them), and where to cut the text: before the string, or after it when it is kept.
+
+    upstream: vllm/v1/engine/detokenizer.py:313 @ v0.11.0
+    """
+    if not new_char_count:
+        return None
+    for stop_str in stop:
+        # Only text that could contain a new match: the new characters and the stop string's
+        # length minus one before them.
+        index = output_text.find(stop_str, max(0, len(output_text) - new_char_count
+                                               - len(stop_str) + 1))
+        if index != -1:
+            return stop_str, index + len(stop_str) if include_in_output else index
+    return None
+
+
+@dataclass
+class _Tracked:
+    """What generate() keeps per request: where its output goes, and its stop-string state."""
+
+    prompt_index: int
+    child_index: int
+    request: Request
+    text_len: int = 0  # characters of output text checked for stop strings so far
+    cut: int | None = None  # where a stop string cut the text
+
+
 class LLM:
     """Generate text with mini_vllm.
 
     ``model`` is a ``LlamaForCausalLM`` already built, a path (a ``.safetensors`` file with its
-    ``.json`` next to it, or a local Hugging Face Llama/Qwen2 directory), or ``None`` for the
-    shipped tiny Shakespeare model. The tokenizer is byte-level unless one is given (anything
-    with ``encode``, ``decode`` and ``eos_token_id``). Engine knobs: see :class:`EngineConfig`.
+    ``.json`` next to it, a local Hugging Face Llama/Qwen2 directory, or a ``.gguf`` file), the
+    name ``"smollm2"`` (SmolLM2-135M-Instruct, when its package is installed; see the README), or
+    ``None`` for the shipped tiny Shakespeare model. The tokenizer comes with the model: byte-level
+    for mini_vllm's checkpoints, ``tokenizer.json`` for a Hugging Face directory, the GGUF's own
+    vocabulary for a GGUF file; ``tokenizer=`` overrides it (anything with ``encode`` and
+    ``decode``). A model without a tokenizer takes token-id prompts only. EOS: the tokenizer's,
+    plus every other id that ``generation_config.json`` lists (as stop tokens).
+
+    ``num_threads``: PyTorch CPU threads (default :func:`default_num_threads`). Engine knobs: see
+    :class:`EngineConfig`. For what happens on bad input and on failures, see the module docstring.
 
     upstream: vllm/entrypoints/llm.py:66 @ v0.11.0
     """
@@ -337,189 +527,240 @@ class LLM:
         *,
         tokenizer: object | None = None,
         device: str | torch.device = "cpu",
+        num_threads: int | None = None,
         **config_kwargs: object,
     ) -> None:
         self.config = EngineConfig(**config_kwargs)  # type: ignore[arg-type]
-        if model is None:
-            model = load_default_model(device)
-        elif isinstance(model, (str, Path)):
-            from mini_vllm.hf_loader import load_checkpoint
-
-            model = load_checkpoint(model, device=device)
-        elif not isinstance(model, LlamaForCausalLM):
-            raise TypeError(
-                "LLM: model must be a mini_vllm.model.LlamaForCausalLM, a checkpoint path, or "
-                f"None for the shipped model; got {type(model).__name__}"
-            )
-        self.model = model.eval()
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-        self.engine = EngineCore(
-            self.model,
-            self.config.scheduler_config(self.model),
-            eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
-            use_cuda_ops=self.config.use_cuda_ops,
-        )
+        if num_threads is not None and (
+            not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
+        ):
+            raise ValueError(f"LLM: num_threads must be an int >= 1, got {num_threads!r}")
+        dev = check_device(device)
+        loaded = _load_model(model, tokenizer, dev)
+        self.model = loaded.model.eval()
+        self.tokenizer = loaded.tokenizer
+        self.extra_eos_token_ids = loaded.extra_eos_token_ids
+        self.num_threads = num_threads or default_num_threads(self.model)
+        if dev.type == "cpu":
+            torch.set_num_threads(self.num_threads)
+        self._scheduler_config = self.config.scheduler_config(self.model)
+        self.engine = self._make_engine()
         self._counter = 0
         self.last_stats = EngineStats()
 
+    def _make_engine(self) -> EngineCoreBase:
+        return EngineCore(
+            self.model,
+            self._scheduler_config,
+            eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
+            use_cuda_ops=self.config.use_cuda_ops,
+        )
+
+    # ------------------------------------------------------------------ the public calls
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a completion for every prompt; outputs come back in prompt order.
 
-        ``prompts`` are strings or lists of token ids; ``sampling_params`` is one for all or one
-        per prompt (default: greedy, 16 tokens). Invalid input raises ``ValueError`` before any
-        request is queued. Statistics of the call end up in :attr:`last_stats`.
+        ``prompts``: a string, a list of token ids, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}``, or a list of those. ``sampling_params``: one for all or
+        one per prompt (default: greedy, 16 tokens). Bad input raises ``TypeError``/``ValueError``
+        before any request is queued. Statistics of the call end up in :attr:`last_stats`.
 
         upstream: vllm/entrypoints/llm.py:335 @ v0.11.0
         """
-        if isinstance(prompts, str) or (
-            prompts and isinstance(prompts[0], int)  # type: ignore[index]
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
-        if not prompts:
+        items = self._parse_prompts(prompts)
+        if not items:
             return []
-        if sampling_params is None:
-            sampling_params = SamplingParams(temperature=0.0)
-        params_list = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params_list) != len(prompts):
+        params_list = self._parse_params(sampling_params, len(items))
+        tracked = self._make_requests(items, params_list)
+        return self._run(items, tracked, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or several.
+
+        Each conversation is rendered with the model's chat template (``tokenizer_config.json``
+        or the GGUF's ``tokenizer.chat_template``; ``chat_template=`` overrides it), tokenized
+        without adding special tokens (the template wrote them), and generated like a prompt.
+
+        upstream: vllm/entrypoints/llm.py:815 @ v0.11.0
+        """
+        from mini_vllm.tokenizer import render_chat_template
+
+        if isinstance(messages, (list, tuple)) and messages and all(
+            isinstance(m, (list, tuple)) for m in messages
+        ):
+            conversations = list(messages)
+        else:
+            conversations = [messages]
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise ValueError(
-                f"generate: got {len(prompts)} prompts but {len(params_list)} SamplingParams; "
+                "chat: this model's tokenizer has no chat template (the shipped Shakespeare model "
+                "is not a chat model); pass chat_template=... or use generate()"
+            )
+        context = dict(chat_template_kwargs or {})
+        for name in ("bos_token", "eos_token"):
+            context.setdefault(name, getattr(self.tokenizer, name, None) or "")
+        prompts = []
+        for conversation in conversations:
+            text = render_chat_template(
+                template, conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **context,
+            )
+            prompts.append({"prompt_token_ids": self._encode(text, add_special_tokens=False),
+                            "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ input checks
+
+    def _encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                "generate: this model has no tokenizer (no tokenizer.json beside it), so text "
+                "prompts cannot be encoded; pass token ids, or LLM(..., tokenizer=...)"
+            )
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:  # a user tokenizer without that keyword
+            return list(self.tokenizer.encode(text))
+
+    def _check_ids(self, ids: object, where: str) -> list[int]:
+        if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy":
+            raise TypeError(
+                f"generate: {where} is a {type(ids).__name__}; pass a list of ints "
+                "(e.g. tensor.tolist())"
+            )
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(
+                f"generate: {where} must be a str or a list of token ids, got "
+                f"{type(ids).__name__} {ids!r:.60}"
+            )
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
+        if bad:
+            raise TypeError(
+                f"generate: token ids must be ints, got {type(bad[0]).__name__} {bad[0]!r} in "
+                f"{where} (floats are not truncated; convert them yourself if you mean it)"
+            )
+        if not ids:
+            raise ValueError(f"generate: {where} is empty; give it at least one token")
+        vocab = self.model.config.vocab_size
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(
+                f"generate: token id {outside[0]} in {where} is outside the model's vocab "
+                f"[0, {vocab})"
+            )
+        return list(ids)
+
+    def _parse_one(self, prompt: object, where: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"generate: {where} is empty; give it at least one token")
+            return prompt, self._check_ids(self._encode(prompt), where)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt")
+                return (text if isinstance(text, str) else None,
+                        self._check_ids(prompt["prompt_token_ids"], where))
+            if isinstance(prompt.get("prompt"), str):
+                return self._parse_one(prompt["prompt"], where)
+            raise TypeError(
+                f"generate: {where} is a dict without 'prompt' (str) or 'prompt_token_ids'"
+            )
+        return None, self._check_ids(prompt, where)
+
+    def _parse_prompts(self, prompts: object) -> list[tuple[str | None, list[int]]]:
+        """Normalise ``prompts`` into ``(text or None, token ids)`` pairs, checking each."""
+        if prompts is None or isinstance(prompts, (int, float, bytes)):
+            raise TypeError(
+                "generate: prompts must be a str, a list of token ids, or a list of those; got "
+                f"{type(prompts).__name__}"
+            )
+        if isinstance(prompts, (str, Mapping, torch.Tensor)):
+            return [self._parse_one(prompts, "the prompt")]
+        if type(prompts).__module__ == "numpy":
+            return [self._parse_one(prompts, "the prompt")]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                f"generate: prompts must be a str or a list, got {type(prompts).__name__}"
+            )
+        if prompts and all(isinstance(t, (int, float)) for t in prompts):
+            return [self._parse_one(list(prompts), "the prompt")]  # one prompt of token ids
+        return [self._parse_one(p, f"prompt {i}") for i, p in enumerate(prompts)]
+
+    def _parse_params(self, sampling_params: object, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams(temperature=0.0)] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
+            raise TypeError(
+                "generate: sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}"
+                + (" (build one with SamplingParams(**params))"
+                   if isinstance(sampling_params, Mapping) else "")
+            )
+        if len(sampling_params) != n:
+            raise ValueError(
+                f"generate: got {n} prompts but {len(sampling_params)} SamplingParams; "
                 "pass one for all or one per prompt"
             )
-        encoded = [self._encode(p) for p in prompts]
+        return list(sampling_params)
 
-        # Build (and validate) every request before queueing any, so bad input changes nothing.
-        requests: list[tuple[int, int, Request]] = []
-        for i, (ids, params) in enumerate(zip(encoded, params_list)):
+    def _make_requests(self, items: list[tuple[str | None, list[int]]],
+                       params_list: list[SamplingParams]) -> list[_Tracked]:
+        """Build (and check) every request before queueing any, so bad input changes nothing."""
+        vocab = self.model.config.vocab_size
+        tracked: list[_Tracked] = []
+        for i, ((_, ids), params) in enumerate(zip(items, params_list)):
+            outside = [t for t in params.stop_token_ids if t >= vocab]
+            if outside:
+                raise ValueError(
+                    f"generate: stop token id {outside[0]} (prompt {i}) is outside the model's "
+                    f"vocab [0, {vocab})"
+                )
+            if params.stop and self.tokenizer is None:
+                raise ValueError("generate: stop strings need a tokenizer to detokenize with")
+            extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             for j in range(params.n):
-                child = params
+                changes: dict[str, Any] = {}
                 if params.n > 1:
                     # Children of one prompt differ; a seeded parent gives seed + j (as upstream).
-                    child = SamplingParams(**{**params.__dict__, "n": 1})
+                    changes["n"] = 1
                     if params.seed is not None:
-                        child.seed = params.seed + j
+                        changes["seed"] = params.seed + j
+                if extra and not params.ignore_eos:
+                    # generation_config.json's other EOS ids stop like EOS (as upstream).
+                    changes["stop_token_ids"] = [*params.stop_token_ids, *extra]
+                child = dataclasses.replace(params, **changes) if changes else params
                 rid = f"{self._counter + i}-{j}"
-                requests.append((i, j, self.engine.make_request(rid, ids, child)))
-        self._check_fits(requests)
-        self._counter += len(prompts)
+                tracked.append(_Tracked(i, j, self.engine.make_request(rid, ids, child)))
+        self._check_fits([t.request for t in tracked])
+        return tracked
 
-        sched_stats = self.engine.scheduler.stats
-        runner_stats = self.engine.model_runner.stats
-        start_steps, start_preempt = sched_stats.num_steps, sched_stats.num_preemptions
-        start_out = runner_stats.num_blocks_swapped_out
-        start_in = runner_stats.num_blocks_swapped_in
-        start_prompt_computed = runner_stats.num_prompt_tokens_computed
-        start_q, start_h = self.engine.prefix_cache_queries, self.engine.prefix_cache_hits
-        self.engine.peak_blocks_in_use = 0
-
-        t0 = time.perf_counter()
-        by_id: dict[str, tuple[int, int, Request]] = {}
-        first_token: dict[str, float] = {}
-        finished_at: dict[str, float] = {}
-        for i, j, req in requests:
-            req.arrival_time = t0
-            self.engine.add_request(req)
-            by_id[req.request_id] = (i, j, req)
-
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(requests), desc="Processed prompts", unit="req", leave=False)
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    now = time.perf_counter()
-                    first_token.setdefault(out.request_id, now)
-                    if out.finished:
-                        finished_at[out.request_id] = now
-                        if bar is not None:
-                            bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        elapsed = time.perf_counter() - t0
-
-        results: list[RequestOutput] = []
-        for i, ids in enumerate(encoded):
-            completions = sorted(
-                (j, req) for (pi, j, req) in by_id.values() if pi == i
-            )
-            outs = [
-                CompletionOutput(
-                    index=j,
-                    text=self.tokenizer.decode(list(req.output_token_ids)),
-                    token_ids=list(req.output_token_ids),
-                    finish_reason=_reason(req.get_finished_reason()),
-                    stop_reason=req.stop_reason,
-                )
-                for j, req in completions
-            ]
-            first = completions[0][1]
-            rid = first.request_id
-            results.append(RequestOutput(
-                request_id=rid.rsplit("-", 1)[0],
-                prompt=prompts[i] if isinstance(prompts[i], str) else None,
-                prompt_token_ids=list(ids),
-                outputs=outs,
-                metrics={
-                    "arrival_time": t0,
-                    "first_token_time": first_token.get(rid, float("nan")),
-                    "finished_time": finished_at.get(rid, float("nan")),
-                    "num_cached_tokens": max(first.num_cached_tokens, 0),
-                },
-            ))
-
-        pool = self.engine.scheduler.kv_cache_manager.block_pool
-        self.last_stats = EngineStats(
-            num_steps=sched_stats.num_steps - start_steps,
-            num_requests=len(requests),
-            num_prompt_tokens=sum(len(r.prompt_token_ids) for _, _, r in requests),
-            num_generated_tokens=sum(r.num_output_tokens for _, _, r in requests),
-            num_prompt_tokens_computed=runner_stats.num_prompt_tokens_computed
-            - start_prompt_computed,
-            elapsed_s=elapsed,
-            kv_blocks_total=pool.num_gpu_blocks - 1,
-            kv_blocks_in_use=self.engine.num_blocks_in_use,
-            peak_kv_blocks_in_use=self.engine.peak_blocks_in_use,
-            prefix_cache_queries=self.engine.prefix_cache_queries - start_q,
-            prefix_cache_hits=self.engine.prefix_cache_hits - start_h,
-            num_preemptions=sched_stats.num_preemptions - start_preempt,
-            num_blocks_swapped_out=runner_stats.num_blocks_swapped_out - start_out,
-            num_blocks_swapped_in=runner_stats.num_blocks_swapped_in - start_in,
-        )
-        return results
-
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("generate: a prompt is empty; give it at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"generate: token id {bad[0]} is outside the model's vocab [0, {vocab})"
-            )
-        return ids
-
-    def _check_fits(self, requests: list[tuple[int, int, Request]]) -> None:
+    def _check_fits(self, requests: list[Request]) -> None:
         """Raise before queueing anything if a request can never be served."""
-        sched = self.engine.scheduler
-        usable = sched.kv_cache_manager.block_pool.num_gpu_blocks - 1
-        for _, _, req in requests:
+        sched = self._scheduler_config
+        usable = sched.num_gpu_blocks - 1
+        for req in requests:
             if req.num_tokens >= sched.max_model_len:
                 raise ValueError(
                     f"generate: a prompt has {req.num_tokens} tokens; max_model_len="
@@ -532,6 +773,199 @@ class LLM:
                     f"holds ({usable} blocks of {sched.block_size}); lower max_tokens or raise "
                     "num_gpu_blocks / kv_cache_memory"
                 )
+
+    # ------------------------------------------------------------------ running
+
+    def _run(self, items: list[tuple[str | None, list[int]]], tracked: list[_Tracked],
+             use_tqdm: bool) -> list[RequestOutput]:
+        self._counter += len(items)
+        engine = self.engine
+        sched_stats = engine.scheduler.stats
+        runner_stats = engine.model_runner.stats
+        start_steps, start_preempt = sched_stats.num_steps, sched_stats.num_preemptions
+        start_out = runner_stats.num_blocks_swapped_out
+        start_in = runner_stats.num_blocks_swapped_in
+        start_prompt_computed = runner_stats.num_prompt_tokens_computed
+        start_q, start_h = engine.prefix_cache_queries, engine.prefix_cache_hits
+        engine.peak_blocks_in_use = 0
+
+        t0 = time.perf_counter()
+        by_id = {t.request.request_id: t for t in tracked}
+        first_token: dict[str, float] = {}
+        finished_at: dict[str, float] = {}
+        with_stop = {rid for rid, t in by_id.items() if t.request.sampling_params.stop}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(tracked), desc="Processed prompts", unit="req", leave=False)
+        try:
+            for t in tracked:
+                t.request.arrival_time = t0
+                engine.add_request(t.request)
+            stalled_at: tuple | None = None
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    rid = out.request_id
+                    first_token.setdefault(rid, now)
+                    finished = out.finished
+                    if not finished and rid in with_stop and self._hit_stop_string(by_id[rid]):
+                        engine.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+                        finished = True
+                    if finished:
+                        finished_at[rid] = now
+                        if bar is not None:
+                            bar.update(1)
+                if outputs:
+                    stalled_at = None
+                    continue
+                # No request gained a token: fine during chunked prefill or a swap, a livelock
+                # when the step left everything as it was (the next one would do the same).
+                state = self._progress_state(tracked)
+                if state == stalled_at:
+                    raise RuntimeError(self._stall_message())
+                stalled_at = state
+        except BaseException:
+            self._abort_after_failure(tracked)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        elapsed = time.perf_counter() - t0
+
+        results: list[RequestOutput] = []
+        for i, (text, ids) in enumerate(items):
+            completions = sorted((t.child_index, t) for t in tracked if t.prompt_index == i)
+            first = completions[0][1].request
+            rid = first.request_id
+            results.append(RequestOutput(
+                request_id=rid.rsplit("-", 1)[0],
+                prompt=text,
+                prompt_token_ids=list(ids),
+                outputs=[self._completion(j, t) for j, t in completions],
+                metrics={
+                    "arrival_time": t0,
+                    "first_token_time": first_token.get(rid, float("nan")),
+                    "finished_time": finished_at.get(rid, float("nan")),
+                    "num_cached_tokens": max(first.num_cached_tokens, 0),
+                },
+            ))
+
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        requests = [t.request for t in tracked]
+        self.last_stats = EngineStats(
+            num_steps=sched_stats.num_steps - start_steps,
+            num_requests=len(requests),
+            num_prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+            num_generated_tokens=sum(r.num_output_tokens for r in requests),
+            num_prompt_tokens_computed=runner_stats.num_prompt_tokens_computed
+            - start_prompt_computed,
+            elapsed_s=elapsed,
+            kv_blocks_total=pool.num_gpu_blocks - 1,
+            kv_blocks_in_use=engine.num_blocks_in_use,
+            peak_kv_blocks_in_use=engine.peak_blocks_in_use,
+            prefix_cache_queries=engine.prefix_cache_queries - start_q,
+            prefix_cache_hits=engine.prefix_cache_hits - start_h,
+            num_preemptions=sched_stats.num_preemptions - start_preempt,
+            num_blocks_swapped_out=runner_stats.num_blocks_swapped_out - start_out,
+            num_blocks_swapped_in=runner_stats.num_blocks_swapped_in - start_in,
+        )
+        return results
+
+    def _decode(self, token_ids: Sequence[int], params: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        try:
+            return self.tokenizer.decode(list(token_ids),
+                                         skip_special_tokens=params.skip_special_tokens)
+        except TypeError:  # a user tokenizer without that keyword
+            return self.tokenizer.decode(list(token_ids))
+
+    def _hit_stop_string(self, t: _Tracked) -> bool:
+        """Check the request's new output text for its stop strings (after ``min_tokens``)."""
+        req, params = t.request, t.request.sampling_params
+        if req.num_output_tokens <= params.min_tokens:
+            return False
+        text = self._decode(req.output_token_ids, params)
+        found = check_stop_strings(text, len(text) - t.text_len, params.stop,
+                                   params.include_stop_str_in_output)
+        t.text_len = len(text)
+        if found is None:
+            return False
+        req.stop_reason, t.cut = found
+        return True
+
+    def _completion(self, index: int, t: _Tracked) -> CompletionOutput:
+        req, params = t.request, t.request.sampling_params
+        ids = list(req.output_token_ids)
+        shown = ids
+        if (isinstance(req.stop_reason, int) or (
+                req.get_finished_reason() == FinishReason.STOP and req.stop_reason is None
+        )) and ids and not params.include_stop_str_in_output:
+            shown = ids[:-1]  # a stop token (or EOS) ends the output without being part of it
+        text = self._decode(shown, params)
+        if t.cut is not None:
+            text = text[: t.cut]
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=ids,
+            finish_reason=_reason(req.get_finished_reason()),
+            stop_reason=req.stop_reason,
+        )
+
+    # ------------------------------------------------------------------ failures
+
+    def _progress_state(self, tracked: list[_Tracked]) -> tuple:
+        """Everything a step could change that decides the next step."""
+        sched = self.engine.scheduler
+        return (
+            tuple((r.request_id, r.status, r.num_computed_tokens, r.num_output_tokens)
+                  for r in (t.request for t in tracked)),
+            sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+        )
+
+    def _stall_message(self) -> str:
+        sched = self.engine.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        return (
+            f"the engine stalled: a step scheduled nothing and changed nothing while requests "
+            f"wait ({len(sched.running)} running, {len(sched.waiting)} waiting, "
+            f"{len(getattr(sched, 'swapped', ()))} swapped; {pool.get_num_free_blocks()} of "
+            f"{pool.num_gpu_blocks - 1} KV blocks free), so every later step would do the same. "
+            "The scheduler cannot make progress: check Scheduler.schedule (a request it never "
+            "schedules, or a budget it never spends). The requests of this call were aborted."
+        )
+
+    def _abort_after_failure(self, tracked: list[_Tracked]) -> None:
+        """Leave the engine as if this call's requests had never been queued.
+
+        Abort them through the scheduler (which frees their blocks), make the runner forget every
+        request the scheduler no longer serves, and drop the prefix cache: blocks the failed
+        step registered may hold KV it never wrote. If the engine is still not clean (a fault
+        left the scheduler's queues inconsistent), build a fresh engine core.
+        """
+        ids = [t.request.request_id for t in tracked]
+        engine = self.engine
+        try:
+            engine.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            # The runner keeps only what the scheduler still serves (the failed step may also
+            # have lost the scheduler's news of requests that finished before it).
+            runner, live = engine.model_runner, engine.scheduler.requests
+            for rid in [r for r in runner.requests if r not in live]:
+                del runner.requests[rid]
+            runner.batch_req_ids = [r for r in runner.batch_req_ids if r in live]
+            clean = (not engine.has_unfinished_requests() and engine.num_blocks_in_use == 0
+                     and engine.scheduler.kv_cache_manager.reset_prefix_cache())
+        except Exception:  # the state is too broken to repair in place
+            clean = False
+        for t in tracked:
+            if not t.request.is_finished():
+                t.request.status = RequestStatus.FINISHED_ABORTED
+        if not clean:
+            self.engine = self._make_engine()
 
 
 def _reason(reason: FinishReason | None) -> str | None:

@@ -52,7 +52,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    # Biases: ``attention_bias`` on q/k/v (Qwen2 always; Llama with ``attention_bias``),
+    # ``o_proj_bias`` on the attention output (Llama with ``attention_bias``), ``mlp_bias`` on
+    # gate/up/down (Llama with ``mlp_bias``).
     attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -157,11 +162,11 @@ class LlamaMLP(nn.Module):
     upstream: vllm/model_executor/models/llama.py:60 @ v0.11.0
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -179,7 +184,7 @@ class LlamaAttention(nn.Module):
     upstream: vllm/model_executor/models/llama.py:103 @ v0.11.0
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -189,8 +194,9 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        self.rotary_emb = RotaryEmbedding(
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_proj_bias)
+        # One table serves every layer (the model passes its shared instance).
+        self.rotary_emb = rotary_emb or RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, config.rope_theta
         )
 
@@ -232,10 +238,10 @@ class LlamaDecoderLayer(nn.Module):
     upstream: vllm/model_executor/models/llama.py:241 @ v0.11.0
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -258,8 +264,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

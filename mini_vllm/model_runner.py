@@ -138,8 +138,16 @@ class PagedAttentionBackend:
                                   meta.slot_mapping.to(key.device))
         else:
             cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(query)
         nd, nt = meta.num_decodes, meta.num_decode_tokens
+        if not meta.num_prefills and (ops is None or not hasattr(ops, "paged_attention_v1")):
+            # A pure decode step (the common one): no output buffer to assemble.
+            return paged_attn.forward_decode(
+                query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                meta.max_decode_seq_len, self.num_kv_heads, scale,
+            )
+        if not nd:
+            return chunked_prefill_attention(query, key_cache, value_cache, meta, scale)
+        out = torch.empty_like(query)
         if nd:
             block_tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
             if ops is not None and hasattr(ops, "paged_attention_v1"):
@@ -272,8 +280,8 @@ class ModelRunnerBase:
         positions (the prefill work that prefix caching saves)."""
         self.stats.num_forward_passes += 1
         self.stats.num_tokens_computed += meta.num_actual_tokens
-        for i, req_id in enumerate(meta.req_ids):
-            ctx, seq = int(meta.context_lens[i]), int(meta.seq_lens[i])
+        for req_id, ctx, seq in zip(meta.req_ids, meta.context_lens.tolist(),
+                                    meta.seq_lens.tolist()):
             prompt = self.requests[req_id].num_prompt_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(prompt, seq) - ctx)
 
@@ -392,10 +400,11 @@ class ModelRunner(ModelRunnerBase):
         upstream: vllm/v1/worker/gpu_model_runner.py:2054 @ v0.11.0
         """
         rows, states = [], []
+        seq_lens, query_start_loc = meta.seq_lens.tolist(), meta.query_start_loc.tolist()
         for i, req_id in enumerate(meta.req_ids):
             state = self.requests[req_id]
-            if int(meta.seq_lens[i]) >= state.num_tokens:
-                rows.append(int(meta.query_start_loc[i + 1]) - 1)
+            if seq_lens[i] >= state.num_tokens:
+                rows.append(query_start_loc[i + 1] - 1)
                 states.append(state)
         sampled: list[list[int]] = [[] for _ in meta.req_ids]
         if not rows:

@@ -18,11 +18,13 @@ BUGS = [
     ),
     PlantedBug(
         name="x-split-swapped-on-read",
-        description="the key gather puts the x lane before the head_size // x chunk when it "
-        "undoes the split, scrambling every key's elements",
+        description="the key read pairs the x lane with the head_size // x chunk the wrong way "
+        "round (element d taken as (d % (head_size // x), d // (head_size // x))), scrambling "
+        "every key's elements",
         file=PAGED,
-        find="keys = key_cache[table].permute(0, 2, 1, 4, 3, 5)",
-        replace="keys = key_cache[table].permute(0, 2, 1, 4, 5, 3)",
+        find="q = query.to(acc).view(num_seqs, num_kv_heads, group, head_size // x, x)",
+        replace="q = query.to(acc).view(num_seqs, num_kv_heads, group, x, head_size // x)"
+        ".transpose(-1, -2)",
     ),
     PlantedBug(
         name="slot-offset-off-by-one",
@@ -52,8 +54,8 @@ BUGS = [
         description="query heads are grouped as h % num_kv_heads instead of "
         "h // (num_heads // num_kv_heads)",
         file=PAGED,
-        find="q = query.float().reshape(num_seqs, num_kv_heads, group, head_size)",
-        replace="q = query.float().reshape(num_seqs, group, num_kv_heads, head_size)"
+        find="q = query.to(acc).view(num_seqs, num_kv_heads, group, head_size // x, x)",
+        replace="q = query.to(acc).view(num_seqs, group, num_kv_heads, head_size // x, x)"
         ".transpose(1, 2)",
     ),
     PlantedBug(

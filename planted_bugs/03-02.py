@@ -42,8 +42,8 @@ BUGS = [
         name="mask-not-offset-by-context",
         description="the causal mask of a chunk starts at position 0, ignoring its context",
         file=ATTN,
-        find="q_pos = metadata.context_lens.long()[:, None] + torch.arange",
-        replace="q_pos = 0 * metadata.context_lens.long()[:, None] + torch.arange",
+        find="q_pos = ctx + torch.arange(q_len, device=dev)",
+        replace="q_pos = 0 * ctx + torch.arange(q_len, device=dev)",
     ),
     PlantedBug(
         name="reorder-keeps-order",

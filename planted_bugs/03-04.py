@@ -16,15 +16,15 @@ BUGS = [
         description="samples from the logits of each request's first scheduled token instead "
         "of its last",
         file="mini_vllm/model_runner.py",
-        find="rows.append(int(meta.query_start_loc[i + 1]) - 1)",
-        replace="rows.append(int(meta.query_start_loc[i]))",
+        find="rows.append(query_start_loc[i + 1] - 1)",
+        replace="rows.append(query_start_loc[i])",
     ),
     PlantedBug(
         name="sample-mid-prefill",
         description="samples a token after every chunk of a chunked prefill, not only once "
         "the whole prompt is in the cache",
         file="mini_vllm/model_runner.py",
-        find="if int(meta.seq_lens[i]) >= state.num_tokens:",
+        find="if seq_lens[i] >= state.num_tokens:",
         replace="if True:",
     ),
     PlantedBug(

@@ -35,6 +35,7 @@ def demo(tmp_path: Path) -> Path:
     (root / "planted_bugs").mkdir()
     shutil.copy(FIXTURE.parent / "demo_planted_bugs.py", root / "planted_bugs" / "09-01.py")
     (root / "upstream_refs" / "map").mkdir(parents=True)
+    (root / "course" / "labs.toml").write_text('[lab."09-01"]\npoints = 5\n')
     return root
 
 

@@ -21,6 +21,7 @@ from mini_vllm.attention.paged_checks import (
     check_flash_caches,
     check_paged_caches,
     check_slots,
+    check_slots_all_valid,
     check_swap,
 )
 
@@ -53,13 +54,17 @@ def reshape_and_cache(
     num_blocks, block_size = check_paged_caches(key, value, key_cache, value_cache)
     num_tokens, num_kv_heads, head_size = key.shape
     x = key_cache.shape[4]
-    slots = check_slots(slot_mapping, num_tokens, num_blocks * block_size, key_cache.device)
+    slots, all_real = check_slots_all_valid(slot_mapping, num_tokens,
+                                            num_blocks * block_size, key_cache.device)
 
-    rows = torch.nonzero(slots >= 0).squeeze(1)
-    real = slots[rows]
+    if all_real and len(slots) == num_tokens:  # the engine's case: every token has a slot
+        real, k, v = slots, key.to(key_cache.device), value.to(value_cache.device)
+    else:
+        rows = torch.nonzero(slots >= 0).squeeze(1)
+        real = slots[rows]
+        k = key[rows.to(key.device)].to(key_cache.device)
+        v = value[rows.to(value.device)].to(value_cache.device)
     blocks, offsets = real // block_size, real % block_size
-    k = key[rows.to(key.device)].to(key_cache.device)
-    v = value[rows.to(value.device)].to(value_cache.device)
     # Split head_size into (head_size // x, x): chunk d // x, lane d % x.
     key_cache[blocks, :, :, offsets, :] = k.reshape(-1, num_kv_heads, head_size // x, x)
     value_cache[blocks, :, :, offsets] = v

@@ -14,9 +14,12 @@ usual lower triangle *shifted right by the context*::
 The new tokens' KV must already be written to the cache (``reshape_and_cache`` with the step's
 ``slot_mapping``) before this runs: the chunk reads its own keys from the cache like any other.
 
-The implementation is plain tensor code with no loop over sequences or tokens: gather each
-sequence's keys and values from its block table into a padded ``[num_seqs, max_seq_len, ...]``
-tensor, lay the queries out as ``[num_seqs, max_query_len, ...]``, and mask by position.
+The implementation is plain tensor code with no loop over tokens. Sequences with the same shape
+(query length and context length) are done together: gather their keys and values from their
+block tables, lay their queries out as ``[group, query_len, ...]``, mask by position, softmax.
+Grouping by shape rather than padding every sequence to the longest chunk and the longest
+context keeps a mixed step with one long chunk and a few short ones from costing as much as if
+every sequence were long (the lab's exercise pads; the work is the same when shapes agree).
 Scores and softmax run in float32 (float64 for float64 inputs).
 
 upstream: vllm/attention/ops/chunked_prefill_paged_decode.py:227 @ v0.11.0
@@ -27,6 +30,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn import functional as F
 
 from mini_vllm.attention.metadata import AttentionMetadata
 
@@ -93,26 +97,31 @@ def chunked_prefill_attention(
         scale = 1.0 / math.sqrt(head_size)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
 
-    keys, values = gather_paged_kv(key_cache, value_cache, metadata.block_tables)
     group = num_heads // num_kv_heads
-    keys = keys.repeat_interleave(group, dim=2).to(acc)  # [S, K, H, D]
-    values = values.repeat_interleave(group, dim=2).to(acc)
+    dev = query.device
+    q_lens = metadata.query_lens.tolist()
+    ctx_lens = metadata.context_lens.tolist()
+    starts = metadata.query_start_loc.tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for s, shape in enumerate(zip(q_lens, ctx_lens)):
+        groups.setdefault(shape, []).append(s)
 
-    # Scatter the flat queries into [S, Qmax, H, D]; padded query rows stay zero.
-    num_seqs = metadata.num_reqs
-    q_lens = metadata.query_lens.long()
-    starts = metadata.query_start_loc[:-1].long()
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-    row_in_seq = torch.arange(num_tokens) - starts[seq_of_token]
-    q_pad = query.new_zeros((num_seqs, metadata.max_query_len, num_heads, head_size), dtype=acc)
-    q_pad[seq_of_token, row_in_seq] = query.to(acc)
-
-    scores = torch.einsum("sqhd,skhd->shqk", q_pad, keys) * scale
-    # Query row i of sequence s is at position context_lens[s] + i; key j is visible iff j <= it.
-    q_pos = metadata.context_lens.long()[:, None] + torch.arange(metadata.max_query_len)[None]
-    k_pos = torch.arange(keys.shape[1])
-    visible = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Qmax, K]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    out_pad = torch.einsum("shqk,skhd->sqhd", weights, values)
-    return out_pad[seq_of_token, row_in_seq].to(query.dtype)
+    block_size = key_cache.shape[3]
+    out = torch.empty(num_tokens, num_heads, head_size, dtype=query.dtype, device=query.device)
+    for (q_len, ctx), seqs in groups.items():
+        seq_len = ctx + q_len
+        n_blk = -(-seq_len // block_size)
+        rows = torch.tensor(seqs, dtype=torch.long)
+        keys, values = gather_paged_kv(key_cache, value_cache,
+                                       metadata.block_tables[rows, :n_blk])
+        keys = keys[:, :seq_len].to(acc).transpose(1, 2)  # [g, KVH, seq_len, D]
+        values = values[:, :seq_len].to(acc).transpose(1, 2)
+        flat = torch.cat([torch.arange(starts[s], starts[s] + q_len, device=dev) for s in seqs])
+        q = query[flat].to(acc).view(len(seqs), q_len, num_heads, head_size).transpose(1, 2)
+        # Query row i is at position ctx + i; key j is visible iff j <= it.
+        q_pos = ctx + torch.arange(q_len, device=dev)
+        visible = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale,
+                                           enable_gqa=group > 1)  # [g, H, q_len, D]
+        out[flat] = o.transpose(1, 2).reshape(-1, num_heads, head_size).to(query.dtype)
+    return out

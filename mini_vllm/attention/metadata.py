@@ -131,11 +131,9 @@ def make_block_table_tensor(
     cols = longest if num_cols is None else num_cols
     if cols < longest:
         raise ValueError(f"a block table has {longest} blocks, more than num_cols={cols}")
-    out = torch.zeros((len(block_tables), cols), dtype=torch.int32)
-    for i, table in enumerate(block_tables):
-        if len(table):
-            out[i, : len(table)] = torch.as_tensor(list(table), dtype=torch.int32)
-    return out
+    # One tensor from padded Python rows (one call, not one per row: this runs every step).
+    rows = [list(table) + [0] * (cols - len(table)) for table in block_tables]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(block_tables), cols)
 
 
 def compute_slot_mapping(

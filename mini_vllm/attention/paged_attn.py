@@ -72,7 +72,7 @@ def kv_cache_x(dtype: torch.dtype) -> int:
         raise ValueError(
             f"unsupported KV cache dtype {dtype}; use one of float32, float16, bfloat16"
         )
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def get_kv_cache_shape(
@@ -168,16 +168,24 @@ def _gather_logits(
     num_tokens: int,
     alibi_slopes: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled (ALiBi-biased, masked) fp32 logits and the gathered fp32 values.
+    """Scaled (ALiBi-biased, masked) fp32 logits and the gathered value blocks.
 
     Returns ``logits [num_seqs, num_kv_heads, group, num_tokens]`` with ``-inf`` at positions
-    ``>= seq_len`` and ``values [num_seqs, num_kv_heads, num_tokens, head_size]``, where ``group =
+    ``>= seq_len`` and ``values [num_seqs, blocks, num_kv_heads, head_size, block_size]`` (the
+    value blocks in their cache layout; :func:`_weighted_values` consumes them), where ``group =
     num_heads // num_kv_heads`` and query head ``h`` is KV head ``h // group``, member
     ``h % group``. ``num_tokens`` must be a multiple of ``block_size`` covering every context.
+
+    The blocks are read whole (``index_select`` on the block dimension: one contiguous copy per
+    block, as a kernel reads them) and used in their cache layout: the key's ``x`` split is
+    contracted directly (``einsum`` over ``head_size // x`` and ``x``), and the values are
+    multiplied block by block. Neither is first rearranged token-major, which would copy every
+    cached token of the batch a second time in every layer at every step.
     """
     num_seqs, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
     n_blk = num_tokens // block_size
+    x = key_cache.shape[-1]
     pos = torch.arange(num_tokens, device=query.device)
     valid = pos[None, :] < seq_lens.to(torch.int64)[:, None]  # [num_seqs, num_tokens]
 
@@ -185,27 +193,43 @@ def _gather_logits(
     # block 0 so the gather stays in bounds, and let the mask drop what they bring in.
     table = block_tables[:, :n_blk].to(torch.int64)
     col_used = valid[:, ::block_size]
-    table = torch.where(col_used, table, torch.zeros_like(table))
+    ids = torch.where(col_used, table, torch.zeros_like(table)).reshape(-1)
 
-    # [seqs, blk, kvh, D/x, B, x] -> [seqs, kvh, blk, B, D/x, x] -> [seqs, kvh, T, D]
-    keys = key_cache[table].permute(0, 2, 1, 4, 3, 5)
-    keys = keys.reshape(num_seqs, num_kv_heads, num_tokens, head_size).float()
-    # [seqs, blk, kvh, D, B] -> [seqs, kvh, blk, B, D] -> [seqs, kvh, T, D]
-    values = value_cache[table].permute(0, 2, 1, 4, 3)
-    values = values.reshape(num_seqs, num_kv_heads, num_tokens, head_size).float()
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    keys = key_cache.index_select(0, ids).view(
+        num_seqs, n_blk, num_kv_heads, head_size // x, block_size, x)
+    values = value_cache.index_select(0, ids).view(
+        num_seqs, n_blk, num_kv_heads, head_size, block_size)
+    if keys.dtype != acc:
+        keys, values = keys.to(acc), values.to(acc)
     # Stale slots past seq_len (and padding blocks) may hold NaN or inf, and a zero softmax
-    # weight times NaN is NaN: zero those values, as upstream's kernel does (its line 417).
-    values = values.masked_fill(~valid[:, None, :, None], 0.0)
-
-    q = query.float().reshape(num_seqs, num_kv_heads, group, head_size)
-    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [seqs, kvh, group, T]
+    # weight times NaN is NaN: zero those values (a fresh copy), as upstream's kernel does.
+    values.masked_fill_(~valid.view(num_seqs, n_blk, 1, 1, block_size), 0.0)
+    q = query.to(acc).view(num_seqs, num_kv_heads, group, head_size // x, x)
+    # logits[s, k, g, n, b] = sum over (c, l) of q[s, k, g, c, l] * key[s, n, k, c, b, l]
+    logits = torch.einsum("skgcl,snkcbl->skgnb", q, keys).reshape(
+        num_seqs, num_kv_heads, group, num_tokens) * scale
     if alibi_slopes is not None:
         # The only query sits at position seq_len - 1, so key t gets slope * (t - seq_len + 1).
         dist = pos[None, :] - (seq_lens.to(torch.int64)[:, None] - 1)  # [seqs, T]
-        slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1)
-        logits = logits + slopes * dist[:, None, None, :].float()
+        slopes = alibi_slopes.to(acc).view(1, num_kv_heads, group, 1)
+        logits = logits + slopes * dist[:, None, None, :].to(acc)
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     return logits, values
+
+
+def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``sum_t weights[s, k, g, t] * value_t`` -> ``[num_seqs, num_kv_heads, group, head_size]``.
+
+    ``values`` are value blocks ``[num_seqs, blocks, num_kv_heads, head_size, block_size]``
+    covering the ``t`` of ``weights``: one small matmul per block (``[head_size, block_size]``
+    times ``[block_size, group]``), then a sum over the blocks.
+    """
+    num_seqs, n_blk, num_kv_heads, head_size, block_size = values.shape
+    group = weights.shape[2]
+    w = weights.reshape(num_seqs, num_kv_heads, group, n_blk, block_size).permute(0, 3, 1, 4, 2)
+    out = torch.matmul(values, w.to(values.dtype)).sum(dim=1)  # [seqs, kvh, D, group]
+    return out.transpose(-1, -2)
 
 
 def paged_attention_v1(
@@ -258,7 +282,7 @@ def paged_attention_v1(
         alibi_slopes,
     )
     probs = torch.softmax(logits, dim=-1)
-    result = torch.matmul(probs, values)  # [seqs, kvh, group, D]
+    result = _weighted_values(probs, values)  # [seqs, kvh, group, D]
     out.copy_(result.reshape(out.shape))
 
 
@@ -323,6 +347,7 @@ def paged_attention_v2(
     )
     # One step per partition, as the kernel's third grid dimension; all sequences and heads
     # at once. The last partition is as short as the longest context allows.
+    blocks_per_part = PARTITION_SIZE // block_size
     for p in range(used_parts):
         part = slice(p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE)
         chunk = logits[..., part]  # [seqs, kvh, group, <= P]
@@ -331,7 +356,8 @@ def paged_attention_v2(
         safe_max = torch.where(torch.isfinite(part_max), part_max, torch.zeros_like(part_max))
         weights = torch.exp(chunk - safe_max[..., None])
         part_sum = weights.sum(dim=-1)
-        partial = torch.matmul(weights, values[:, :, part])  # [seqs, kvh, group, D]
+        part_blocks = values[:, p * blocks_per_part : (p + 1) * blocks_per_part]
+        partial = _weighted_values(weights, part_blocks)  # [seqs, kvh, group, D]
         partial = partial / part_sum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
         exp_sums[:, :, p] = part_sum.reshape(num_seqs, num_heads)
         max_logits[:, :, p] = part_max.reshape(num_seqs, num_heads)

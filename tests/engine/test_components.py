@@ -1,8 +1,7 @@
-"""The engine's parts on their own: tokenizer, sampler, model paths, checkpoint loading."""
+"""The engine's parts on their own: tokenizer, sampler, model paths (loading: test_loading.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -13,8 +12,7 @@ from hypothesis import strategies as st
 
 from course.numerics import assert_close
 from mini_vllm.attention.metadata import build_attention_metadata
-from mini_vllm.hf_loader import config_from_hf, load_checkpoint
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+from mini_vllm.model import ModelConfig
 from mini_vllm.model_runner import ModelRunner
 from mini_vllm.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
 from mini_vllm.sampling_params import SamplingParams
@@ -132,60 +130,7 @@ def test_positions_beyond_the_model_are_an_error(tiny_model):
         tiny_model.forward_reference(torch.zeros(300, dtype=torch.long))
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-def _write_hf(tmp_path, model_type, *, tie=False):
-    from safetensors.torch import save_file
-
-    hf = {
-        "model_type": model_type, "vocab_size": 48, "hidden_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
-        "max_position_embeddings": 128, "rope_theta": 1000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": tie, "hidden_act": "silu",
-    }
-    src = LlamaForCausalLM(config_from_hf(hf))
-    init_weights(src, seed=5, std=0.3)
-    with torch.no_grad():
-        for name, p in src.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(6))
-    state = {k: v.contiguous() for k, v in src.state_dict().items()}
-    if tie:
-        state.pop("lm_head.weight")
-    # Split over two shards, as large HF checkpoints are.
-    names = sorted(state)
-    save_file({k: state[k] for k in names[::2]}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({k: state[k] for k in names[1::2]},
-              str(tmp_path / "model-00002-of-00002.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    return src
-
-
-@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True)])
-def test_hf_checkpoint_loads_and_matches(tmp_path, model_type, tie):
-    src = _write_hf(tmp_path, model_type, tie=tie)
-    model = load_checkpoint(tmp_path)
-    assert model.config.attention_bias == (model_type == "qwen2")
-    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-    assert_close(model.forward_reference(ids), src.forward_reference(ids))
-
-
-def test_hf_loader_refuses_what_it_cannot_run(tmp_path):
-    _write_hf(tmp_path, "llama")
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    with pytest.raises(ValueError, match="rope_scaling"):
-        config_from_hf({**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    with pytest.raises(ValueError, match="model_type"):
-        config_from_hf({**cfg, "model_type": "gpt2"})
-    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        load_checkpoint(tmp_path / "nowhere")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        load_checkpoint(tmp_path / "empty")
-    (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(ValueError, match="lacks"):
-        load_checkpoint(tmp_path)
+# ----------------------------------------------------------------------------- import
 
 
 def test_import_mini_vllm_does_not_import_torch():
