@@ -89,7 +89,39 @@ def fill(source: str, solution, qualnames: list[str]) -> str:
                 edits.append((cls_node.end_lineno, cls_node.end_lineno, "\n" + "\n".join(extra)))
     for first, last, text in sorted(edits, key=lambda e: e[0], reverse=True):
         lines[first:last] = [text if text.endswith("\n") else text + "\n"]
-    return "".join(lines)
+    imports = _missing_globals(tree, solution, qualnames)
+    return "".join(lines) + "".join(imports)
+
+
+def _global_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+def _missing_globals(tree: ast.Module, solution, qualnames: list[str]) -> list[str]:
+    """`from <reference module> import name` for each module-level name a filled-in function
+    uses that the starter does not define (a private helper such as `_gather_logits`, a check
+    the starter does not import). Appended at the end: globals resolve at call time."""
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    out = []
+    for qualname in qualnames:
+        _, ref = _reference_function(solution, qualname)
+        for name in sorted(_global_names(ref.__code__)):
+            if name in ref.__globals__ and name not in defined:
+                defined.add(name)
+                out.append(f"from {ref.__module__} import {name}  # noqa: E402\n")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -181,6 +181,31 @@ def test_a_failure_repeated_over_a_grid_is_rendered_once(course):
     assert every.stdout.count("def test_double") == 29
 
 
+def test_a_crash_in_the_lab_code_reached_from_several_tests_is_rendered_once(course):
+    tests = course / LAB / "test_lab.py"
+    tests.write_text(
+        tests.read_text()
+        + textwrap.dedent(
+            """
+
+            @pytest.mark.parametrize("x", ["a", "b"])
+            def test_halve_text(x):
+                assert lab.halve(x) == x
+
+
+            def test_halve_text_again():
+                assert lab.halve("c") == "c"
+            """
+        )
+    )
+    out = pytest_run(course, "solution", "-k", "halve").stdout
+    # One TypeError at the same line of solution.py, reached from two tests: one report.
+    assert out.count("def test_halve_text") == 1, out
+    assert "the same failure in 2 other cases (2 tests)" in out
+    assert "test_halve_text[b]" in out and "test_halve_text_again" in out
+    assert "3 failed" in out
+
+
 def test_threads_are_half_the_cores_between_1_and_4():
     assert [choose_threads(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4, 4]
 

@@ -107,7 +107,9 @@ def _ranges(ids: list[int]) -> str:
     return ", ".join(out)
 
 
-def check_attention(got, want, *, seq_lens, block_size, dtype, what, atol=None, rtol=None):
+def check_attention(
+    got, want, *, seq_lens, block_size, dtype, what, atol=None, rtol=None, alibi=False
+):
     """``got`` equals ``want`` (both ``[num_seqs, num_heads, head_size]``) within the dtype's
     tolerance; otherwise say which (sequence, query head) outputs are wrong and what that
     pattern usually means."""
@@ -160,6 +162,12 @@ def check_attention(got, want, *, seq_lens, block_size, dtype, what, atol=None, 
         lines.append(
             "  only sequences whose last block is partly filled are wrong: positions >= seq_len "
             "hold stale data and must not join the softmax"
+        )
+    elif alibi and float(finite_err.max()) < 100 * (atol + rtol):
+        lines.append(
+            "  the errors are small, at the rounding level of large logits: is the ALiBi bias "
+            "slope * (t - (seq_len - 1))? Measured from another position it shifts every logit "
+            "of a row by the same amount, which softmax ignores except through rounding"
         )
     elif 0 < int(wrong.sum()) < len(bad_seqs) * num_heads:
         lines.append(
@@ -225,7 +233,8 @@ class Batch:
             own = [perm.pop(0) for _ in range(blocks_needed[s])]
             pads = [spare[(s + j) % len(spare)] for j in range(cols - len(own))]
             if junk == "nan":
-                pads = [[-1, num_blocks + 7, 2**31 - 1, pads[0]][(s + j) % 4] for j in range(len(pads))]
+                kinds = [-1, num_blocks + 7, 2**31 - 1, pads[0]]
+                pads = [kinds[(s + j) % 4] for j in range(len(pads))]
             table[s] = torch.tensor(own + pads, dtype=torch.int32)
             k = torch.randn(n, kvh, head_size, generator=gen).to(dtype)
             v = torch.randn(n, kvh, head_size, generator=gen).to(dtype)
@@ -275,6 +284,7 @@ class Batch:
             block_size=self.block_size,
             dtype=self.dtype,
             what=what,
+            alibi=self.alibi_slopes is not None,
         )
 
     def args(self):
@@ -458,6 +468,11 @@ def check_written(key_cache, value_cache, key, value, slots, k_before, v_before)
             )
             if torch.equal(got_k.flatten().sort().values, key[i].flatten().sort().values):
                 msg += "; the token's elements are all there, in another order: the x split"
+            if bool(torch.isnan(got_k).any()):
+                msg += (
+                    "; NaN is what the padding tokens (negative slots) carry: one was written "
+                    "here (slot -1 indexes the last slot; a negative slot writes nothing)"
+                )
             for delta in (-1, 1):
                 if 0 <= o + delta < block_size:
                     idx = key_flat_index(blocks[j : j + 1], offsets[j : j + 1] + delta, kvh, head,
@@ -647,8 +662,8 @@ def test_v1_long_contexts(heads):
 
 def _decode(out, query, key_cache, value_cache, kvh, scale, tables, lens, block_size, **kw):
     lab.paged_attention_v1(
-        out, query, key_cache, value_cache, kvh, scale, tables, lens, block_size, max(lens.tolist()),
-        **kw,
+        out, query, key_cache, value_cache, kvh, scale, tables, lens, block_size,
+        max(lens.tolist()), **kw,
     )
     return out
 
@@ -701,7 +716,9 @@ def test_v1_masks_positions_past_seq_len(block_size):
             )
 
 
-@pytest.mark.parametrize("heads", [(8, 2), (12, 3), (6, 6), (4, 1)], ids=lambda h: f"h{h[0]}x{h[1]}")
+@pytest.mark.parametrize(
+    "heads", [(8, 2), (12, 3), (6, 6), (4, 1)], ids=lambda h: f"h{h[0]}x{h[1]}"
+)
 def test_v1_query_head_reads_kv_head_h_over_group(heads):
     """KV head k holds a key that matches every query only at position 2k + 1, and values
     100 * (k + 1) + t. A query head's output, 100 * (v + 1) + (2k + 1), tells which KV head v
@@ -973,7 +990,9 @@ def test_v1_rejects_bad_input_and_writes_nothing():
     for what, override in _bad_decode_calls(batch):
         out = torch.full_like(batch.query, 7.0)
         args = _decode_kwargs(batch, override)
-        _assert_rejected(f"v1, {what}", lambda a=args: lab.paged_attention_v1(out, **a), out)
+        _assert_rejected(
+            f"v1, {what}", lambda a=args, o=out: lab.paged_attention_v1(o, **a), out
+        )
     wrong_out = torch.full((2, 4, 32), 7.0)
     _assert_rejected(
         "v1 with out of another shape than query",
@@ -1082,7 +1101,7 @@ def test_v2_several_partitions_matches_reference_and_v1(case):
     v2 = batch.run_v2()
     batch.check(v2, f"v2 {grid_id(case)}")
     check_attention(v2, batch.run_v1(), seq_lens=lens, block_size=block, dtype=dtype,
-                    what=f"v2 vs your v1 {grid_id(case)}")
+                    what=f"v2 vs your v1 {grid_id(case)}", alibi=alibi)
 
 
 def _check_partition(what, got, want, s, p, dtype=torch.float32):
@@ -1183,7 +1202,10 @@ def test_v2_rejects_bad_input_and_writes_nothing():
         bufs = [torch.full_like(t, 7.0) for t in batch.v2_buffers()]
         args = _decode_kwargs(batch, override)
         _assert_rejected(
-            f"v2, {what}", lambda a=args, b=bufs: lab.paged_attention_v2(out, *b, **a), out, *bufs
+            f"v2, {what}",
+            lambda a=args, b=bufs, o=out: lab.paged_attention_v2(o, *b, **a),
+            out,
+            *bufs,
         )
 
 
@@ -1204,7 +1226,7 @@ def test_v2_rejects_too_small_buffers_and_block_sizes_that_do_not_divide_512():
         out = torch.full_like(batch.query, 7.0)
         _assert_rejected(
             f"v2 with {name} of 1 partition for max_seq_len {batch.max_seq_len}",
-            lambda b=bufs: lab.paged_attention_v2(out, *b, *batch.args()),
+            lambda b=bufs, o=out: lab.paged_attention_v2(o, *b, *batch.args()),
             out,
             *bufs,
         )
@@ -1379,7 +1401,8 @@ def test_swap_blocks_rejects_bad_input_and_writes_nothing():
     dst = torch.zeros(4, *src.shape[1:], dtype=src.dtype)
     ok = torch.tensor([[0, 0]], dtype=torch.int64)
     for what, call in [
-        ("a destination beyond the pool", lambda: lab.swap_blocks(src, dst, torch.tensor([[0, 4]]))),
+        ("a destination beyond the pool",
+         lambda: lab.swap_blocks(src, dst, torch.tensor([[0, 4]]))),
         ("a source beyond the pool", lambda: lab.swap_blocks(src, dst, torch.tensor([[6, 0]]))),
         ("one destination twice",
          lambda: lab.swap_blocks(src, dst, torch.tensor([[0, 1], [2, 1]]))),
