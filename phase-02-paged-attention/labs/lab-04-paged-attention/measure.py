@@ -86,7 +86,7 @@ def run(impl, n: int) -> dict:
             ),
         ),
         (
-            "v1 on token-major memory",
+            "v1, token-major memory",
             lambda: impl.paged_attention_v1(out, query, keys_tm, values_tm, *rest),
         ),
     ):
