@@ -212,8 +212,9 @@ def paged_attention_v1(
 
     Errors (``ValueError`` before ``out`` is written; ``check_decode_inputs`` and ``check_out``
     do it): mismatched shapes, dtypes or devices, a block id in use that is outside the cache,
-    too few table columns, a ``seq_len < 1`` or ``> max_seq_len``. Tensor ops only: the whole
-    batch at once, no loop over sequences or tokens.
+    too few table columns, a ``seq_len < 1`` or ``> max_seq_len``. A batch of no sequences is
+    valid and leaves nothing to do. Tensor ops only: the whole batch at once, no loop over
+    sequences or tokens.
     """
     raise NotImplementedError(
         "lab 02-04, task 3: implement paged_attention_v1 (hint: python -m course hint 02-04 3)"

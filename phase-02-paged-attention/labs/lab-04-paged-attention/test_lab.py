@@ -886,6 +886,33 @@ def test_v1_uses_scale_defaults_and_a_larger_max_seq_len():
     batch.check(out, "v1 with scale 0.37, alibi_slopes left out and max_seq_len 100")
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_one_token_sequences_and_an_empty_batch(version):
+    """Every sequence one token long (the first decode after a one-token prompt): the output is
+    that token's value, whatever the logits. A batch of no sequences writes nothing."""
+    batch = Batch(
+        seed=32,
+        seq_lens=[1, 1, 1],
+        num_heads=(4, 2),
+        head_size=32,
+        block_size=8,
+        dtype=torch.float32,
+        alibi=True,
+    )
+    out = batch.run_v1() if version == "v1" else batch.run_v2()
+    batch.check(out, f"{version} with three one-token sequences")
+    empty = torch.empty(0, 4, 32)
+    args = list(batch.args())
+    args[0] = empty
+    args[5] = batch.block_tables[:0]
+    args[6] = batch.seq_lens[:0]
+    if version == "v1":
+        lab.paged_attention_v1(empty, *args)
+    else:
+        bufs = (torch.empty(0, 4, 1), torch.empty(0, 4, 1), torch.empty(0, 4, 1, 32))
+        lab.paged_attention_v2(empty, *bufs, *args)
+
+
 def test_reshape_then_paged_attention_is_attention():
     """The data plane end to end: prefill writes K/V by slot, decode reads them by table."""
     dtype, heads, head, block_size = torch.float32, (8, 2), 64, 16
@@ -1393,6 +1420,21 @@ def test_swap_blocks_between_pools():
     want = torch.zeros_like(back)
     want[1], want[4] = src_before[2], src_before[5]
     _check_blocks("swap_blocks in [[3, 1], [0, 4]], destination pool", back, want)
+
+
+def test_copy_and_swap_a_single_block():
+    keys, values = _layers(num_layers=1, num_blocks=6, seed=4)
+    want = [t.clone() for t in keys + values]
+    for t in want:
+        t[2] = t[4]
+    lab.copy_blocks(keys, values, torch.tensor([[4, 2]], dtype=torch.int64))
+    for name, got, w in zip(("key cache", "value cache"), keys + values, want):
+        _check_blocks(f"copy_blocks [[4, 2]], {name}", got, w)
+    dst = torch.zeros(3, *keys[0].shape[1:], dtype=keys[0].dtype)
+    lab.swap_blocks(keys[0], dst, torch.tensor([[5, 1]], dtype=torch.int64))
+    want = torch.zeros_like(dst)
+    want[1] = keys[0][5]
+    _check_blocks("swap_blocks [[5, 1]], destination pool", dst, want)
 
 
 def test_swap_blocks_rejects_bad_input_and_writes_nothing():
