@@ -17,7 +17,7 @@ import time
 
 import torch
 
-TITLE = "One decode step: your v1, your v2, and your v1 over token-major memory"
+TITLE = "One decode step: v1, v2, and v1 over token-major memory"
 X_LABEL = "context length (tokens per sequence)"
 Y_LABEL = "milliseconds per decode step (best of 5)"
 LOG_X = LOG_Y = True

@@ -17,7 +17,7 @@ import torch
 
 from mini_vllm.attention.metadata import build_attention_metadata
 
-TITLE = "A step of 16 decodes and one prefill chunk, in your chunked_prefill_attention"
+TITLE = "16 decodes and one prefill chunk in one step"
 X_LABEL = "prefill chunk length (tokens)"
 Y_LABEL = "milliseconds per step (best of 5)"
 LOG_X = LOG_Y = True
