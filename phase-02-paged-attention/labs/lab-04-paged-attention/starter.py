@@ -287,7 +287,8 @@ def paged_attention_v2_reduce(
     would give, i.e. the mean of ``tmp_out[s, h, p]`` over ``p < n_s`` weighted by each
     partition's share of the total exp sum. The ``exp_sums`` are relative to each partition's
     own max ``max_logits[s, h, p]``, which can be large (logits near 100 are normal with ALiBi
-    or big scales): the merge must not overflow float32. One partition gives its ``tmp_out``.
+    or big scales) and differ a lot from one sequence to the next: the merge must not overflow
+    or underflow float32. One partition gives its ``tmp_out``.
     """
     raise NotImplementedError(
         "lab 02-04, task 4: implement paged_attention_v2_reduce "

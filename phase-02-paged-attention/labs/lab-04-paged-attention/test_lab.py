@@ -435,7 +435,8 @@ def _slot_case(dtype, block_size, seed, num_tokens=23, num_blocks=9, kvh=3, head
     x = x_of(dtype)
     key = torch.randn(num_tokens, kvh, head, generator=gen).to(dtype)
     value = torch.randn(num_tokens, kvh, head, generator=gen).to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size - 1, generator=gen)[:num_tokens] + 1
+    slots[1] = 0  # slot 0 is a real slot (block 0, offset 0)
     slots[::5] = -1  # padding tokens, the first one included ...
     slots[-1] = -1  # ... and the last
     key[slots < 0] = NAN  # what a padding token carries must never reach the cache
@@ -529,7 +530,8 @@ def test_reshape_and_cache_flash_round_trip(dtype):
     gen = torch.Generator().manual_seed(3)
     key = torch.randn(30, kvh, head, generator=gen).to(dtype)
     value = torch.randn(30, kvh, head, generator=gen).to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:30]
+    slots = torch.randperm(num_blocks * block_size - 1, generator=gen)[:30] + 1
+    slots[1] = 0  # slot 0 is a real slot
     slots[[0, 7, 29]] = -1
     key[[0, 7, 29]] = NAN
     value[[0, 7, 29]] = NAN
@@ -1033,10 +1035,11 @@ def test_v1_rejects_bad_input_and_writes_nothing():
 # ------------------------------------------------------------------------------------------
 
 
-def _reduce_case(seed, parts_per_seq, num_heads=3, head=16, extra=2, base=100.0):
+def _reduce_case(seed, parts_per_seq, bases, num_heads=3, head=16, extra=2):
     """Partitions of known logits for each sequence, their buffers filled as the contract says,
-    and junk (NaN, inf, huge) in every partition past a sequence's own. Logits sit around
-    ``base`` so that exp() of a logit overflows float32: the merge must subtract a max first."""
+    and junk (NaN, inf, huge) in every partition past a sequence's own. The logits of sequence
+    ``s`` sit around ``bases[s]``: near 100, exp() of a logit overflows float32, so the merge
+    must subtract a max first; and sequences far apart (100 and -60) need a max of their own."""
     gen = torch.Generator().manual_seed(seed)
     width = max(parts_per_seq) + extra
     num_seqs = len(parts_per_seq)
@@ -1048,7 +1051,7 @@ def _reduce_case(seed, parts_per_seq, num_heads=3, head=16, extra=2, base=100.0)
     for s, parts in enumerate(parts_per_seq):
         seq_len = (parts - 1) * PARTITION + 1 + (37 * s) % PARTITION
         seq_lens.append(seq_len)
-        logits = torch.randn(num_heads, seq_len, generator=gen) * 3 + base
+        logits = torch.randn(num_heads, seq_len, generator=gen) * 3 + bases[s]
         for p in range(parts):
             logits[:, p * PARTITION : (p + 1) * PARTITION] += 6.0 * ((p * 7 + s) % 3)
         values = torch.randn(seq_len, head, generator=gen)
@@ -1067,7 +1070,9 @@ def _reduce_case(seed, parts_per_seq, num_heads=3, head=16, extra=2, base=100.0)
 
 
 def test_v2_reduce_merges_partitions_by_their_rescaled_exp_sums():
-    exp_sums, max_logits, tmp_out, lens, want = _reduce_case(2, [3, 1, 2, 4])
+    exp_sums, max_logits, tmp_out, lens, want = _reduce_case(
+        2, [3, 1, 2, 4, 2], [100.0, 100.0, 100.0, 100.0, -60.0]
+    )
     out = torch.full((len(lens), 3, 16), NAN)
     lab.paged_attention_v2_reduce(
         out, exp_sums, max_logits, tmp_out, torch.tensor(lens, dtype=torch.int32)
@@ -1078,15 +1083,16 @@ def test_v2_reduce_merges_partitions_by_their_rescaled_exp_sums():
         seq_lens=lens,
         block_size=PARTITION,
         dtype=torch.float32,
-        what="paged_attention_v2_reduce (partitions of 3, 1, 2 and 4 per sequence; maxima near "
-        "100, 106 and 112; NaN, inf and 1e30 in the partitions past each sequence's own)",
+        what="paged_attention_v2_reduce (partitions of 3, 1, 2, 4 and 2 per sequence; maxima "
+        "near 100 to 112, and near -60 for the last sequence; NaN, inf and 1e30 in the "
+        "partitions past each sequence's own)",
         atol=1e-4,
         rtol=1e-4,
     )
 
 
 def test_v2_reduce_of_one_partition_is_that_partition():
-    exp_sums, max_logits, tmp_out, lens, want = _reduce_case(5, [1, 1], base=-50.0)
+    exp_sums, max_logits, tmp_out, lens, want = _reduce_case(5, [1, 1], [-50.0, 30.0])
     out = torch.full((2, 3, 16), NAN)
     lab.paged_attention_v2_reduce(
         out, exp_sums, max_logits, tmp_out, torch.tensor(lens, dtype=torch.int32)
