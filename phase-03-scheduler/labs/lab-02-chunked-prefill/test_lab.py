@@ -7,7 +7,8 @@ reference attention and phase 02's decode kernel.
 
 Task by task: every test uses only the task it is about and the tasks before it. The builder's
 tests (task 3) order their batches with the reference's reorder as a stand-in for task 4, and
-task 4's own tests run it on the same workloads. Adversarial inputs: caches whose every slot
+task 4's own tests run it on the same workloads; the attention tests (task 5) get their
+metadata from the reference's builder. Adversarial inputs: caches whose every slot
 outside a sequence's context holds NaN (the null block of the padding included), mappings that
 hold other requests too, table entries no token reaches holding junk, block ids whose slots pass
 2**31, and targeted cases whose messages name the sequence, query row (position) and head.
@@ -475,8 +476,9 @@ def _paged_batch(seed, dtype, num_heads=4, num_kv_heads=2, head_size=16, bs=4, j
         blocks = torch.tensor(tables[rid])[pos // bs]
         key_cache[blocks, :, :, pos % bs, :] = k.reshape(n, num_kv_heads, head_size // x, x)
         value_cache[blocks, :, :, pos % bs] = v
-    md = lab.build_attention_metadata(ids, {r: q for r, (_, q) in zip(ids, lens)},
-                                      {r: c for r, (c, _) in zip(ids, lens)}, tables, bs)
+    # The reference's builder stands in for task 3, so that these tests wait on task 5 only.
+    md = build_reference(ids, {r: q for r, (_, q) in zip(ids, lens)},
+                         {r: c for r, (c, _) in zip(ids, lens)}, tables, bs)
     query = torch.randn(md.num_actual_tokens, num_heads, head_size, generator=gen).to(dtype)
     return ids, lens, md, query, key_cache, value_cache, full_kv
 
