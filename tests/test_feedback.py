@@ -206,6 +206,18 @@ def test_a_crash_in_the_lab_code_reached_from_several_tests_is_rendered_once(cou
     assert "3 failed" in out
 
 
+def test_a_measurement_may_return_several_named_values():
+    from course.measure import Series, _split_named
+
+    mine = Series("yours", {1: {"v1": 1.0, "v2": None}, 2: {"v1": 2.0, "v2": None}})
+    plain = Series("deque", {1: 5.0, 2: 6.0})
+    out = _split_named([mine, plain])
+    assert [s.name for s in out] == ["yours: v1", "yours: v2", "deque"]
+    assert out[0].values == {1: 1.0, 2: 2.0} and out[0].note == ""
+    assert out[1].values == {1: None, 2: None} and out[1].note == "not written yet"
+    assert out[2] is plain
+
+
 def test_threads_are_half_the_cores_between_1_and_4():
     assert [choose_threads(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4, 4]
 
