@@ -7,7 +7,9 @@ A lab opts in with a `measure.py` in its folder that defines:
     LOG_X, LOG_Y = True, True     # axes of the plot (optional; default linear)
     def sizes(quick: bool) -> list[int]: ...          # the x values
     def run(impl, x: int) -> float: ...               # one measurement of a lab implementation
-                                                      # (the module: starter or solution)
+                                                      # (the module: starter or solution), or a
+                                                      # dict {name: float or None} of several
+                                                      # (one series each: "yours: v1", ...)
     BASELINES = {"name": callable(x) -> float}        # optional: other designs to compare
     METRICS = {"key": "label", ...}   # optional: several quantities per run; `run` (and each
                                       # baseline) then returns {key: value or None}, and each
@@ -107,11 +109,13 @@ def measure(lab: Lab, quick: bool = False, impls: tuple[str, ...] = ("starter", 
                 continue
             try:
                 value = fn(x)
-                s.values[x] = (
-                    {k: None if value[k] is None else float(value[k]) for k in module.METRICS}
-                    if hasattr(module, "METRICS")
-                    else float(value)
-                )
+                if hasattr(module, "METRICS"):
+                    s.values[x] = {k: None if value[k] is None else float(value[k])
+                                   for k in module.METRICS}
+                elif isinstance(value, dict):  # several named series, split below
+                    s.values[x] = dict(value)
+                else:
+                    s.values[x] = float(value)
             except NotImplementedError as exc:
                 s.values[x] = None
                 s.note = f"not written yet: {' '.join(str(exc).split())}"
@@ -119,7 +123,25 @@ def measure(lab: Lab, quick: bool = False, impls: tuple[str, ...] = ("starter", 
                 s.values[x] = None
                 s.note = (f"failed at {x:,}: {type(exc).__name__}: {' '.join(str(exc).split())} "
                           "(run the lab's tests first)")
-    return module, series
+    return module, series if hasattr(module, "METRICS") else _split_named(series)
+
+
+def _split_named(series: list[Series]) -> list[Series]:
+    """A series whose run returned dicts becomes one series per name ("yours: v1"); a name
+    whose every value is None (the run caught NotImplementedError) is noted as not written."""
+    out = []
+    for s in series:
+        names = [k for v in s.values.values() if isinstance(v, dict) for k in v]
+        if not names:
+            out.append(s)
+            continue
+        for name in dict.fromkeys(names):
+            values = {x: (v or {}).get(name) for x, v in s.values.items()}
+            values = {x: None if v is None else float(v) for x, v in values.items()}
+            written = any(v is not None for v in values.values())
+            note = s.note or ("" if written else "not written yet")
+            out.append(Series(f"{s.name}: {name}", values, note))
+    return out
 
 
 def panels(module: ModuleType, series: list[Series]) -> list[tuple[str, list[Series]]]:
