@@ -59,7 +59,8 @@ def _nodes(tree: ast.AST, prefix: str = ""):
 
 def fill(source: str, solution, qualnames: list[str]) -> str:
     """`source` with the functions `qualnames` replaced by the reference's (bottom-up, so that
-    line numbers stay valid), plus the reference's private helpers their classes lack."""
+    line numbers stay valid), plus the reference's private helpers their classes lack and the
+    module-level functions they use that the starter lacks (appended at the end)."""
     tree = ast.parse(source)
     nodes = dict(_nodes(tree))
     lines = source.splitlines(keepends=True)
@@ -89,7 +90,49 @@ def fill(source: str, solution, qualnames: list[str]) -> str:
                 edits.append((cls_node.end_lineno, cls_node.end_lineno, "\n" + "\n".join(extra)))
     for first, last, text in sorted(edits, key=lambda e: e[0], reverse=True):
         lines[first:last] = [text if text.endswith("\n") else text + "\n"]
+    missing = _missing_functions(tree, solution, qualnames)
+    if missing:
+        lines.append("\n\n" + "\n\n".join(missing))
     return "".join(lines)
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
+def _missing_functions(tree: ast.Module, solution, qualnames: list[str]) -> list[str]:
+    """Source of the module-level functions that the filled-in reference functions call (and
+    those call, ...) but the starter does not define, e.g. a helper the reference factored out
+    of a task's body. Without them the filled-in starter would raise NameError."""
+    have = _top_level_names(tree)
+    todo = [_reference_function(solution, q)[1] for q in qualnames]
+    added: dict[str, str] = {}
+    while todo:
+        fn = todo.pop()
+        for name in sorted(_code_names(fn.__code__)):
+            obj = fn.__globals__.get(name)
+            if name in have or name in added or not inspect.isfunction(obj):
+                continue
+            added[name] = textwrap.dedent(inspect.getsource(obj))
+            todo.append(obj)
+    return list(added.values())
 
 
 def main(argv: list[str] | None = None) -> int:
