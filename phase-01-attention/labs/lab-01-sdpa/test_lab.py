@@ -612,8 +612,9 @@ def test_varlen_attention_rejects_bad_offsets(cu_q, cu_k):
     [
         ([0, 2, 3, 8, 9], [0, 3, 9, 13, 15], (2, 5, 4)),  # in the middle, after good ones
         ([0, 2, 3, 4, 11], [0, 3, 9, 15, 21], (3, 7, 6)),  # the last one
+        ([0, 1, 8], [0, 1, 3], (1, 7, 2)),  # more queries than keys in the whole batch too
     ],
-    ids=["middle", "last"],
+    ids=["middle", "last", "all"],
 )
 def test_varlen_attention_names_the_sequence_with_more_queries_than_keys(cu_q, cu_k, bad):
     q, k, v = make_qkv(cu_q[-1], cu_k[-1], 2, 1, 8, torch.float32)
