@@ -565,3 +565,6 @@ def test_bad_shapes_are_rejected(fn):
     q, k, v = make_qkv(7, 6, 2, 2, 8, torch.float32, seed=41)  # more queries than keys
     with pytest.raises(ValueError):
         getattr(lab, fn)(q, k, v, [2])
+    q, k, v = make_qkv(3, 6, 4, 2, 8, torch.float32, seed=42)  # 3 slopes for 4 heads
+    with pytest.raises(ValueError):
+        getattr(lab, fn)(q, k, v, [2], alibi_slopes=torch.ones(3))
