@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import inspect
 import shutil
 import sys
@@ -59,8 +60,7 @@ def _nodes(tree: ast.AST, prefix: str = ""):
 
 def fill(source: str, solution, qualnames: list[str]) -> str:
     """`source` with the functions `qualnames` replaced by the reference's (bottom-up, so that
-    line numbers stay valid), plus the reference's private helpers their classes lack and the
-    module-level functions they use that the starter lacks (appended at the end)."""
+    line numbers stay valid), plus the reference's private helpers their classes lack."""
     tree = ast.parse(source)
     nodes = dict(_nodes(tree))
     lines = source.splitlines(keepends=True)
@@ -90,10 +90,31 @@ def fill(source: str, solution, qualnames: list[str]) -> str:
                 edits.append((cls_node.end_lineno, cls_node.end_lineno, "\n" + "\n".join(extra)))
     for first, last, text in sorted(edits, key=lambda e: e[0], reverse=True):
         lines[first:last] = [text if text.endswith("\n") else text + "\n"]
-    missing = _missing_functions(tree, solution, qualnames)
-    if missing:
-        lines.append("\n\n" + "\n\n".join(missing))
+    # Module-level helpers a reference function calls that the starter does not define (e.g.
+    # upstream's generate_block_hash_extra_keys): import them from the reference's module.
+    defined = _top_level_names(tree)
+    missing = {}
+    for qualname in qualnames:
+        _, ref = _reference_function(solution, qualname)
+        for name in sorted(_global_names(ref.__code__)):
+            if name in ref.__globals__ and name not in defined and name not in vars(builtins):
+                missing.setdefault(name, ref.__globals__[name])
+    for name, value in missing.items():
+        if inspect.ismodule(value):
+            lines.append(f"import {value.__name__} as {name}  # noqa: E402\n")
+        elif getattr(value, "__module__", "").startswith("course_labs."):
+            lines.append("\n" + textwrap.dedent(inspect.getsource(value)))  # lab-only helper
+        else:
+            lines.append(f"from {value.__module__} import {name}  # noqa: E402\n")
     return "".join(lines)
+
+
+def _global_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
@@ -102,37 +123,11 @@ def _top_level_names(tree: ast.Module) -> set[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
     return names
-
-
-def _code_names(code) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            names |= _code_names(const)
-    return names
-
-
-def _missing_functions(tree: ast.Module, solution, qualnames: list[str]) -> list[str]:
-    """Source of the module-level functions that the filled-in reference functions call (and
-    those call, ...) but the starter does not define, e.g. a helper the reference factored out
-    of a task's body. Without them the filled-in starter would raise NameError."""
-    have = _top_level_names(tree)
-    todo = [_reference_function(solution, q)[1] for q in qualnames]
-    added: dict[str, str] = {}
-    while todo:
-        fn = todo.pop()
-        for name in sorted(_code_names(fn.__code__)):
-            obj = fn.__globals__.get(name)
-            if name in have or name in added or not inspect.isfunction(obj):
-                continue
-            added[name] = textwrap.dedent(inspect.getsource(obj))
-            todo.append(obj)
-    return list(added.values())
 
 
 def main(argv: list[str] | None = None) -> int:

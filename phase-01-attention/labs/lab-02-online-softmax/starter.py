@@ -171,8 +171,8 @@ def blockwise_attention(
     the keys are cut at ``boundaries``, sorted split points in ``[0, kv_len]`` (repeats give
     empty blocks): blocks ``[0, b_0), [b_0, b_1), ..., [b_last, kv_len)``, visited in order.
 
-    Output: ``[q_len, num_heads, head_size]`` in ``query.dtype``, equal to ``ref_attention``
-    within rounding, for any boundaries. Memory: at most one block's scores at a time (the
+    Output: ``[q_len, num_heads, head_size]`` in ``query.dtype`` on the query's device, equal
+    to ``ref_attention`` within rounding, for any boundaries. Memory: at most one block's scores at a time (the
     helper ``_block_scores`` gives them), never the whole ``[num_heads, q_len, kv_len]``.
 
     Errors (ValueError, before any block): lab 01's input checks and bad boundaries, both done
