@@ -172,8 +172,9 @@ def blockwise_attention(
     empty blocks): blocks ``[0, b_0), [b_0, b_1), ..., [b_last, kv_len)``, visited in order.
 
     Output: ``[q_len, num_heads, head_size]`` in ``query.dtype`` on the query's device, equal
-    to ``ref_attention`` within rounding, for any boundaries. Memory: at most one block's scores at a time (the
-    helper ``_block_scores`` gives them), never the whole ``[num_heads, q_len, kv_len]``.
+    to ``ref_attention`` within rounding, for any boundaries. Memory: at most one block's scores
+    at a time (the helper ``_block_scores`` gives them), never the whole
+    ``[num_heads, q_len, kv_len]``.
 
     Errors (ValueError, before any block): lab 01's input checks and bad boundaries, both done
     by the helper ``_prepare``. Inputs are not modified.
