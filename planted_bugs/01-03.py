@@ -112,4 +112,12 @@ BUGS = [
         find="per_token = 2 * num_kv_heads * head_size * self.key_cache.element_size()",
         replace="per_token = num_kv_heads * head_size * self.key_cache.element_size()",
     ),
+    PlantedBug(
+        name="decode-in-half-precision",
+        description="the batched decode computes in the cache's dtype: float16 and bfloat16 "
+        "scores, softmax and weighted sums, several roundings off",
+        file=_SOL,
+        find="dtype = torch.float64 if query.dtype == torch.float64 else torch.float32",
+        replace="dtype = query.dtype",
+    ),
 ]

@@ -163,13 +163,14 @@ def decode_step(
     a multiple of ``num_kv_heads``; ``scale`` as in lab 01 (``None``: ``head_size ** -0.5``).
 
     Afterwards every sequence holds its new token (``seq_lens`` all grew by one). Output:
-    ``[batch, num_heads, head_size]`` in the query dtype; row ``s`` equals causal
-    ``ref_attention`` of the new query over all of sequence ``s``'s stored tokens (a sequence
-    that was empty attends to its new token alone).
+    ``[batch, num_heads, head_size]`` in the query dtype on the cache's device; row ``s`` equals
+    causal ``ref_attention`` of the new query over all of sequence ``s``'s stored tokens (a
+    sequence that was empty attends to its new token alone).
 
     How: ONE batched computation over all ``max_seq_len`` slots of every sequence (the flat
     cache's way: no loop over sequences, no per-sequence ``ref_attention``), in float32 (float64
-    for float64), with each slot past ``seq_lens[s]`` kept out of the result, whatever it holds.
+    for float64) and rounded to the query dtype once at the end, with each slot past
+    ``seq_lens[s]`` kept out of the result, whatever it holds.
 
     Errors (ValueError, nothing stored): shapes that do not fit the cache, heads that do not
     divide, and a sequence that is already full (the message names the first full sequence).

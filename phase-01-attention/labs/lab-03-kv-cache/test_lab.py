@@ -337,6 +337,56 @@ def test_batched_decode_equals_recomputation_for_ragged_sequences(num_heads, num
     assert cache.seq_lens.tolist() == [p + steps for p in prompts]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_batched_decode_computes_in_float32_or_float64(dtype):
+    # 200 slots, head size 128, sharp scores: computed in half precision the result is off by
+    # 1e-3 and more; computed in float32 (float64 for float64) and rounded once, it is within
+    # one unit in the last place of lab 01's reference, which computes that way (plus float32
+    # noise for outputs near 0, where the weighted values cancel).
+    prompts, head_size = [199, 100, 3], 128
+    g = torch.Generator().manual_seed(15)
+    seqs = [
+        tuple(
+            (torch.randn(p + 1, h, head_size, generator=g) * s).to(dtype)
+            for h, s in ((4, 3.0), (2, 1.0), (2, 1.0))
+        )
+        for p in prompts
+    ]
+    cache = lab.FlatKVCache(3, 2, 200, head_size, dtype=dtype)
+    for s, (p, (_, k, v)) in enumerate(zip(prompts, seqs)):
+        cache.append(s, k[:p], v[:p])
+    out = lab.decode_step(cache, *decode_rows(seqs, prompts))
+    want = torch.stack(
+        [
+            ref_attention(q[: t + 1], k[: t + 1], v[: t + 1])[-1]
+            for t, (q, k, v) in zip(prompts, seqs)
+        ]
+    )
+    assert out.dtype == dtype, f"decode_step returned {out.dtype} for {dtype} inputs"
+    eps = torch.finfo(dtype).eps
+    assert_close(
+        out,
+        want,
+        atol=1e-12 if dtype == torch.float64 else 2e-5,
+        rtol=1e-10 if dtype == torch.float64 else eps,
+        dims=BATCH_DIMS,
+        msg=f"{dtype} inputs: compute in float32 (float64 for float64), round once at the end",
+    )
+
+
+def test_batched_decode_runs_on_the_caches_device():
+    # The meta device holds shapes only: positions or lengths left on the CPU cannot meet it.
+    cache = lab.FlatKVCache(2, 2, 8, 8, device="meta")
+    kv = torch.zeros(3, 2, 8, device="meta")
+    cache.append(0, kv, kv)
+    out = lab.decode_step(
+        cache, torch.zeros(2, 4, 8, device="meta"), kv[:2], torch.zeros(2, 2, 8, device="meta")
+    )
+    assert out.device.type == "meta" and tuple(out.shape) == (2, 4, 8), (
+        f"decode_step on a meta cache gave {tuple(out.shape)} on {out.device}"
+    )
+
+
 @pytest.mark.parametrize("scale", [0.0, 0.7], ids=str)
 def test_batched_decode_uses_the_scale_it_is_given(scale):
     cache, seqs = prefilled([2, 5, 7], 1, 4, 2, torch.float32)
@@ -383,7 +433,9 @@ def test_batched_decode_with_a_full_sequence_stores_nothing(full):
     )
 
 
-@pytest.mark.parametrize("case", ["query-batch", "kv-heads", "head-size", "heads-do-not-divide"])
+@pytest.mark.parametrize(
+    "case", ["query-batch", "key-batch", "kv-heads", "head-size", "heads-do-not-divide"]
+)
 def test_batched_decode_rejects_shapes_that_do_not_fit_and_stores_nothing(case):
     cache = lab.FlatKVCache(2, 2, 8, 8)
     q, k, v = sequence(3, 4, 2, 8, seed=12)
@@ -391,6 +443,7 @@ def test_batched_decode_rejects_shapes_that_do_not_fit_and_stores_nothing(case):
     snap = snapshot(cache)
     args = {
         "query-batch": (q[:3], k[:2], v[:2]),
+        "key-batch": (q[:2], k[:3], v[:3]),  # 3 new tokens for 2 sequences
         "kv-heads": (q[:2], k[:2, :1], v[:2, :1]),
         "head-size": (q[:2, :, :4], k[:2], v[:2]),
         "heads-do-not-divide": (q[:2, :3], k[:2], v[:2]),
