@@ -12,7 +12,7 @@ import torch
 
 from course.measure import best_of
 
-TITLE = "Attention over n tokens: a prefill against one decode step (8 heads of 64, float32)"
+TITLE = "A prefill of n tokens against one decode step (8 heads of 64)"
 X_LABEL = "prompt tokens n"
 Y_LABEL = "milliseconds per call (best of 3)"
 LOG_X = LOG_Y = True

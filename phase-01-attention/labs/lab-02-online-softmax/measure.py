@@ -14,7 +14,7 @@ import torch
 from course.measure import peak_tensor_bytes
 from mini_vllm.attention.reference import ref_attention
 
-TITLE = "Peak tensor memory of attention over a prefill of n tokens (2 heads of 16, float32)"
+TITLE = "Peak tensor memory, prefill of n tokens (2 heads of 16, float32)"
 X_LABEL = "prompt tokens n"
 Y_LABEL = "MiB of tensors held at once"
 LOG_X = LOG_Y = True
