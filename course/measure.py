@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -230,3 +231,54 @@ def best_of(fn, repeats: int = 5) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def peak_tensor_bytes(fn, existing=()) -> int:
+    """The most bytes of tensor storage that `fn()` held at once, counting every tensor created
+    while it ran (torch functions and Tensor methods, seen through a TorchFunctionMode) until it
+    was freed. Tensors in `existing` (the inputs) are not counted. Deterministic, unlike the
+    process's memory, and it works on the CPU."""
+    from torch.overrides import TorchFunctionMode
+
+    class _Tracker(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors using it]
+            self.current = self.peak = 0
+            self.skip = {t.untyped_storage().data_ptr() for t in existing}
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self._track(t)
+            return out
+
+        def _track(self, t) -> None:
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or ptr in self.skip:
+                return
+            entry = self.live.get(ptr)
+            if entry is None:
+                entry = self.live[ptr] = [nbytes, 0]
+                self.current += nbytes
+                self.peak = max(self.peak, self.current)
+            entry[1] += 1
+            weakref.finalize(t, self._release, ptr)
+
+        def _release(self, ptr: int) -> None:
+            entry = self.live.get(ptr)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.current -= entry[0]
+                del self.live[ptr]
+
+    import torch
+
+    tracker = _Tracker()
+    with tracker:
+        fn()
+    return tracker.peak

@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             python=platform.python_version(),
         )
         results["labs"][r["lab"]] = r
+        score = "n/a (no mutant in scope)" if r["score"] is None else f"{r['score']:.1%}"
         print(
-            f"lab {r['lab']}: score {r['score']:.1%} ({r['killed']} killed of "
+            f"lab {r['lab']}: score {score} ({r['killed']} killed of "
             f"{r['mutants_in_scope']} in scope, {r['set_aside']} set aside, {r['survived']} "
             f"survived; {r['mutants_in_files']} mutants in the files) in {r['seconds']:.0f} s"
         )
