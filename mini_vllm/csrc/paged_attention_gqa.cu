@@ -19,14 +19,20 @@ namespace mini_vllm {
 
 constexpr int kGqaThreads = 128;
 constexpr int kMaxGroup = 8;  // query heads computed by one thread block
-// Thread blocks that must fit on one SM at once: ptxas then keeps the kernel within
+// Thread blocks that must fit on one SM at once: with 4, ptxas keeps the kernel within
 // 65536 / (4 * 128) = 128 registers per thread. Without it ptxas takes 148 on sm_90 (fp16, d128,
 // block 16), 3 blocks per SM, and the default shape's 512 blocks need 1.29 waves of 396 slots.
 // scripts/gqa_sass_report.py shows registers, spills and occupancy per instantiation.
-constexpr int kGqaMinBlocksPerSm = 4;
+// Head size 256 with blocks of 16 or 32 tokens keeps more values in flight per lane (its value
+// loop holds 32 or 64 of them); it gets up to 255 registers (2 blocks per SM) so that nothing
+// spills (with 3, ptxas spills at block size 16).
+template <int HEAD_SIZE, int BLOCK_SIZE>
+constexpr int gqa_min_blocks_per_sm() {
+  return HEAD_SIZE < 256 || BLOCK_SIZE == 8 ? 4 : 2;
+}
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
-__global__ void __launch_bounds__(NUM_THREADS, kGqaMinBlocksPerSm)
+__global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE, BLOCK_SIZE>()))
     paged_attention_gqa_kernel(const PagedAttentionParams p) {
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
   constexpr int X = 16 / static_cast<int>(sizeof(T));
@@ -65,7 +71,9 @@ __global__ void __launch_bounds__(NUM_THREADS, kGqaMinBlocksPerSm)
   const int* block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
 
   MINI_VLLM_SHARED(float, q_smem, [kMaxGroup][HEAD_SIZE]);
-  MINI_VLLM_SHARED(float, logits, [kMaxGroup][kPartitionSize]);
+  // float4 storage: the value loop reads probabilities in 16-byte loads.
+  MINI_VLLM_SHARED(float4, logits_storage, [kMaxGroup][kPartitionSize / 4]);
+  auto* logits = reinterpret_cast<float(*)[kPartitionSize]>(&logits_storage[0][0]);
   MINI_VLLM_SHARED(float, red_max, [kMaxGroup][NUM_WARPS]);
   MINI_VLLM_SHARED(float, red_sum, [kMaxGroup][NUM_WARPS]);
 
@@ -182,36 +190,45 @@ __global__ void __launch_bounds__(NUM_THREADS, kGqaMinBlocksPerSm)
     for (int r = 0; r < PASSES; ++r) acc[g][r] = 0.f;
   }
 
+  // Slots past the end of the sequence hold probability 0: the logits loop stored 0 in every
+  // slot of the range's blocks past seq_len, and the softmax exponentiated only the first
+  // num_tokens slots. So the loop multiplies probabilities without a per-token test. Only the
+  // values need care, and only in the sequence's last block when it is partial: its unused slots
+  // may hold anything, NaN included (and NaN * 0 is NaN), so they are zeroed there.
+  const int full_end = min(end_block, seq_len / BLOCK_SIZE);  // [first_block, full_end): full
   for (int block = first_block; block < end_block; ++block) {
     const int64_t physical = block_table[block];
     const T* v = value_cache + physical * p.kv_block_stride + kv_head * p.kv_head_stride;
-    const int token0 = block * BLOCK_SIZE + v_token;
-    bool valid[V_VEC];
-    float prob[kMaxGroup][V_VEC];
-#pragma unroll
-    for (int e = 0; e < V_VEC; ++e) valid[e] = token0 + e < seq_len;
-#pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) {
-#pragma unroll
-      for (int e = 0; e < V_VEC; ++e) {
-        prob[g][e] = (g < num_q && valid[e]) ? logits[g][token0 + e - start_token] : 0.f;
-      }
-    }
+    float vals[PASSES][V_VEC];
 #pragma unroll
     for (int r = 0; r < PASSES; ++r) {
       const int local_row = lane / LANES_PER_ROW + r * ROWS_PER_PASS;
       const int row = first_row + local_row;
       if (local_row < ROWS_PER_WARP && row < HEAD_SIZE) {
-        float vals[V_VEC];
-        load_as_float<T, V_VEC>(v + row * BLOCK_SIZE + v_token, vals);
+        load_as_float<T, V_VEC>(v + row * BLOCK_SIZE + v_token, vals[r]);
+      } else {
 #pragma unroll
-        for (int e = 0; e < V_VEC; ++e) vals[e] = valid[e] ? vals[e] : 0.f;  // NaN-safe mask
+        for (int e = 0; e < V_VEC; ++e) vals[r][e] = 0.f;
+      }
+    }
+    const int token0 = block * BLOCK_SIZE + v_token;
+    if (block >= full_end) {  // the partial last block (the same branch for the whole warp)
 #pragma unroll
-        for (int g = 0; g < kMaxGroup; ++g) {
-          if (g < num_q) {
+      for (int r = 0; r < PASSES; ++r) {
 #pragma unroll
-            for (int e = 0; e < V_VEC; ++e) acc[g][r] += prob[g][e] * vals[e];
-          }
+        for (int e = 0; e < V_VEC; ++e) vals[r][e] = token0 + e < seq_len ? vals[r][e] : 0.f;
+      }
+    }
+    const int slot0 = token0 - start_token;  // a multiple of V_VEC: 16-byte aligned
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g < num_q) {
+        float prob[V_VEC];
+        load_floats<V_VEC>(&logits[g][slot0], prob);
+#pragma unroll
+        for (int r = 0; r < PASSES; ++r) {
+#pragma unroll
+          for (int e = 0; e < V_VEC; ++e) acc[g][r] += prob[e] * vals[r][e];
         }
       }
     }
