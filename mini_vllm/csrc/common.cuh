@@ -131,6 +131,11 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 // ---- helpers for the attention kernels --------------------------------------------------------
 
+// Tokens per partition of a partitioned launch (v2 always uses kPartitionSize).
+__host__ __device__ __forceinline__ int partition_size_of(const PagedAttentionParams& p) {
+  return p.partition_size > 0 ? p.partition_size : kPartitionSize;
+}
+
 // The number of context tokens of sequence `seq`, clamped so that bad values cannot take a
 // kernel outside its buffers: never negative, never past max_seq_len or the block table's width.
 __device__ __forceinline__ int clamped_seq_len(const PagedAttentionParams& p, int seq) {

@@ -26,6 +26,9 @@ __all__ = [
     "check_attention_inputs",
     "check_partition_buffers",
     "copy_blocks",
+    "device_sm_count",
+    "gqa_num_partitions",
+    "gqa_partition_size",
     "paged_attention_gqa",
     "paged_attention_v1",
     "paged_attention_v2",
@@ -34,6 +37,12 @@ __all__ = [
 ]
 
 PARTITION_SIZE = 512  # tokens per v2 partition; kPartitionSize in kernel_params.h
+MIN_PARTITION_SIZE = 64  # the GQA-aware kernel's smallest partition; kMinPartitionSize
+# Thread blocks of the GQA-aware kernel that one SM holds at once (its __launch_bounds__ minimum
+# for the common head sizes; scripts/gqa_sass_report.py computes the occupancy).
+GQA_BLOCKS_PER_SM = 4
+# SMs of the GPUs the CPU emulation models (mini_vllm/csrc/emulation/runtime.cpp).
+EMULATED_SM_COUNT = {"default": 1, "t4": 40, "a100": 108, "h100": 132}
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -161,19 +170,86 @@ def check_attention_inputs(
     return _require_device(tensors, "query", backend)
 
 
+def gqa_num_partitions(max_seq_len: int, partition_size: int) -> int:
+    """Partitions of ``partition_size`` tokens that a context of ``max_seq_len`` needs: the
+    width dim 2 of the partition buffers must have.
+
+    upstream: none (this course's kernel)
+    """
+    return -(-max_seq_len // partition_size)
+
+
+def gqa_partition_size(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    blocks_per_sm: int = GQA_BLOCKS_PER_SM,
+    max_num_partitions: int | None = None,
+) -> int:
+    """Tokens per partition for the GQA-aware kernel: the largest power of two from 512 down to
+    64 whose grid still fills the GPU.
+
+    The kernel's grid has one thread block per (KV head, chunk of up to 8 query heads, sequence,
+    partition), so a small batch or a short context gives few blocks: at batch 1 and 8 KV heads,
+    512-token partitions of a 4096-token context are 64 blocks for 132 SMs. Halving the partition
+    doubles the blocks (and the partial results the merge reads, which stay small beside the
+    K/V). "Fills" means at least 90% of one wave, ``num_sms * blocks_per_sm`` resident blocks:
+    a grid of 0.97 waves runs as well as one of 1.94. When no size fills the GPU the smallest is
+    taken. ``max_num_partitions`` (the width of given partition buffers) rules out sizes whose
+    partitions would not fit in them; the 512-token size always fits buffers sized for v2.
+
+    upstream: none (upstream's v2 always uses 512-token partitions, one block per query head)
+    """
+    if num_kv_heads <= 0 or num_heads % num_kv_heads or max_seq_len < 1 or num_sms < 1:
+        raise ValueError(f"gqa_partition_size: bad shape (num_heads={num_heads}, num_kv_heads="
+                         f"{num_kv_heads}, max_seq_len={max_seq_len}, num_sms={num_sms})")
+    chunks = -(-(num_heads // num_kv_heads) // 8)  # query heads per block: at most 8
+    slots = num_sms * blocks_per_sm
+    size = PARTITION_SIZE
+    while size > MIN_PARTITION_SIZE:
+        blocks = num_kv_heads * chunks * num_seqs * gqa_num_partitions(max_seq_len, size)
+        smaller = size // 2
+        fits = max_num_partitions is None or (
+            gqa_num_partitions(max_seq_len, smaller) <= max_num_partitions
+        )
+        if blocks >= 0.9 * slots or not fits:
+            break
+        size = smaller
+    # The same number of partitions with larger ones is the same grid with less merging.
+    while size < PARTITION_SIZE and (
+        gqa_num_partitions(max_seq_len, 2 * size) == gqa_num_partitions(max_seq_len, size)
+    ):
+        size *= 2
+    return size
+
+
+def device_sm_count(device: torch.device, backend: str) -> int:
+    """SMs of the GPU that runs the kernels: the real one for "cuda", the modelled one for the
+    emulation ($MINI_VLLM_EMU_DEVICE)."""
+    if backend == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    import os
+
+    return EMULATED_SM_COUNT.get(os.environ.get("MINI_VLLM_EMU_DEVICE") or "default", 1)
+
+
 def check_partition_buffers(
     out: torch.Tensor,
     exp_sums: torch.Tensor,
     max_logits: torch.Tensor,
     tmp_out: torch.Tensor,
     max_seq_len: int,
+    partition_size: int = PARTITION_SIZE,
 ) -> None:
-    """Raise ValueError unless the v2 partition buffers fit ``out`` and ``max_seq_len``.
+    """Raise ValueError unless the v2 partition buffers fit ``out`` and ``max_seq_len``
+    (partitions of ``partition_size`` tokens: 512 for v2, see ``gqa_partition_size``).
 
     upstream: none (upstream trusts its caller, vllm/attention/ops/paged_attn.py, to size them)
     """
     num_seqs, num_heads, head_size = out.shape
-    parts = -(-max_seq_len // PARTITION_SIZE) if isinstance(max_seq_len, int) else 0
+    parts = -(-max_seq_len // partition_size) if isinstance(max_seq_len, int) else 0
     width = exp_sums.shape[2] if exp_sums.dim() == 3 else -1
     for name, t, dtype, shape in (
         ("exp_sums", exp_sums, torch.float32, (num_seqs, num_heads, width)),
@@ -184,7 +260,7 @@ def check_partition_buffers(
             raise ValueError(
                 f"{name} must be a contiguous {dtype} tensor of shape "
                 f"{shape[:2] + ('P',) + shape[3:]} with the same P >= {parts} "
-                f"(= ceil(max_seq_len / {PARTITION_SIZE})) as exp_sums; got {t.dtype} "
+                f"(= ceil(max_seq_len / {partition_size})) as exp_sums; got {t.dtype} "
                 f"{tuple(t.shape)}"
             )
 
@@ -266,20 +342,37 @@ def paged_attention_gqa(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
     backend: str | None = None,
+    partition_size: int | None = None,
 ) -> None:
     """Like ``paged_attention_v2`` (same arguments, same result), but one thread block serves
     all query heads of a KV head, so each K/V block is read once per KV head, not once per
     query head. fp32 inputs are handed to v2. See paged_attention_gqa.cu.
+
+    ``partition_size`` (tokens per partition: 64, 128, 256 or 512) defaults to
+    ``gqa_partition_size`` for this shape and GPU, within the width of the given buffers (buffers
+    sized for v2 allow 512 only; size them with ``gqa_num_partitions`` to let it choose).
 
     upstream: none (this course's kernel; upstream's grid re-reads K/V once per query head)
     """
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
+    if partition_size is None:
+        partition_size = PARTITION_SIZE
+        if query.dtype != torch.float32:  # fp32 runs v2, whose partitions are 512 tokens
+            partition_size = gqa_partition_size(
+                query.shape[0], query.shape[1], num_kv_heads, max_seq_len,
+                device_sm_count(query.device, backend), max_num_partitions=exp_sums.shape[2])
+    elif partition_size not in (64, 128, 256, 512) or (
+        query.dtype == torch.float32 and partition_size != PARTITION_SIZE
+    ):
+        raise ValueError(f"partition_size must be 64, 128, 256 or 512 (512 for float32, which "
+                         f"runs v2), got {partition_size!r}")
+    check_partition_buffers(out, exp_sums, max_logits, tmp_out, max_seq_len, partition_size)
     _csrc.load_ops(backend=backend).paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query,
                                                   key_cache, value_cache, num_kv_heads, scale,
                                                   block_tables, seq_lens, block_size,
-                                                  max_seq_len, alibi_slopes)
+                                                  max_seq_len, alibi_slopes, partition_size)
 
 
 def reshape_and_cache(

@@ -39,11 +39,10 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
   constexpr int GROUP = const_max(kWarpSize / BLOCK_SIZE, 1);  // lanes per token (keys)
   constexpr int VEC = X / GROUP;
   constexpr int CHUNKS = HEAD_SIZE / X;
-  constexpr int BLOCKS_PER_PARTITION = kPartitionSize / BLOCK_SIZE;
   static_assert(BLOCK_SIZE <= kWarpSize && kWarpSize % BLOCK_SIZE == 0, "block size divides 32");
   static_assert(VEC >= 1 && GROUP * VEC == X, "a thread group must load exactly one chunk");
   static_assert(HEAD_SIZE % X == 0, "head size must be a whole number of 16-byte chunks");
-  static_assert(kPartitionSize % BLOCK_SIZE == 0, "partitions must hold whole blocks");
+  static_assert(kMinPartitionSize % BLOCK_SIZE == 0, "partitions must hold whole blocks");
 
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
@@ -59,9 +58,10 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
   const int part = blockIdx.z;
 
   const int seq_len = clamped_seq_len(p, seq);
-  const int first_block = part * BLOCKS_PER_PARTITION;
+  const int blocks_per_partition = partition_size_of(p) / BLOCK_SIZE;  // checked by the launcher
+  const int first_block = part * blocks_per_partition;
   if (first_block * BLOCK_SIZE >= seq_len) return;
-  const int end_block = min(first_block + BLOCKS_PER_PARTITION, div_round_up(seq_len, BLOCK_SIZE));
+  const int end_block = min(first_block + blocks_per_partition, div_round_up(seq_len, BLOCK_SIZE));
   const int start_token = first_block * BLOCK_SIZE;
   const int num_tokens = min(end_block * BLOCK_SIZE, seq_len) - start_token;
 
@@ -259,11 +259,24 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
   }
 }
 
+// The partition size must be a power of two in [kMinPartitionSize, kPartitionSize], and the
+// partition buffers wide enough for it.
+inline Status check_gqa_partitions(const PagedAttentionParams& p) {
+  const int size = partition_size_of(p);
+  if (size < kMinPartitionSize || size > kPartitionSize || (size & (size - 1)) != 0) {
+    return unsupported("partition_size must be a power of two from 64 to 512");
+  }
+  if (div_round_up(p.max_seq_len, size) > p.max_num_partitions) {
+    return unsupported("the partition buffers are too narrow for this partition_size");
+  }
+  return ok();
+}
+
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_gqa(const PagedAttentionParams& p, cudaStream_t stream) {
   const int group_size = p.num_heads / p.num_kv_heads;
   const int chunks_per_kv_head = div_round_up(group_size, kMaxGroup);
-  const int parts_needed = div_round_up(p.max_seq_len, kPartitionSize);
+  const int parts_needed = div_round_up(p.max_seq_len, partition_size_of(p));
   const dim3 grid(p.num_kv_heads * chunks_per_kv_head, p.num_seqs, parts_needed);
   const auto kernel = paged_attention_gqa_kernel<T, HEAD_SIZE, BLOCK_SIZE, kGqaThreads>;
   MINI_VLLM_LAUNCH(kernel, grid, kGqaThreads, 0, stream)(p);
@@ -277,11 +290,15 @@ Status launch_gqa(const PagedAttentionParams& p, cudaStream_t stream) {
 // is not what this kernel is for. Not instantiating it also keeps the build shorter.
 Status launch_paged_attention_gqa(const PagedAttentionParams& p, cudaStream_t stream) {
   if (p.num_seqs == 0) return ok();
+  const Status partitions = check_gqa_partitions(p);
+  if (partitions.code != StatusCode::kOk) return partitions;
   return dispatch_attention(p.dtype, p.head_size, p.block_size,
                             [&](auto type_tag, auto head_tag, auto block_tag) {
                               using T = typename decltype(type_tag)::type;
                               if constexpr (std::is_same_v<T, float>) {
-                                return launch_paged_attention_v2(p, stream);
+                                PagedAttentionParams v2 = p;
+                                v2.partition_size = 0;  // v2's partitions are always 512 tokens
+                                return launch_paged_attention_v2(v2, stream);
                               } else {
                                 return launch_gqa<T, decltype(head_tag)::value,
                                                   decltype(block_tag)::value>(p, stream);

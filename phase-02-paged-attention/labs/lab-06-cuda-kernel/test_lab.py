@@ -486,6 +486,49 @@ def test_reference_gqa_kernel_in_other_dtypes_and_block_sizes(dtype, block_size)
                  msg=f"GQA-aware kernel, {dtype}, block {block_size}")
 
 
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("partition_size", [64, 128, 256])
+def test_reference_gqa_kernel_with_smaller_partitions(partition_size):
+    """The GQA-aware kernel's partition size is chosen from the shape (small batches and short
+    contexts get smaller partitions, so more thread blocks); every size gives v2's result."""
+    from mini_vllm.csrc.ops import gqa_num_partitions, paged_attention_gqa
+
+    require(KERNEL_BACKEND)
+    kw = {} if ON_GPU else dict(num_seqs=EMU_NUM_SEQS, max_len=EMU_MAX_LEN)
+    b = make_batch(num_heads=(8, 2), head_size=128, block_size=16, use_alibi=True, **kw)
+    parts = gqa_num_partitions(b["max_seq_len"], partition_size)
+    num_seqs, nh, hs = b["query"].shape
+    dev = b["query"].device
+    bufs = (torch.full((num_seqs, nh, parts), float("nan"), device=dev),
+            torch.full((num_seqs, nh, parts), float("nan"), device=dev),
+            torch.full((num_seqs, nh, parts, hs), float("nan"), dtype=b["query"].dtype,
+                       device=dev))
+    out = torch.full_like(b["query"], float("nan"))
+    paged_attention_gqa(out, *bufs, b["query"], b["poisoned_k"], b["poisoned_v"],
+                        b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"],
+                        b["block_size"], b["max_seq_len"], b["alibi_slopes"],
+                        backend=KERNEL_BACKEND, partition_size=partition_size)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    assert_close(out, expected_output(b),
+                 msg=f"GQA-aware kernel, {partition_size}-token partitions")
+    # Partitions past a sequence's end are never written (NaN stays), the others are.
+    written = ~bufs[0][:, 0].isnan()
+    lens = b["seq_lens"].cpu()
+    for s in range(num_seqs):
+        want = gqa_num_partitions(int(lens[s]), partition_size)
+        assert written[s].tolist() == [i < want for i in range(parts)], f"sequence {s}"
+    too_narrow = tuple(t[:, :, :1].contiguous() for t in bufs)
+    if parts > 1:
+        with pytest.raises(ValueError, match="exp_sums"):
+            paged_attention_gqa(out, *too_narrow, b["query"], b["key_cache"], b["value_cache"],
+                                b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"],
+                                b["block_size"], b["max_seq_len"], b["alibi_slopes"],
+                                backend=KERNEL_BACKEND, partition_size=partition_size)
+
+
 def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -> None:
     from mini_vllm.attention import cache_ops
     from mini_vllm.csrc import ops
