@@ -529,6 +529,23 @@ def test_reference_gqa_kernel_with_smaller_partitions(partition_size):
                                 backend=KERNEL_BACKEND, partition_size=partition_size)
 
 
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@pytest.mark.emulation
+def test_reference_gqa_kernel_on_a_modelled_t4(monkeypatch):
+    """bf16 matrix operations need sm_80: on a T4 (sm_75) the launcher takes the scalar kernel
+    for bf16 and the tensor-core kernel for fp16; both are right."""
+    from mini_vllm.csrc.ops import paged_attention_gqa
+
+    require("emulation")
+    monkeypatch.setenv("MINI_VLLM_EMU_DEVICE", "t4")
+    for dtype in (torch.bfloat16, torch.float16):
+        b = make_batch(num_heads=(8, 1), head_size=112 if dtype == torch.bfloat16 else 128,
+                       block_size=16, dtype=dtype, device="cpu", num_seqs=3, max_len=700)
+        assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend="emulation"),
+                     expected_output(b), msg=f"GQA-aware kernel on a T4, {dtype}")
+
+
 def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -> None:
     from mini_vllm.attention import cache_ops
     from mini_vllm.csrc import ops
@@ -764,9 +781,11 @@ def test_reference_ops_under_address_sanitizer():
     from mini_vllm.csrc.ops import paged_attention_gqa
 
     require(ASAN)
-    b = tight_batch(num_heads=(8, 2), head_size=128, block_size=16, use_alibi=True)
-    assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=ASAN), expected_output(b),
-                 msg="GQA-aware kernel under AddressSanitizer")
+    # Groups of 4 take the tensor-core kernel, groups of 2 the scalar one.
+    for heads in ((8, 2), (4, 2)):
+        b = tight_batch(num_heads=heads, head_size=128, block_size=16, use_alibi=True)
+        assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=ASAN),
+                     expected_output(b), msg=f"GQA-aware kernel {heads} under AddressSanitizer")
     check_reshape_and_cache(torch.float16, 16, ASAN)
     check_copy_and_swap_blocks(ASAN)
 
@@ -797,9 +816,10 @@ def test_reference_ops_have_no_data_race():
     from mini_vllm.csrc.ops import paged_attention_gqa
 
     require(RACE)
-    b = small_batch(num_heads=(4, 2), head_size=64, block_size=16)
-    assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=RACE), expected_output(b),
-                 msg="GQA-aware kernel under ThreadSanitizer")
+    for heads in ((8, 2), (4, 2)):  # the tensor-core kernel, the scalar one
+        b = small_batch(num_heads=heads, head_size=64, block_size=16)
+        assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=RACE),
+                     expected_output(b), msg=f"GQA-aware kernel {heads} under ThreadSanitizer")
     check_reshape_and_cache(torch.bfloat16, 8, RACE)
     check_copy_and_swap_blocks(RACE)
 
