@@ -505,8 +505,9 @@ __global__ void __launch_bounds__(NUM_THREADS, kTcMinBlocksPerSm)
         v = value_cache + physical * p.kv_block_stride + head_offset + token0 % BLOCK_SIZE;
       }
       // Only the sequence's last block can hold slots past its end; they may hold anything,
-      // NaN included, and a probability of 0 does not cancel NaN: zero them.
-      const bool tail = v != nullptr && token0 + X > seq_len;
+      // NaN included, and a probability of 0 does not cancel NaN: they are zeroed in the stage,
+      // in the one tile where the sequence ends (the same branch for the whole warp).
+      const int tail = seq_len - (start_token + t0);  // tokens of the tile that exist
 #pragma unroll
       for (int mt = 0; mt < DT; ++mt) {
 #pragma unroll
@@ -516,17 +517,14 @@ __global__ void __launch_bounds__(NUM_THREADS, kTcMinBlocksPerSm)
           uint4 raw = make_uint4(0, 0, 0, 0);
           if (v != nullptr && d < HEAD_SIZE) {
             raw = *reinterpret_cast<const uint4*>(v + d * BLOCK_SIZE);
-            if (tail) {
-              T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-              for (int q = 0; q < X; ++q) {
-                if (token0 + q >= seq_len) e[q] = from_float<T>(0.f);
-              }
-            }
           }
           *reinterpret_cast<uint4*>(stage + row * L::VALUE_LD + tg * X) = raw;
         }
         __syncwarp();
+        if (tail < kTcTile) {
+          for (int t = tail; t < kTcTile; ++t) stage[lane * L::VALUE_LD + t] = from_float<T>(0.f);
+          __syncwarp();
+        }
 #pragma unroll
         for (int kk = 0; kk < kTcTile / 16; ++kk) {
           AFrag a;
