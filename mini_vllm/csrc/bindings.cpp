@@ -225,8 +225,8 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
                   value_cache.size(3) == key_cache.size(3),
               "key_cache / value_cache do not have the paged layout for these keys");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
-                  slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0),
-              "slot_mapping must be contiguous int64 [num_tokens]");
+                  slot_mapping.is_contiguous() && slot_mapping.size(0) <= key.size(0),
+              "slot_mapping must be contiguous int64 [num_tokens] (key may be padded: longer)");
   mini_vllm::ReshapeAndCacheParams p{};
   p.key = key.data_ptr();
   p.value = value.data_ptr();
@@ -234,7 +234,7 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
   p.value_cache = value_cache.data_ptr();
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
   p.dtype = dtype_of(key);
-  p.num_tokens = static_cast<int>(key.size(0));
+  p.num_tokens = static_cast<int>(slot_mapping.size(0));  // the real tokens; key may be longer
   p.num_kv_heads = static_cast<int>(key.size(1));
   p.head_size = static_cast<int>(key.size(2));
   p.block_size = static_cast<int>(key_cache.size(3));

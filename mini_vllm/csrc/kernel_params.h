@@ -75,7 +75,8 @@ struct PagedAttentionParams {
 };
 
 // Writes the new tokens' keys and values into their cache slots.
-//   key, value    [num_tokens, num_kv_heads, head_size] (row stride key_stride / value_stride)
+//   key, value    [>= num_tokens, num_kv_heads, head_size] (row stride key_stride / value_stride;
+//                 rows past num_tokens, a padded batch's, are not read)
 //   slot_mapping  int64 [num_tokens]; a negative slot marks padding and is skipped
 struct ReshapeAndCacheParams {
   const void* key;

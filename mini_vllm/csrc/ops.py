@@ -25,14 +25,18 @@ __all__ = [
     "SUPPORTED_HEAD_SIZES",
     "check_attention_inputs",
     "check_partition_buffers",
+    "choose_decode_kernel",
     "copy_blocks",
     "device_sm_count",
+    "device_smem_optin",
     "gqa_num_partitions",
     "gqa_partition_size",
     "paged_attention_gqa",
     "paged_attention_v1",
     "paged_attention_v2",
+    "paged_decode",
     "reshape_and_cache",
+    "v1_fits",
     "swap_blocks",
 ]
 
@@ -41,8 +45,15 @@ MIN_PARTITION_SIZE = 64  # the GQA-aware kernel's smallest partition; kMinPartit
 # Thread blocks of the GQA-aware kernel that one SM holds at once (its __launch_bounds__ minimum
 # for the common head sizes; scripts/gqa_sass_report.py computes the occupancy).
 GQA_BLOCKS_PER_SM = 4
-# SMs of the GPUs the CPU emulation models (mini_vllm/csrc/emulation/runtime.cpp).
+# SMs and opt-in shared memory per block of the GPUs the CPU emulation models
+# (mini_vllm/csrc/emulation/runtime.cpp).
 EMULATED_SM_COUNT = {"default": 1, "t4": 40, "a100": 108, "h100": 132}
+EMULATED_SMEM_OPTIN = {"default": 48 * 1024, "t4": 64 * 1024, "a100": 163 * 1024,
+                       "h100": 227 * 1024}
+# Query heads per KV head from which decode takes the GQA-aware kernel: each K/V block is then
+# read once instead of `group` times. (A design choice to be checked by the benchmark on a GPU.)
+GQA_MIN_GROUP = 2
+V1_THREADS = 128
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -227,7 +238,10 @@ def gqa_partition_size(
 
 def device_sm_count(device: torch.device, backend: str) -> int:
     """SMs of the GPU that runs the kernels: the real one for "cuda", the modelled one for the
-    emulation ($MINI_VLLM_EMU_DEVICE)."""
+    emulation ($MINI_VLLM_EMU_DEVICE).
+
+    upstream: none (upstream's v2 launcher does not look at the SM count)
+    """
     if backend == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     import os
@@ -385,6 +399,9 @@ def reshape_and_cache(
 ) -> None:
     """Write token ``i``'s key and value into cache slot ``slot_mapping[i]`` (negative: skip).
 
+    As upstream (and the PyTorch op), the slot mapping's length is the number of real tokens:
+    ``key`` and ``value`` may be longer (a padded batch), and their rows past it are ignored.
+
     upstream: vllm/_custom_ops.py:1590 @ v0.11.0
     """
     if key.dim() != 3 or value.shape != key.shape:
@@ -410,11 +427,12 @@ def reshape_and_cache(
         if cache.dtype != key.dtype or tuple(cache.shape) != want or not cache.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {key.dtype} tensor of shape {want}, "
                              f"got {cache.dtype} {tuple(cache.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens or (
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > num_tokens or (
         slot_mapping.dtype not in (torch.int32, torch.int64)
     ):
-        raise ValueError(f"slot_mapping must be a 1-D int64 (or int32) tensor of {num_tokens} "
-                         f"slots, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(f"slot_mapping must be a 1-D int64 (or int32) tensor of at most "
+                         f"{num_tokens} slots (one per real token; key may be padded), got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     backend = _require_device({"key": key, "value": value, "key_cache": key_cache,
                                "value_cache": value_cache, "slot_mapping": slot_mapping}, "key",
                               backend)
@@ -495,3 +513,134 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     else:
         _require_device({"src": src, "dst": dst}, "src", backend)
     _csrc.load_ops(backend=backend).swap_blocks(src, dst, mapping)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's decode on a GPU: which kernel
+# --------------------------------------------------------------------------------------------
+
+
+def v1_fits(max_seq_len: int, head_size: int, block_size: int, smem_optin: int) -> bool:
+    """Whether ``paged_attention_v1``'s shared memory fits a block on a GPU that lets a block opt
+    in to ``smem_optin`` bytes (every GPU allows 48 KB): one fp32 logit per token slot of the
+    longest sequence (or the warps' partial rows, if larger), plus the static query row and
+    reduction scratch (``attention_smem_bytes`` + ``attention_static_smem_bytes`` in
+    attention_core.cuh). Its launcher refuses past this ("use paged_attention_v2").
+
+    upstream: none (upstream's v1 launcher sets the attribute and lets a launch fail)
+    """
+    slots = -(-max_seq_len // block_size) * block_size
+    dynamic = 4 * max(slots, (V1_THREADS // 32) * head_size)
+    static = 4 * head_size + 2 * 4 * (V1_THREADS // 32)
+    return dynamic + static <= max(smem_optin, 48 * 1024)
+
+
+def choose_decode_kernel(
+    max_seq_len: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    smem_optin: int,
+    gqa: bool = True,
+) -> str:
+    """"gqa", "v1" or "v2": the kernel the engine's decode runs on a GPU.
+
+    The GQA-aware kernel when ``gqa`` is allowed, the model groups at least GQA_MIN_GROUP query
+    heads per KV head and the dtype is fp16 or bf16 (it hands fp32 to v2 anyway): it reads each
+    K/V block once per KV head instead of once per query head. Otherwise the PyTorch path's rule,
+    ``mini_vllm.attention.paged_attn.use_v1`` (upstream's heuristic), picks v1 or v2; v1 also
+    needs its logits to fit in the shared memory of one block (``v1_fits``).
+
+    upstream: vllm/attention/ops/paged_attn.py:135 @ v0.11.0 (the v1/v2 rule; GQA is ours)
+    """
+    from mini_vllm.attention.paged_attn import use_v1
+
+    group = num_heads // max(num_kv_heads, 1)
+    if gqa and group >= GQA_MIN_GROUP and dtype in (torch.float16, torch.bfloat16):
+        return "gqa"
+    if use_v1(max_seq_len, num_seqs, num_heads) and v1_fits(max_seq_len, head_size, block_size,
+                                                            smem_optin):
+        return "v1"
+    return "v2"
+
+
+def device_smem_optin(device: torch.device, backend: str) -> int:
+    """Shared memory a block may opt in to on the GPU that runs the kernels (modelled in the
+    emulation).
+
+    upstream: none (upstream's v1 launcher sets the attribute without checking it)
+    """
+    if backend == "cuda":
+        return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+    import os
+
+    return EMULATED_SMEM_OPTIN.get(os.environ.get("MINI_VLLM_EMU_DEVICE") or "default", 48 * 1024)
+
+
+def paged_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> str:
+    """Decode attention as the engine runs it on a GPU: v1, v2 or the GQA-aware kernel, chosen by
+    ``choose_decode_kernel``; writes ``out`` (v1's contract) and returns the kernel's name.
+
+    The kernels are looked up in this module at call time, so an engine composed with a student's
+    lab 02-06 (``python -m course engine``) runs the student's v1 and v2; the GQA-aware kernel
+    stands in for v2 only while v2 is the reference's. Should v1 refuse a context that its shared
+    memory cannot hold, v2 does the step.
+
+    upstream: vllm/attention/ops/paged_attn.py:96 @ v0.11.0 (forward_decode)
+    """
+    import sys
+
+    me = sys.modules[__name__]
+    backend = _csrc.resolve_backend(backend)
+    num_seqs, num_heads, head_size = query.shape
+    kernel = choose_decode_kernel(
+        max_seq_len, num_seqs, num_heads, num_kv_heads, head_size, block_size, query.dtype,
+        device_smem_optin(query.device, backend),
+        gqa=me.paged_attention_v2 is _REFERENCE["paged_attention_v2"],
+    )
+    args = (query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+            block_size, max_seq_len, alibi_slopes)
+    if kernel == "v1":
+        try:
+            me.paged_attention_v1(out, *args, backend=backend)
+            return kernel
+        except ValueError as exc:
+            if "use paged_attention_v2" not in str(exc):
+                raise
+            kernel = "v2"
+    partition = PARTITION_SIZE
+    if kernel == "gqa":
+        partition = gqa_partition_size(num_seqs, num_heads, num_kv_heads, max_seq_len,
+                                       device_sm_count(query.device, backend))
+    parts = gqa_num_partitions(max_seq_len, partition)
+    exp_sums = torch.empty(num_seqs, num_heads, parts, dtype=torch.float32, device=query.device)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty(num_seqs, num_heads, parts, head_size, dtype=query.dtype,
+                          device=query.device)
+    if kernel == "gqa":
+        me.paged_attention_gqa(out, exp_sums, max_logits, tmp_out, *args, backend=backend,
+                               partition_size=partition)
+    else:
+        me.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *args, backend=backend)
+    return kernel
+
+
+# The reference kernels, kept where course.compose's rebinding of module names does not reach
+# (it replaces names, not the contents of a dict): paged_decode compares with them.
+_REFERENCE = {"paged_attention_v2": paged_attention_v2}

@@ -114,7 +114,7 @@ class EmulatedOps:
             "slot_mapping": Arg(slot_mapping),
         }, {
             "dtype": _CODE[_DTYPE[key.dtype]],
-            "num_tokens": key.shape[0],
+            "num_tokens": slot_mapping.shape[0],  # the real tokens; key may be padded
             "num_kv_heads": key.shape[1],
             "head_size": key.shape[2],
             "block_size": key_cache.shape[3],

@@ -189,12 +189,29 @@ def expected_output(b: dict) -> torch.Tensor:
     return out
 
 
+@cache
+def gpu_worker():
+    """The process that runs the kernels of the GPU tests (mini_vllm.csrc.isolation): a kernel
+    that breaks its CUDA context fails its own test only."""
+    from mini_vllm.csrc.isolation import IsolatedRunner
+
+    return IsolatedRunner()
+
+
 def run_kernel(version: str, b: dict, fn=None, backend: str = KERNEL_BACKEND) -> torch.Tensor:
     """Run v1 or v2 (lab's, or `fn` with the v2 signature) on the poisoned caches."""
     out = torch.full_like(b["query"], float("nan"))
     common = (b["query"], b["poisoned_k"], b["poisoned_v"], b["num_kv_heads"], b["scale"],
               b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"],
               b["alibi_slopes"])
+    if backend == "cuda":  # in the worker process, on CPU copies of the arguments
+        args = (out, *(partition_buffers(b) if version == "v2" else ()), *common)
+        where = fn.__module__ if fn else f"lab:{lab.impl}:{Path(lab.source_path).parent}"
+        name = fn.__name__ if fn else f"paged_attention_{version}"
+        (result,) = gpu_worker().call(
+            "mini_vllm.csrc.isolation", "run_on_gpu", where, name, [0],
+            *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], backend="cuda")
+        return result.to(out.device)
     if version == "v1":
         (fn or lab.paged_attention_v1)(out, *common, backend=backend)
     else:
@@ -567,6 +584,15 @@ def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -
     if backend == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache differs from the oracle"
+    # A padded batch: the slot mapping covers the first 30 tokens; the padding rows (NaN) of key
+    # and value are not read, as upstream and the PyTorch op do.
+    key[30:], value[30:] = float("nan"), float("nan")
+    cache_ops.reshape_and_cache(key, value, ek, ev, slots[:30])
+    ops.reshape_and_cache(key, value, kc, vc, slots[:30], backend=backend)
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache of a padded batch"
+    assert not kc.isnan().any(), "a padding row reached the cache"
 
 
 def check_copy_and_swap_blocks(backend: str) -> None:
