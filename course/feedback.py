@@ -7,7 +7,9 @@ What a student sees when they run a lab's tests:
   "not implemented", in the progress line (N) and the closing counts;
 - a failure that repeats across cases of one test (same exception, same traceback) is rendered
   once, in full; that report ends with the count and the ids of the other cases, which get no
-  report of their own (`--every-failure` renders each one);
+  report of their own (`--every-failure` renders each one). A crash in the code under test (an
+  exception other than an assertion, raised below the test file's last frame) is one failure
+  whichever test reached it: the same line failing the same way under ten tests renders once;
 - tensors in failure reports are summarised (shape, dtype, first values), not printed;
 - after pytest's closing line, every task the starter still leaves open, in task order, read from
   the starter's source, with the README passage and the hint command for each;
@@ -336,13 +338,20 @@ def _base_id(nodeid: str) -> str:
 
 def _signature(item, call, excinfo) -> tuple:
     """Two failures are the same when the same test (any parameters) fails in the same phase
-    with the same exception type through the same lines. Walking the traceback costs
-    microseconds; rendering it costs tens of milliseconds."""
+    with the same exception type through the same lines; or, for an exception other than an
+    assertion, when it comes out of the same lines below the test file (a crash in the lab's
+    code, whichever test called it). Walking the traceback costs microseconds; rendering it
+    costs tens of milliseconds."""
     frames = []
     tb = excinfo.tb
     while tb is not None:
         frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
         tb = tb.tb_next
+    test_file = str(item.path)
+    last_in_test = max((i for i, f in enumerate(frames) if f[0] == test_file), default=None)
+    below = frames[last_in_test + 1 :] if last_in_test is not None else []
+    if below and not excinfo.errisinstance(AssertionError):
+        return ("crash", test_file, call.when, excinfo.type.__qualname__, tuple(below))
     return (_base_id(item.nodeid), call.when, excinfo.type.__qualname__, tuple(frames))
 
 
@@ -503,11 +512,17 @@ def _add_repeats_section(group: _Repeats, cases: int) -> None:
     """Under the first case's report: how many other cases failed the same way, and which
     (all of them when few; otherwise the first MAX_IDS and how to see the rest)."""
     n = len(group.others)
-    test = _base_id(group.first.nodeid).split("::", 1)[-1]
-    params = [o[len(_base_id(o)) :] or o for o in group.others]
-    if n + 1 == cases:
+    base = _base_id(group.first.nodeid)
+    test = base.split("::", 1)[-1]
+    if any(_base_id(o) != base for o in group.others):  # a crash reached from several tests
+        params = [o.split("::", 1)[-1] for o in group.others]
+        tests = len({_base_id(o) for o in group.others} | {base})
+        title = f"the same failure in {n} other case{'s' if n > 1 else ''} ({tests} tests)"
+    elif n + 1 == cases:
+        params = [o[len(base) :] or o for o in group.others]
         title = f"the same failure in every other case of {test} ({n})"
     else:
+        params = [o[len(base) :] or o for o in group.others]
         title = f"the same failure in {n} other case{'s' if n > 1 else ''} of {test}"
     shown = " ".join(params[:MAX_IDS])
     if n > MAX_IDS:

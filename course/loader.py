@@ -52,8 +52,26 @@ def load_module(lab_dir: Path, impl: str, lab_id: str) -> ModuleType:
         return _load_module(lab_dir, impl, lab_id)
 
 
+# mutmut names a mutant after its file's path (`phase-02-....solution.x_func__mutmut_1`) and
+# switches it on only in a module of that name: scripts/mutation_test.py sets this variable so
+# that a lab-only solution.py is loaded under its path's dotted name.
+PATH_NAMES_ENV = "COURSE_MODULE_NAMES_FROM_PATHS"
+
+
+def _module_name_for(lab_dir: Path, impl: str, lab_id: str) -> str:
+    if os.environ.get(PATH_NAMES_ENV):
+        from course.labs import REPO_ROOT
+
+        try:
+            rel = (lab_dir / f"{impl}.py").resolve().relative_to(REPO_ROOT.resolve())
+            return ".".join(rel.with_suffix("").parts)
+        except ValueError:
+            pass
+    return module_name(lab_id, impl)
+
+
 def _load_module(lab_dir: Path, impl: str, lab_id: str) -> ModuleType:
-    name = module_name(lab_id, impl)
+    name = _module_name_for(lab_dir, impl, lab_id)
     if name in sys.modules:
         return sys.modules[name]
     path = lab_dir / f"{impl}.py"

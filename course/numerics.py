@@ -29,12 +29,15 @@ def assert_close(
     dtype: torch.dtype | None = None,
     msg: str = "",
     show: int = 5,
+    dims: tuple[str, ...] | None = None,
 ) -> None:
     """Assert |actual - expected| <= atol + rtol * |expected| elementwise.
 
     Tolerances default to those of `dtype` (by default the less precise of the two inputs).
     On failure the message gives the shapes, the largest errors and the first mismatching
-    positions with both values, which is what one needs to find an off-by-one.
+    positions with both values, which is what one needs to find an off-by-one. With `dims`
+    (one name per dimension, e.g. ``("query", "head", "dim")``) it also says, for each
+    dimension, which indices hold a mismatch: "wrong in query rows 0, 1 of 3, in every head".
     """
     prefix = f"{msg}: " if msg else ""
     if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
@@ -74,4 +77,24 @@ def assert_close(
     for i in idx.tolist():
         t = tuple(i)
         lines.append(f"    {t}: {float(a[t]):.6g} vs {float(e[t]):.6g}")
+    if dims is not None:
+        lines.append("  " + where_wrong(bad, dims))
     raise AssertionError("\n".join(lines))
+
+
+def where_wrong(bad: torch.Tensor, dims: tuple[str, ...]) -> str:
+    """Which indices of each named dimension of the boolean `bad` hold a True, in words."""
+    if len(dims) != bad.dim():
+        raise ValueError(f"dims names {len(dims)} dimensions, the tensor has {bad.dim()}")
+    parts = []
+    for d, name in enumerate(dims):
+        others = [i for i in range(bad.dim()) if i != d]
+        hit = bad.any(dim=others) if others else bad
+        idx = hit.nonzero().flatten().tolist()
+        size = bad.shape[d]
+        if len(idx) == size:
+            parts.append(f"every {name} ({size})")
+        else:
+            shown = ", ".join(str(i) for i in idx[:12]) + (", ..." if len(idx) > 12 else "")
+            parts.append(f"{name} {shown} of {size}")
+    return "mismatches in: " + "; ".join(parts)

@@ -1,4 +1,8 @@
-"""Known-wrong edits of the lab 01-01 reference that the tests must reject."""
+"""Known-wrong edits of the lab 01-01 reference that the tests must reject.
+
+Each is a mistake people make when they write attention for a serving engine;
+`python -m course check 01-01` applies them one at a time.
+"""
 
 from __future__ import annotations
 
@@ -39,12 +43,36 @@ BUGS = [
         replace="distance = query_pos[:, None] - key_pos[None, :]",
     ),
     PlantedBug(
+        name="alibi-from-row-index",
+        description="the ALiBi distance is measured from the query's row index i instead of its "
+        "position kv_len - q_len + i: every row is off by a constant, which softmax hides, so "
+        "only the bias and the scores show it",
+        file=_REF,
+        find="query_pos = torch.arange(kv_len - q_len, kv_len, device=slopes.device, dtype=dtype)",
+        replace="query_pos = torch.arange(0, q_len, device=slopes.device, dtype=dtype)",
+    ),
+    PlantedBug(
+        name="scale-zero-taken-for-the-default",
+        description="`if not scale` instead of `if scale is None`: an explicit scale of 0.0 is "
+        "replaced by head_size ** -0.5",
+        file=_REF,
+        find="    if scale is None:\n        scale = head_size**-0.5",
+        replace="    if not scale:\n        scale = head_size**-0.5",
+    ),
+    PlantedBug(
         name="scores-in-half-precision",
         description="scores are computed in the input dtype, so float16 inputs accumulate in "
         "float16 instead of float32",
         file=_REF,
         find="    dtype = compute_dtype(query.dtype)\n    q = query.to(dtype)",
         replace="    dtype = query.dtype\n    q = query.to(dtype)",
+    ),
+    PlantedBug(
+        name="varlen-drops-causal",
+        description="the packed batch does not pass `causal` on, so causal=False still masks",
+        file=_REF,
+        find="            causal=causal,\n        )\n    return out",
+        replace="        )\n    return out",
     ),
     PlantedBug(
         name="varlen-keys-from-query-offsets",

@@ -1,4 +1,8 @@
-"""Known-wrong edits of the lab 01-03 solution that the tests must reject."""
+"""Known-wrong edits of the lab 01-03 solution that the tests must reject.
+
+Each is a mistake people make when they first write a KV cache;
+`python -m course check 01-03` applies them one at a time.
+"""
 
 from __future__ import annotations
 
@@ -60,5 +64,60 @@ BUGS = [
         file=_SOL,
         find="used = sum(lens) * per_token",
         replace="used = len(lens) * max(lens) * per_token",
+    ),
+    PlantedBug(
+        name="append-rejects-an-exact-fit",
+        description="the capacity check uses >= : a write that fills the sequence exactly to "
+        "max_seq_len is refused",
+        file=_SOL,
+        find="if start + n > self.max_seq_len:",
+        replace="if start + n >= self.max_seq_len:",
+    ),
+    PlantedBug(
+        name="append-takes-negative-indices",
+        description="seq_idx is checked against Python's indexing rules, so -1 silently writes "
+        "into the last sequence",
+        file=_SOL,
+        find="if not 0 <= seq_idx < self.key_cache.shape[0]:",
+        replace="if not -self.key_cache.shape[0] <= seq_idx < self.key_cache.shape[0]:",
+    ),
+    PlantedBug(
+        name="decode-stores-before-checking",
+        description="decode_step lets append find the full sequence: the sequences before it "
+        "have already stored their token when the error comes",
+        file=_SOL,
+        find="    full = (cache.seq_lens >= max_seq_len).nonzero().flatten().tolist()\n"
+        "    if full:",
+        replace="    full = []\n    if full:",
+    ),
+    PlantedBug(
+        name="decode-empty-slot-values-reach-the-output",
+        description="the batched decode masks the scores of empty slots but not their values: "
+        "weight 0 times a NaN left in an empty slot is NaN",
+        file=_SOL,
+        find="    v = v.masked_fill(~visible[:, None, :, None], 0.0)\n",
+        replace="",
+    ),
+    PlantedBug(
+        name="decode-ignores-the-scale",
+        description="the batched decode always uses head_size ** -0.5, whatever scale it is given",
+        file=_SOL,
+        find="scale = head_size**-0.5 if scale is None else scale",
+        replace="scale = head_size**-0.5",
+    ),
+    PlantedBug(
+        name="used-bytes-counts-keys-only",
+        description="used_bytes counts the keys of each token but not its values",
+        file=_SOL,
+        find="per_token = 2 * num_kv_heads * head_size * self.key_cache.element_size()",
+        replace="per_token = num_kv_heads * head_size * self.key_cache.element_size()",
+    ),
+    PlantedBug(
+        name="decode-in-half-precision",
+        description="the batched decode computes in the cache's dtype: float16 and bfloat16 "
+        "scores, softmax and weighted sums, several roundings off",
+        file=_SOL,
+        find="dtype = torch.float64 if query.dtype == torch.float64 else torch.float32",
+        replace="dtype = query.dtype",
     ),
 ]

@@ -21,30 +21,6 @@ BUGS = [
         replace="hash_function((NONE_HASH, curr_block_token_ids_tuple, extra_keys))",
     ),
     PlantedBug(
-        name="hasher-does-not-chain",
-        description="the request hasher never advances the parent, so every block is hashed "
-        "as if it started the sequence",
-        file=UTILS,
-        find="            prev_block_hash_value = block_hash",
-        replace="            prev_block_hash_value = None",
-    ),
-    PlantedBug(
-        name="hasher-hashes-partial-block",
-        description="the request hasher also hashes the last, partly written block, so it can "
-        "be cached and matched before its KV is complete (breaks I3)",
-        file=UTILS,
-        find="if end_token_idx > num_tokens:",
-        replace="if start_token_idx >= num_tokens:",
-    ),
-    PlantedBug(
-        name="cache-salt-on-every-block",
-        description="the cache salt is mixed into every block instead of the first only, so "
-        "hashes disagree with upstream's",
-        file=UTILS,
-        find="if start_token_idx == 0 and request.cache_salt",
-        replace="if request.cache_salt",
-    ),
-    PlantedBug(
         name="remove-leaves-next-neighbour-stale",
         description="FreeKVCacheBlockQueue.remove relinks prev -> next but not next -> prev, "
         "so a backward link still points at the removed block",

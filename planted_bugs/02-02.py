@@ -59,4 +59,20 @@ BUGS = [
         find="self.pool.free_blocks(reversed(self.tables.pop(req.rid)))",
         replace="self.pool.free_blocks(self.tables.pop(req.rid))",
     ),
+    PlantedBug(
+        name="hole-must-be-larger",
+        description="first fit skips a hole of exactly the requested size, so memory that fits "
+        "is reported as fragmented (a mutation survivor of the old tests)",
+        file=SOLUTION,
+        find="if hole >= size:",
+        replace="if hole > size:",
+    ),
+    PlantedBug(
+        name="paging-admission-off-by-one",
+        description="paging refuses a prompt whose blocks are exactly the free ones (a mutation "
+        "survivor of the old tests)",
+        file=SOLUTION,
+        find="if num_blocks > self.pool.get_num_free_blocks():",
+        replace="if num_blocks >= self.pool.get_num_free_blocks():",
+    ),
 ]

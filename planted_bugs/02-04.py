@@ -87,4 +87,68 @@ BUGS = [
         find="dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)",
         replace="dst[src_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)",
     ),
+    PlantedBug(
+        name="padding-token-written-to-slot-minus-one",
+        description="reshape_and_cache keeps the padding tokens: slot -1 becomes block -1, "
+        "offset block_size - 1, the last slot of the cache, which some sequence owns",
+        file=CACHE,
+        find="        rows = torch.nonzero(slots >= 0).squeeze(1)\n        real = slots[rows]",
+        replace="        rows = torch.arange(slots.shape[0], device=slots.device)\n"
+        "        real = slots[rows]",
+    ),
+    PlantedBug(
+        name="stale-values-times-zero-weight",
+        description="positions past seq_len get logit -inf but their values are used as they "
+        "are: a zero softmax weight times a NaN in an unwritten slot is NaN",
+        file=PAGED,
+        find="values.masked_fill_(~valid.view(num_seqs, n_blk, 1, 1, block_size), 0.0)",
+        replace="pass",
+    ),
+    PlantedBug(
+        name="reduce-max-over-every-column",
+        description="the v2 reduce takes the global max over every column of the buffers, "
+        "including a sequence's partitions past its end, which hold junk",
+        file=PAGED,
+        find='m = torch.where(active, max_logits, torch.full_like(max_logits, float("-inf")))',
+        replace="m = max_logits",
+    ),
+    PlantedBug(
+        name="reduce-multiplies-junk-partitions",
+        description="the v2 reduce weighs every partition's tmp_out, relying on a zero weight "
+        "to cancel the junk past a sequence's end (NaN * 0 is NaN)",
+        file=PAGED,
+        find="partial = torch.where(active[..., None], tmp_out.float(), "
+        "torch.zeros((), device=out.device))",
+        replace="partial = tmp_out.float()",
+    ),
+    PlantedBug(
+        name="v2-extra-buffer-columns-unfilled",
+        description="v2 fills the empty partitions only up to ceil(max_seq_len / 512) and "
+        "leaves the rest of a wider buffer as it came",
+        file=PAGED,
+        find="""    exp_sums[:, :, used_parts:] = 0.0
+    max_logits[:, :, used_parts:] = float("-inf")
+    tmp_out[:, :, used_parts:] = 0.0""",
+        replace="""    exp_sums[:, :, used_parts:parts] = 0.0
+    max_logits[:, :, used_parts:parts] = float("-inf")
+    tmp_out[:, :, used_parts:parts] = 0.0""",
+    ),
+    PlantedBug(
+        name="reduce-exponentiates-raw-maxima",
+        description="the v2 reduce weighs partitions by exp_sum * exp(m_p) without subtracting "
+        "the global max: logits near 100 overflow float32",
+        file=PAGED,
+        find="rescaled = torch.where(active, exp_sums * torch.exp(m - global_max), "
+        "torch.zeros_like(m))",
+        replace="rescaled = torch.where(active, exp_sums * torch.exp(m), torch.zeros_like(m))",
+    ),
+    PlantedBug(
+        name="alibi-measured-from-position-0",
+        description="the ALiBi bias is slope * t instead of slope * (t - (seq_len - 1)): a "
+        "constant shift per row, which softmax cannot see, but v2's max_logits are off by "
+        "slope * (seq_len - 1)",
+        file=PAGED,
+        find="dist = pos[None, :] - (seq_lens.to(torch.int64)[:, None] - 1)  # [seqs, T]",
+        replace="dist = pos[None, :] + 0 * seq_lens.to(torch.int64)[:, None]  # [seqs, T]",
+    ),
 ]

@@ -1,4 +1,8 @@
-"""Known-wrong edits to the reference scheduler that lab 03-01's tests must reject."""
+"""Known-wrong edits to the reference scheduler that lab 03-01's tests must reject.
+
+The first seven are the classic mistakes the lab was written against; the rest are realistic
+mistakes that mutation testing (mutation/03-01.toml) found the old tests let through.
+"""
 
 from __future__ import annotations
 
@@ -56,5 +60,87 @@ BUGS = [
         find="num_new_tokens = request.num_tokens - num_computed_tokens",
         replace="num_computed_tokens, new_computed_blocks = 0, None\n"
         "            num_new_tokens = request.num_tokens - num_computed_tokens",
+    ),
+    PlantedBug(
+        name="nothing-to-do-stops-the-walk",
+        description="a running request with nothing to do in this step (its token has not come "
+        "back yet) ends the running loop, so the requests behind it get nothing",
+        file=FILE,
+        find="""                req_index += 1
+                continue""",
+        replace="""                break""",
+    ),
+    PlantedBug(
+        name="stop-token-before-length-cap",
+        description="check_stop tests EOS and stop tokens before the length cap, so a request "
+        "whose last allowed token is EOS finishes 'stop' instead of 'length'",
+        file=FILE,
+        find=(
+            "    if request.num_tokens >= max_model_len or "
+            "request.num_output_tokens >= request.max_tokens:\n"
+            "        request.status = RequestStatus.FINISHED_LENGTH_CAPPED\n"
+            "        return True\n"
+            "    params = request.sampling_params\n"
+            "    last_token_id = request.output_token_ids[-1]\n"
+        ),
+        replace=(
+            "    params = request.sampling_params\n"
+            "    last_token_id = request.output_token_ids[-1]\n"
+            "    if last_token_id in params.stop_token_ids or (\n"
+            "        not params.ignore_eos and last_token_id == request.eos_token_id\n"
+            "    ):\n"
+            "        pass  # checked below, before the length cap\n"
+            "    elif request.num_tokens >= max_model_len or "
+            "request.num_output_tokens >= request.max_tokens:\n"
+            "        request.status = RequestStatus.FINISHED_LENGTH_CAPPED\n"
+            "        return True\n"
+        ),
+    ),
+    PlantedBug(
+        name="swapped-not-counted",
+        description="get_num_unfinished_requests forgets the swapped queue, so the engine stops "
+        "while requests are parked on the CPU",
+        file=FILE,
+        find="return len(self.waiting) + len(self.running) + len(self.swapped)",
+        replace="return len(self.waiting) + len(self.running)",
+    ),
+    PlantedBug(
+        name="exact-fit-refused",
+        description="add_request refuses a request that needs exactly the usable blocks",
+        file=FILE,
+        find="if cdiv(longest, self.block_size) > usable:",
+        replace="if cdiv(longest, self.block_size) >= usable:",
+    ),
+    PlantedBug(
+        name="cached-count-overwritten",
+        description="num_cached_tokens is set again on every admission, so a re-admitted "
+        "request reports the hit of its re-admission, not of its first",
+        file=FILE,
+        find="if request.num_cached_tokens < 0:",
+        replace="if True:",
+    ),
+    PlantedBug(
+        name="stopped-request-removed-from-running-only",
+        description="update_from_output looks for a stopped request only in running: one that "
+        "was preempted (or swapped out) after it was scheduled stays queued forever",
+        file=FILE,
+        find="""            if request in self.running:
+                self.running.remove(request)
+            elif request in self.swapped:
+                self.swapped.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self._free_request(request)""",
+        replace="""            if request in self.running:
+                self.running.remove(request)
+            self._free_request(request)""",
+    ),
+    PlantedBug(
+        name="one-id-read-as-characters",
+        description="finish_requests iterates over a single id given as a string, so "
+        "finish_requests('12') finishes requests '1' and '2'",
+        file=FILE,
+        find="ids = (request_ids,) if isinstance(request_ids, str) else set(request_ids)",
+        replace="ids = set(request_ids)",
     ),
 ]

@@ -52,4 +52,54 @@ BUGS = [
         find="        if decode_idx < num_decodes:\n            break",
         replace="        if decode_idx >= 0:\n            break",
     ),
+    PlantedBug(
+        name="slot-mapping-in-int32",
+        description="the block ids stay int32 when they are multiplied by the block size, so the "
+        "slots of a large cache wrap around past 2**31",
+        file=META,
+        find="block_numbers = block_tables[req_indices.long(), positions.long() // block_size]"
+        ".long()",
+        replace="block_numbers = block_tables[req_indices.long(), positions.long() // block_size]",
+    ),
+    PlantedBug(
+        name="table-check-refuses-an-exact-fit",
+        description="a block table that holds exactly context + query slots is refused (<= for <)",
+        file=META,
+        find="if len(block_tables[r]) * block_size < ctx + q:",
+        replace="if len(block_tables[r]) * block_size <= ctx + q:",
+    ),
+    PlantedBug(
+        name="max-decode-seq-len-over-the-whole-batch",
+        description="max_decode_seq_len is taken over every sequence, prefills included (and is "
+        "not 0 when there are no decodes)",
+        file=META,
+        find="decode_seq_lens = seq_lens[:num_decodes]",
+        replace="decode_seq_lens = seq_lens",
+    ),
+    PlantedBug(
+        name="reorder-walks-decodes-from-the-front",
+        description="the reorder takes the decodes from the front: the first decode is usually in "
+        "place already, so the walk stops before moving the ones behind a prefill",
+        file=META,
+        find="decode_idx = decodes[num_decodes - i]",
+        replace="decode_idx = decodes[i - 1]",
+    ),
+    PlantedBug(
+        name="gqa-heads-tiled",
+        description="the KV heads are tiled (repeat) instead of interleaved, so query head h "
+        "reads KV head h % num_kv_heads",
+        file=ATTN,
+        find="o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale,\n"
+        "                                           enable_gqa=group > 1)",
+        replace="o = F.scaled_dot_product_attention(q, keys.repeat(1, group, 1, 1), "
+        "values.repeat(1, group, 1, 1),\n                                           "
+        "attn_mask=visible, scale=scale)",
+    ),
+    PlantedBug(
+        name="default-scale-is-one",
+        description="scale=None is taken as 1 instead of 1 / sqrt(head_size)",
+        file=ATTN,
+        find="scale = 1.0 / math.sqrt(head_size)",
+        replace="scale = 1.0 + 0 * math.sqrt(head_size)",
+    ),
 ]

@@ -1,5 +1,7 @@
 """Known-wrong edits to the reference swap space and swap-mode scheduler that lab 03-03's tests
-must reject."""
+must reject. The first six are the classic mistakes the lab was written against; the rest are
+realistic mistakes its old tests let through (found with mutation testing and with the task-by-task
+tests)."""
 
 from __future__ import annotations
 
@@ -55,5 +57,44 @@ BUGS = [
         find="        request.status = RequestStatus.SWAPPED\n",
         replace="        request.status = RequestStatus.SWAPPED\n"
         "        request.num_computed_tokens = 0\n",
+    ),
+    PlantedBug(
+        name="swap-in-into-the-last-blocks",
+        description="a resumed request's parked KV is copied into the last blocks of its new "
+        "table (the ones just allocated for the new tokens) instead of the first",
+        file=SCHED,
+        find="swap_in(request.request_id, gpu_block_ids[:num_swapped])",
+        replace="swap_in(request.request_id, gpu_block_ids[-num_swapped:])",
+    ),
+    PlantedBug(
+        name="resumed-as-running",
+        description="a request swapped back in is reported as a running request, so the runner "
+        "appends its new table to the old one instead of replacing it",
+        file=SCHED,
+        find="""            self.running.append(request)
+            step.scheduled_resumed_reqs.append(request)""",
+        replace="""            self.running.append(request)
+            step.scheduled_running_reqs.append(request)""",
+    ),
+    PlantedBug(
+        name="resume-ignores-seats",
+        description="swapped requests come back even when max_num_seqs requests already run",
+        file=SCHED,
+        find="""        while self.swapped and step.token_budget > 0:
+            if len(self.running) == self.max_num_running_reqs:
+                break
+""",
+        replace="""        while self.swapped and step.token_budget > 0:
+""",
+    ),
+    PlantedBug(
+        name="swap-victim-jumps-the-queue",
+        description="a swapped-out victim goes to the front of `swapped`, ahead of requests "
+        "that were parked before it",
+        file=SCHED,
+        find="""        request.status = RequestStatus.SWAPPED
+        self.swapped.append(request)""",
+        replace="""        request.status = RequestStatus.SWAPPED
+        self.swapped.appendleft(request)""",
     ),
 ]

@@ -84,4 +84,37 @@ BUGS = [
         scheduler_output = self.scheduler.schedule()""",
         replace="""        scheduler_output = self.scheduler.schedule()""",
     ),
+    PlantedBug(
+        name="batch-order-from-scratch",
+        description="the batch order is rebuilt from the scheduler's order every step instead "
+        "of keeping the last step's, so requests move around (and the decodes-first reorder "
+        "gives another batch than upstream's persistent one)",
+        file="mini_vllm/model_runner.py",
+        find="order = [r for r in self.batch_req_ids if r in scheduled]",
+        replace="order = []",
+    ),
+    PlantedBug(
+        name="empty-step-skips-the-diff",
+        description="a step that schedules no token returns at once, so the requests that "
+        "finished are not forgotten and the swaps of that step are never made",
+        file="mini_vllm/model_runner.py",
+        find="""        self._update_states(scheduler_output)
+        self._execute_block_ops(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+""",
+        replace="""        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        self._update_states(scheduler_output)
+        self._execute_block_ops(scheduler_output)
+""",
+    ),
+    PlantedBug(
+        name="min-tokens-not-enforced",
+        description="the sampler is not told which stop tokens min_tokens still bans, so a "
+        "request can stop before its minimum length",
+        file="mini_vllm/model_runner.py",
+        find="            banned_token_ids=[self._stop_token_ids(s) for s in states],\n",
+        replace="",
+    ),
 ]

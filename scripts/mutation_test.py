@@ -50,7 +50,7 @@ from course.tasks import open_tasks  # noqa: E402
 
 CONFIG_DIR = REPO_ROOT / "mutation"
 DEFAULT_OUT = CONFIG_DIR / "results.json"
-_NAME_RE = re.compile(r"^(?P<module>[\w.]+)\.x(?:ǁ(?P<cls>\w+)ǁ|_)(?P<func>\w+?)__mutmut_\d+$")
+_NAME_RE = re.compile(r"^(?P<module>[\w.-]+)\.x(?:ǁ(?P<cls>\w+)ǁ|_)(?P<func>\w+?)__mutmut_\d+$")
 
 
 def function_of(mutant: str) -> str:
@@ -59,6 +59,21 @@ def function_of(mutant: str) -> str:
     if not m:
         return mutant
     return f"{m['cls']}.{m['func']}" if m["cls"] else m["func"]
+
+
+def scope_patterns(paths: list[str], scope: list[str]) -> list[str]:
+    """mutmut name patterns for the in-scope functions of `paths`, so that mutmut runs only
+    those mutants (the others stay "not checked" and are not counted): `Cls.meth` in
+    `mini_vllm/x.py` -> `mini_vllm.x.xǁClsǁmeth*`, `func` -> `mini_vllm.x.x_func*`. The pattern
+    has no `__mutmut_` so that it also matches the function's own name, which is how mutmut picks
+    the tests of the clean run."""
+    patterns = []
+    for path in paths:
+        module = path.removesuffix(".py").replace("/", ".")
+        for name in scope:
+            cls, _, func = name.rpartition(".")
+            patterns.append(f"{module}.xǁ{cls}ǁ{func}*" if cls else f"{module}.x_{func}*")
+    return patterns
 
 
 def _norm(line: str) -> str:
@@ -101,7 +116,15 @@ def run_lab(lab_id: str, max_children: int) -> dict:
                 f"pytest_add_cli_args_test_selection = {json.dumps([test_file])}\n"
             )
         env = dict(os.environ, LAB_IMPL="solution", HYPOTHESIS_PROFILE="ci", OMP_NUM_THREADS="1")
-        proc = _mutmut(copy, "run", "--max-children", str(max_children), env=env)
+        env["COURSE_MODULE_NAMES_FROM_PATHS"] = "1"  # lab-only code: see course/loader.py
+        proc = _mutmut(
+            copy,
+            "run",
+            "--max-children",
+            str(max_children),
+            *scope_patterns(config["paths"], scope),
+            env=env,
+        )
         if "failed to collect stats" in proc.stdout + proc.stderr:
             raise SystemExit(
                 f"mutmut could not run the tests:\n{(proc.stdout + proc.stderr)[-3000:]}"
@@ -200,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             python=platform.python_version(),
         )
         results["labs"][r["lab"]] = r
+        score = "n/a (no mutant in scope)" if r["score"] is None else f"{r['score']:.1%}"
         print(
-            f"lab {r['lab']}: score {r['score']:.1%} ({r['killed']} killed of "
+            f"lab {r['lab']}: score {score} ({r['killed']} killed of "
             f"{r['mutants_in_scope']} in scope, {r['set_aside']} set aside, {r['survived']} "
             f"survived; {r['mutants_in_files']} mutants in the files) in {r['seconds']:.0f} s"
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import inspect
 import shutil
 import sys
@@ -57,9 +58,11 @@ def _nodes(tree: ast.AST, prefix: str = ""):
             yield from _nodes(node, f"{prefix}{node.name}.")
 
 
-def fill(source: str, solution, qualnames: list[str]) -> str:
+def fill(source: str, solution, qualnames: list[str], starter=None) -> str:
     """`source` with the functions `qualnames` replaced by the reference's (bottom-up, so that
-    line numbers stay valid), plus the reference's private helpers their classes lack."""
+    line numbers stay valid), plus the reference's private helpers their classes lack (a
+    helper the class of the loaded `starter` module already has, e.g. from a base class it
+    takes from mini_vllm, is not added)."""
     tree = ast.parse(source)
     nodes = dict(_nodes(tree))
     lines = source.splitlines(keepends=True)
@@ -77,6 +80,9 @@ def fill(source: str, solution, qualnames: list[str]) -> str:
             helpers_added.add(cls_name)
             cls_node = nodes[cls_name]
             have = {n.name for n in cls_node.body if isinstance(n, ast.FunctionDef)}
+            starter_cls = getattr(starter, cls_name, None) if starter is not None else None
+            if inspect.isclass(starter_cls):
+                have |= set(dir(starter_cls))
             extra = [
                 textwrap.indent(textwrap.dedent(inspect.getsource(f)), indent)
                 for name, f in vars(holder).items()
@@ -89,7 +95,44 @@ def fill(source: str, solution, qualnames: list[str]) -> str:
                 edits.append((cls_node.end_lineno, cls_node.end_lineno, "\n" + "\n".join(extra)))
     for first, last, text in sorted(edits, key=lambda e: e[0], reverse=True):
         lines[first:last] = [text if text.endswith("\n") else text + "\n"]
+    # Module-level helpers a reference function calls that the starter does not define (e.g.
+    # upstream's generate_block_hash_extra_keys): import them from the reference's module.
+    defined = _top_level_names(tree)
+    missing = {}
+    for qualname in qualnames:
+        _, ref = _reference_function(solution, qualname)
+        for name in sorted(_global_names(ref.__code__)):
+            if name in ref.__globals__ and name not in defined and name not in vars(builtins):
+                missing.setdefault(name, ref.__globals__[name])
+    for name, value in missing.items():
+        if inspect.ismodule(value):
+            lines.append(f"import {value.__name__} as {name}  # noqa: E402\n")
+        elif getattr(value, "__module__", "").startswith("course_labs."):
+            lines.append("\n" + textwrap.dedent(inspect.getsource(value)))  # lab-only helper
+        else:
+            lines.append(f"from {value.__module__} import {name}  # noqa: E402\n")
     return "".join(lines)
+
+
+def _global_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     (lab,) = select(discover(), [args.lab])
     tasks = open_tasks(lab)
     solution = load_module(lab.path, "solution", lab.id)
+    starter = load_module(lab.path, "starter", lab.id)
     original = (lab.path / "starter.py").read_text(encoding="utf-8")
     rows, ok = [], True
     with tempfile.TemporaryDirectory(prefix="task-by-task-") as tmp:
@@ -108,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = -1
         for k in range(len(tasks) + 1):
             names = [name for t in tasks[:k] for name, _ in t.functions]
-            (lab_copy.path / "starter.py").write_text(fill(original, solution, names))
+            (lab_copy.path / "starter.py").write_text(fill(original, solution, names, starter))
             run = run_lab(lab_copy, "starter", root=copy)
             label = "untouched" if k == 0 else f"task {tasks[k - 1].number}"
             broken = run.broken or any("CANNOT LOAD" in t["message"] for t in run.tests)

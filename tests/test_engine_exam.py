@@ -190,3 +190,23 @@ def test_the_notebook_switch_draws_the_students_pieces(tmp_path, phase):
     assert proc.returncode == 0, proc.stderr
     assert "lab 02-03: yours" in proc.stdout and "lab 03-02: reference" in proc.stdout
     assert "course_labs.lab_02_03.starter course_labs.lab_03_01.starter" in proc.stdout
+
+
+def test_the_exam_is_a_graded_unit_when_every_engine_lab_is_graded():
+    from types import SimpleNamespace
+
+    from course.compose import engine_labs
+    from course.exam import GRADED_SWEEP, cases
+    from course.grading import CommandUnit, graded_units
+    from course.labs import exam_metadata
+
+    every = SimpleNamespace(labs=discover(), manifest={})
+    exam = [u for u in graded_units(every) if isinstance(u, CommandUnit)]
+    assert len(exam) == 1
+    unit = exam[0]
+    assert unit.max_points == {"cpu": float(exam_metadata()["points"])}
+    assert unit.cases == [c.name for c in cases(GRADED_SWEEP)]
+    assert unit.argv[unit.argv.index("--labs") + 1] == "all"
+    some = SimpleNamespace(labs=[lab for lab in discover() if lab.id != engine_labs()[0].id],
+                           manifest={})
+    assert not [u for u in graded_units(some) if isinstance(u, CommandUnit)]

@@ -181,6 +181,43 @@ def test_a_failure_repeated_over_a_grid_is_rendered_once(course):
     assert every.stdout.count("def test_double") == 29
 
 
+def test_a_crash_in_the_lab_code_reached_from_several_tests_is_rendered_once(course):
+    tests = course / LAB / "test_lab.py"
+    tests.write_text(
+        tests.read_text()
+        + textwrap.dedent(
+            """
+
+            @pytest.mark.parametrize("x", ["a", "b"])
+            def test_halve_text(x):
+                assert lab.halve(x) == x
+
+
+            def test_halve_text_again():
+                assert lab.halve("c") == "c"
+            """
+        )
+    )
+    out = pytest_run(course, "solution", "-k", "halve").stdout
+    # One TypeError at the same line of solution.py, reached from two tests: one report.
+    assert out.count("def test_halve_text") == 1, out
+    assert "the same failure in 2 other cases (2 tests)" in out
+    assert "test_halve_text[b]" in out and "test_halve_text_again" in out
+    assert "3 failed" in out
+
+
+def test_a_measurement_may_return_several_named_values():
+    from course.measure import Series, _split_named
+
+    mine = Series("yours", {1: {"v1": 1.0, "v2": None}, 2: {"v1": 2.0, "v2": None}})
+    plain = Series("deque", {1: 5.0, 2: 6.0})
+    out = _split_named([mine, plain])
+    assert [s.name for s in out] == ["yours: v1", "yours: v2", "deque"]
+    assert out[0].values == {1: 1.0, 2: 2.0} and out[0].note == ""
+    assert out[1].values == {1: None, 2: None} and out[1].note == "not written yet"
+    assert out[2] is plain
+
+
 def test_threads_are_half_the_cores_between_1_and_4():
     assert [choose_threads(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4, 4]
 
@@ -238,3 +275,27 @@ def test_hint_and_measure_commands():
     out = measure.stdout
     assert "Predict, then measure" in out and "reference" in out and "deque.remove" in out
     assert "not written yet: lab 02-01, task 3" in out  # the untouched starter
+
+
+def test_measure_with_several_metrics_gets_a_table_and_a_panel_each(tmp_path):
+    """A measurement with METRICS: `run` returns one value per metric (None: nothing to show);
+    each metric gets its own table and plot panel, and an unwritten starter shows "-"."""
+    import types
+
+    from course.measure import Series, format_table, panels, plot
+
+    module = types.SimpleNamespace(
+        TITLE="t", X_LABEL="batch", Y_LABEL="y", METRICS={"a": "alpha (ms)", "b": "beta"}
+    )
+    series = [
+        Series("yours (starter.py)", {1: None, 2: None}, "not written yet: lab 99-01, task 1"),
+        Series("reference", {1: {"a": 1.5, "b": None}, 2: {"a": 3.0, "b": 7.0}}),
+    ]
+    groups = panels(module, series)
+    assert [label for label, _ in groups] == ["alpha (ms)", "beta"]
+    assert groups[1][1][1].values == {1: None, 2: 7.0}
+    table = format_table(module, series)
+    assert table.index("alpha (ms)") < table.index("beta")
+    assert table.count("reference") == 2 and "not written yet: lab 99-01" in table
+    path = plot(module, series, tmp_path / "m.png", show=False)
+    assert path is not None and path.stat().st_size > 0

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from mini_vllm.attention.reference import attention_scores, repeat_kv
+from mini_vllm.attention.reference import _check_qkv, compute_dtype, repeat_kv
 
 __all__ = [
     "Partial",
@@ -194,10 +194,36 @@ def _blocks(boundaries: Sequence[int], kv_len: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _prepare(query, key, value, boundaries, scale, alibi_slopes, causal):
-    scores = attention_scores(query, key, scale=scale, alibi_slopes=alibi_slopes, causal=causal)
-    values = repeat_kv(value, query.shape[1]).to(scores.dtype).transpose(0, 1)  # [H, kv, D]
-    return scores, values, _blocks(boundaries, key.shape[0])
+def _prepare(query, key, value, boundaries, alibi_slopes):
+    """Lab 01's input checks, then the blocks ``[(start, end), ...]`` the keys are cut into."""
+    _check_qkv(query, key, value, alibi_slopes)
+    return _blocks(boundaries, key.shape[0])
+
+
+def _block_scores(query, key, value, start, end, scale, alibi_slopes, causal):
+    """Scores ``[H, q_len, end - start]`` of every query against keys ``start .. end - 1`` and
+    their values ``[H, end - start, D]``, in the compute dtype.
+
+    The scores are columns ``start:end`` of lab 01's ``attention_scores`` (scale, ALiBi bias
+    from absolute positions, ``-inf`` after each query's position), computed from those keys
+    alone: a block never needs the other keys, so at most one block's scores exist at a time.
+    """
+    q_len, num_heads, head_size = query.shape
+    kv_len = key.shape[0]
+    dtype = compute_dtype(query.dtype)
+    if scale is None:
+        scale = head_size**-0.5
+    k = repeat_kv(key[start:end], num_heads).to(dtype)
+    scores = scale * torch.einsum("qhd,khd->hqk", query.to(dtype), k)
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
+    key_pos = torch.arange(start, end, device=query.device)
+    if alibi_slopes is not None:
+        distance = (key_pos[None, :] - query_pos[:, None]).to(dtype)
+        scores = scores + alibi_slopes.to(query.device, dtype)[:, None, None] * distance
+    if causal:
+        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    values = repeat_kv(value[start:end], num_heads).to(dtype).transpose(0, 1)
+    return scores, values
 
 
 def blockwise_attention(
@@ -213,17 +239,20 @@ def blockwise_attention(
     """``ref_attention`` computed by one online-softmax pass over the key blocks in order.
 
     The keys are cut at ``boundaries`` (sorted, within ``[0, kv_len]``, repeats give empty
-    blocks). Returns ``[q_len, num_heads, head_size]`` in ``query.dtype``.
+    blocks). Returns ``[q_len, num_heads, head_size]`` in ``query.dtype``. Only one block's
+    scores exist at a time: memory O(num_heads * q_len * (largest block + head_size)), where
+    ``ref_attention`` holds all ``num_heads * q_len * kv_len`` scores.
 
     upstream: vllm/attention/ops/triton_unified_attention.py:52 @ v0.11.0
     """
-    scores, values, blocks = _prepare(query, key, value, boundaries, scale, alibi_slopes, causal)
-    num_heads, q_len, _ = scores.shape
+    blocks = _prepare(query, key, value, boundaries, alibi_slopes)
+    q_len, num_heads, head_size = query.shape
     state = SoftmaxState.initial(
-        (num_heads, q_len), query.shape[2], dtype=scores.dtype, device=query.device
+        (num_heads, q_len), head_size, dtype=compute_dtype(query.dtype), device=query.device
     )
     for start, end in blocks:
-        state = online_update(state, scores[..., start:end], values[:, start:end])
+        scores, values = _block_scores(query, key, value, start, end, scale, alibi_slopes, causal)
+        state = online_update(state, scores, values)
     return finalize(state).out.transpose(0, 1).to(query.dtype)
 
 
@@ -240,20 +269,20 @@ def split_kv_attention(
     """``ref_attention`` computed as independent partials, one per key block, then reduced.
 
     This is the shape of PagedAttention v2: each partition is attended on its own (in parallel on
-    a GPU) and a reduce step combines the partials with :func:`reduce_partials`.
+    a GPU) and a reduce step combines the partials with :func:`reduce_partials`. Memory: one
+    block's scores at a time, plus every block's partial (``num_heads * q_len * head_size`` each).
 
     upstream: vllm/attention/ops/triton_unified_attention.py:330 @ v0.11.0
     """
-    scores, values, blocks = _prepare(query, key, value, boundaries, scale, alibi_slopes, causal)
-    num_heads, q_len, _ = scores.shape
+    blocks = _prepare(query, key, value, boundaries, alibi_slopes)
+    q_len, num_heads, head_size = query.shape
     partials = []
     for start, end in blocks:
+        scores, values = _block_scores(query, key, value, start, end, scale, alibi_slopes, causal)
         state = SoftmaxState.initial(
-            (num_heads, q_len), query.shape[2], dtype=scores.dtype, device=query.device
+            (num_heads, q_len), head_size, dtype=scores.dtype, device=query.device
         )
-        partials.append(
-            finalize(online_update(state, scores[..., start:end], values[:, start:end]))
-        )
+        partials.append(finalize(online_update(state, scores, values)))
     merged = reduce_partials(
         torch.stack([p.out for p in partials], dim=-2),
         torch.stack([p.max_logit for p in partials], dim=-1),

@@ -202,6 +202,9 @@ def _gather_logits(
         num_seqs, n_blk, num_kv_heads, head_size, block_size)
     if keys.dtype != acc:
         keys, values = keys.to(acc), values.to(acc)
+    # Stale slots past seq_len (and padding blocks) may hold NaN or inf, and a zero softmax
+    # weight times NaN is NaN: zero those values (a fresh copy), as upstream's kernel does.
+    values.masked_fill_(~valid.view(num_seqs, n_blk, 1, 1, block_size), 0.0)
     q = query.to(acc).view(num_seqs, num_kv_heads, group, head_size // x, x)
     # logits[s, k, g, n, b] = sum over (c, l) of q[s, k, g, c, l] * key[s, n, k, c, b, l]
     logits = torch.einsum("skgcl,snkcbl->skgnb", q, keys).reshape(
@@ -393,7 +396,9 @@ def paged_attention_v2_reduce(
     rescaled = torch.where(active, exp_sums * torch.exp(m - global_max), torch.zeros_like(m))
     total = rescaled.sum(dim=-1, keepdim=True)
     weights = rescaled / total.clamp_min(torch.finfo(torch.float32).tiny)
-    merged = (weights[..., None] * tmp_out.float()).sum(dim=2)
+    # Partitions past a sequence's end may hold anything, NaN included: never multiply them.
+    partial = torch.where(active[..., None], tmp_out.float(), torch.zeros((), device=out.device))
+    merged = (weights[..., None] * partial).sum(dim=2)
     out.copy_(merged)
 
 

@@ -1,12 +1,28 @@
-"""Lab 01-01: scaled dot-product attention. Fill in every function that raises NotImplementedError.
+"""Lab 01-01 starter: scaled dot-product attention, as a serving engine needs it.
 
-Layout of one sequence (token-major, like vLLM): query ``[q_len, num_heads, head_size]``,
-key/value ``[kv_len, num_kv_heads, head_size]``. The queries are the LAST ``q_len`` tokens of the
-sequence: query ``i`` sits at absolute position ``kv_len - q_len + i``. Read the lab README for the
-formulas and the order of the tasks; run ``LAB_IMPL=starter pytest <this folder> -q``.
+Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
+Each docstring is a contract: what goes in, what comes out, what must hold, which errors, and
+the cost. How to get there is yours to work out; when stuck, climb the hint ladder:
+``python -m course hint 01-01 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read).
+
+Conventions shared by every function here (and every later lab):
+
+* one sequence is token-major: query ``[q_len, num_heads, head_size]``, key and value
+  ``[kv_len, num_kv_heads, head_size]``;
+* the queries are the LAST ``q_len`` of the ``kv_len`` tokens: query ``i`` sits at absolute
+  position ``pos_i = kv_len - q_len + i`` (so ``0 <= q_len <= kv_len``);
+* query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
+* float16, bfloat16 and float32 inputs are computed in float32, float64 inputs in float64
+  (``_compute_dtype``).
 
 Rules: do not call ``torch.nn.functional.scaled_dot_product_attention`` (the tests read this file
-to check), and do not import from ``mini_vllm.attention`` (that is the answer).
+to check), and do not import from ``mini_vllm.attention`` (that is the answer). The ``_check_*``
+helpers at the bottom are complete: they raise the ValueErrors the contracts ask for.
+
+Run the tests against this file with::
+
+    LAB_IMPL=starter python -m pytest phase-01-attention/labs/lab-01-sdpa -q
 """
 
 from __future__ import annotations
@@ -26,33 +42,57 @@ __all__ = [
 def causal_mask(
     q_len: int, kv_len: int, *, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """Boolean ``[q_len, kv_len]`` mask, True where query ``i`` may attend key ``j``.
+    """Which keys each query may see.
 
-    Query ``i`` sits at position ``kv_len - q_len + i`` and sees every key at or before it.
-    Hint: compare a column of query positions with a row of key positions (broadcasting).
-    Call ``_check_lengths(q_len, kv_len)`` first so that bad lengths raise ValueError.
+    Output: a ``torch.bool`` tensor ``[q_len, kv_len]`` on ``device`` (``None``: torch's default
+    device), True exactly where key ``j`` is at or before the query's position:
+    ``j <= kv_len - q_len + i``. So the last query sees every key, and every query sees at least
+    key 0 (no row is all False). ``q_len == 0`` gives an empty ``[0, kv_len]`` mask.
+
+    Errors: ValueError unless ``0 <= q_len <= kv_len`` (``_check_lengths``; the message gives
+    both numbers). Cost: O(q_len * kv_len), no Python loop over the entries.
     """
-    raise NotImplementedError("lab 01-01, task 1: implement causal_mask")
+    raise NotImplementedError(
+        "lab 01-01, task 1: implement causal_mask (hint: python -m course hint 01-01 1)"
+    )
 
 
 def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
-    """ALiBi bias ``[num_heads, q_len, kv_len]``: entry ``[h, i, j]`` is
-    ``slopes[h] * (j - (kv_len - q_len + i))``.
+    """The ALiBi bias of every (head, query, key).
 
-    Compute in float32 (float64 if ``slopes`` is float64). Raise ValueError if ``slopes`` is
-    not 1-D, and call ``_check_lengths`` for the lengths.
+    Inputs: ``slopes`` is 1-D ``[num_heads]`` (any floating dtype, any values).
+
+    Output: ``[num_heads, q_len, kv_len]`` on the slopes' device, in
+    ``_compute_dtype(slopes.dtype)``; entry ``[h, i, j]`` is ``slopes[h] * (j - pos_i)`` with
+    ``pos_i = kv_len - q_len + i``: zero on the query's own key, ``-slopes[h]`` per step back,
+    and positive for keys after the query (which a causal mask removes later). The distance
+    is measured from the query's absolute position, not from its row index ``i``.
+
+    Errors: ValueError if ``slopes`` is not 1-D, or unless ``0 <= q_len <= kv_len``. Cost:
+    O(num_heads * q_len * kv_len).
     """
-    raise NotImplementedError("lab 01-01, task 2: implement alibi_bias")
+    raise NotImplementedError(
+        "lab 01-01, task 2: implement alibi_bias (hint: python -m course hint 01-01 2)"
+    )
 
 
 def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Expand ``[tokens, num_kv_heads, head_size]`` to ``[tokens, num_heads, head_size]``.
+    """Give every query head its KV head.
 
-    Query head ``h`` must get KV head ``h // (num_heads // num_kv_heads)``: each KV head repeated
-    ``group`` times in a row. Raise ValueError when ``x`` is not 3-D or ``num_heads`` is not a
-    multiple of ``num_kv_heads``.
+    Inputs: ``x`` ``[tokens, num_kv_heads, head_size]``; ``num_heads`` a multiple of
+    ``num_kv_heads``.
+
+    Output: ``[tokens, num_heads, head_size]``, same dtype and device, with
+    ``out[t, h] == x[t, h // (num_heads // num_kv_heads)]``: each KV head appears
+    ``num_heads // num_kv_heads`` times in a row (heads 0, 0, 1, 1, ... for 4 over 2), never
+    tiled (0, 1, 0, 1). ``x`` itself is not modified.
+
+    Errors: ValueError when ``x`` is not 3-D, or ``num_heads`` is not a positive multiple of
+    ``num_kv_heads`` (the message gives both numbers). Cost: O(tokens * num_heads * head_size).
     """
-    raise NotImplementedError("lab 01-01, task 3: implement repeat_kv")
+    raise NotImplementedError(
+        "lab 01-01, task 3: implement repeat_kv (hint: python -m course hint 01-01 3)"
+    )
 
 
 def attention_scores(
@@ -63,15 +103,31 @@ def attention_scores(
     alibi_slopes: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Logits ``[num_heads, q_len, kv_len]``: ``scale * q.k`` (+ ALiBi bias), masked to ``-inf``.
+    """The logits of one sequence: ``[num_heads, q_len, kv_len]``.
 
-    * ``scale`` defaults to ``head_size ** -0.5``.
-    * Work in ``_compute_dtype(query.dtype)`` (float32, or float64 for float64 inputs): cast the
-      inputs up BEFORE the matmul, so float16 products do not round.
-    * Masked entries are ``-inf`` (``masked_fill``), so that softmax gives them zero weight.
-    * Start with ``_check_qkv(query, key, key, alibi_slopes)``.
+    Entry ``[h, i, j]`` is ``scale * (query[i, h] . key[j, h // group])``, plus
+    ``alibi_bias(alibi_slopes, q_len, kv_len)[h, i, j]`` when slopes are given, and exactly
+    ``-inf`` where ``causal`` is True and ``causal_mask`` is False (every other entry is
+    finite for finite inputs).
+
+    Defaults: ``scale=None`` means ``head_size ** -0.5``; any float given is used as is
+    (``0.0`` included: it makes every visible key equally likely). ``causal=True``; with
+    ``causal=False`` nothing is masked. ``alibi_slopes=None`` adds no bias.
+
+    Precision and place: the result is on the query's device, in
+    ``_compute_dtype(query.dtype)``, and is what that dtype's arithmetic gives on the inputs'
+    values: float16/bfloat16 inputs are converted before any product, so their scores equal the
+    scores of the same values given as float32. ``alibi_slopes`` may come in any floating dtype
+    and on another device (say the CPU, with the query on a GPU): they are converted to the
+    query's device and compute dtype first.
+
+    Errors (before any computation): ``_check_qkv(query, key, key, alibi_slopes)`` (shapes,
+    dtypes, head counts, ``q_len <= kv_len``, slopes ``[num_heads]``). Inputs are not
+    modified. Cost: O(num_heads * q_len * kv_len * head_size).
     """
-    raise NotImplementedError("lab 01-01, task 4: implement attention_scores")
+    raise NotImplementedError(
+        "lab 01-01, task 4: implement attention_scores (hint: python -m course hint 01-01 4)"
+    )
 
 
 def ref_attention(
@@ -83,13 +139,22 @@ def ref_attention(
     alibi_slopes: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Attention for one sequence: ``softmax(attention_scores) @ V``.
+    """Attention for one sequence.
 
-    Returns ``[q_len, num_heads, head_size]`` in ``query.dtype``. Softmax and the weighted sum run
-    in the compute dtype; cast only the final result. Validate with ``_check_qkv`` first; an empty
-    query (``q_len == 0``) returns an empty tensor.
+    Output: ``[q_len, num_heads, head_size]`` in ``query.dtype``; row ``i`` of head ``h`` is
+    the mean of the values of KV head ``h // group`` weighted by ``softmax`` of row ``[h, i]``
+    of ``attention_scores`` (same ``scale``, ``alibi_slopes``, ``causal`` and defaults). The
+    softmax and the weighted sum run in the compute dtype and only the result is cast to
+    ``query.dtype``. Finite for any finite inputs, logits of ``1e4`` included. ``q_len == 0``
+    returns an empty ``[0, num_heads, head_size]`` tensor in ``query.dtype``.
+
+    Errors (before any computation): ``_check_qkv(query, key, value, alibi_slopes)``. Inputs are
+    not modified. Cost: O(num_heads * q_len * kv_len * head_size); memory O(num_heads * q_len *
+    kv_len) for the scores.
     """
-    raise NotImplementedError("lab 01-01, task 5: implement ref_attention")
+    raise NotImplementedError(
+        "lab 01-01, task 5: implement ref_attention (hint: python -m course hint 01-01 5)"
+    )
 
 
 def ref_varlen_attention(
@@ -105,13 +170,23 @@ def ref_varlen_attention(
 ) -> torch.Tensor:
     """Attention for a ragged batch packed along the token dimension.
 
-    Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key/value rows
-    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``. Attend each sequence on its own with ``ref_attention``.
-    Check everything before computing anything: ``_check_qkv(..., allow_long_query=True)``,
-    ``_check_cu_seqlens`` for both offset tensors, the same number of sequences in both, and
-    ``q_len <= kv_len`` for every sequence (ValueError otherwise).
+    Inputs: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key/value
+    rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; both offset tensors hold ``num_seqs + 1``
+    integers from 0 to the packed length. A sequence may have no queries.
+
+    Output: a tensor like ``query`` (shape, dtype); the rows of sequence ``s`` equal
+    ``ref_attention`` of its own rows with the same ``scale``, ``alibi_slopes`` and ``causal``.
+    Rows of other sequences never affect them, whatever they hold (NaN included).
+
+    Errors, all checked before any attention is computed (ValueError):
+    ``_check_qkv(query, key, value, alibi_slopes, allow_long_query=True)``;
+    ``_check_cu_seqlens`` for each offset tensor; both with the same number of entries; and
+    ``q_len <= kv_len`` for every sequence (the message names the sequence and both lengths).
+    Inputs are not modified. Cost: the sum of the sequences' ``ref_attention`` costs.
     """
-    raise NotImplementedError("lab 01-01, task 6: implement ref_varlen_attention")
+    raise NotImplementedError(
+        "lab 01-01, task 6: implement ref_varlen_attention (hint: python -m course hint 01-01 6)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,13 +1,24 @@
-"""Lab 01-02: online softmax. Fill in every function that raises NotImplementedError.
+"""Lab 01-02 starter: online softmax, and attention over keys that arrive block by block.
 
-Per query row the state keeps ``max_logit`` (largest score so far, ``-inf`` before any key),
-``exp_sum`` (sum of ``exp(s - max_logit)``) and ``acc`` (sum of ``exp(s - max_logit) * v``, not yet
-divided). Shapes: ``max_logit`` and ``exp_sum`` are ``S`` (here ``[num_heads, q_len]``), ``acc`` and
-``out`` are ``S + [head_size]``. Work in the state's dtype, and never modify an argument: return
-new tensors. The README has the formulas; run ``LAB_IMPL=starter pytest <this folder> -q``.
+Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
+Each docstring is a contract: what goes in, what comes out, what must hold, which errors, and
+the cost. How to get there is yours to work out; when stuck, climb the hint ladder:
+``python -m course hint 01-02 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read).
+
+Per query row the running state keeps ``max_logit`` (the largest score so far, ``-inf`` before
+any key), ``exp_sum`` (the sum of ``exp(s - max_logit)`` over the keys so far) and ``acc`` (the
+sum of ``exp(s - max_logit) * v``, not yet divided). Shapes: ``max_logit`` and ``exp_sum`` are
+``S`` (here ``[num_heads, q_len]``), ``acc`` and ``out`` are ``S + [head_size]``. No function
+modifies its arguments: each returns new tensors.
 
 You may use lab 01's reference (``mini_vllm.attention.reference``); do not import
-``mini_vllm.attention.online_softmax`` (that is the answer).
+``mini_vllm.attention.online_softmax`` (that is the answer). ``SoftmaxState``, ``Partial`` and the
+helpers at the bottom are complete.
+
+Run the tests against this file with::
+
+    LAB_IMPL=starter python -m pytest phase-01-attention/labs/lab-02-online-softmax -q
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from mini_vllm.attention.reference import attention_scores, repeat_kv
+from mini_vllm.attention.reference import _check_qkv, compute_dtype, repeat_kv
 
 __all__ = [
     "SoftmaxState",
@@ -74,47 +85,74 @@ class Partial(NamedTuple):
 
 
 def online_update(state: SoftmaxState, scores: torch.Tensor, values: torch.Tensor) -> SoftmaxState:
-    """Fold one block into the state and return the new state.
+    """Fold one block of keys into the running state; return the new state.
 
-    ``scores``: ``S + [block_len]``, ``-inf`` where masked; ``values``:
-    ``[num_heads, block_len, head_size]`` (so ``p @ values`` is ``S + [head_size]``).
+    Inputs: ``scores`` ``S + [block_len]``, ``-inf`` where a key is masked for that row;
+    ``values`` ``[num_heads, block_len, head_size]`` (so ``p @ values`` is ``S + [head_size]``
+    for ``p`` of the scores' shape). Any floating dtypes: the work is done in the state's dtype.
 
-    1. Raise ValueError if ``scores.shape[:-1]`` is not the state's shape or ``values`` does not
-       match ``[..., block_len, head_size]``.
-    2. An empty block (``block_len == 0``) returns the state unchanged (``amax`` of nothing fails).
-    3. New max = max(old max, block max). Rescale the old sum and accumulator by
-       ``exp(old_max - new_max)``, add ``exp(scores - new_max)`` and its product with the values.
-    4. If the new max is still ``-inf`` (all keys so far masked), ``-inf - -inf`` is nan: subtract
-       0 instead in that row (every term is ``exp(-inf) = 0`` anyway).
+    Output: the state over the keys seen before plus this block, equal (up to rounding) to
+    the state of one pass over all of them at once: ``max_logit`` the maximum over all of them,
+    ``exp_sum`` and ``acc`` both taken relative to that maximum. An empty block
+    (``block_len == 0``) leaves the state unchanged, and a block whose keys are all masked in a
+    row leaves that row's three values exactly unchanged, whatever finite values those keys
+    hold. A row that has seen only masked keys keeps ``max_logit = -inf``, ``exp_sum = 0``,
+    ``acc = 0`` (never NaN). Finite for scores of any size (``1e4`` included).
+
+    Errors: ValueError when ``scores.shape[:-1]`` is not the state's ``S``, or ``values`` is not
+    ``[..., block_len, head_size]``. The state and the inputs are not modified. Cost:
+    O(size of S * block_len * head_size).
     """
-    raise NotImplementedError("lab 01-02, task 1: implement online_update")
+    raise NotImplementedError(
+        "lab 01-02, task 1: implement online_update (hint: python -m course hint 01-02 1)"
+    )
 
 
 def finalize(state: SoftmaxState) -> Partial:
-    """``Partial(acc / exp_sum, max_logit, exp_sum)``, with ``out = 0`` (not nan) where
-    ``exp_sum == 0``."""
-    raise NotImplementedError("lab 01-02, task 2: implement finalize")
+    """The state as a partial result: ``Partial(acc / exp_sum, max_logit, exp_sum)``.
+
+    A row that saw no visible key (``exp_sum == 0``) gets ``out = 0`` (not NaN) and keeps
+    ``max_logit = -inf``, ``exp_sum = 0``. The state is not modified. Cost: O(size of acc).
+    """
+    raise NotImplementedError(
+        "lab 01-02, task 2: implement finalize (hint: python -m course hint 01-02 2)"
+    )
 
 
 def merge_partials(a: Partial, b: Partial) -> Partial:
-    """The partial over the union of two disjoint key sets.
+    """The partial over the union of two disjoint key sets, from the two partials.
 
-    Weight each side by ``exp_sum * exp(max_logit - new_max)`` with ``new_max`` the larger max;
-    ``out`` is the weighted mean of the two outs, ``exp_sum`` the sum of the weights. An empty side
-    (``exp_sum == 0``, ``max_logit == -inf``) contributes nothing; both empty gives an empty
-    partial without nan. Raise ValueError when the two partials' shapes differ.
+    Output: exactly the partial that ``finalize`` would give after folding both key sets into
+    one state: ``max_logit`` the larger maximum, ``exp_sum`` the total sum relative to it, and
+    ``out`` the mean of ``a.out`` and ``b.out`` weighted by their sums, each rescaled to the
+    common maximum. An empty side (``exp_sum == 0``, ``max_logit == -inf``) contributes nothing,
+    so merging with it returns the other side; two empty sides give an empty partial (out 0,
+    sum 0, max ``-inf``; no NaN). Commutative.
+
+    Errors: ValueError when the shapes of ``a`` and ``b`` differ. Inputs are not modified. Cost:
+    O(size of out).
     """
-    raise NotImplementedError("lab 01-02, task 3: implement merge_partials")
+    raise NotImplementedError(
+        "lab 01-02, task 3: implement merge_partials (hint: python -m course hint 01-02 3)"
+    )
 
 
 def reduce_partials(out: torch.Tensor, max_logit: torch.Tensor, exp_sum: torch.Tensor) -> Partial:
-    """Combine ``P`` partials at once (the v2 kernel's reduce step).
+    """Combine ``P`` partials at once (the reduce step of PagedAttention v2).
 
-    ``out``: ``S + [P, head_size]``; ``max_logit``, ``exp_sum``: ``S + [P]``. The same weights as
-    ``merge_partials``, with the maximum over all ``P``. Raise ValueError if ``P == 0`` or the
-    shapes do not fit together.
+    Inputs: partial ``p`` is ``(out[..., p, :], max_logit[..., p], exp_sum[..., p])``: ``out``
+    ``S + [P, head_size]``, ``max_logit`` and ``exp_sum`` ``S + [P]``, with ``P >= 1``.
+
+    Output: the ``Partial`` over the union of the ``P`` key sets, the same as merging them two at
+    a time with ``merge_partials``: shapes ``S + [head_size]``, ``S``, ``S``. Rows where every
+    partial is empty give out 0, sum 0, max ``-inf`` (no NaN).
+
+    Errors: ValueError when ``P == 0``, or the three shapes do not fit together. Inputs are not
+    modified. Cost: O(size of out), one pass (no loop over P in Python).
     """
-    raise NotImplementedError("lab 01-02, task 4: implement reduce_partials")
+    raise NotImplementedError(
+        "lab 01-02, task 4: implement reduce_partials (hint: python -m course hint 01-02 4)"
+    )
 
 
 def blockwise_attention(
@@ -127,14 +165,23 @@ def blockwise_attention(
     alibi_slopes: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Lab 01's attention, computed by ONE online-softmax pass over the key blocks in order.
+    """Lab 01's ``ref_attention``, computed in ONE online-softmax pass over the key blocks.
 
-    ``_prepare`` gives you the scores ``[H, q_len, kv_len]``, the values ``[H, kv_len, D]`` and
-    the blocks ``[(start, end), ...]``. Start from ``SoftmaxState.initial((H, q_len), D,
-    dtype=scores.dtype)``, update with each block, finalize, and return ``out`` as
-    ``[q_len, H, D]`` in ``query.dtype``.
+    Inputs: as ``ref_attention`` (same ``scale``, ``alibi_slopes``, ``causal`` and defaults);
+    the keys are cut at ``boundaries``, sorted split points in ``[0, kv_len]`` (repeats give
+    empty blocks): blocks ``[0, b_0), [b_0, b_1), ..., [b_last, kv_len)``, visited in order.
+
+    Output: ``[q_len, num_heads, head_size]`` in ``query.dtype`` on the query's device, equal
+    to ``ref_attention`` within rounding, for any boundaries. Memory: at most one block's scores
+    at a time (the helper ``_block_scores`` gives them), never the whole
+    ``[num_heads, q_len, kv_len]``.
+
+    Errors (ValueError, before any block): lab 01's input checks and bad boundaries, both done
+    by the helper ``_prepare``. Inputs are not modified.
     """
-    raise NotImplementedError("lab 01-02, task 5: implement blockwise_attention")
+    raise NotImplementedError(
+        "lab 01-02, task 5: implement blockwise_attention (hint: python -m course hint 01-02 5)"
+    )
 
 
 def split_kv_attention(
@@ -147,10 +194,16 @@ def split_kv_attention(
     alibi_slopes: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Lab 01's attention as independent partials, one per block, combined by
-    ``reduce_partials`` (stack the partials along a new ``P`` dimension). Same output as
-    ``blockwise_attention``."""
-    raise NotImplementedError("lab 01-02, task 6: implement split_kv_attention")
+    """The same attention as ``blockwise_attention``, structured as PagedAttention v2 is:
+    every block becomes an independent ``Partial`` (as if on its own processor), then ONE call
+    of ``reduce_partials`` combines them all.
+
+    Inputs, output, errors and defaults as ``blockwise_attention``. Memory: one block's scores
+    at a time plus one partial per block.
+    """
+    raise NotImplementedError(
+        "lab 01-02, task 6: implement split_kv_attention (hint: python -m course hint 01-02 6)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,8 +219,33 @@ def _blocks(boundaries: Sequence[int], kv_len: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _prepare(query, key, value, boundaries, scale, alibi_slopes, causal):
-    """Scores ``[H, q_len, kv_len]`` (lab 01), values ``[H, kv_len, D]``, and the blocks."""
-    scores = attention_scores(query, key, scale=scale, alibi_slopes=alibi_slopes, causal=causal)
-    values = repeat_kv(value, query.shape[1]).to(scores.dtype).transpose(0, 1)
-    return scores, values, _blocks(boundaries, key.shape[0])
+def _prepare(query, key, value, boundaries, alibi_slopes):
+    """Lab 01's input checks, then the blocks ``[(start, end), ...]`` the keys are cut into."""
+    _check_qkv(query, key, value, alibi_slopes)
+    return _blocks(boundaries, key.shape[0])
+
+
+def _block_scores(query, key, value, start, end, scale, alibi_slopes, causal):
+    """Scores ``[H, q_len, end - start]`` of every query against keys ``start .. end - 1`` and
+    their values ``[H, end - start, D]``, in the compute dtype (float32, float64 for float64).
+
+    The scores are columns ``start:end`` of lab 01's ``attention_scores`` (same scale, ALiBi bias
+    from absolute positions, ``-inf`` after each query's position), computed from those keys
+    alone: a block never needs the other keys.
+    """
+    q_len, num_heads, head_size = query.shape
+    kv_len = key.shape[0]
+    dtype = compute_dtype(query.dtype)
+    if scale is None:
+        scale = head_size**-0.5
+    k = repeat_kv(key[start:end], num_heads).to(dtype)
+    scores = scale * torch.einsum("qhd,khd->hqk", query.to(dtype), k)
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
+    key_pos = torch.arange(start, end, device=query.device)
+    if alibi_slopes is not None:
+        distance = (key_pos[None, :] - query_pos[:, None]).to(dtype)
+        scores = scores + alibi_slopes.to(query.device, dtype)[:, None, None] * distance
+    if causal:
+        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    values = repeat_kv(value[start:end], num_heads).to(dtype).transpose(0, 1)
+    return scores, values

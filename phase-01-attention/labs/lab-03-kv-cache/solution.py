@@ -31,7 +31,8 @@ class FlatKVCache:
       allocated once (zeros) and never resized: every sequence owns ``max_seq_len`` slots from
       the start, whatever its final length.
     * ``seq_lens[s]`` tokens of sequence ``s`` are stored, in slots ``0 .. seq_lens[s] - 1``;
-      token ``t`` sits in slot ``t``. Slots at or past ``seq_lens[s]`` are never read.
+      token ``t`` sits in slot ``t``. Slots at or past ``seq_lens[s]`` may hold anything (NaN
+      included) and never change a result.
     * A rejected ``append`` changes nothing.
     """
 
@@ -121,10 +122,21 @@ def cached_attention(
     prefill, 1 for a decode step); the result equals rows ``-n:`` of causal attention recomputed
     over the whole sequence.
     """
-    if query.dim() != 3 or query.shape[0] != key.shape[0]:
+    _, num_kv_heads, _, head_size = cache.key_cache.shape
+    if (
+        query.dim() != 3
+        or query.shape[0] != key.shape[0]
+        or query.shape[2] != head_size
+        or query.shape[1] % num_kv_heads != 0
+    ):
         raise ValueError(
-            f"cached_attention: query {tuple(query.shape)} must be [n, num_heads, head_size] "
-            f"with the same n as key {tuple(key.shape)}"
+            f"cached_attention: query {tuple(query.shape)} must be [n, num_heads, {head_size}] "
+            f"with num_heads a multiple of {num_kv_heads} and the same n as key "
+            f"{tuple(key.shape)}"
+        )
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (query.shape[1],):
+        raise ValueError(
+            f"cached_attention: alibi_slopes {tuple(alibi_slopes.shape)} must be [{query.shape[1]}]"
         )
     cache.append(seq_idx, key, value)
     return ref_attention(
@@ -151,6 +163,8 @@ def decode_step(
     batched computation over all ``max_seq_len`` slots with the slots past each sequence's length
     masked out, which is how a flat cache is used (and why it also computes on its padding).
     Returns ``[batch, num_heads, head_size]``. If any sequence is full, nothing is stored.
+
+    upstream: csrc/attention/attention_kernels.cuh:415 @ v0.11.0
     """
     batch, num_kv_heads, max_seq_len, head_size = cache.key_cache.shape
     if query.dim() != 3 or query.shape[0] != batch or query.shape[2] != head_size:
@@ -160,8 +174,12 @@ def decode_step(
     num_heads = query.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"decode_step: {num_heads} heads over {num_kv_heads} KV heads")
-    if int(cache.seq_lens.max()) >= max_seq_len:
-        raise ValueError(f"decode_step: a sequence already holds max_seq_len={max_seq_len}")
+    full = (cache.seq_lens >= max_seq_len).nonzero().flatten().tolist()
+    if full:
+        raise ValueError(
+            f"decode_step: sequence {full[0]} already holds max_seq_len={max_seq_len} tokens; "
+            "nothing was stored"
+        )
     for s in range(batch):
         cache.append(s, key[s : s + 1], value[s : s + 1])
 
@@ -174,6 +192,9 @@ def decode_step(
     positions = torch.arange(max_seq_len, device=scores.device)
     visible = positions[None, :] < cache.seq_lens.to(scores.device)[:, None]  # [B, max_seq_len]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    # A masked slot gets weight 0, but 0 * NaN is NaN: empty slots may hold anything, so their
+    # values are zeroed too (upstream's decode kernel does the same for its last block).
+    v = v.masked_fill(~visible[:, None, :, None], 0.0)
     out = torch.einsum("bht,bhtd->bhd", torch.softmax(scores, dim=-1), v)
     return out.to(query.dtype)
 

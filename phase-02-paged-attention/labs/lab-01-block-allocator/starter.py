@@ -7,8 +7,8 @@ errors, and how fast. How to get there is yours to work out; when stuck, climb t
 ``--level 3`` (the upstream lines to read).
 
 Everything else in this file is complete and is yours to read and use: the block metadata, the
-queue's constructor with its two sentinels, the prefix-cache index, the request hasher and the
-events.
+queue's constructor with its two sentinels, the prefix-cache index and the events. (The request
+hasher that chains your ``hash_block_tokens`` over a request's blocks is lab 02-03's first task.)
 
 Run the tests against this file with::
 
@@ -38,7 +38,6 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheEvent",
     "get_block_hash",
-    "get_request_block_hasher",
     "hash_block_tokens",
     "init_none_hash",
     "make_block_hash_with_group_id",
@@ -109,39 +108,6 @@ def hash_block_tokens(
     raise NotImplementedError(
         "lab 02-01, task 5: implement hash_block_tokens (hint: python -m course hint 02-01 5)"
     )
-
-
-def _extra_keys(request: Any, start_token_idx: int) -> tuple[Any, ...] | None:
-    """LoRA id on every block, cache salt on the first block only; None when there are none."""
-    keys: list[Any] = []
-    if request.lora_request:
-        keys.append(request.lora_request.lora_int_id)
-    if start_token_idx == 0 and request.cache_salt:
-        keys.append(request.cache_salt)
-    return tuple(keys) if keys else None
-
-
-def get_request_block_hasher(
-    block_size: int, caching_hash_fn: Callable[[Any], bytes]
-) -> Callable[[Any], list[BlockHash]]:
-    """Return ``hasher(request)``: hashes of the request's full blocks not yet in
-    ``request.block_hashes``. Partial blocks are never hashed. (Complete; uses your
-    ``hash_block_tokens``.)"""
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-
-    def request_block_hasher(request: Any) -> list[BlockHash]:
-        start = len(request.block_hashes) * block_size
-        parent = request.block_hashes[-1] if request.block_hashes else None
-        new_hashes: list[BlockHash] = []
-        while start + block_size <= request.num_tokens:
-            tokens = request.all_token_ids[start : start + block_size]
-            parent = hash_block_tokens(caching_hash_fn, parent, tokens, _extra_keys(request, start))
-            new_hashes.append(parent)
-            start += block_size
-        return new_hashes
-
-    return request_block_hasher
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,8 +53,7 @@ class FakeRequest:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.all_token_ids)
-        self._hasher = lab.get_request_block_hasher(self.block_size, lab.sha256)
-        self.block_hashes.extend(self._hasher(self))
+        self.block_hashes.extend(self._hash_new_blocks())
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +61,21 @@ class FakeRequest:
 
     def append_tokens(self, tokens: list[int]) -> None:
         self.all_token_ids.extend(tokens)
-        self.block_hashes.extend(self._hasher(self))
+        self.block_hashes.extend(self._hash_new_blocks())
+
+    def _hash_new_blocks(self) -> list[bytes]:
+        """The request's full blocks not hashed yet, chained with the lab's hash_block_tokens:
+        the request hasher (lab 02-03 writes it), with the LoRA id on every block and the salt
+        on the first."""
+        bs, out = self.block_size, []
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        for start in range(len(self.block_hashes) * bs, self.num_tokens - bs + 1, bs):
+            keys = [self.lora_request.lora_int_id] if self.lora_request else []
+            keys += [self.cache_salt] if start == 0 and self.cache_salt else []
+            tokens = self.all_token_ids[start : start + bs]
+            parent = lab.hash_block_tokens(lab.sha256, parent, tokens, tuple(keys) or None)
+            out.append(parent)
+        return out
 
 
 def impl_globals(function) -> dict:

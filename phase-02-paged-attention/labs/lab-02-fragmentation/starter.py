@@ -1,7 +1,10 @@
 """Lab 02-02 starter: a replay simulator that measures where KV-cache memory goes.
 
 Fill in the bodies that raise ``NotImplementedError`` (tasks 1-4 of the README); everything
-else is given and works once they do.
+else is given and works once they do. Each docstring is a contract: what goes in, what comes
+out, what must hold afterwards, which errors. How to get there is yours to work out; when stuck,
+climb the hint ladder: ``python -m course hint 02-02 N`` (a question), then ``--level 2`` (the
+steps), then ``--level 3`` (the upstream lines to read).
 
 Lab-only material (not part of the engine). A trace of requests, each with a prompt length and an
 output length, is replayed through one memory strategy at a time, under continuous batching:
@@ -137,14 +140,22 @@ def generate_trace(spec: TraceSpec) -> list[tuple[int, int]]:
 
 
 def reservation_size(policy: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
-    """KV slots a contiguous-reservation system sets aside for a request on admission.
+    """KV slots a contiguous-reservation system sets aside for a request when it is admitted.
 
-    ``"max"``: ``max_model_len``; ``"pow2"``: the smallest power of two that holds
-    ``prompt_len + output_len``, capped at ``max_model_len``; ``"oracle"``: exactly
-    ``prompt_len + output_len``. ``ValueError`` for an unknown policy, lengths below 1, or a
-    request longer than ``max_model_len``.
+    Inputs: ``policy`` is ``"max"``, ``"pow2"`` or ``"oracle"``; ``prompt_len >= 1`` and
+    ``output_len >= 1``; the final length ``prompt_len + output_len`` is at most
+    ``max_model_len``.
+
+    Output: ``"max"``: ``max_model_len`` (enough for any request); ``"pow2"``: the smallest
+    power of two that holds the final length (a length that is a power of two already is not
+    doubled), but never more than ``max_model_len``; ``"oracle"``: exactly the final length.
+
+    Errors: ``ValueError`` naming what is wrong: the unknown policy, the length below 1, or the
+    final length and ``max_model_len`` when the request is too long. Pure, O(1).
     """
-    raise NotImplementedError("lab 02-02, task 1: implement reservation_size")
+    raise NotImplementedError(
+        "lab 02-02, task 1: implement reservation_size (hint: python -m course hint 02-02 1)"
+    )
 
 
 # ------------------------------------------------------------------------------ task 2
@@ -166,12 +177,38 @@ class ContiguousAllocator:
         self.allocated: dict[int, int] = {}
 
     def allocate(self, size: int) -> int | None:
-        """Start of a new range of ``size`` slots in the lowest hole that fits, or ``None``."""
-        raise NotImplementedError("lab 02-02, task 2: implement ContiguousAllocator.allocate")
+        """Hand out ``size`` contiguous slots from the lowest hole that has room (first fit).
+
+        Output: the start of the new range, which is the start of the first hole, in address
+        order, of at least ``size`` slots. Afterwards that hole has lost its first ``size``
+        slots (a hole that fits exactly is gone) and ``allocated[start] == size``. ``None``
+        when no single hole is large enough, even if the free slots add up to enough (that is
+        external fragmentation); then nothing changes.
+
+        Errors: ``size < 1`` raises ``ValueError`` naming it, and nothing changes.
+        O(number of holes).
+        """
+        raise NotImplementedError(
+            "lab 02-02, task 2: implement ContiguousAllocator.allocate "
+            "(hint: python -m course hint 02-02 2)"
+        )
 
     def free(self, start: int) -> None:
-        """Return the range that starts at ``start`` and merge it with free neighbours."""
-        raise NotImplementedError("lab 02-02, task 2: implement ContiguousAllocator.free")
+        """Give back the range that begins at ``start``.
+
+        Afterwards its slots are free and the invariants hold: the range has joined the hole
+        that ends where it starts and the hole that starts where it ends, whichever exist, so
+        ``holes`` stays sorted, disjoint and without two adjacent holes; ``allocated`` no
+        longer has it.
+
+        Errors: a ``start`` where no allocated range begins (never allocated, inside a range,
+        freed already) raises ``ValueError`` naming it, and nothing changes.
+        O(number of holes).
+        """
+        raise NotImplementedError(
+            "lab 02-02, task 2: implement ContiguousAllocator.free "
+            "(hint: python -m course hint 02-02 2)"
+        )
 
     def free_slots(self) -> int:
         """Free slots in all holes together."""
@@ -188,12 +225,17 @@ class ContiguousAllocator:
 def slot_breakdown(allocated: int, num_tokens: int, final_len: int) -> tuple[int, int, int]:
     """Split a request's ``allocated`` slots into ``(token_states, reserved, internal)``.
 
-    The request holds ``num_tokens`` tokens now and will end with ``final_len``: token states
-    are the slots of existing tokens, reserved the allocated slots it will still fill, internal
-    fragmentation the allocated slots it never fills. ``ValueError`` unless
-    ``0 <= num_tokens <= min(allocated, final_len)``.
+    The request holds ``num_tokens`` tokens now and will stop at ``final_len``. Token states
+    are the slots holding the KV of its existing tokens; reserved, the allocated slots it will
+    still write before it stops; internal fragmentation, the allocated slots it will never
+    write. The three add up to ``allocated``, and none is negative.
+
+    Errors: ``ValueError`` giving the three numbers unless ``0 <= num_tokens <=
+    min(allocated, final_len)``. Pure, O(1).
     """
-    raise NotImplementedError("lab 02-02, task 3: implement slot_breakdown")
+    raise NotImplementedError(
+        "lab 02-02, task 3: implement slot_breakdown (hint: python -m course hint 02-02 3)"
+    )
 
 
 # ------------------------------------------------------------------------------ backends
@@ -276,26 +318,44 @@ class PagedKV:
         self.tables: dict[int, list[KVCacheBlock]] = {}
 
     def admit(self, req: SimRequest) -> bool:
-        """Take the blocks for the request's current tokens, or return ``False``."""
-        raise NotImplementedError("lab 02-02, task 4: implement PagedKV.admit")
+        """Give a waiting request the blocks for its current ``num_tokens``.
+
+        ``True`` when the pool has enough free blocks (exactly enough is enough): the request's
+        table (``tables[req.rid]``) is then its new blocks from ``pool.get_new_blocks``.
+        ``False`` otherwise, and then nothing changes (no table, no block taken). O(blocks).
+        """
+        raise NotImplementedError(
+            "lab 02-02, task 4: implement PagedKV.admit (hint: python -m course hint 02-02 4)"
+        )
 
     def grow(self, req: SimRequest, running: list[SimRequest]) -> list[SimRequest]:
-        """Make room for the request's next token; return the requests preempted to do so.
+        """Make room for the next token of ``req`` (running, with ``num_tokens`` tokens in its
+        blocks); return the requests preempted to do so, in the order they were preempted.
 
-        A new block is needed only when the last one is full. If the pool is empty, preempt the
-        most recently admitted running request (the end of ``running``; possibly ``req``
-        itself), release its blocks and remove it from ``running``, until a block is free or
-        ``req`` itself was preempted.
+        A new block is taken only when ``req``'s blocks are full; otherwise nothing changes and
+        the result is ``[]``. When a block is needed and the pool has none free, the most
+        recently admitted running request (the end of ``running``, possibly ``req`` itself) is
+        preempted: removed from ``running``, its blocks released, its ``num_preemptions``
+        increased by one. That repeats until a block is free or ``req`` itself was preempted
+        (then ``req`` gets no block). The other requests in ``running`` keep their order.
+        O(blocks released).
         """
-        raise NotImplementedError("lab 02-02, task 4: implement PagedKV.grow")
+        raise NotImplementedError(
+            "lab 02-02, task 4: implement PagedKV.grow (hint: python -m course hint 02-02 4)"
+        )
 
     def release(self, req: SimRequest) -> None:
-        """Free the request's blocks, last block first."""
-        raise NotImplementedError("lab 02-02, task 4: implement PagedKV.release")
+        """Give all of ``req``'s blocks back to the pool in one ``free_blocks`` call, last block
+        first, and forget its table. O(blocks)."""
+        raise NotImplementedError(
+            "lab 02-02, task 4: implement PagedKV.release (hint: python -m course hint 02-02 4)"
+        )
 
     def allocated(self, req: SimRequest) -> int:
-        """KV slots the request holds: its blocks times the block size."""
-        raise NotImplementedError("lab 02-02, task 4: implement PagedKV.allocated")
+        """KV slots ``req`` holds: its number of blocks times the block size."""
+        raise NotImplementedError(
+            "lab 02-02, task 4: implement PagedKV.allocated (hint: python -m course hint 02-02 4)"
+        )
 
     def free_slots(self) -> int:
         """KV slots in the pool's free blocks."""

@@ -1,8 +1,13 @@
 """Graded tests of lab 02-02: reservation sizes, the contiguous allocator, the slot split, paging
-with the real BlockPool, and the fragmentation measured on the shipped traces."""
+with the real BlockPool, and the fragmentation measured on the shipped traces.
+
+Task by task: the tests of tasks 1-3 use only that task; the paging tests use only ``PagedKV``;
+the measurements need every task (`python scripts/task_by_task.py 02-02` checks it).
+"""
 
 from __future__ import annotations
 
+import re
 import statistics
 
 import pytest
@@ -15,6 +20,14 @@ lab = load_lab(__file__)
 
 
 _CACHE: dict[str, object] = {}
+
+
+def message_names(exc_info, *values):
+    text = str(exc_info.value)
+    for v in values:
+        assert re.search(rf"(?<![\w-]){re.escape(str(v))}(?![\w])", text), (
+            f"the error message should give {v!r}: {text!r}"
+        )
 
 
 def chat_run():
@@ -63,13 +76,33 @@ def test_reservation_sizes():
     assert rs("oracle", 2000, 48, 2048) == 2048
 
 
+def test_reservation_sizes_at_the_edges():
+    rs = lab.reservation_size
+    # A request exactly as long as the model allows fits every policy.
+    assert [rs(p, 2000, 48, 2048) for p in ("max", "pow2", "oracle")] == [2048, 2048, 2048]
+    # The cap is max_model_len itself, also when it is not a power of two.
+    assert rs("pow2", 2000, 500, 3000) == 3000
+    assert rs("max", 1, 1, 3000) == 3000
+    assert rs("pow2", 1000, 24, 3000) == 1024 and rs("pow2", 1000, 25, 3000) == 2048
+    assert rs("pow2", 1, 2, 5) == 4 and rs("oracle", 1, 2, 5) == 3
+
+
 @pytest.mark.parametrize(
-    "args",
-    [("best", 10, 5, 2048), ("max", 0, 5, 2048), ("oracle", 10, 0, 2048), ("pow2", 2000, 49, 2048)],
+    "args, named",
+    [
+        (("best", 10, 5, 2048), ["best"]),
+        (("max", 0, 5, 2048), [0]),
+        (("oracle", 10, 0, 2048), [0]),
+        (("pow2", -3, 10, 2048), [-3]),
+        (("pow2", 2000, 49, 2048), [2049, 2048]),
+        (("max", 2000, 49, 2048), [2049, 2048]),
+        (("oracle", 2048, 1, 2048), [2049, 2048]),
+    ],
 )
-def test_reservation_size_rejects_bad_input(args):
-    with pytest.raises(ValueError):
+def test_reservation_size_rejects_bad_input(args, named):
+    with pytest.raises(ValueError) as exc:
         lab.reservation_size(*args)
+    message_names(exc, *named)
 
 
 # --------------------------------------------------------------------------- task 2
@@ -94,13 +127,47 @@ def test_allocator_first_fit_and_merging():
     assert a.allocate(101) is None
 
 
+def test_allocator_exact_fits():
+    a = lab.ContiguousAllocator(64)
+    assert a.allocate(64) == 0, "the whole capacity fits exactly"
+    assert a.holes == [] and a.free_slots() == 0 and a.largest_hole() == 0
+    assert a.allocate(1) is None
+    a.free(0)
+    assert a.holes == [(0, 64)]
+    assert [a.allocate(n) for n in (16, 16, 32)] == [0, 16, 32]
+    a.free(16)
+    assert a.allocate(17) is None and a.allocate(16) == 16, "a hole that fits exactly"
+    assert a.holes == [] and a.allocated == {0: 16, 16: 16, 32: 32}
+
+
+def test_allocator_refuses_what_no_single_hole_can_hold():
+    a = lab.ContiguousAllocator(30)
+    starts = [a.allocate(10) for _ in range(3)]
+    a.free(starts[0])
+    a.free(starts[2])
+    before = (list(a.holes), dict(a.allocated))
+    assert a.free_slots() == 20 and a.allocate(11) is None, "20 free slots, but in two holes"
+    assert (list(a.holes), dict(a.allocated)) == before
+
+
 def test_allocator_rejects_bad_input_and_changes_nothing():
     a = lab.ContiguousAllocator(50)
     a.allocate(20)
+    a.allocate(5)
+    a.free(0)
     before = (list(a.holes), dict(a.allocated))
-    for call in (lambda: a.allocate(0), lambda: a.free(5), lambda: a.free(20)):
-        with pytest.raises(ValueError):
+    calls = [
+        (lambda: a.allocate(0), 0),
+        (lambda: a.allocate(-7), -7),
+        (lambda: a.free(0), 0),  # freed already
+        (lambda: a.free(22), 22),  # inside the range [20, 25)
+        (lambda: a.free(25), 25),  # the start of a hole
+        (lambda: a.free(99), 99),
+    ]
+    for call, named in calls:
+        with pytest.raises(ValueError) as exc:
             call()
+        message_names(exc, named)
         assert (list(a.holes), dict(a.allocated)) == before
 
 
@@ -148,9 +215,13 @@ def test_slot_breakdown():
     assert sb(1024, 700, 700) == (700, 0, 324)  # pow2, at the last token
     assert sb(48, 37, 40) == (37, 3, 8)  # paging, block 16: the last block will stop at 40
     assert sb(48, 37, 900) == (37, 11, 0)  # paging: the rest of the block will be used
-    for bad in ((10, 11, 20), (10, 5, 4), (10, -1, 5)):
-        with pytest.raises(ValueError):
+    assert sb(48, 0, 40) == (0, 40, 8)  # nothing written yet
+    assert sb(40, 40, 40) == (40, 0, 0)  # full, at its last token
+    assert sb(16, 16, 900) == (16, 0, 0)  # paging, the block just filled
+    for bad in ((10, 11, 20), (10, 5, 4), (10, -1, 5), (3, 4, 4)):
+        with pytest.raises(ValueError) as exc:
             sb(*bad)
+        message_names(exc, *bad)
 
 
 # --------------------------------------------------------------------------- task 4
@@ -179,6 +250,46 @@ def test_paged_kv_takes_blocks_on_demand_from_the_block_pool():
     assert kv.pool.get_num_free_blocks() == 10
 
 
+def test_paged_kv_admission_that_fits_exactly_and_a_refusal_that_changes_nothing():
+    kv = lab.PagedKV(block_size=4, budget=16)  # 4 usable blocks
+    a, b = _req(0, 9, 10), _req(1, 4, 10)
+    assert kv.admit(a) and kv.pool.get_num_free_blocks() == 1
+    free_before = [b.block_id for b in kv.pool.free_block_queue.get_all_free_blocks()]
+    assert not kv.admit(_req(2, 5, 3)), "2 blocks needed, 1 free"
+    assert 2 not in kv.tables
+    assert [b.block_id for b in kv.pool.free_block_queue.get_all_free_blocks()] == free_before
+    assert kv.admit(b), "1 block needed, 1 free: an exact fit"
+    assert kv.pool.get_num_free_blocks() == 0 and kv.allocated(b) == 4
+    assert [len(kv.tables[r]) for r in (0, 1)] == [3, 1]
+
+
+def test_paged_kv_a_newest_request_preempts_itself_not_an_older_one():
+    kv = lab.PagedKV(block_size=4, budget=8)  # 2 usable blocks
+    old, new = _req(0, 4, 10), _req(1, 4, 10)
+    assert kv.admit(old) and kv.admit(new)
+    running = [old, new]
+    assert kv.grow(new, running) == [new] and running == [old], "the newest is new itself"
+    assert new.num_preemptions == 1 and old.num_preemptions == 0
+    assert new.rid not in kv.tables and kv.allocated(old) == 4
+    assert kv.pool.get_num_free_blocks() == 1
+    assert kv.admit(new), "back from the queue"
+    running.append(new)
+    assert kv.grow(new, running) == [new] and new.num_preemptions == 2, "counted each time"
+    assert running == [old] and kv.pool.get_num_free_blocks() == 1
+    assert kv.grow(old, running) == [] and kv.allocated(old) == 8
+
+
+def test_paged_kv_preempts_only_as_many_as_needed():
+    kv = lab.PagedKV(block_size=2, budget=8)  # 4 usable blocks
+    reqs = [_req(i, 2, 10) for i in range(4)]
+    for r in reqs:
+        assert kv.admit(r)
+    running = list(reqs)
+    assert kv.grow(reqs[1], running) == [reqs[3]]
+    assert running == reqs[:3], "only the newest leaves; the others keep their order"
+    assert kv.allocated(reqs[1]) == 4 and kv.pool.get_num_free_blocks() == 0
+
+
 def test_paged_kv_admission_and_preemption_of_the_newest():
     kv = lab.PagedKV(block_size=4, budget=16)  # 4 usable blocks
     a, b, c = _req(0, 4, 10), _req(1, 4, 10), _req(2, 9, 10)
@@ -203,6 +314,53 @@ def test_paged_kv_admission_and_preemption_of_the_newest():
     a.num_tokens += 4  # 16 tokens: four blocks full, none free
     assert kv.grow(a, solo) == [a] and solo == [], "with nobody else left, a preempts itself"
     assert kv.pool.get_num_free_blocks() == 4
+
+
+@given(st.lists(st.tuples(st.sampled_from("aggr"), st.integers(0, 99), st.integers(1, 14)),
+                max_size=60))
+def test_paged_kv_matches_a_model_of_blocks_and_preemptions(ops):
+    """Random admissions, token-by-token growth and releases, as the replay drives a backend:
+    every running request holds exactly the blocks its tokens need, a refused admission and a
+    growth without a full block change nothing, and out of blocks the newest request goes."""
+    bs, usable = 4, 10
+    kv = lab.PagedKV(block_size=bs, budget=bs * usable)
+    running: list = []
+    gone: set[int] = set()
+    for rid, (kind, pick, prompt) in enumerate(ops):
+        free = usable - sum(-(-r.num_tokens // bs) for r in running)
+        assert kv.pool.get_num_free_blocks() == free
+        if kind == "a" or not running:
+            req = _req(rid, prompt, 50)
+            fits = -(-prompt // bs) <= free
+            assert kv.admit(req) == fits
+            if fits:
+                running.append(req)
+            else:
+                assert rid not in kv.tables
+        elif kind == "g":
+            req = running[pick % len(running)]
+            newest_first = running[::-1]
+            expect = []
+            if req.num_tokens % bs == 0 and free == 0:
+                expect = [newest_first[0]]  # one victim frees at least one block
+            got = kv.grow(req, running)
+            assert got == expect
+            for victim in got:
+                assert victim.num_preemptions == 1 and victim.rid not in kv.tables
+                gone.add(victim.rid)
+            if req not in got:
+                req.num_tokens += 1
+            victim_ids = {v.rid for v in got}
+            running_ids = [r.rid for r in newest_first[::-1] if r.rid not in victim_ids]
+            assert [r.rid for r in running] == running_ids
+        else:
+            req = running.pop(pick % len(running))
+            kv.release(req)
+            assert req.rid not in kv.tables
+        for r in running:
+            assert kv.allocated(r) == bs * -(-r.num_tokens // bs)
+        for r in gone:
+            assert r not in kv.tables
 
 
 # --------------------------------------------------------------------------- the measurements

@@ -1,13 +1,18 @@
 """Lab 02-03 starter: the KV cache manager and prefix caching.
 
-Fill in every body that raises ``NotImplementedError``, in the task order of the README. The
-block pool, the block hash function, ``Request`` and ``SamplingParams`` are given (they come
-from ``mini_vllm``); ``KVCacheBlocks``, the constructor and the small accessors of
-``KVCacheManager`` are written for you.
+Fill in every body that raises ``NotImplementedError``, in the task order of the README. Each
+docstring is a contract: what goes in, what comes out, what must hold afterwards, which errors,
+and how fast. How to get there is yours to work out; when stuck, climb the hint ladder:
+``python -m course hint 02-03 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read).
+
+Given (complete, from ``mini_vllm``): the block pool of lab 02-01 with its hash function,
+``Request`` and ``SamplingParams``. Given here: ``KVCacheBlocks``, the manager's constructor and
+its small accessors. Read ``mini_vllm/request.py`` before task 1.
 
 Run the graded tests against this file with::
 
-    LAB_IMPL=starter pytest phase-02-paged-attention/labs/lab-03-kv-cache-manager -q
+    LAB_IMPL=starter python -m pytest phase-02-paged-attention/labs/lab-03-kv-cache-manager -q
 """
 
 from __future__ import annotations
@@ -52,25 +57,33 @@ def cdiv(a: int, b: int) -> int:
 def get_request_block_hasher(
     block_size: int, caching_hash_fn: Callable[[Any], bytes]
 ) -> Callable[[Request], list[BlockHash]]:
-    """Return ``hasher(request)``: the hashes of the request's full blocks not hashed yet.
+    """Return ``hasher(request)``, which names the request's full blocks that have no name yet.
 
-    ``Request`` calls the hasher once when it is created and again after every
-    ``append_output_token_ids``, and extends ``request.block_hashes`` with what it returns. So the
-    hasher must:
+    ``Request(..., block_hasher=hasher)`` calls it once when the request is created and again
+    after every ``append_output_token_ids``, and extends ``request.block_hashes`` with the list
+    it returns. Block ``i`` of a request holds tokens ``[i * block_size, (i + 1) * block_size)``
+    of ``request.all_token_ids``.
 
-    * start at block ``len(request.block_hashes)`` and chain onto ``request.block_hashes[-1]``
-      (``None`` for the very first block: ``hash_block_tokens`` then uses ``NONE_HASH``);
-    * hash only *full* blocks: tokens ``[i * block_size, (i + 1) * block_size)`` of
-      ``request.all_token_ids``, while that range lies within ``request.num_tokens``;
-    * pass extra keys, a tuple or ``None`` when there are none: the LoRA id
-      (``request.lora_request.lora_int_id``) for every block when the request has an adapter,
-      then ``request.cache_salt`` for the first block only (block 0) when it is set;
-    * not modify the request.
+    Output of ``hasher(request)``: the hashes of blocks ``len(request.block_hashes)``, ... up to
+    the last block that is *full* within ``request.num_tokens``, in order (``[]`` when no new
+    block has filled). The hash of block ``i`` is exactly
+    ``hash_block_tokens(caching_hash_fn, parent, tokens of block i, extra_keys)`` where
+    ``parent`` is the hash of block ``i - 1`` (``None`` for block 0) and ``extra_keys`` is a
+    tuple of, in this order: ``request.lora_request.lora_int_id`` when the request has a LoRA
+    adapter (every block); ``request.cache_salt`` when it is a non-empty string (block 0 only);
+    or ``None`` when neither applies. A partial block is never hashed.
 
-    Raise ``ValueError`` for a ``block_size`` that is not a positive int. Use
-    ``hash_block_tokens(caching_hash_fn, parent, tokens, extra_keys)``.
+    The hasher reads the request and never modifies it; it hashes only the new blocks (each
+    block's hash is computed once in the request's life: O(new tokens) per call) and uses
+    ``caching_hash_fn``, whatever function that is.
+
+    Errors: a ``block_size`` that is not a positive int raises ``ValueError`` naming it, when
+    ``get_request_block_hasher`` is called.
     """
-    raise NotImplementedError("lab 02-03, task 1: implement get_request_block_hasher")
+    raise NotImplementedError(
+        "lab 02-03, task 1: implement get_request_block_hasher "
+        "(hint: python -m course hint 02-03 1)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,15 +130,19 @@ class KVCacheBlocks:
 class KVCacheManager:
     """Per-request block tables over a shared ``BlockPool``, with prefix caching.
 
-    State (read the README's "invariants" before you start):
+    State (read the README's invariants M1-M5 before you start):
 
     * ``req_to_blocks[request_id]``: the request's block table, a list of ``KVCacheBlock``;
-      logical block ``i`` of the request is ``req_to_blocks[request_id][i]``.
+      logical block ``i`` of the request is ``req_to_blocks[request_id][i]``. It only grows
+      (blocks are appended, never replaced or reordered) until ``free``.
     * ``num_cached_block[request_id]``: how many blocks at the front of that table are in the
-      prefix cache. A request is in this dict from its first allocation until ``free``.
-    * ``block_pool``: the pool of the previous lab (``get_cached_block``, ``touch``,
+      prefix cache.
+    * A request is *tracked* from its first successful ``allocate_slots`` until ``free``: it is
+      then in both dicts, and its table is never empty. Nothing else adds or removes entries.
+    * ``block_pool``: the pool of lab 02-01 (``get_cached_block``, ``touch``,
       ``get_new_blocks``, ``cache_full_blocks``, ``free_blocks``, ``reset_prefix_cache``,
-      ``get_num_free_blocks``). There is one KV-cache group, id ``kv_cache_group_id`` (0).
+      ``get_num_free_blocks``), complete. There is one KV-cache group, id
+      ``kv_cache_group_id`` (0).
     """
 
     def __init__(
@@ -189,7 +206,8 @@ class KVCacheManager:
         return self.block_pool.take_events()
 
     def _check_block_hashes(self, request: Request) -> None:
-        """Prefix caching reads ``request.block_hashes``: make sure they exist and match."""
+        """Prefix caching reads ``request.block_hashes``: make sure they exist and match.
+        Raises ``ValueError`` (and changes nothing) when they do not."""
         expected = request.num_tokens // self.block_size
         if len(request.block_hashes) != expected:
             raise ValueError(
@@ -201,27 +219,44 @@ class KVCacheManager:
     # -- task 2: the prefix-cache lookup --------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest cached prefix of ``request``: ``(blocks, number of tokens)``.
+        """The longest cached prefix of ``request``: ``(hit blocks, number of hit tokens)``.
 
-        With caching off, return an empty list and 0. Otherwise call
-        ``self._check_block_hashes(request)``, then look up at most ``request.num_tokens - 1``
-        tokens' worth of blocks (the last token must always be computed, to get logits), with
-        ``_find_longest_cache_hit``. When ``prefix_cache_stats`` is not ``None``, count one
-        request, ``request.num_tokens`` queries and the hit tokens. Claim nothing here.
+        With caching off: ``(self.create_empty_block_list(), 0)`` (an empty ``KVCacheBlocks``,
+        not a list), and nothing is counted.
+
+        With caching on: ``request.block_hashes`` must match its tokens
+        (``self._check_block_hashes(request)`` raises ``ValueError`` otherwise, before anything
+        is counted). The hit is ``_find_longest_cache_hit`` of the request's hashes, limited so
+        that it covers at most ``request.num_tokens - 1`` tokens (the last token is always
+        computed: sampling needs its logits). Output: a ``KVCacheBlocks`` holding those blocks,
+        and ``len(hit) * block_size``.
+
+        Statistics, when ``self.prefix_cache_stats`` is not ``None``: one more request,
+        ``request.num_tokens`` more queries, and the hit tokens more hits.
+
+        Claims nothing: no reference count, free-queue position or table changes (the caller
+        may never allocate the request). O(number of hit blocks).
         """
-        raise NotImplementedError("lab 02-03, task 2: implement KVCacheManager.get_computed_blocks")
+        raise NotImplementedError(
+            "lab 02-03, task 2: implement KVCacheManager.get_computed_blocks "
+            "(hint: python -m course hint 02-03 2)"
+        )
 
     def _find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> list[KVCacheBlock]:
-        """The cached blocks of the longest run of leading hashes, covering at most
-        ``max_length`` tokens (so at most ``max_length // block_size`` blocks).
+        """The cached blocks of the longest run of *leading* hashes, covering at most
+        ``max_length`` tokens (``max_length >= 0``).
 
-        Use ``self.block_pool.get_cached_block(block_hash, [self.kv_cache_group_id])`` (a list
-        with one block, or ``None``). Stop at the first miss: why is that always correct?
+        Output: ``[b_0, ..., b_{k-1}]`` where ``b_j`` is the block the pool's
+        ``get_cached_block(block_hashes[j], [self.kv_cache_group_id])`` finds (its one element),
+        and ``k`` is the largest count with every ``block_hashes[j]``, ``j < k``, cached and
+        ``k * block_size <= max_length``. A hash cached *after* a miss is never part of the hit.
+        Changes nothing. O(k + 1) lookups.
         """
         raise NotImplementedError(
-            "lab 02-03, task 2: implement KVCacheManager._find_longest_cache_hit"
+            "lab 02-03, task 2: implement KVCacheManager._find_longest_cache_hit "
+            "(hint: python -m course hint 02-03 2)"
         )
 
     # -- task 3: how many free blocks an allocation consumes ------------------------------------
@@ -229,15 +264,27 @@ class KVCacheManager:
     def _get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock]
     ) -> int:
-        """Free blocks that giving the request ``num_tokens`` slots would consume.
+        """How many blocks giving the request ``num_tokens`` slots in all (the tokens it already
+        has slots for included) would take out of the free queue.
 
-        New blocks: ``cdiv(num_tokens, block_size)`` minus the blocks the request already holds
-        minus the hit blocks. Plus: each hit block that is currently an eviction candidate
-        (``ref_cnt == 0``, not the null block) sits in the free queue and is counted as free,
-        and claiming it takes it out. Do not create a table entry for an unknown request.
+        Inputs: ``request_id`` is tracked or not (an unknown request holds no blocks);
+        ``new_computed_blocks`` are the hit blocks of a request that is not tracked yet (``[]``
+        otherwise).
+
+        Output: the new blocks needed, ``cdiv(num_tokens, block_size)`` minus the blocks the
+        request holds minus the hit blocks, plus every hit block that sits in the free queue
+        now (``ref_cnt == 0``, never the null block): claiming it takes it out of the queue just
+        as a new block would. A hit block that another request holds costs nothing. When the
+        request already holds more blocks than ``num_tokens`` needs (lookahead slots from an
+        earlier step), the new-block part is ``<= 0``: ``allocate_slots`` only compares the
+        result with the free count, so ``0`` and upstream's negative difference are both right.
+
+        Changes nothing: it never adds a table entry, not even for an unknown request.
+        O(len(new_computed_blocks)).
         """
         raise NotImplementedError(
-            "lab 02-03, task 3: implement KVCacheManager._get_num_blocks_to_allocate"
+            "lab 02-03, task 3: implement KVCacheManager._get_num_blocks_to_allocate "
+            "(hint: python -m course hint 02-03 3)"
         )
 
     # -- task 4: allocation ---------------------------------------------------------------------
@@ -251,80 +298,142 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
-        """Give ``request`` room for ``num_new_tokens`` more tokens; return the new blocks.
+        """Give ``request`` room for ``num_new_tokens`` more tokens; return the blocks it took.
 
-        In this order:
+        The request's tokens after the call, in order::
 
-        1. Validate, changing nothing, and raise ``ValueError`` for: ``num_new_tokens < 1``;
-           ``num_lookahead_tokens < 0``; ``num_new_computed_tokens`` different from
-           ``len(hit blocks) * block_size``; hit blocks while caching is off; hit blocks for a
-           request that already holds blocks; ``request.num_computed_tokens +
-           num_new_computed_tokens + num_new_tokens > max_model_len``. With caching on and
-           ``delay_cache_blocks`` false, also ``self._check_block_hashes(request)``.
-        2. Slots needed: ``min(computed + new + lookahead, max_model_len)`` tokens. If
-           ``_get_num_blocks_to_allocate`` exceeds the pool's free blocks, return ``None``:
-           nothing may have changed.
-        3. Claim the hit blocks (``block_pool.touch``, caching on only), then
-           ``_save_new_computed_blocks``, then ``_allocate_new_blocks``.
-        4. Unless caching is off or ``delay_cache_blocks``: ``cache_blocks`` up to
-           ``min(computed + new, request.num_tokens)`` tokens (never the lookahead slots).
-        5. Return the newly allocated blocks (not the hit blocks) as ``KVCacheBlocks``.
+            | computed | hit (new computed) | new | lookahead |
+            |<- request.num_computed_tokens ->|
+                       |<- num_new_computed_tokens ->|<- num_new_tokens ->|
+
+        Inputs: ``num_new_tokens >= 1`` tokens to compute now (a whole prompt, a chunk of it, or
+        one decode token); ``num_new_computed_tokens`` and ``new_computed_blocks`` exactly as
+        ``get_computed_blocks`` returned them (default: no hit; a hit is only for a request that
+        is not tracked yet); ``num_lookahead_tokens >= 0`` extra slots for speculative tokens;
+        ``delay_cache_blocks``: allocate but cache nothing yet (``cache_blocks`` comes later).
+
+        On success, afterwards: the request is tracked; a new request's table starts with the
+        hit blocks, each holding one more reference (a hit block that was free has left the
+        free queue, keeping its hash), and ``num_cached_block`` counts them; the table then has
+        ``cdiv(min(computed + hit + new + lookahead, max_model_len), block_size)`` blocks, or
+        more if it had more (it never shrinks), the missing ones new from the pool. Unless
+        caching is off or ``delay_cache_blocks``, every full block among the first
+        ``min(computed + hit + new, request.num_tokens)`` tokens is cached (never a lookahead
+        slot). Output: a ``KVCacheBlocks`` of the blocks taken from the pool by this call, in
+        table order (not the hit blocks; an empty group when the table had room already).
+
+        Refusal: ``None``, and nothing changes (no reference count, queue position, hash, table
+        or count), exactly when the blocks this call would take out of the free queue (task 3)
+        are more than ``block_pool.get_num_free_blocks()``. An allocation that fits exactly
+        succeeds.
+
+        Errors: ``ValueError``, checked before anything changes, for ``num_new_tokens < 1``;
+        ``num_lookahead_tokens < 0``; ``num_new_computed_tokens != len(hit blocks) *
+        block_size``; hit blocks while caching is off; hit blocks for a request that is tracked
+        already; ``computed + hit + new > max_model_len``; and, with caching on and
+        ``delay_cache_blocks`` false, block hashes that do not match the request's tokens
+        (``_check_block_hashes``). Each message names the value that is wrong (the count, the
+        request id, ``max_model_len``). O(hit blocks + new blocks).
         """
-        raise NotImplementedError("lab 02-03, task 4: implement KVCacheManager.allocate_slots")
+        raise NotImplementedError(
+            "lab 02-03, task 4: implement KVCacheManager.allocate_slots "
+            "(hint: python -m course hint 02-03 4)"
+        )
 
     def _save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: list[KVCacheBlock]
     ) -> None:
-        """For a request with no table yet: start its table with the (claimed) hit blocks and
-        record them as cached. A request that already has a table is left alone."""
+        """Start tracking a new request with its (already claimed) hit blocks.
+
+        For a request that is not tracked: its table becomes a new list of the hit blocks (not
+        the caller's list object) and ``num_cached_block`` records how many there are (they are
+        cached already). For a tracked request, nothing changes: this happens only the first
+        time. Reference counts are not touched here. O(len(new_computed_blocks)).
+        """
         raise NotImplementedError(
-            "lab 02-03, task 4: implement KVCacheManager._save_new_computed_blocks"
+            "lab 02-03, task 4: implement KVCacheManager._save_new_computed_blocks "
+            "(hint: python -m course hint 02-03 4)"
         )
 
     def _allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the request's table to ``cdiv(num_tokens, block_size)`` blocks with
-        ``block_pool.get_new_blocks``; return the new blocks (``[]`` if none are needed)."""
+        """Grow a tracked request's table to ``cdiv(num_tokens, block_size)`` blocks.
+
+        The missing blocks come from ``block_pool.get_new_blocks`` in one call and are appended
+        in the order the pool hands them out; the result is those new blocks (``[]`` when the
+        table is long enough already: it never shrinks). The caller has checked capacity.
+        O(new blocks).
+        """
         raise NotImplementedError(
-            "lab 02-03, task 4: implement KVCacheManager._allocate_new_blocks"
+            "lab 02-03, task 4: implement KVCacheManager._allocate_new_blocks "
+            "(hint: python -m course hint 02-03 4)"
         )
 
     # -- task 5: caching ------------------------------------------------------------------------
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens.
+        """Put the full blocks among the request's first ``num_computed_tokens`` tokens into the
+        prefix cache.
 
-        No-op with caching off. ``ValueError`` for a request without a table, or for more
-        tokens than its blocks hold. Blocks ``[num_cached_block, num_computed_tokens //
-        block_size)`` go to ``block_pool.cache_full_blocks(request=..., blocks=...,
-        num_cached_blocks=..., num_full_blocks=..., block_size=..., kv_cache_group_id=...)``;
-        then update ``num_cached_block``. A partial block is never cached.
+        With caching off: nothing happens. Otherwise, afterwards the first
+        ``num_computed_tokens // block_size`` blocks of the table are cached, block ``i`` under
+        ``request.block_hashes[i]`` (``block_pool.cache_full_blocks`` does the indexing), and
+        ``num_cached_block`` counts them. Blocks already cached are never passed to the pool
+        again (the pool refuses a block that is cached already), and a count that does not go
+        beyond the cached blocks changes nothing. A partial block is never cached. With KV-cache
+        events on, the pool records one ``BlockStored`` per call that caches something, with
+        the block size and group id you pass it: the manager's own.
+
+        Errors: ``ValueError``, nothing changed, for a request that is not tracked (naming it),
+        for more tokens than its table holds (giving both numbers), and for block hashes that
+        do not match its tokens. O(newly cached blocks).
         """
-        raise NotImplementedError("lab 02-03, task 5: implement KVCacheManager.cache_blocks")
+        raise NotImplementedError(
+            "lab 02-03, task 5: implement KVCacheManager.cache_blocks "
+            "(hint: python -m course hint 02-03 5)"
+        )
 
     # -- task 6: release ------------------------------------------------------------------------
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks and forget its table; unknown requests are a no-op.
+        """Release the request's blocks and stop tracking it (finished, aborted or preempted).
 
-        ``block_pool.free_blocks`` appends blocks to the free queue in the order given, and the
-        front of the queue is evicted first. Choose the order so that the request's last block
-        is evicted before its first.
+        All of its blocks go back to the pool in one ``block_pool.free_blocks`` call, ordered so
+        that the request's last block joins the free queue first and its first block last (the
+        pool appends in the order given, and evicts from the front: the request's tail is
+        evicted before its prefix). Blocks other requests hold stay theirs; cached blocks keep
+        their hashes. Afterwards the manager knows nothing of the request (neither dict has
+        it), so a later ``allocate_slots`` for the same request starts from scratch, as for a
+        preempted request that is admitted again. A request that is not tracked: nothing
+        happens. O(blocks held).
         """
-        raise NotImplementedError("lab 02-03, task 6: implement KVCacheManager.free")
+        raise NotImplementedError(
+            "lab 02-03, task 6: implement KVCacheManager.free (hint: python -m course hint 02-03 6)"
+        )
 
     # -- task 7: reset and common prefix --------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block via the pool; ``False`` (and nothing changes) while any
-        block is in use. On success with stats on, set ``prefix_cache_stats.reset``."""
-        raise NotImplementedError("lab 02-03, task 7: implement KVCacheManager.reset_prefix_cache")
+        """Forget every cached block, through the pool.
+
+        ``True`` when it happened; then, with stats on, ``prefix_cache_stats.reset`` is set.
+        ``False`` while any block is in use, and then nothing changes (the stats neither).
+        """
+        raise NotImplementedError(
+            "lab 02-03, task 7: implement KVCacheManager.reset_prefix_cache "
+            "(hint: python -m course hint 02-03 7)"
+        )
 
     def get_num_common_prefix_blocks(
         self, request: Request, num_running_requests: int
     ) -> list[int]:
-        """``[n]``: how many leading blocks of ``request`` (which must be RUNNING, else
-        ``ValueError``) have ``ref_cnt == num_running_requests``, counting until the first that
-        does not."""
+        """``[n]``: how many leading blocks of ``request``'s table every running request shares.
+
+        A block is shared by all ``num_running_requests`` running requests exactly when its
+        ``ref_cnt`` equals that number; ``n`` counts from the front up to the first block that
+        is not (``[0]`` for a request with no table). ``request`` must be RUNNING, else
+        ``ValueError`` naming its status. Changes nothing. O(n + 1).
+        """
         raise NotImplementedError(
-            "lab 02-03, task 7: implement KVCacheManager.get_num_common_prefix_blocks"
+            "lab 02-03, task 7: implement KVCacheManager.get_num_common_prefix_blocks "
+            "(hint: python -m course hint 02-03 7)"
         )

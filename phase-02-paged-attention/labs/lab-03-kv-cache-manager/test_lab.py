@@ -4,22 +4,35 @@ The tests reach the implementation only through the course loader (``lab.<name>`
 values they expect are computed here, independently, from ``sha256`` and ``NONE_HASH`` of the
 block-allocator lab, so a hasher that drops the parent, the LoRA id or the salt cannot agree.
 
-Groups:
-  1. the request block hasher (task 1)
-  2. the seed's worked example (block_size 4)
-  3. the properties of upstream v0.11.0 ``tests/v1/core/test_prefix_caching.py``, with its exact
-     block ids and free-queue orders
-  4. the edges: a fully cached prompt, eviction and reuse, lookahead, bad input
-  5. a Hypothesis state machine over requests, checking the invariants after every step
+Task by task: every test uses only the task it is about and the tasks before it, so a student
+sees tests pass after each task (`python scripts/task_by_task.py 02-03` checks it). State that a
+later task would build is built by hand with the complete block pool of lab 02-01 (cached
+blocks, a tracked request's table); allocation tests before task 5 run with caching off or
+``delay_cache_blocks=True``, where ``allocate_slots`` caches nothing.
+
+Groups, in task order:
+  1. the request block hasher
+  2. the lookup (``get_computed_blocks``) on a cache filled by hand
+  3. the capacity count (``_get_num_blocks_to_allocate``)
+  4. allocation without caching: exact fits, hits claimed first, chunks, refusals, bad input
+  5. ``cache_blocks`` and allocation with caching (the worked example, upstream's decode test)
+  6. ``free``: tail first, forgotten, freed and allocated again; upstream's tests with frees
+  7. ``reset_prefix_cache``, ``get_num_common_prefix_blocks``
+  8. a Hypothesis state machine over whole request lives (chunked prefill, decode, preemption
+     and re-admission, abort at any point, reset), checking M1-M4 and every refusal both ways
 """
 
 from __future__ import annotations
 
+import hashlib
+import pickle
+import re
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import mini_vllm.kv_cache_utils as kcu
 from course.loader import load_lab
@@ -48,13 +61,14 @@ def make_request(rid, tokens, block_size, *, salt=None, lora_id=None, own_hasher
     )
 
 
-def expected_hashes(tokens, block_size, *, salt=None, lora_id=None):
+def expected_hashes(tokens, block_size, *, salt=None, lora_id=None, hash_fn=None, parent=None):
     """The chained hashes of the full blocks of ``tokens``, computed independently."""
-    out, parent = [], kcu.NONE_HASH
+    hash_fn = hash_fn or kcu.sha256
+    out, parent = [], parent or kcu.NONE_HASH
     for i in range(len(tokens) // block_size):
         extra = ([lora_id] if lora_id is not None else []) + ([salt] if salt and i == 0 else [])
         block = tuple(tokens[i * block_size : (i + 1) * block_size])
-        parent = kcu.sha256((parent, block, tuple(extra) if extra else None))
+        parent = hash_fn((parent, block, tuple(extra) if extra else None))
         out.append(parent)
     return out
 
@@ -68,6 +82,58 @@ def free_ids(manager):
     return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
 
 
+def stats_of(manager):
+    s = manager.prefix_cache_stats
+    return None if s is None else (s.requests, s.queries, s.hits, s.reset)
+
+
+def snapshot(manager):
+    """Everything a refused or rejected call must leave untouched."""
+    pool = manager.block_pool
+    return (
+        free_ids(manager),
+        pool.free_block_queue.num_free_blocks,
+        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+        {r: [b.block_id for b in bl] for r, bl in manager.req_to_blocks.items()},
+        dict(manager.num_cached_block),
+        stats_of(manager),
+    )
+
+
+def table(manager, req):
+    return manager.req_to_blocks[req.request_id]
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+_seeds = iter(range(10**6))
+
+
+def seed_cache(manager, tokens, *, hold=False, salt=None, lora_id=None):
+    """Cache the full blocks of ``tokens`` in the manager's pool by hand (the complete pool of
+    lab 02-01), as an earlier request would have; unless ``hold``, free them again (tail first)
+    so that they sit in the free queue as eviction candidates. Returns the blocks."""
+    pool = manager.block_pool
+    req = make_request(f"seed-{next(_seeds)}", tokens, manager.block_size, salt=salt,
+                       lora_id=lora_id)
+    n = len(req.block_hashes)
+    blocks = pool.get_new_blocks(n)
+    pool.cache_full_blocks(req, blocks, 0, n, manager.block_size, 0)
+    if not hold:
+        pool.free_blocks(reversed(blocks))
+    return blocks
+
+
+def track(manager, req, num_blocks, num_cached=0):
+    """Make ``req`` a tracked request by hand: a table of new blocks from the pool."""
+    blocks = manager.block_pool.get_new_blocks(num_blocks)
+    manager.req_to_blocks[req.request_id] = blocks
+    manager.num_cached_block[req.request_id] = num_cached
+    return blocks
+
+
 def schedule_prompt(manager, req):
     """What the scheduler does for a new request: look up the cache, allocate the rest."""
     hit, num_hit = manager.get_computed_blocks(req)
@@ -77,20 +143,26 @@ def schedule_prompt(manager, req):
     return hit, num_hit, new
 
 
-def snapshot(manager):
-    """Everything a failed allocate_slots must leave untouched."""
-    pool = manager.block_pool
-    return (
-        free_ids(manager),
-        pool.free_block_queue.num_free_blocks,
-        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-        {r: [b.block_id for b in bl] for r, bl in manager.req_to_blocks.items()},
-        dict(manager.num_cached_block),
-    )
+def assert_cached_exactly(manager, req, num_full):
+    """The first ``num_full`` blocks of the table are cached under the request's hashes, and
+    indexed; the others have no hash."""
+    want = req.block_hashes
+    for i, blk in enumerate(table(manager, req)):
+        if i < num_full:
+            assert blk.block_hash == keyed(want[i]), f"block {i} is not cached under its hash"
+            found = manager.block_pool.get_cached_block(want[i], [0])
+            assert found is not None and found[0].block_hash == keyed(want[i])
+        else:
+            assert blk.block_hash is None, f"block {i} is cached but is not full and computed"
+    assert manager.num_cached_block[req.request_id] == num_full
 
 
-def table(manager, req):
-    return manager.req_to_blocks[req.request_id]
+def message_names(exc_info, *values):
+    text = str(exc_info.value)
+    for v in values:
+        assert re.search(rf"(?<![\w-]){re.escape(str(v))}(?![\w])", text), (
+            f"the error message should give {v!r}: {text!r}"
+        )
 
 
 COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16
@@ -127,17 +199,450 @@ def test_hasher_extra_keys_lora_on_every_block_salt_on_the_first():
     lora = make_request("l", tokens, 4, lora_id=7, own_hasher=True)
     assert lora.block_hashes == expected_hashes(tokens, 4, lora_id=7)
     plain = make_request("p", tokens, 4, own_hasher=True)
+    assert plain.block_hashes == expected_hashes(tokens, 4)
     # The salt enters block 0 only, but the chain carries it into every later block.
     assert all(x != y for x, y in zip(salted.block_hashes, plain.block_hashes))
+    # An empty salt is no salt.
+    assert make_request("e", tokens, 4, salt="", own_hasher=True).block_hashes == plain.block_hashes
+
+
+def test_hasher_uses_the_given_hash_function_once_per_block():
+    calls = []
+
+    def blake(obj):
+        calls.append(obj)
+        return hashlib.blake2b(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    hasher = lab.get_request_block_hasher(4, blake)
+    req = lab.Request("r", list(range(9)), lab.SamplingParams(), EOS, block_hasher=hasher)
+    for t in range(9, 20):
+        req.append_output_token_ids(t)
+    ran = len(calls)
+    assert req.block_hashes == expected_hashes(list(range(20)), 4, hash_fn=blake)
+    assert ran == 5, f"5 blocks filled, but the hash function ran {ran} times"
+
+
+def test_hasher_starts_after_the_known_hashes_and_does_not_modify_the_request():
+    """The hasher continues from ``block_hashes`` as the request holds them (it chains onto the
+    last one, whatever it is), returns only the new ones and changes nothing."""
+    planted = b"\x07" * 32
+    fake = SimpleNamespace(
+        all_token_ids=list(range(12)),
+        num_tokens=12,
+        block_hashes=[planted],
+        lora_request=None,
+        cache_salt="salt",
+    )
+    hasher = lab.get_request_block_hasher(4, lab.sha256)
+    got = hasher(fake)
+    assert got == expected_hashes(list(range(4, 12)), 4, parent=planted)
+    assert fake.block_hashes == [planted] and fake.all_token_ids == list(range(12))
+    fake.block_hashes = [planted, *got]
+    assert hasher(fake) == [], "no new full block: nothing to return"
+
+
+def test_hasher_with_blocks_of_one_token():
+    req = make_request("r", [5, 6, 7], 1, own_hasher=True)
+    assert req.block_hashes == expected_hashes([5, 6, 7], 1)
 
 
 def test_hasher_rejects_a_bad_block_size():
     for bad in (0, -4):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError) as exc:
             lab.get_request_block_hasher(bad, lab.sha256)
+        message_names(exc, bad)
 
 
-# --------------------------------------------------------------------------- 2. worked example
+# --------------------------------------------------------------------------- 2. the lookup
+
+
+def test_lookup_finds_the_longest_cached_prefix_and_claims_nothing():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    cached = seed_cache(m, list(range(14)))  # 3 full blocks, in the free queue
+    req = make_request("r", list(range(8)) + [50, 51, 52, 53, 54], 4)
+    before = snapshot(m)
+    hit, n = m.get_computed_blocks(req)
+    assert isinstance(hit, lab.KVCacheBlocks) and n == 8
+    assert hit.blocks[0] == cached[:2], "the hit must be the cached blocks, front first"
+    assert snapshot(m) == before, "a lookup claims nothing: no count or queue position changes"
+    held = seed_cache(m, [7] * 9, hold=True)  # blocks somebody holds hit too
+    hit, n = m.get_computed_blocks(make_request("h", [7] * 12 + [1], 4))
+    assert hit.blocks[0] == held and n == 8
+    assert [b.ref_cnt for b in held] == [1, 1]
+
+
+def test_lookup_stops_at_the_first_miss():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    first, second, third = seed_cache(m, list(range(13)))
+    # Drop block 1 of the chain from the index (what eviction does); blocks 0 and 2 stay.
+    assert m.block_pool._maybe_evict_cached_block(second)
+    assert third.block_hash is not None
+    hit, n = m.get_computed_blocks(make_request("r", list(range(13)), 4))
+    assert hit.get_block_ids() == ([first.block_id],) and n == 4
+    assert m.block_pool._maybe_evict_cached_block(first)
+    hit, n = m.get_computed_blocks(make_request("s", list(range(13)), 4))
+    assert hit.get_block_ids() == ([],) and n == 0, "a cached block behind a miss was served"
+
+
+@pytest.mark.parametrize("prompt_len, expect_hit", [(48, 32), (49, 48), (47, 32), (1, 0), (16, 0)])
+def test_a_fully_cached_prompt_still_computes_its_last_token(prompt_len, expect_hit):
+    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
+    seed_cache(m, list(range(64)))
+    req = make_request("r", list(range(prompt_len)), 16)
+    hit, n = m.get_computed_blocks(req)
+    assert n == expect_hit and len(hit.blocks[0]) * 16 == n
+
+
+def test_find_longest_cache_hit_respects_max_length():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    cached = seed_cache(m, list(range(16)))
+    hashes = make_request("r", list(range(16)), 4).block_hashes
+    for max_length, k in [(0, 0), (3, 0), (4, 1), (11, 2), (16, 4), (100, 4)]:
+        assert m._find_longest_cache_hit(hashes, max_length) == cached[:k], max_length
+    assert m._find_longest_cache_hit([], 100) == []
+
+
+def test_lookup_with_caching_off_is_an_empty_block_list_and_counts_nothing():
+    m = lab.KVCacheManager(num_blocks=5, block_size=4, max_model_len=64, enable_caching=False,
+                           log_stats=True)
+    hit, n = m.get_computed_blocks(make_request("r", range(9), 4))
+    assert isinstance(hit, lab.KVCacheBlocks), "an empty KVCacheBlocks, not a list"
+    assert hit.blocks == ([],) and n == 0
+    assert stats_of(m) == (0, 0, 0, False)
+
+
+def test_lookup_counts_requests_queries_and_hits():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64, log_stats=True)
+    seed_cache(m, list(range(8)))
+    m.get_computed_blocks(make_request("a", list(range(11)), 4))  # 11 queried, 8 hit
+    m.get_computed_blocks(make_request("b", [9] * 6, 4))  # 6 queried, 0 hit
+    stats = m.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (2, 17, 8)
+    off = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    off.get_computed_blocks(make_request("c", list(range(11)), 4))
+    assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None
+
+
+def test_lookup_rejects_a_request_without_matching_hashes_before_counting():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64, log_stats=True)
+    seed_cache(m, list(range(8)))
+    bare = lab.Request("bare", list(range(9)), lab.SamplingParams(), EOS)  # no hasher
+    before = snapshot(m)
+    with pytest.raises(ValueError):
+        m.get_computed_blocks(bare)
+    assert snapshot(m) == before
+
+
+def test_lookup_salt_and_lora_change_the_whole_chain():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    seed_cache(m, list(range(12)), salt="salt1")
+    tokens = list(range(12)) + [1]
+    assert m.get_computed_blocks(make_request("same", tokens, 4, salt="salt1"))[1] == 12
+    assert m.get_computed_blocks(make_request("other", tokens, 4, salt="salt2"))[1] == 0
+    assert m.get_computed_blocks(make_request("none", tokens, 4))[1] == 0
+    seed_cache(m, list(range(12)), lora_id=3)
+    assert m.get_computed_blocks(make_request("l3", tokens, 4, lora_id=3))[1] == 12
+    assert m.get_computed_blocks(make_request("l4", tokens, 4, lora_id=4))[1] == 0
+
+
+# --------------------------------------------------------------------------- 3. capacity
+
+
+def test_blocks_to_allocate_for_a_new_request():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    free_hits = seed_cache(m, list(range(8)))  # ref_cnt 0, in the free queue
+    held_hits = seed_cache(m, [5] * 8, hold=True)  # ref_cnt 1
+    before = snapshot(m)
+    assert m._get_num_blocks_to_allocate("new", 9, []) == 3
+    assert m._get_num_blocks_to_allocate("new", 8, []) == 2  # exactly two blocks
+    assert m._get_num_blocks_to_allocate("new", 1, []) == 1
+    # Held hit blocks cost nothing; free ones leave the free queue like new blocks.
+    assert m._get_num_blocks_to_allocate("new", 9, held_hits) == 1
+    assert m._get_num_blocks_to_allocate("new", 9, free_hits) == 3
+    assert m._get_num_blocks_to_allocate("new", 9, [held_hits[0], free_hits[1]]) == 2
+    # The null block is never an eviction candidate.
+    assert m._get_num_blocks_to_allocate("new", 4, [m.block_pool.null_block]) == 0
+    assert snapshot(m) == before, "counting must not create a table entry or change anything"
+    assert "new" not in m.req_to_blocks and "new" not in m.num_cached_block
+
+
+def test_blocks_to_allocate_for_a_tracked_request():
+    m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    req = make_request("r", range(8), 4)
+    track(m, req, 2)
+    before = snapshot(m)
+    assert m._get_num_blocks_to_allocate("r", 9, []) == 1
+    assert m._get_num_blocks_to_allocate("r", 8, []) == 0
+    assert m._get_num_blocks_to_allocate("r", 17, []) == 3
+    # Holding more than it needs (lookahead slots from an earlier step): nothing to take.
+    assert m._get_num_blocks_to_allocate("r", 3, []) <= 0
+    assert snapshot(m) == before
+
+
+# --------------------------------------------------------------------------- 4. allocation
+
+
+def test_allocate_a_new_request_without_caching():
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
+    req = make_request("r", range(10), 4)
+    new = m.allocate_slots(req, 10)
+    assert isinstance(new, lab.KVCacheBlocks) and new.get_block_ids() == ([1, 2, 3],)
+    assert table(m, req) == new.blocks[0]
+    assert m.num_cached_block["r"] == 0
+    assert [b.ref_cnt for b in new.blocks[0]] == [1, 1, 1]
+    assert all(b.block_hash is None for b in m.block_pool.blocks)
+    assert free_ids(m) == [4, 5, 6, 7]
+    bare = lab.Request("bare", list(range(5)), lab.SamplingParams(), EOS)  # no block hashes
+    assert m.allocate_slots(bare, 5).get_block_ids() == ([4, 5],), "no hash check, caching off"
+
+
+def test_decode_takes_a_block_only_when_the_last_one_is_full():
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
+    req = make_request("r", range(6), 4)
+    first = m.allocate_slots(req, 6).blocks[0]
+    req.num_computed_tokens = 6
+    for t in range(6, 8):
+        req.append_output_token_ids(t)
+        assert m.allocate_slots(req, 1).get_block_ids() == ([],)
+        req.num_computed_tokens += 1
+    req.append_output_token_ids(8)
+    new = m.allocate_slots(req, 1)
+    assert new.get_block_ids() == ([3],)
+    assert table(m, req) == first + new.blocks[0], "blocks are appended, never replaced"
+
+
+def test_a_chunk_shorter_than_the_rest_of_the_prompt():
+    """Chunked prefill: slots are counted from the tokens computed so far, not the prompt."""
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
+    req = make_request("r", range(10), 4)
+    assert m.allocate_slots(req, 3).get_block_ids() == ([1],)
+    req.num_computed_tokens = 3
+    assert m.allocate_slots(req, 5).get_block_ids() == ([2],)
+    req.num_computed_tokens = 8
+    assert m.allocate_slots(req, 2).get_block_ids() == ([3],)
+    assert m.get_block_ids("r") == ([1, 2, 3],)
+
+
+def test_an_allocation_that_fits_exactly_succeeds():
+    m = lab.KVCacheManager(num_blocks=6, block_size=4, max_model_len=64, enable_caching=False)
+    req = make_request("r", range(20), 4)
+    assert m.block_pool.get_num_free_blocks() == 5
+    assert len(m.allocate_slots(req, 20).blocks[0]) == 5
+    assert m.block_pool.get_num_free_blocks() == 0
+    other = make_request("o", range(3), 4)
+    before = snapshot(m)
+    assert m.allocate_slots(other, 3) is None
+    assert snapshot(m) == before
+
+
+def test_a_tracked_request_that_fits_exactly():
+    """Forgetting the blocks a request holds makes the capacity check too strict."""
+    m = lab.KVCacheManager(num_blocks=6, block_size=4, max_model_len=64, enable_caching=False)
+    req = make_request("r", range(8), 4)
+    m.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    req.append_output_token_ids(list(range(8, 20)))
+    assert m.block_pool.get_num_free_blocks() == 3
+    assert len(m.allocate_slots(req, 12).blocks[0]) == 3
+    assert m.block_pool.get_num_free_blocks() == 0
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["free-hits", "held-hits"])
+def test_hits_are_claimed_and_fit_exactly(hold):
+    """Hit blocks in the free queue use up free capacity; hit blocks held by another request do
+    not. With exactly enough room the allocation succeeds; with one block less it is refused
+    and nothing changes."""
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
+    hits = seed_cache(m, list(range(8)), hold=hold)
+    spare = 5 if hold else 7  # free blocks, hit blocks included when they are free
+    assert m.block_pool.get_num_free_blocks() == spare
+    too_big = make_request("big", list(range(8)) + [9] * (4 * (spare - (0 if hold else 2)) + 1), 4)
+    hit, n = m.get_computed_blocks(too_big)
+    assert n == 8
+    before = snapshot(m)
+    assert m.allocate_slots(too_big, too_big.num_tokens - n, n, hit,
+                            delay_cache_blocks=True) is None
+    assert snapshot(m) == before, "a refused allocation changed something"
+
+    req = make_request("r", list(range(8)) + [9] * (4 * (spare - (0 if hold else 2)) - 1), 4)
+    hit, n = m.get_computed_blocks(req)
+    new = m.allocate_slots(req, req.num_tokens - n, n, hit, delay_cache_blocks=True)
+    assert new is not None, "an allocation that fits exactly was refused"
+    assert m.block_pool.get_num_free_blocks() == 0
+    assert table(m, req) == hits + new.blocks[0], "the table is the hits, then the new blocks"
+    assert not set(ids(hits)) & set(new.get_block_ids()[0]), "hit blocks returned as new"
+    assert [b.ref_cnt for b in hits] == ([2, 2] if hold else [1, 1])
+    assert all(b.block_hash is not None for b in hits), "a claimed hit block lost its hash"
+    assert m.num_cached_block["r"] == 2
+
+
+def test_hits_are_claimed_before_new_blocks_are_taken():
+    """The free hit blocks stand at the front of the free queue: taking the new blocks first
+    would evict them and hand them out twice."""
+    m = lab.KVCacheManager(num_blocks=5, block_size=4, max_model_len=64)
+    pool = m.block_pool
+    hits = seed_cache(m, list(range(8)), hold=True)  # blocks 1, 2
+    others = pool.get_new_blocks(2)  # blocks 3, 4
+    pool.free_blocks(reversed(hits))
+    pool.free_blocks(others)
+    assert free_ids(m) == [2, 1, 3, 4]
+    req = make_request("r", list(range(8)) + [5] * 7, 4)
+    hit, n = m.get_computed_blocks(req)
+    new = m.allocate_slots(req, req.num_tokens - n, n, hit, delay_cache_blocks=True)
+    assert new.get_block_ids() == ([3, 4],)
+    assert m.get_block_ids("r") == ([1, 2, 3, 4],)
+    assert [b.block_hash for b in hits] == [keyed(h) for h in req.block_hashes[:2]]
+
+
+def test_lookahead_slots_and_the_model_length_cap():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64, enable_caching=False)
+    r = make_request("r", range(6), 4)
+    assert len(m.allocate_slots(r, 6, num_lookahead_tokens=4).blocks[0]) == 3  # 10 slots
+    r.num_computed_tokens = 6
+    r.append_output_token_ids(6)
+    assert m.allocate_slots(r, 1).get_block_ids() == ([],), "the table never shrinks"
+    assert len(table(m, r)) == 3
+    capped = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=8,
+                                enable_caching=False)
+    c = make_request("c", range(6), 4)
+    assert len(capped.allocate_slots(c, 6, num_lookahead_tokens=8).blocks[0]) == 2
+
+
+def test_delay_cache_blocks_caches_nothing_and_skips_the_hash_check():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
+    d = make_request("d", range(100, 108), 4)
+    new = m.allocate_slots(d, 8, delay_cache_blocks=True)
+    assert len(new.blocks[0]) == 2 and all(b.block_hash is None for b in new.blocks[0])
+    assert m.num_cached_block["d"] == 0
+    bare = lab.Request("bare", list(range(9)), lab.SamplingParams(), EOS)  # no hashes
+    assert len(m.allocate_slots(bare, 9, delay_cache_blocks=True).blocks[0]) == 3
+
+
+def test_save_new_computed_blocks_only_the_first_time():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
+    hits = seed_cache(m, list(range(8)), hold=True)
+    given = list(hits)
+    m._save_new_computed_blocks("r", given)
+    assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2
+    assert m.req_to_blocks["r"] is not given, "the table must be the manager's own list"
+    assert [b.ref_cnt for b in hits] == [1, 1], "claiming is allocate_slots' job"
+    given.append(m.block_pool.blocks[5])
+    m._save_new_computed_blocks("r", [m.block_pool.blocks[6]])
+    assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2
+    m._save_new_computed_blocks("empty", [])
+    assert m.req_to_blocks["empty"] == [] and m.num_cached_block["empty"] == 0
+
+
+def test_allocate_new_blocks_grows_a_table_from_the_front_of_the_queue():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
+    req = make_request("r", range(8), 4)
+    held = list(track(m, req, 1))
+    m.block_pool.free_blocks([m.block_pool.get_new_blocks(1)[0]])  # queue: 3, ..., 9, 2
+    new = m._allocate_new_blocks("r", 9)
+    assert ids(new) == [3, 4]
+    assert table(m, req) == held + new
+    assert m._allocate_new_blocks("r", 12) == [] and m._allocate_new_blocks("r", 2) == []
+    assert len(table(m, req)) == 3
+
+
+def test_bad_input_is_rejected_and_changes_nothing():
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=13)
+    seed_cache(m, range(9))
+    warm = make_request("warm", range(8), 4)
+    assert m.allocate_slots(warm, 8, delay_cache_blocks=True) is not None
+    req = make_request("fresh", range(9), 4)
+    hit, n = m.get_computed_blocks(req)
+    assert n == 8
+    before = snapshot(m)
+    bad_calls = [
+        (lambda: m.allocate_slots(req, 0), [0]),
+        (lambda: m.allocate_slots(req, -3), [-3]),
+        (lambda: m.allocate_slots(req, 1, 0, None, -2), [-2]),
+        (lambda: m.allocate_slots(req, 1, 7, hit), [7]),  # 7 tokens claimed for 2 hit blocks
+        (lambda: m.allocate_slots(req, 1, 0, hit), []),  # hit blocks, but 0 hit tokens
+        (lambda: m.allocate_slots(req, 6, n, hit), [13]),  # 8 + 6 > max_model_len 13
+        (lambda: m.allocate_slots(warm, 1, n, hit), ["warm"]),  # warm is tracked already
+        (lambda: m.allocate_slots(lab.Request("bare", [1] * 5, lab.SamplingParams(), EOS), 5), []),
+    ]
+    for call, named in bad_calls:
+        with pytest.raises(ValueError) as exc:
+            call()
+        message_names(exc, *named)
+        assert snapshot(m) == before
+    assert m.allocate_slots(req, 5, n, hit, delay_cache_blocks=True) is not None  # 13: fits
+
+    off = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
+    stray = seed_cache(m, [3] * 4)
+    with pytest.raises(ValueError):
+        off.allocate_slots(make_request("x", range(9), 4), 5, 4, lab.KVCacheBlocks((stray,)))
+    assert off.req_to_blocks == {} and off.block_pool.get_num_free_blocks() == 7
+
+
+# --------------------------------------------------------------------------- 5. caching
+
+
+def test_cache_blocks_caches_the_full_blocks_once():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
+    req = make_request("r", range(10), 4)
+    track(m, req, 3)
+    m.cache_blocks(req, 10)
+    assert_cached_exactly(m, req, 2)
+    before = snapshot(m)
+    m.cache_blocks(req, 10)  # nothing new: no "already cached" error, no change
+    m.cache_blocks(req, 5)  # fewer tokens than are cached: no change
+    m.cache_blocks(req, 0)
+    assert snapshot(m) == before
+    req.append_output_token_ids([10, 11, 12])
+    m.cache_blocks(req, 12)  # only block 2 is new
+    assert_cached_exactly(m, req, 3)
+
+
+def test_cache_blocks_reports_stored_blocks_with_their_block_size():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64,
+                           enable_kv_cache_events=True)
+    req = make_request("r", range(10), 4, lora_id=5)
+    m.allocate_slots(req, 10)
+    (event,) = m.take_events()
+    assert (event.block_hashes, event.token_ids) == (req.block_hashes, list(range(8)))
+    assert (event.parent_block_hash, event.block_size, event.lora_id) == (None, 4, 5)
+
+
+def test_cache_blocks_resumes_after_the_cached_blocks():
+    """Blocks the table starts with that are cached already (hits) are not passed again."""
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
+    hits = seed_cache(m, range(8), hold=True)
+    req = make_request("r", range(13), 4)
+    m.req_to_blocks["r"] = hits + m.block_pool.get_new_blocks(2)
+    m.num_cached_block["r"] = 2
+    m.cache_blocks(req, 13)
+    assert_cached_exactly(m, req, 3)
+
+
+def test_cache_blocks_rejects_bad_calls_and_changes_nothing():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
+    req = make_request("unknown-req", range(10), 4)
+    before = snapshot(m)
+    with pytest.raises(ValueError) as exc:
+        m.cache_blocks(req, 8)
+    message_names(exc, "unknown-req")
+    assert snapshot(m) == before
+    held = make_request("held", range(11), 4)
+    track(m, held, 2)
+    before = snapshot(m)
+    with pytest.raises(ValueError) as exc:
+        m.cache_blocks(held, 11)  # 2 blocks hold 8 tokens
+    message_names(exc, 11, 2)
+    assert snapshot(m) == before
+    bare = lab.Request("bare", list(range(8)), lab.SamplingParams(), EOS)
+    track(m, bare, 2)
+    before = snapshot(m)
+    with pytest.raises(ValueError):
+        m.cache_blocks(bare, 8)
+    assert snapshot(m) == before
+    off = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64,
+                             enable_caching=False)
+    off.cache_blocks(req, 8)  # caching off: nothing happens, not even the check
+    assert off.req_to_blocks == {}
 
 
 def test_seed_worked_example_block_size_4():
@@ -151,7 +656,7 @@ def test_seed_worked_example_block_size_4():
     a = make_request("A", tok("The cat sat on the mat and then"), 4)
     hit, n, new = schedule_prompt(m, a)
     assert n == 0 and new.get_block_ids() == ([1, 2],)
-    assert [b.block_hash for b in table(m, a)] == [keyed(h) for h in a.block_hashes]
+    assert_cached_exactly(m, a, 2)
 
     b = make_request("B", tok("The cat sat on the rug"), 4)
     assert len(b.block_hashes) == 1  # "the rug" is a partial block: not hashed
@@ -159,11 +664,157 @@ def test_seed_worked_example_block_size_4():
     assert hit.get_block_ids() == ([1],) and n == 4  # prefill skips "The cat sat on"
     assert new.get_block_ids() == ([3],)
     assert m.block_pool.blocks[1].ref_cnt == 2
-    assert m.block_pool.blocks[3].block_hash is None, "the partial block must not be cached"
+    assert_cached_exactly(m, b, 1)
     assert m.get_block_ids("B") == ([1, 3],)
 
 
-# --------------------------------------------------------------------------- 3. upstream
+def test_chunked_prefill_caches_each_block_when_its_chunk_completes_it():
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
+    req = make_request("r", range(10), 4)
+    m.allocate_slots(req, 3)
+    assert_cached_exactly(m, req, 0)
+    req.num_computed_tokens = 3
+    m.allocate_slots(req, 5)  # tokens 3..7: blocks 0 and 1 are full and computed now
+    assert_cached_exactly(m, req, 2)
+    req.num_computed_tokens = 8
+    assert m.allocate_slots(req, 2).get_block_ids() == ([3],)
+    assert_cached_exactly(m, req, 2)  # block 2 holds 2 of 4 tokens
+
+
+def test_decode_allocates_only_when_a_block_fills():
+    """Upstream test_decode."""
+    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
+    r0 = make_request("0", COMMON + [3] * 7, 16)
+    _, _, new = schedule_prompt(m, r0)
+    assert new.get_block_ids() == ([1, 2, 3, 4],)
+
+    for _ in range(4):
+        r0.append_output_token_ids(8)
+    new = m.allocate_slots(r0, 4)  # 55 + 4 = 59 tokens still fit 4 blocks
+    assert new is not None and new.get_block_ids() == ([],)
+    assert table(m, r0)[-1].block_hash is None
+    r0.num_computed_tokens = 59
+
+    r0.append_output_token_ids([7] * 19)  # fills block 4, and 14 tokens into a fifth
+    new = m.allocate_slots(r0, 19)
+    assert new is not None and len(new.blocks[0]) == 1
+    assert_cached_exactly(m, r0, 4)
+
+
+def test_lookahead_slots_are_never_cached_and_delayed_blocks_are_cached_later():
+    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
+    r = make_request("r", range(6), 4)
+    assert len(m.allocate_slots(r, 6, num_lookahead_tokens=6).blocks[0]) == 3
+    assert_cached_exactly(m, r, 1)
+    d = make_request("d", range(100, 108), 4)
+    m.allocate_slots(d, 8, delay_cache_blocks=True)
+    m.cache_blocks(d, 8)  # later, once the KV really arrived
+    assert_cached_exactly(m, d, 2)
+
+
+def test_salt_changes_the_whole_chain():
+    """Upstream test_cache_key_salting."""
+    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
+    tokens = COMMON + [3] * 11
+    r0 = make_request("0", tokens, 16, salt="salt1")
+    hit, n, new = schedule_prompt(m, r0)
+    assert n == 0 and new.get_block_ids() == ([1, 2, 3, 4],)
+    r0.append_output_token_ids([8] * 5)
+    assert m.allocate_slots(r0, 5).get_block_ids() == ([],)
+    assert_cached_exactly(m, r0, 4)
+    assert r0.block_hashes == expected_hashes(tokens + [8] * 5, 16, salt="salt1")
+
+    same_salt = make_request("1", COMMON + [4] * 11, 16, salt="salt1")
+    hit, n = m.get_computed_blocks(same_salt)
+    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48
+    other_salt = make_request("2", COMMON + [4] * 11, 16, salt="salt2")
+    hit, n = m.get_computed_blocks(other_salt)
+    assert hit.get_block_ids() == ([],) and n == 0
+    no_salt = make_request("3", COMMON + [4] * 11, 16)
+    assert m.get_computed_blocks(no_salt)[1] == 0
+
+
+def test_prefix_cache_stats():
+    """Upstream test_prefix_cache_stats_disabled, plus queries / hits / hit rate."""
+    off = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
+    schedule_prompt(off, make_request("0", range(16), 16))
+    assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None
+    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192, log_stats=True)
+    schedule_prompt(m, make_request("a", COMMON + [3] * 7, 16))  # 55 queried, 0 hit
+    schedule_prompt(m, make_request("b", COMMON + [4] * 2, 16))  # 50 queried, 48 hit
+    stats = m.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (2, 105, 48)
+    assert stats.hit_rate == pytest.approx(48 / 105)
+    fresh = m.make_prefix_cache_stats()
+    assert (fresh.requests, fresh.queries, fresh.hits, fresh.hit_rate) == (0, 0, 0, 0.0)
+
+
+# --------------------------------------------------------------------------- 6. free
+
+
+def test_free_returns_blocks_tail_first_and_forgets_the_request():
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
+    r = make_request("r", range(14), 4)
+    schedule_prompt(m, r)
+    assert m.get_block_ids("r") == ([1, 2, 3, 4],)
+    cached = [b.block_hash for b in table(m, r)]
+    m.free(r)
+    assert free_ids(m) == [5, 6, 7, 4, 3, 2, 1]
+    assert "r" not in m.req_to_blocks and "r" not in m.num_cached_block
+    assert [b.block_hash for b in m.block_pool.blocks[1:5]] == cached, "freeing keeps hashes"
+    before = snapshot(m)
+    m.free(r)  # not tracked any more: nothing happens
+    m.free(make_request("never", range(3), 4))
+    assert snapshot(m) == before
+
+
+def test_free_leaves_blocks_shared_with_others():
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
+    a = make_request("a", range(9), 4)
+    b = make_request("b", list(range(8)) + [7, 7], 4)
+    schedule_prompt(m, a)
+    schedule_prompt(m, b)
+    assert m.get_block_ids("b") == ([1, 2, 4],)
+    m.free(a)
+    assert [m.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [1, 1, 0, 1]
+    assert free_ids(m) == [5, 6, 7, 3]
+
+
+def test_a_request_freed_and_allocated_again_starts_from_scratch():
+    """Preemption by recompute: the same request is freed, then admitted again. Its new blocks
+    must be cached as they fill: the manager must not remember what was cached before."""
+    m = lab.KVCacheManager(num_blocks=7, block_size=4, max_model_len=64)
+    req = make_request("r", range(13), 4)
+    schedule_prompt(m, req)
+    req.append_output_token_ids([13, 14, 15])
+    m.allocate_slots(req, 3)
+    req.num_computed_tokens = 16
+    assert_cached_exactly(m, req, 4)
+    m.free(req)
+    assert "r" not in m.num_cached_block, "free must forget the cached-block count too"
+    # Another request takes every free block: the freed request's blocks are all evicted.
+    filler = make_request("filler", [9] * 24, 4)
+    schedule_prompt(m, filler)
+    m.free(filler)
+    req.num_computed_tokens = 0
+    hit, n, new = schedule_prompt(m, req)  # re-admitted: its KV is recomputed
+    assert n == 0 and new is not None
+    assert_cached_exactly(m, req, 4)
+    m.free(req)
+    again_hit, n, _ = schedule_prompt(m, make_request("again", range(17), 4))
+    assert n == 16, "the recomputed blocks must be found by the next request"
+
+
+def test_a_request_freed_mid_prefill_keeps_only_its_completed_blocks_cached():
+    """Abort in the middle of a chunked prefill."""
+    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
+    req = make_request("r", range(14), 4)
+    m.allocate_slots(req, 6)
+    req.num_computed_tokens = 6
+    m.free(req)
+    assert m.block_pool.get_num_free_blocks() == 7
+    hit, n = m.get_computed_blocks(make_request("s", range(14), 4))
+    assert n == 4, "only the block the first chunk completed is cached"
 
 
 def test_prefill_partial_hit_and_free_queue_order():
@@ -203,27 +854,6 @@ def test_prefill_partial_hit_and_free_queue_order():
     assert n == 0
     assert new.get_block_ids() == ([7, 8, 9, 10, 4, 5, 6, 3, 2, 1],)  # the eviction order
     assert m.block_pool.get_num_free_blocks() == 0
-
-
-def test_decode_allocates_only_when_a_block_fills():
-    """Upstream test_decode."""
-    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
-    r0 = make_request("0", COMMON + [3] * 7, 16)
-    _, _, new = schedule_prompt(m, r0)
-    assert new.get_block_ids() == ([1, 2, 3, 4],)
-
-    for _ in range(4):
-        r0.append_output_token_ids(8)
-    new = m.allocate_slots(r0, 4)  # 55 + 4 = 59 tokens still fit 4 blocks
-    assert new is not None and new.get_block_ids() == ([],)
-    assert table(m, r0)[-1].block_hash is None
-    r0.num_computed_tokens = 59
-
-    r0.append_output_token_ids([7] * 19)  # fills block 4, and 14 tokens into a fifth
-    new = m.allocate_slots(r0, 19)
-    assert new is not None and len(new.blocks[0]) == 1
-    assert table(m, r0)[-2].block_hash == keyed(r0.block_hashes[3])
-    assert table(m, r0)[-1].block_hash is None
 
 
 def test_lru_eviction_order_after_free():
@@ -294,28 +924,6 @@ def test_caching_disabled():
     assert n == 0 and new is None  # all 4 usable blocks are held by r2
 
 
-def test_salt_changes_the_whole_chain():
-    """Upstream test_cache_key_salting."""
-    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
-    tokens = COMMON + [3] * 11
-    r0 = make_request("0", tokens, 16, salt="salt1")
-    assert r0.block_hashes == expected_hashes(tokens, 16, salt="salt1")
-    hit, n, new = schedule_prompt(m, r0)
-    assert n == 0 and new.get_block_ids() == ([1, 2, 3, 4],)
-    r0.append_output_token_ids([8] * 5)
-    assert m.allocate_slots(r0, 5).get_block_ids() == ([],)
-    assert r0.block_hashes == expected_hashes(tokens + [8] * 5, 16, salt="salt1")
-
-    same_salt = make_request("1", COMMON + [4] * 11, 16, salt="salt1")
-    hit, n = m.get_computed_blocks(same_salt)
-    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48
-    other_salt = make_request("2", COMMON + [4] * 11, 16, salt="salt2")
-    hit, n = m.get_computed_blocks(other_salt)
-    assert hit.get_block_ids() == ([],) and n == 0
-    no_salt = make_request("3", COMMON + [4] * 11, 16)
-    assert m.get_computed_blocks(no_salt)[1] == 0
-
-
 def test_failed_allocation_touches_nothing():
     """Upstream test_prefill_not_enough_free_blocks_with_computed_blocks."""
     m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
@@ -344,60 +952,6 @@ def test_failed_allocation_touches_nothing():
     assert [b.ref_cnt for b in part1] == [1, 1, 1, 0, 0, 0]
 
 
-def test_reset_only_when_nothing_is_in_use():
-    """Upstream test_reset_prefix_cache."""
-    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192, log_stats=True)
-    r0 = make_request("0", COMMON + [3] * 7, 16)
-    assert m.allocate_slots(r0, 55).get_block_ids() == ([1, 2, 3, 4],)
-    r1 = make_request("1", COMMON + [4] * 7, 16)
-    hit, n = m.get_computed_blocks(r1)
-    assert len(hit.blocks[0]) == 3
-    assert m.allocate_slots(r1, 7, n, hit).get_block_ids() == ([5],)
-
-    before = snapshot(m)
-    assert m.reset_prefix_cache() is False
-    assert snapshot(m) == before
-    assert m.make_prefix_cache_stats().reset is False
-
-    m.free(r0)
-    m.free(r1)
-    assert m.reset_prefix_cache() is True
-    assert all(b.block_hash is None for b in m.block_pool.blocks)
-    assert m.get_computed_blocks(make_request("2", COMMON + [3], 16))[1] == 0
-    assert m.make_prefix_cache_stats().reset is True
-
-
-def test_prefix_cache_stats():
-    """Upstream test_prefix_cache_stats_disabled, plus queries / hits / hit rate."""
-    off = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
-    schedule_prompt(off, make_request("0", range(16), 16))
-    assert off.reset_prefix_cache() is False
-    assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None
-
-    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192, log_stats=True)
-    schedule_prompt(m, make_request("a", COMMON + [3] * 7, 16))  # 55 queried, 0 hit
-    schedule_prompt(m, make_request("b", COMMON + [4] * 2, 16))  # 50 queried, 48 hit
-    stats = m.make_prefix_cache_stats()
-    assert (stats.requests, stats.queries, stats.hits) == (2, 105, 48)
-    assert stats.hit_rate == pytest.approx(48 / 105)
-    fresh = m.make_prefix_cache_stats()
-    assert (fresh.requests, fresh.queries, fresh.hits, fresh.hit_rate) == (0, 0, 0, 0.0)
-
-
-# --------------------------------------------------------------------------- 4. edges
-
-
-@pytest.mark.parametrize("prompt_len, expect_hit", [(48, 32), (49, 48), (47, 32)])
-def test_a_fully_cached_prompt_still_computes_its_last_token(prompt_len, expect_hit):
-    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
-    schedule_prompt(m, make_request("warm", list(range(64)), 16))
-    req = make_request("r", list(range(prompt_len)), 16)
-    hit, n = m.get_computed_blocks(req)
-    assert n == expect_hit and n < req.num_tokens
-    new = m.allocate_slots(req, req.num_tokens - n, n, hit)
-    assert new is not None and len(m.get_block_ids("r")[0]) == -(-prompt_len // 16)
-
-
 def test_evicted_then_reused_block_is_never_served_for_its_old_hash():
     m = lab.KVCacheManager(num_blocks=3, block_size=4, max_model_len=64)
     old = make_request("old", [1, 2, 3, 4, 5], 4)
@@ -421,51 +975,36 @@ def test_evicted_then_reused_block_is_never_served_for_its_old_hash():
         assert blk.block_hash == keyed(h)
 
 
-def test_a_cached_block_behind_a_miss_is_not_served():
-    m = lab.KVCacheManager(num_blocks=6, block_size=4, max_model_len=64)
-    a = make_request("a", list(range(9)), 4)
-    schedule_prompt(m, a)
-    first, second = table(m, a)[:2]
-    m.free(a)
-    # Drop block 0 of the chain from the index (what eviction does); block 1 stays cached.
-    assert m.block_pool._maybe_evict_cached_block(first)
-    assert second.block_hash is not None
-    b = make_request("b", list(range(9)), 4)
-    hit, n = m.get_computed_blocks(b)
-    assert n == 0 and hit.get_block_ids() == ([],)
+# --------------------------------------------------------------------------- 7. reset, prefix
 
 
-def test_free_returns_blocks_tail_first():
-    m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
-    r = make_request("r", range(14), 4)
-    schedule_prompt(m, r)
-    assert m.get_block_ids("r") == ([1, 2, 3, 4],)
-    m.free(r)
-    assert free_ids(m) == [5, 6, 7, 4, 3, 2, 1]
-    assert m.get_block_ids("r") == ([],)
-    m.free(r)  # unknown request: nothing happens
-    assert free_ids(m) == [5, 6, 7, 4, 3, 2, 1]
+def test_reset_only_when_nothing_is_in_use():
+    """Upstream test_reset_prefix_cache."""
+    m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192, log_stats=True)
+    r0 = make_request("0", COMMON + [3] * 7, 16)
+    assert m.allocate_slots(r0, 55).get_block_ids() == ([1, 2, 3, 4],)
+    r1 = make_request("1", COMMON + [4] * 7, 16)
+    hit, n = m.get_computed_blocks(r1)
+    assert len(hit.blocks[0]) == 3
+    assert m.allocate_slots(r1, 7, n, hit).get_block_ids() == ([5],)
+
+    before = snapshot(m)
+    assert m.reset_prefix_cache() is False
+    assert snapshot(m) == before
+    assert m.make_prefix_cache_stats().reset is False
+
+    m.free(r0)
+    m.free(r1)
+    assert m.reset_prefix_cache() is True
+    assert all(b.block_hash is None for b in m.block_pool.blocks)
+    assert m.get_computed_blocks(make_request("2", COMMON + [3], 16))[1] == 0
+    assert m.make_prefix_cache_stats().reset is True
+
+    off = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
+    assert off.reset_prefix_cache() is True and off.prefix_cache_stats is None
 
 
-def test_lookahead_slots_are_allocated_but_not_cached_and_delay_skips_caching():
-    m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
-    r = make_request("r", range(6), 4)
-    new = m.allocate_slots(r, 6, num_lookahead_tokens=4)
-    assert len(new.blocks[0]) == 3  # 10 slots
-    assert [b.block_hash is not None for b in table(m, r)] == [True, False, False]
-
-    d = make_request("d", range(100, 108), 4)
-    new = m.allocate_slots(d, 8, delay_cache_blocks=True)
-    assert len(new.blocks[0]) == 2 and all(b.block_hash is None for b in new.blocks[0])
-    m.cache_blocks(d, 8)  # later, once the KV really arrived
-    assert [b.block_hash for b in table(m, d)] == [keyed(h) for h in d.block_hashes]
-
-    capped = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=8)
-    c = make_request("c", range(6), 4)
-    assert len(capped.allocate_slots(c, 6, num_lookahead_tokens=8).blocks[0]) == 2
-
-
-def test_num_common_prefix_blocks_and_usage():
+def test_num_common_prefix_blocks():
     m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
     a = make_request("a", list(range(10)), 4)
     b = make_request("b", list(range(4)) + [50, 51, 52, 53, 54, 55, 56], 4)
@@ -473,53 +1012,103 @@ def test_num_common_prefix_blocks_and_usage():
         schedule_prompt(m, r)
         r.status = lab.RequestStatus.RUNNING
     assert m.get_num_common_prefix_blocks(a, 2) == [1]  # b shares only block 0 with a
+    assert m.get_num_common_prefix_blocks(a, 1) == [0]
     assert m.get_num_common_prefix_blocks(a, 3) == [0]
-    assert m.usage == pytest.approx(5 / 10)
-    a.status = lab.RequestStatus.WAITING
-    with pytest.raises(ValueError):
-        m.get_num_common_prefix_blocks(a, 2)
-
-
-def test_bad_input_is_rejected_and_changes_nothing():
-    m = lab.KVCacheManager(num_blocks=6, block_size=4, max_model_len=12)
-    warm = make_request("warm", range(9), 4)
-    schedule_prompt(m, warm)
-    req = make_request("r", range(9), 4)
-    hit, n = m.get_computed_blocks(req)
-    assert n == 8
+    assert m.get_num_common_prefix_blocks(b, 2) == [1]
+    c = make_request("c", list(range(10)), 4)
+    schedule_prompt(m, c)
+    c.status = lab.RequestStatus.RUNNING
+    assert m.get_num_common_prefix_blocks(c, 3) == [1]  # block 0: a, b, c; block 1: a, c
+    assert m.usage == pytest.approx(6 / 10)
+    d = make_request("d", list(range(8)) + [9], 4)
+    schedule_prompt(m, d)
+    d.status = lab.RequestStatus.RUNNING
+    assert m.get_num_common_prefix_blocks(d, 4) == [1]  # block 0: a, b, c, d
+    e = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    pair = [make_request(r, list(range(12)), 4) for r in ("x", "y")]
+    for r in pair:
+        schedule_prompt(e, r)
+        r.status = lab.RequestStatus.RUNNING
+    assert e.get_num_common_prefix_blocks(pair[0], 2) == [2]  # two full blocks shared
+    lone = make_request("lone", [1], 4)
+    lone.status = lab.RequestStatus.RUNNING
+    assert m.get_num_common_prefix_blocks(lone, 1) == [0]
     before = snapshot(m)
-    bad_calls = [
-        lambda: m.allocate_slots(req, 0),
-        lambda: m.allocate_slots(req, 1, 4, hit),  # 4 tokens claimed for 2 hit blocks
-        lambda: m.allocate_slots(req, 5, n, hit),  # 8 + 5 > max_model_len 12
-        lambda: m.allocate_slots(req, 1, 0, None, -1),
-        lambda: m.allocate_slots(warm, 1, n, hit),  # warm already holds blocks
-        lambda: m.allocate_slots(lab.Request("x", [1] * 5, lab.SamplingParams(), EOS), 5),
-        lambda: m.cache_blocks(req, 8),  # req holds no blocks yet
-    ]
-    for call in bad_calls:
-        with pytest.raises(ValueError):
-            call()
-        assert snapshot(m) == before
+    a.status = lab.RequestStatus.WAITING
+    with pytest.raises(ValueError) as exc:
+        m.get_num_common_prefix_blocks(a, 2)
+    message_names(exc, "WAITING")
+    assert snapshot(m) == before
 
 
-# --------------------------------------------------------------------------- 5. state machine
+# --------------------------------------------------------------------------- 8. state machine
 
 BLOCK_SIZE = 4
+MAX_LEN = 24
+NUM_BLOCKS = 10
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 12)
 
 
-class CacheManagerMachine(RuleBasedStateMachine):
-    """Requests arrive (sharing prefixes), decode, are preempted when memory runs out, finish."""
+def cdiv(a, b):
+    return -(a // -b)
 
-    def __init__(self):
-        super().__init__()
-        self.m = lab.KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, max_model_len=24)
-        self.running: dict[str, tuple] = {}  # id -> (request, salt, lora_id)
+
+class CacheManagerMachine(RuleBasedStateMachine):
+    """Requests arrive (sharing prefixes) and are prefilled in chunks, decode (with lookahead
+    slots), are preempted and admitted again, finish or are aborted at any point, and the cache
+    is reset, as the scheduler drives the manager. After every step M1-M4 are checked, and every
+    refusal both ways: ``allocate_slots`` returned ``None`` exactly when the blocks it needed
+    (counted here, independently) were more than the free ones.
+
+    Rules pick a request by index (``decode(i=1, ...)``), so a failing example prints as calls
+    you can read and replay."""
+
+    @initialize()
+    def setup(self):
+        self.m = lab.KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                    max_model_len=MAX_LEN)
+        self.live: dict[str, SimpleNamespace] = {}  # tracked requests
+        self.preempted: list[SimpleNamespace] = []  # freed, waiting to be admitted again
         self.next_id = 0
 
-    def _held(self):
-        return [r for r, _, _ in self.running.values()]
+    def _allocate(self, seq, num_new, hit=None, num_hit=0, lookahead=0):
+        """allocate_slots, checked against the independent count of blocks it needs."""
+        req = seq.req
+        hits = hit.blocks[0] if hit is not None else []
+        held = len(self.m.req_to_blocks.get(req.request_id, []))
+        slots = min(req.num_computed_tokens + num_hit + num_new + lookahead, MAX_LEN)
+        need = max(cdiv(slots, BLOCK_SIZE) - held - len(hits), 0)
+        need += sum(1 for b in hits if b.ref_cnt == 0)
+        free = self.m.block_pool.get_num_free_blocks()
+        before = snapshot(self.m)
+        new = self.m.allocate_slots(req, num_new, num_hit, hit, lookahead)
+        if new is None:
+            assert need > free, f"refused although {need} block(s) were needed and {free} free"
+            assert snapshot(self.m) == before, "a refused allocation changed something"
+            return False
+        assert need <= free, f"allocated although {need} block(s) were needed and {free} free"
+        assert ids(table(self.m, req)) == seq.blocks + ids(hits) + ids(new.blocks[0]), (
+            "the table is what it was (a new request's: its hits), then the new blocks"
+        )
+        seq.blocks = ids(table(self.m, req))
+        req.num_computed_tokens += num_hit + num_new
+        return True
+
+    def _admit(self, seq, chunk):
+        req = seq.req
+        hit, n = self.m.get_computed_blocks(req)
+        assert n % BLOCK_SIZE == 0 and n < req.num_tokens
+        assert n == len(hit.blocks[0]) * BLOCK_SIZE
+        for blk, h in zip(hit.blocks[0], seq.want()):
+            assert blk.block_hash == keyed(h), "a hit block holds other tokens than asked for"
+        seq.blocks = []
+        if self._allocate(seq, min(chunk, req.num_tokens - n), hit, n):
+            self.live[req.request_id] = seq
+            return True
+        return False
+
+    def _pick(self, i):
+        return self.live[sorted(self.live)[i % len(self.live)]]
 
     @rule(
         prefix=st.sampled_from(range(len(PREFIXES))),
@@ -527,76 +1116,102 @@ class CacheManagerMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 3), max_size=6),
         salt=st.sampled_from([None, "s"]),
         lora_id=st.sampled_from([None, 3]),
+        chunk=st.sampled_from([3, 5, 64]),
     )
-    def add_request(self, prefix, cut, tail, salt, lora_id):
+    def add_request(self, prefix, cut, tail, salt, lora_id, chunk):
         tokens = PREFIXES[prefix][:cut] + tail or [0]
         rid = f"r{self.next_id}"
         self.next_id += 1
         req = make_request(rid, tokens, BLOCK_SIZE, salt=salt, lora_id=lora_id)
-        hit, n = self.m.get_computed_blocks(req)
-        assert n % BLOCK_SIZE == 0 and n < req.num_tokens
-        assert n == len(hit.blocks[0]) * BLOCK_SIZE
-        want = expected_hashes(tokens, BLOCK_SIZE, salt=salt, lora_id=lora_id)
-        for blk, h in zip(hit.blocks[0], want):
-            assert blk.block_hash == keyed(h), "a hit block holds other tokens than asked for"
-        before = snapshot(self.m)
-        new = self.m.allocate_slots(req, req.num_tokens - n, n, hit)
-        if new is None:
-            assert snapshot(self.m) == before
-            return
-        req.num_computed_tokens = req.num_tokens
-        self.running[rid] = (req, salt, lora_id)
+        seq = SimpleNamespace(req=req, salt=salt, lora_id=lora_id, blocks=[])
+        seq.want = lambda s=seq: expected_hashes(list(s.req.all_token_ids), BLOCK_SIZE,
+                                                 salt=s.salt, lora_id=s.lora_id)
+        self._admit(seq, chunk)
 
-    @precondition(lambda self: self.running)
-    @rule(pick=st.integers(0, 99), token=st.integers(0, 3))
-    def decode_one(self, pick, token):
-        rid = sorted(self.running)[pick % len(self.running)]
-        req = self.running[rid][0]
-        if req.num_tokens >= self.m.max_model_len:
-            self.finish(pick)
+    @precondition(lambda self: any(s.req.num_computed_tokens < s.req.num_tokens
+                                   for s in self.live.values()))
+    @rule(i=st.integers(0, 7), chunk=st.integers(1, 6))
+    def prefill_chunk(self, i, chunk):
+        """The next chunk of a prompt that is not computed yet (it may end inside a block)."""
+        todo = [s for s in self.live.values() if s.req.num_computed_tokens < s.req.num_tokens]
+        seq = todo[i % len(todo)]
+        left = seq.req.num_tokens - seq.req.num_computed_tokens
+        self._allocate(seq, min(chunk, left))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7), token=st.integers(0, 3), lookahead=st.sampled_from([0, 0, 3]))
+    def decode(self, i, token, lookahead):
+        seq = self._pick(i)
+        req = seq.req
+        if req.num_computed_tokens < req.num_tokens or req.num_tokens >= MAX_LEN:
             return
         req.append_output_token_ids(token)
+        if not self._allocate(seq, 1, lookahead=lookahead):
+            self._preempt(seq)
+
+    def _preempt(self, seq):
+        self.m.free(seq.req)
+        del self.live[seq.req.request_id]
+        seq.req.num_computed_tokens = 0
+        seq.blocks = []
+        self.preempted.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7))
+    def preempt(self, i):
+        self._preempt(self._pick(i))
+
+    @precondition(lambda self: self.preempted)
+    @rule(i=st.integers(0, 7), chunk=st.sampled_from([5, 64]))
+    def readmit(self, i, chunk):
+        """A preempted request comes back with every token it has so far (recompute)."""
+        seq = self.preempted[i % len(self.preempted)]
+        if self._admit(seq, chunk):
+            self.preempted.remove(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7))
+    def finish(self, i):
+        """Finished or aborted, at any point of its prefill or decode."""
+        seq = self._pick(i)
+        self.m.free(seq.req)
+        del self.live[seq.req.request_id]
+
+    @rule()
+    def reset(self):
         before = snapshot(self.m)
-        new = self.m.allocate_slots(req, 1)
-        if new is None:
+        done = self.m.reset_prefix_cache()
+        assert done == (not self.live), "reset refused with nothing in use, or done while in use"
+        if done:
+            assert all(b.block_hash is None for b in self.m.block_pool.blocks)
+        else:
             assert snapshot(self.m) == before
-            self.m.free(req)  # preempted: gives its blocks back
-            del self.running[rid]
+
+    @invariant()
+    def m1_reference_counts_and_the_free_queue(self):
+        if not hasattr(self, "m"):
             return
-        req.num_computed_tokens = req.num_tokens
-
-    @precondition(lambda self: self.running)
-    @rule(pick=st.integers(0, 99))
-    def finish(self, pick):
-        rid = sorted(self.running)[pick % len(self.running)]
-        self.m.free(self.running.pop(rid)[0])
-
-    @invariant()
-    def free_queue_holds_exactly_the_unreferenced_blocks(self):
         pool = self.m.block_pool
-        ids = free_ids(self.m)
-        assert len(ids) == len(set(ids)) == pool.free_block_queue.num_free_blocks
-        holders = Counter(b.block_id for r in self._held() for b in table(self.m, r))
-        assert 0 not in holders and 0 not in ids, "the null block was handed out or freed"
+        free = free_ids(self.m)
+        assert len(free) == len(set(free)) == pool.free_block_queue.num_free_blocks
+        holders = Counter(b for s in self.live.values() for b in s.blocks)
+        assert 0 not in holders and 0 not in free, "the null block was handed out or freed"
         for blk in pool.blocks[1:]:
-            assert blk.ref_cnt == holders[blk.block_id]
-            assert (blk.block_id in ids) == (blk.ref_cnt == 0)
-        assert len(ids) + len(holders) == pool.num_gpu_blocks - 1
-        assert set(self.m.req_to_blocks) == set(self.running)
+            assert blk.ref_cnt == holders[blk.block_id], f"block {blk.block_id}: wrong ref_cnt"
+            assert (blk.block_id in free) == (blk.ref_cnt == 0)
+        assert set(self.m.req_to_blocks) == set(self.live), "tracked requests are the live ones"
+        assert set(self.m.num_cached_block) == set(self.live)
 
     @invariant()
-    def every_held_block_has_the_hash_its_tokens_imply(self):
-        for req, salt, lora_id in self.running.values():
-            want = expected_hashes(list(req.all_token_ids), BLOCK_SIZE, salt=salt, lora_id=lora_id)
-            assert req.block_hashes == want
-            blocks = table(self.m, req)
-            assert len(blocks) == -(-req.num_tokens // BLOCK_SIZE)
-            for i, blk in enumerate(blocks):
-                expected = keyed(want[i]) if i < len(want) else None
-                assert blk.block_hash == expected, f"{req.request_id} block {i}"
-                if expected is not None:
-                    found = self.m.block_pool.get_cached_block(want[i], [0])
-                    assert found is not None and found[0].block_hash == expected
+    def m2_computed_full_blocks_are_cached_under_their_hashes(self):
+        if not hasattr(self, "m"):
+            return
+        for seq in self.live.values():
+            req = seq.req
+            assert req.block_hashes == seq.want()
+            assert ids(table(self.m, req)) == seq.blocks, "a table changed outside allocate"
+            assert len(seq.blocks) >= cdiv(req.num_computed_tokens, BLOCK_SIZE)
+            assert_cached_exactly(self.m, req, req.num_computed_tokens // BLOCK_SIZE)
 
 
-TestCacheManagerMachine = CacheManagerMachine.TestCase
+TestCacheManagerMachine = pytest.mark.points(3)(CacheManagerMachine.TestCase)

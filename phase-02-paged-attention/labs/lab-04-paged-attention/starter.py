@@ -1,4 +1,10 @@
-"""Lab 02-04: PagedAttention in PyTorch. Fill in every function that raises NotImplementedError.
+"""Lab 02-04 starter: PagedAttention in PyTorch.
+
+Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
+Each docstring is a contract: what goes in, what comes out, what must hold afterwards, which
+errors. How to get there is yours to work out; when stuck, climb the hint ladder:
+``python -m course hint 02-04 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read).
 
 Layouts (``x = 16 // element_size``: 4 for float32, 8 for float16/bfloat16)::
 
@@ -7,13 +13,22 @@ Layouts (``x = 16 // element_size``: 4 for float32, 8 for float16/bfloat16)::
     flash       [num_blocks, block_size, num_kv_heads, head_size]        (keys and values alike)
 
 Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
-``t % block_size``; a slot is ``block * block_size + offset``. Read the lab README for the
-formulas and the order of the tasks; run ``LAB_IMPL=starter pytest <this folder> -q``.
+``t % block_size``; a slot is ``block * block_size + offset``. Element ``d`` of its key for KV
+head ``h`` is ``key_cache[block, h, d // x, offset, d % x]``; of its value
+``value_cache[block, h, d, offset]``.
 
-Rules: use tensor operations (no Python loop over tokens; a loop over v2's partitions is fine),
-and do not import from ``mini_vllm.attention.paged_attn`` or ``cache_ops`` (that is the answer).
-The input checks in ``mini_vllm.attention.paged_checks`` are yours to use: call them first, so
-that a bad call raises ``ValueError`` before anything is written.
+What a cache holds outside the context is junk: slots past a sequence's ``seq_len``, blocks no
+sequence owns, and block-table entries past ``ceil(seq_len / block_size)`` may hold anything
+(NaN, inf, -1, ids beyond the cache). The decode functions must give the same result whatever
+that junk is (the tests fill it with NaN).
+
+Rules: use tensor operations (no Python loop over tokens or sequences; a loop over v2's
+partitions is fine), and do not import from ``mini_vllm.attention.paged_attn`` or ``cache_ops``
+(that is the answer). The input checks in ``mini_vllm.attention.paged_checks`` are complete and
+yours to use: call them first, so that a bad call raises ``ValueError`` before anything is
+written. Run the tests against this file with::
+
+    LAB_IMPL=starter python -m pytest phase-02-paged-attention/labs/lab-04-paged-attention -q
 """
 
 from __future__ import annotations
@@ -65,33 +80,43 @@ def _num_partitions(max_seq_len: int) -> int:
 
 
 def kv_cache_x(dtype: torch.dtype) -> int:
-    """How many elements of ``dtype`` fill one 16-byte vector: 4 for float32, 8 for 16-bit types.
+    """``x``: how many elements of ``dtype`` fill one 16-byte vector (4 for float32, 8 for
+    float16 and bfloat16).
 
-    Raise ValueError for a dtype outside ``CACHE_DTYPES``.
+    Errors: a dtype outside ``CACHE_DTYPES`` (int64, float64, ...) raises ``ValueError``.
     """
-    raise NotImplementedError("lab 02-04, task 1: implement kv_cache_x")
+    raise NotImplementedError(
+        "lab 02-04, task 1: implement kv_cache_x (hint: python -m course hint 02-04 1)"
+    )
 
 
 def get_kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
 ) -> tuple[int, int, int]:
-    """``(2, num_blocks, block_size * num_kv_heads * head_size)``: keys in [0], values in [1].
+    """The shape of one layer's combined cache: ``(2, num_blocks, block_size * num_kv_heads *
+    head_size)``, keys in half 0 and values in half 1, one flat row per block.
 
-    Raise ValueError unless every argument is a positive int.
+    Errors: any argument that is not a positive int (0, -1, 2.0) raises ``ValueError``.
     """
-    raise NotImplementedError("lab 02-04, task 1: implement get_kv_cache_shape")
+    raise NotImplementedError(
+        "lab 02-04, task 1: implement get_kv_cache_shape (hint: python -m course hint 02-04 1)"
+    )
 
 
 def split_kv_cache(
     kv_cache: torch.Tensor, num_kv_heads: int, head_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """View ``kv_cache`` (from ``get_kv_cache_shape``) as ``(key_cache, value_cache)``.
+    """``(key_cache, value_cache)`` in the layouts above, as views of ``kv_cache`` (a tensor of
+    ``get_kv_cache_shape``'s shape): a write through either lands in ``kv_cache``, keys in
+    ``kv_cache[0]``, values in ``kv_cache[1]``. The block size is what the row length implies:
+    ``n // (num_kv_heads * head_size)`` for rows of ``n`` elements; ``x`` is the dtype's.
 
-    Use ``.view`` so writes go through to ``kv_cache``; let the block size be inferred (-1).
-    Raise ValueError if ``kv_cache`` is not ``(2, num_blocks, n)``, if ``head_size`` is not a
-    multiple of x, or if ``n`` is not a multiple of ``num_kv_heads * head_size``.
+    Errors (``ValueError``): ``kv_cache`` not of shape ``(2, num_blocks, n)``; ``head_size`` not
+    a multiple of ``x``; ``n`` not a multiple of ``num_kv_heads * head_size``.
     """
-    raise NotImplementedError("lab 02-04, task 1: implement split_kv_cache")
+    raise NotImplementedError(
+        "lab 02-04, task 1: implement split_kv_cache (hint: python -m course hint 02-04 1)"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -106,16 +131,25 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write ``key[i]``/``value[i]`` into slot ``slot_mapping[i]``; skip negative slots.
+    """Write token ``i``'s key and value into slot ``slot_mapping[i]`` of the x-split caches.
 
-    Afterwards ``key_cache[b, h, d // x, o, d % x] == key[i, h, d]`` and
-    ``value_cache[b, h, d, o] == value[i, h, d]`` with ``b, o = divmod(slot, block_size)``.
-    Only the first ``len(slot_mapping)`` tokens are written (``key`` may be longer).
-    Hint: ``num_blocks, block_size = check_paged_caches(...)``, then
-    ``slots = check_slots(slot_mapping, key.shape[0], num_blocks * block_size, device)``; one
-    advanced-indexing assignment per cache does the rest.
+    Inputs: ``key``, ``value`` ``[num_tokens, num_kv_heads, head_size]`` in the caches' dtype;
+    ``slot_mapping`` 1-D int64 or int32 with at most ``num_tokens`` entries; slot ``s`` is block
+    ``s // block_size``, offset ``s % block_size``.
+
+    Afterwards, for every ``i < len(slot_mapping)`` with ``s = slot_mapping[i] >= 0``:
+    ``key_cache[s // block_size, h, d // x, s % block_size, d % x] == key[i, h, d]`` and
+    ``value_cache[s // block_size, h, d, s % block_size] == value[i, h, d]`` for every ``h, d``.
+    Nothing else changes: a negative slot marks a padding token, which writes nothing (slot -1
+    is not the last slot), and tokens past ``len(slot_mapping)`` are not written.
+
+    Errors (``ValueError``, raised before anything is written; ``check_paged_caches`` and
+    ``check_slots`` do it): caches of another shape, ``x`` or dtype; a slot beyond the cache;
+    two tokens in one slot; a slot mapping longer than ``key``. Tensor ops only.
     """
-    raise NotImplementedError("lab 02-04, task 2: implement reshape_and_cache")
+    raise NotImplementedError(
+        "lab 02-04, task 2: implement reshape_and_cache (hint: python -m course hint 02-04 2)"
+    )
 
 
 def reshape_and_cache_flash(
@@ -125,11 +159,16 @@ def reshape_and_cache_flash(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same as ``reshape_and_cache`` for the flash layout ``[num_blocks, block_size, kvh, D]``.
-
-    Hint: ``check_flash_caches`` then ``check_slots``.
+    """``reshape_and_cache`` for the flash layout ``[num_blocks, block_size, num_kv_heads,
+    head_size]``: afterwards ``key_cache[s // block_size, s % block_size] == key[i]`` (and the
+    same for values) for every ``i < len(slot_mapping)`` with ``s = slot_mapping[i] >= 0``;
+    nothing else changes. Errors as ``reshape_and_cache`` (``check_flash_caches`` and
+    ``check_slots``), before anything is written.
     """
-    raise NotImplementedError("lab 02-04, task 2: implement reshape_and_cache_flash")
+    raise NotImplementedError(
+        "lab 02-04, task 2: implement reshape_and_cache_flash "
+        "(hint: python -m course hint 02-04 2)"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -150,20 +189,36 @@ def paged_attention_v1(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
 ) -> None:
-    """Decode attention over the paged cache, written into ``out [num_seqs, num_heads, D]``.
+    """Decode attention over the paged cache, one query token per sequence, into ``out``.
 
-    Sequence ``s`` attends over its ``seq_lens[s]`` tokens; query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)``; the logit of key position ``t`` is
-    ``scale * q . k_t + alibi_slopes[h] * (t - (seq_len - 1))`` (no ALiBi term when None).
-    Work in float32 and cast on the final ``out.copy_``.
+    Inputs: ``query`` and ``out`` ``[num_seqs, num_heads, head_size]`` (one dtype); the x-split
+    caches; ``block_tables`` int32 ``[num_seqs, >= ceil(seq_len / block_size)]``; ``seq_lens``
+    int32 ``[num_seqs]``, each ``>= 1`` and ``<= max_seq_len`` (which may exceed them all);
+    ``alibi_slopes`` float ``[num_heads]`` or ``None`` (the default: no bias).
 
-    Steps: ``longest = check_decode_inputs(...)`` and ``check_out(out, query)``; gather the
-    first ``ceil(longest / block_size)`` table columns for all sequences at once
-    (``key_cache[table]``), permute/reshape keys to ``[seqs, kvh, tokens, D]`` (undo the x
-    split) and values likewise; mask positions ``>= seq_len`` with -inf before the softmax.
-    Table entries past a sequence's blocks are padding: replace them by 0 before indexing.
+    Output, for sequence ``s`` with ``L = seq_lens[s]`` and query head ``h``, written into
+    ``out[s, h]`` in place (every entry; ``out`` keeps its identity and dtype)::
+
+        logit[t] = scale * (query[s, h] . k_t) + alibi_slopes[h] * (t - (L - 1))   t = 0..L-1
+        out[s, h] = sum_t softmax(logit)[t] * v_t
+
+    where ``k_t``, ``v_t`` are token ``t``'s key and value for KV head
+    ``h // (num_heads // num_kv_heads)`` (consecutive query heads share a KV head), read through
+    ``block_tables[s]``. ``scale`` is used as given. Logits, softmax and the weighted sum are
+    float32; only the result is rounded to ``out``'s dtype.
+
+    Junk: positions ``>= L``, blocks no sequence owns and table entries past ``ceil(L /
+    block_size)`` may hold anything, NaN included; ``out`` must not depend on them.
+
+    Errors (``ValueError`` before ``out`` is written; ``check_decode_inputs`` and ``check_out``
+    do it): mismatched shapes, dtypes or devices, a block id in use that is outside the cache,
+    too few table columns, a ``seq_len < 1`` or ``> max_seq_len``. A batch of no sequences is
+    valid and leaves nothing to do. Tensor ops only: the whole batch at once, no loop over
+    sequences or tokens.
     """
-    raise NotImplementedError("lab 02-04, task 3: implement paged_attention_v1")
+    raise NotImplementedError(
+        "lab 02-04, task 3: implement paged_attention_v1 (hint: python -m course hint 02-04 3)"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -187,18 +242,32 @@ def paged_attention_v2(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
 ) -> None:
-    """v1's result, computed per partition of PARTITION_SIZE tokens and then merged.
+    """v1's result (same inputs, same ``out``), computed partition by partition.
 
-    For partition ``p`` of sequence ``s``, head ``h``: ``max_logits[s, h, p]`` is its largest
-    logit ``m_p``, ``exp_sums[s, h, p]`` is ``sum(exp(logit - m_p))`` and ``tmp_out[s, h, p]``
-    its own softmax-weighted sum of values. A partition that starts at or past ``seq_len``
-    gets ``m_p = -inf``, exp sum 0, zeros. Then call ``paged_attention_v2_reduce``.
+    Partition ``p`` is the positions ``[p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE)``;
+    sequence ``s`` has ``n_s = ceil(seq_lens[s] / PARTITION_SIZE)`` of them. The buffers are
+    ``exp_sums``, ``max_logits`` float32 ``[num_seqs, num_heads, P]`` and ``tmp_out``
+    ``[num_seqs, num_heads, P, head_size]`` in ``out``'s dtype, with ``P >=
+    _num_partitions(max_seq_len)``; they come in holding anything.
 
-    Checks: ``check_decode_inputs``, ``check_out``, ``block_size`` must divide PARTITION_SIZE
-    (ValueError), and ``check_v2_buffers(out, exp_sums, max_logits, tmp_out,
-    _num_partitions(max_seq_len))``.
+    Afterwards, with v1's logits and values of sequence ``s``, query head ``h``:
+
+    * for ``p < n_s``: ``max_logits[s, h, p] = m_p``, the largest logit of partition ``p``
+      (ALiBi included); ``exp_sums[s, h, p] = sum exp(logit - m_p)`` over its positions below
+      ``seq_len``; ``tmp_out[s, h, p] = sum exp(logit - m_p) * v / exp_sums[s, h, p]``;
+    * for every other ``p < P`` (past the sequence's end, and every column past
+      ``_num_partitions(max_seq_len)`` of a wider buffer): ``-inf``, ``0`` and zeros, so that
+      the buffers are fully defined;
+    * ``out`` holds the merge of the ``n_s`` partitions (``paged_attention_v2_reduce``).
+
+    Junk as in v1: nothing may depend on it. Errors (``ValueError`` before anything is
+    written): v1's, a ``block_size`` that does not divide ``PARTITION_SIZE``, and buffers of the
+    wrong dtype, device or shape or too few partitions (``check_v2_buffers``). A Python loop
+    over partitions is fine; none over tokens.
     """
-    raise NotImplementedError("lab 02-04, task 4: implement paged_attention_v2")
+    raise NotImplementedError(
+        "lab 02-04, task 4: implement paged_attention_v2 (hint: python -m course hint 02-04 4)"
+    )
 
 
 def paged_attention_v2_reduce(
@@ -208,13 +277,23 @@ def paged_attention_v2_reduce(
     tmp_out: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    """Merge the partitions: with ``M = max_p m_p``, partition ``p`` weighs
-    ``exp_sums[p] * exp(m_p - M)``; ``out`` is the weighted mean of ``tmp_out`` over ``p``.
+    """Merge each sequence's partitions into ``out`` (in place, every entry).
 
-    Read only the first ``ceil(seq_len / PARTITION_SIZE)`` partitions of each sequence: the
-    rest may hold anything.
+    Input: the buffers of ``paged_attention_v2`` for the first ``n_s = ceil(seq_lens[s] /
+    PARTITION_SIZE)`` partitions of sequence ``s``; its other partitions may hold anything
+    (NaN, inf, stale numbers) and must not affect ``out``.
+
+    Output: ``out[s, h]`` is what softmax over all of the sequence's logits times its values
+    would give, i.e. the mean of ``tmp_out[s, h, p]`` over ``p < n_s`` weighted by each
+    partition's share of the total exp sum. The ``exp_sums`` are relative to each partition's
+    own max ``max_logits[s, h, p]``, which can be large (logits near 100 are normal with ALiBi
+    or big scales) and differ a lot from one sequence to the next: the merge must not overflow
+    or underflow float32. One partition gives its ``tmp_out``.
     """
-    raise NotImplementedError("lab 02-04, task 4: implement paged_attention_v2_reduce")
+    raise NotImplementedError(
+        "lab 02-04, task 4: implement paged_attention_v2_reduce "
+        "(hint: python -m course hint 02-04 4)"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,9 +302,15 @@ def paged_attention_v2_reduce(
 
 
 def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
-    """v0.11.0's rule: v1 when ``max_seq_len <= 8192`` and either the context fits one
-    partition or ``num_seqs * num_heads > 512``; v2 otherwise."""
-    raise NotImplementedError("lab 02-04, task 5: implement use_v1")
+    """True (a bool) when v0.11.0 runs v1 for this batch, False for v2.
+
+    The rule: v1 exactly when ``max_seq_len <= 8192`` and either the longest context fits one
+    partition (``_num_partitions(max_seq_len) == 1``) or the batch has more than 512
+    (sequence, head) pairs (``num_seqs * num_heads > 512``). The README says why each part.
+    """
+    raise NotImplementedError(
+        "lab 02-04, task 5: implement use_v1 (hint: python -m course hint 02-04 5)"
+    )
 
 
 def forward_decode(
@@ -301,12 +386,24 @@ def copy_blocks(
     value_caches: Sequence[torch.Tensor],
     block_mapping: torch.Tensor,
 ) -> None:
-    """For every ``(src, dst)`` row of ``block_mapping``, copy block src over block dst in every
-    layer's key and value cache. Start with ``src, dst = check_copy(...)``."""
-    raise NotImplementedError("lab 02-04, task 6: implement copy_blocks")
+    """For every ``(src, dst)`` row of ``block_mapping`` (int64 ``[n, 2]``), make block ``dst``
+    of every layer's key cache and value cache a copy of block ``src`` of the same cache.
+    Nothing else changes; ``n == 0`` changes nothing. Errors (``ValueError``, nothing copied;
+    ``check_copy``): one key cache per value cache, ids inside every cache, each ``dst`` once,
+    no block both a source and a destination.
+    """
+    raise NotImplementedError(
+        "lab 02-04, task 6: implement copy_blocks (hint: python -m course hint 02-04 6)"
+    )
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy block ``m[i, 0]`` of ``src`` into block ``m[i, 1]`` of ``dst``; the two may be on
-    different devices. Start with ``src_ids, dst_ids = check_swap(...)``."""
-    raise NotImplementedError("lab 02-04, task 6: implement swap_blocks")
+    """For every row ``(a, b)`` of ``block_mapping`` (int64 ``[n, 2]``), make block ``b`` of
+    ``dst`` a copy of block ``a`` of ``src``. The two pools may differ in size and live on
+    different devices (a GPU cache and a CPU pool); ``src`` and every other block of ``dst``
+    stay as they were; ``n == 0`` changes nothing. Errors (``ValueError``, nothing copied;
+    ``check_swap``): blocks of another shape or dtype, ids outside either pool, a ``dst`` twice.
+    """
+    raise NotImplementedError(
+        "lab 02-04, task 6: implement swap_blocks (hint: python -m course hint 02-04 6)"
+    )

@@ -3,7 +3,9 @@
 You add four methods to the KV cache manager of lab 02-03. The manager itself (block tables,
 ``allocate_slots``, prefix caching, ``free``), the block pool, ``Request`` and the cache
 operations of lab 02-04 are given: they come from ``mini_vllm``. Work in the task order of the
-README and run the graded tests against this file with::
+README. Each docstring is a contract; when stuck, climb the hint ladder:
+``python -m course hint 02-05 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read). Run the graded tests against this file with::
 
     LAB_IMPL=starter pytest phase-02-paged-attention/labs/lab-05-sharing -q
 
@@ -50,57 +52,86 @@ class KVCacheManager(_Lab03KVCacheManager):
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` a block table that shares every block of ``parent``'s table.
 
-        Steps: validate (below), then add one reference to each of the parent's blocks
-        (``self.block_pool.touch``), store a *new list* holding the same blocks as the child's
-        table, and copy the parent's ``num_cached_block`` entry.
+        Inputs: ``parent`` is tracked (it holds blocks); ``child`` is a new request that repeats
+        the parent up to what the parent has computed: the same ``num_computed_tokens``, the
+        same tokens before it, and (with prefix caching on) the same block hashes for the
+        parent's cached blocks; after that its tokens may differ (it sampled its own next one).
 
-        Raise ``ValueError`` (and change nothing) when:
+        Afterwards: the child's table is a new list holding the parent's blocks in the same
+        order (later copy-on-write replaces entries of one table only), each of those blocks
+        has one more reference (through the pool), and the child's ``num_cached_block`` equals
+        the parent's. No block is taken from the pool and no KV is copied.
 
-        * the parent holds no blocks (its id is not in ``self.req_to_blocks``);
-        * the child's id is already in use (say "already in use" in the message);
-        * ``child.num_computed_tokens != parent.num_computed_tokens``, or the child's first
-          ``num_computed_tokens`` tokens differ from the parent's (the message must name ``fork``);
-        * the parent's cached blocks cover more than its computed tokens;
-        * with prefix caching on, the child's block hashes of the cached blocks differ from the
-          parent's.
-        """
-        raise NotImplementedError("lab 02-05, task 1: implement KVCacheManager.fork")
-
-    def _get_blocks_to_copy_on_write(self, request: Request) -> list[int]:
-        """Positions in ``request``'s table that the next step writes into and that are shared.
-
-        The next step writes tokens from ``request.num_computed_tokens`` on: positions
-        ``num_computed_tokens // block_size`` and later may be written. Return, in order, those
-        whose block has ``ref_cnt > 1``.
+        Errors: ``ValueError``, and nothing changes, for a parent that holds no blocks (naming
+        it); a child id the manager already tracks (the message says "already in use"); a child
+        whose ``num_computed_tokens`` or computed tokens differ from the parent's (the message
+        names ``fork``); a parent whose cached blocks cover more tokens than it has computed;
+        with caching on, child block hashes that differ from the parent's over its cached
+        blocks. O(blocks in the table).
         """
         raise NotImplementedError(
-            "lab 02-05, task 2: implement KVCacheManager._get_blocks_to_copy_on_write"
+            "lab 02-05, task 1: implement KVCacheManager.fork (hint: python -m course hint 02-05 1)"
+        )
+
+    def _get_blocks_to_copy_on_write(self, request: Request) -> list[int]:
+        """The positions of ``request``'s table that its next step may write into and that
+        another table also lists, in increasing order.
+
+        The next step writes tokens from ``request.num_computed_tokens`` on, so every position
+        from the block that holds token ``num_computed_tokens`` to the end of the table
+        (lookahead blocks included) may be written; a block there is shared when its
+        ``ref_cnt > 1``. Blocks before that position are never written again and are never
+        listed. ``request`` is tracked. Changes nothing. O(positions examined).
+        """
+        raise NotImplementedError(
+            "lab 02-05, task 2: implement KVCacheManager._get_blocks_to_copy_on_write "
+            "(hint: python -m course hint 02-05 2)"
         )
 
     def _copy_on_write(self, request_id: str, positions: list[int]) -> list[tuple[int, int]]:
-        """Replace the shared blocks at ``positions`` of the table by fresh private blocks.
+        """Replace the shared blocks at ``positions`` of the table by fresh, private blocks.
 
-        Take ``len(positions)`` new blocks from the pool, put them into the table in place of the
-        shared ones, drop one reference from each shared block (``free_blocks``), and return one
-        ``(src_block_id, dst_block_id)`` pair per copy, source first. Return ``[]`` for no
-        positions. The caller has checked that enough blocks are free.
+        Inputs: positions of a tracked request's table, in increasing order, each holding a
+        block with ``ref_cnt > 1``; the caller has checked that ``len(positions)`` blocks are
+        free.
+
+        Afterwards: each of those positions holds a new block from the pool (taken in one
+        ``get_new_blocks`` call, in the order the pool hands them out, with ``ref_cnt`` 1); each
+        replaced block has one reference less and stays in the tables of its other holders;
+        no other position or table changes. Output: one ``(src, dst)`` pair of block ids per
+        position, in the order of ``positions``, source (the shared block) first: the runner
+        copies ``src`` into ``dst`` in every layer before the model writes into ``dst``.
+        ``[]`` for no positions, and then nothing changes. O(len(positions)).
         """
-        raise NotImplementedError("lab 02-05, task 3: implement KVCacheManager._copy_on_write")
+        raise NotImplementedError(
+            "lab 02-05, task 3: implement KVCacheManager._copy_on_write "
+            "(hint: python -m course hint 02-05 3)"
+        )
 
     def append_slots(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[tuple[int, int]] | None:
-        """Room for ``num_new_tokens`` more tokens of a request that may share blocks.
+        """Room for ``num_new_tokens`` more tokens of a tracked request that may share blocks.
 
-        1. Validate: the request holds blocks ("holds no blocks" otherwise),
-           ``num_new_tokens >= 1`` (name ``num_new_tokens``), ``num_lookahead_tokens >= 0``,
-           ``num_computed_tokens + num_new_tokens <= max_model_len`` (name ``max_model_len``);
-           with caching on call ``self._check_block_hashes(request)``. Raise ``ValueError``.
-        2. Count the copies (task 2) and the new blocks
-           (``self._get_num_blocks_to_allocate(request_id, n, [])`` with ``n`` the tokens that
-           need a slot, lookahead included and capped at ``max_model_len``; never below 0). If
-           they exceed the free blocks, return ``None`` before changing anything.
-        3. Copy on write (task 3), then ``self.allocate_slots(request, num_new_tokens,
-           num_lookahead_tokens=num_lookahead_tokens)``; return the copies.
+        The step writes the KV of tokens ``num_computed_tokens`` to ``num_computed_tokens +
+        num_new_tokens - 1``. On success, afterwards: no block that the step may write into is
+        listed by another table (each shared one was replaced, task 3), the table holds the
+        slots ``allocate_slots(request, num_new_tokens,
+        num_lookahead_tokens=num_lookahead_tokens)`` gives (and the blocks the step fills are
+        cached, as there). Output: the ``(src, dst)`` copies, ``[]`` when nothing was shared.
+
+        Refusal: ``None``, and nothing changes, exactly when the copies plus the new blocks the
+        slots need (``_get_num_blocks_to_allocate``, where a result ``<= 0`` means none) are
+        more than the free blocks. Exactly enough is enough.
+
+        Errors: ``ValueError``, checked before anything changes, for a request that holds no
+        blocks (the message says "holds no blocks"), ``num_new_tokens < 1`` (naming
+        ``num_new_tokens``), ``num_lookahead_tokens < 0``, ``num_computed_tokens +
+        num_new_tokens > max_model_len`` (naming ``max_model_len``), and, with caching on,
+        block hashes that do not match the request's tokens (``_check_block_hashes``).
+        O(copies + new blocks).
         """
-        raise NotImplementedError("lab 02-05, task 4: implement KVCacheManager.append_slots")
+        raise NotImplementedError(
+            "lab 02-05, task 4: implement KVCacheManager.append_slots "
+            "(hint: python -m course hint 02-05 4)"
+        )

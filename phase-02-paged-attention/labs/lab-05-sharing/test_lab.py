@@ -7,6 +7,10 @@ through its block table, no request may write a block that another table holds, 
 block's ``ref_cnt`` must equal the number of tables that list it. The second is numeric: paged
 attention over forked sequences, run on real cache tensors with ``copy_blocks``, must equal
 plain attention over each sequence's own keys and values.
+
+Task by task: the tests of ``fork`` use only ``fork`` (and the given manager); those of
+``_get_blocks_to_copy_on_write`` and ``_copy_on_write`` call them directly after a fork; the
+rest go through ``append_slots`` (`python scripts/task_by_task.py 02-05` checks it).
 """
 
 from __future__ import annotations
@@ -116,11 +120,25 @@ class Sim:
         self.live[child.request_id] = child
         return child
 
+    def needed(self, req, num_new_tokens: int = 1) -> int:
+        """Blocks append_slots must take, counted here: copies of shared blocks from the one
+        the step writes first, plus new blocks."""
+        ids = table(self.mgr, req.request_id)
+        first = req.num_computed_tokens // BS
+        shared = sum(1 for b in ids[first:] if self.mgr.block_pool.blocks[b].ref_cnt > 1)
+        slots = min(req.num_computed_tokens + num_new_tokens, self.mgr.max_model_len)
+        return shared + max(0, -(-slots // BS) - len(ids))
+
     def step(self, req, next_token: int):
         """One decode step: make room (copying shared blocks), write the token, sample."""
+        need, free = self.needed(req), self.mgr.block_pool.get_num_free_blocks()
+        before = snapshot(self.mgr)
         copies = self.mgr.append_slots(req, 1)
         if copies is None:
+            assert need > free, f"append_slots refused although {need} block(s) of {free} free"
+            assert snapshot(self.mgr) == before, "a refused append_slots changed something"
             return None
+        assert need <= free, f"append_slots succeeded although {need} block(s) of {free} free"
         self.apply_copies(copies)
         pos = req.num_computed_tokens
         self.write(req, pos, pos + 1)
@@ -192,8 +210,133 @@ def test_fork_of_a_fork_counts_three_holders():
     assert {sim.mgr.block_pool.blocks[b].ref_cnt for b in table(sim.mgr, parent.request_id)} == {3}
 
 
+def _prefilled(mgr, prompt, *, lookahead=0, salt=None):
+    req = lab.Request(
+        f"p{len(mgr.req_to_blocks)}", list(prompt), lab.SamplingParams(), eos_token_id=None,
+        cache_salt=salt, block_hasher=lab.get_request_block_hasher(BS, lab.sha256),
+    )
+    assert mgr.allocate_slots(req, len(prompt), num_lookahead_tokens=lookahead) is not None
+    req.num_computed_tokens = len(prompt)
+    req.append_output_token_ids(9)
+    return req
+
+
+def test_fork_refuses_a_parent_whose_cached_blocks_run_ahead():
+    mgr = make_manager()
+    parent = make_request("p", list(range(8)))
+    assert mgr.allocate_slots(parent, 8) is not None  # caches 2 blocks; computed still 0
+    assert mgr.num_cached_block["p"] == 2 and parent.num_computed_tokens == 0
+    child = make_request("c", list(range(8)))  # the same tokens, 0 of them computed
+    before = snapshot(mgr)
+    with pytest.raises(ValueError):
+        mgr.fork(parent, child)
+    assert snapshot(mgr) == before
+    parent.num_computed_tokens = child.num_computed_tokens = 8  # after the step: fine
+    mgr.fork(parent, child)
+    assert table(mgr, "c") == table(mgr, "p")
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_fork_compares_block_hashes_only_with_caching_on(caching):
+    mgr = make_manager(caching=caching)
+    parent = _prefilled(mgr, list(range(10)))
+    child = lab.Request(
+        "salted", list(range(10)), lab.SamplingParams(), eos_token_id=None, cache_salt="other",
+        block_hasher=lab.get_request_block_hasher(BS, lab.sha256),
+    )
+    child.append_output_token_ids(9)
+    child.num_computed_tokens = 10
+    before = snapshot(mgr)
+    if caching:
+        with pytest.raises(ValueError):
+            mgr.fork(parent, child)
+        assert snapshot(mgr) == before
+    else:
+        mgr.fork(parent, child)
+        assert table(mgr, "salted") == table(mgr, parent.request_id)
+
+
 # ---------------------------------------------------------------------------------------------
-# tasks 2-4: copy-on-write through append_slots
+# task 2: which positions need a copy
+# ---------------------------------------------------------------------------------------------
+
+
+def test_positions_to_copy_after_a_fork():
+    mgr = make_manager()
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6])  # [1 2 3 4] [5 6 . .]
+    assert mgr._get_blocks_to_copy_on_write(parent) == [], "nothing is shared yet"
+    child = make_child(parent, "c", 10)
+    mgr.fork(parent, child)
+    before = snapshot(mgr)
+    assert mgr._get_blocks_to_copy_on_write(child) == [1], "the shared partial block"
+    assert mgr._get_blocks_to_copy_on_write(parent) == [1]
+    assert snapshot(mgr) == before, "finding the positions changes nothing"
+    boundary = _prefilled(mgr, [7, 7, 7, 7, 8, 8, 8, 8])
+    mgr.fork(boundary, make_child(boundary, "b", 1))
+    assert mgr._get_blocks_to_copy_on_write(boundary) == [], "full blocks are never written"
+
+
+def test_positions_to_copy_include_shared_lookahead_blocks():
+    mgr = make_manager()
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6], lookahead=6)  # 3 blocks for 12 slots
+    assert len(table(mgr, parent.request_id)) == 3
+    child = make_child(parent, "c", 10)
+    mgr.fork(parent, child)
+    assert mgr._get_blocks_to_copy_on_write(child) == [1, 2]
+    child.num_computed_tokens = 8  # as if it had written tokens 6 and 7 in place
+    assert mgr._get_blocks_to_copy_on_write(child) == [2]
+
+
+def test_positions_to_copy_follow_the_reference_counts():
+    mgr = make_manager()
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5])
+    kids = [make_child(parent, f"k{i}", i) for i in range(2)]
+    for kid in kids:
+        mgr.fork(parent, kid)
+    assert [mgr._get_blocks_to_copy_on_write(r) for r in (parent, *kids)] == [[1], [1], [1]]
+    mgr.free(kids[0])
+    mgr.free(kids[1])
+    assert mgr._get_blocks_to_copy_on_write(parent) == [], "the last holder writes in place"
+
+
+# ---------------------------------------------------------------------------------------------
+# task 3: the copy itself
+# ---------------------------------------------------------------------------------------------
+
+
+def test_copy_on_write_replaces_only_the_writers_block():
+    mgr = make_manager()
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6])
+    child = make_child(parent, "c", 10)
+    mgr.fork(parent, child)
+    shared = table(mgr, "c")[1]
+    front = mgr.block_pool.free_block_queue.get_all_free_blocks()[0].block_id
+    free_before = mgr.block_pool.get_num_free_blocks()
+    before = snapshot(mgr)
+    assert mgr._copy_on_write("c", []) == [] and snapshot(mgr) == before
+    assert mgr._copy_on_write("c", [1]) == [(shared, front)], "(src, dst), from the queue front"
+    assert table(mgr, "c") == [table(mgr, parent.request_id)[0], front]
+    assert table(mgr, parent.request_id)[1] == shared, "the other holder keeps the block"
+    blocks = mgr.block_pool.blocks
+    assert (blocks[shared].ref_cnt, blocks[front].ref_cnt) == (1, 1)
+    assert blocks[table(mgr, "c")[0]].ref_cnt == 2, "unwritten positions stay shared"
+    assert mgr.block_pool.get_num_free_blocks() == free_before - 1
+
+
+def test_copy_on_write_of_several_positions_pairs_them_in_order():
+    mgr = make_manager()
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6], lookahead=6)
+    child = make_child(parent, "c", 10)
+    mgr.fork(parent, child)
+    shared = table(mgr, "c")[1:]
+    front = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()[:2]]
+    assert mgr._copy_on_write("c", [1, 2]) == list(zip(shared, front))
+    assert table(mgr, "c")[1:] == front and table(mgr, parent.request_id)[1:] == shared
+    assert [mgr.block_pool.blocks[b].ref_cnt for b in shared + front] == [1, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# task 4: copy-on-write through append_slots
 # ---------------------------------------------------------------------------------------------
 
 
@@ -352,13 +495,50 @@ def test_fork_a_child_that_differs_is_an_error():
 
 def test_append_slots_bad_input_is_an_error():
     mgr, parent = _forkable()
+    mgr.fork(parent, make_child(parent, "c", 1))  # a shared tail: a copy would be due
     before = snapshot(mgr)
     with pytest.raises(ValueError, match="holds no blocks"):
         mgr.append_slots(make_request("x", [1]), 1)
     with pytest.raises(ValueError, match="num_new_tokens"):
         mgr.append_slots(parent, 0)
+    with pytest.raises(ValueError):
+        mgr.append_slots(parent, 1, num_lookahead_tokens=-1)
     with pytest.raises(ValueError, match="max_model_len"):
         mgr.append_slots(parent, 300)
+    assert snapshot(mgr) == before
+    bare = lab.Request("bare", [1, 2, 3, 4, 5], lab.SamplingParams(), eos_token_id=None)
+    assert mgr.allocate_slots(bare, 5, delay_cache_blocks=True) is not None  # no hashes
+    bare.num_computed_tokens = 5
+    twin = lab.Request("bare2", [1, 2, 3, 4, 5], lab.SamplingParams(), None)
+    twin.num_computed_tokens = 5
+    mgr.fork(bare, twin)
+    before = snapshot(mgr)
+    with pytest.raises(ValueError):
+        mgr.append_slots(bare, 1)  # its hashes do not match its tokens: before any copy
+    assert snapshot(mgr) == before
+
+
+def test_append_slots_that_fits_exactly():
+    sim = Sim(num_blocks=5)  # 4 usable blocks
+    parent = sim.admit([1, 2, 3, 4, 5, 6], 9)  # 2 blocks, the second partial
+    child = sim.fork(parent, 10)
+    sim.mgr.block_pool.get_new_blocks(1)  # somebody else holds one: 1 free
+    copies = sim.mgr.append_slots(child, 1)
+    assert copies is not None and len(copies) == 1, "one copy, one free block: it fits"
+    assert sim.mgr.block_pool.get_num_free_blocks() == 0
+
+
+def test_append_slots_counts_lookahead_blocks_it_already_holds_as_no_new_blocks():
+    """A request holding more blocks than its next tokens need (lookahead) needs no new block,
+    but its shared lookahead blocks still need copies: with no free block that is a refusal,
+    not an error half-way."""
+    mgr = make_manager(num_blocks=4)  # 3 usable blocks
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6], lookahead=6)  # all 3 blocks
+    child = make_child(parent, "c", 10)
+    mgr.fork(parent, child)
+    assert mgr.block_pool.get_num_free_blocks() == 0
+    before = snapshot(mgr)
+    assert mgr.append_slots(child, 1) is None
     assert snapshot(mgr) == before
 
 

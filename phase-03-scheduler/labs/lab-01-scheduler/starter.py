@@ -1,10 +1,15 @@
 """Lab 03-01 starter: the scheduler and continuous batching.
 
 Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
+Each docstring is a contract: what goes in, what comes out, what must hold afterwards, which
+errors. How to get there is yours to work out; when stuck, climb the hint ladder:
+``python -m course hint 03-01 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read).
+
 Everything else is complete: the constructor, ``schedule()`` (which calls your helpers in the
-right order), packaging the output, advancing ``num_computed_tokens`` and freeing a request.
-The KV cache manager, the requests and the output dataclasses come from ``mini_vllm`` (earlier
-labs and this phase's plumbing).
+right order), ``_preempt`` (which counts a preemption and picks its mode), packaging the output,
+advancing ``num_computed_tokens`` and freeing a request. The KV cache manager, the requests and
+the output dataclasses come from ``mini_vllm`` (earlier labs and this phase's plumbing).
 
 Run the tests against this file with::
 
@@ -34,13 +39,23 @@ __all__ = ["Scheduler", "SchedulerStats", "check_stop"]
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Decide whether ``request`` stops after its last appended token; set its status if so.
 
-    In this order: the length cap (``request.num_tokens >= max_model_len`` or
-    ``num_output_tokens >= max_tokens``) gives ``FINISHED_LENGTH_CAPPED``; the EOS token (unless
-    ``sampling_params.ignore_eos``) gives ``FINISHED_STOPPED``; a token of
-    ``sampling_params.stop_token_ids`` gives ``FINISHED_STOPPED`` and is recorded in
-    ``request.stop_reason``. Returns False (and changes nothing) otherwise.
+    Input: a request with at least one output token (the one just appended). Three conditions,
+    checked in this order, the first that holds decides:
+
+    1. the length cap: ``request.num_tokens >= max_model_len`` or ``request.num_output_tokens >=
+       request.max_tokens``: status ``FINISHED_LENGTH_CAPPED`` (finish reason "length");
+    2. the last output token is ``request.eos_token_id`` and ``sampling_params.ignore_eos`` is
+       off: ``FINISHED_STOPPED`` (reason "stop");
+    3. the last output token is in ``sampling_params.stop_token_ids`` (``ignore_eos`` does not
+       matter here): ``FINISHED_STOPPED``, and that token is recorded in ``request.stop_reason``.
+
+    The order matters when the last allowed token is also EOS or a stop token: the length cap
+    wins, so the request finishes LENGTH_CAPPED and ``stop_reason`` stays ``None`` (as upstream).
+    Output: True when the request stopped; False otherwise, and then nothing has changed.
     """
-    raise NotImplementedError("lab 03-01, task 5: implement check_stop")
+    raise NotImplementedError(
+        "lab 03-01, task 5: implement check_stop (hint: python -m course hint 03-01 5)"
+    )
 
 
 @dataclass
@@ -133,23 +148,48 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request at the back of ``waiting`` and remember it in ``requests``.
 
-        Raise ``ValueError`` (queueing nothing) for: a duplicate id; a request that is not new
-        (status WAITING, nothing computed); a prompt with ``num_tokens >= max_model_len`` (no
-        room for an output token); a request whose longest possible length,
-        ``min(num_tokens + max_tokens, max_model_len)``, needs more blocks than the cache's
-        ``num_gpu_blocks - 1`` usable blocks; a request without a block hasher
-        (``request.get_hash_new_full_blocks is None``) while prefix caching is on.
+        Refused with ``ValueError``, and then nothing is queued or remembered:
+
+        * an id already in ``requests``;
+        * a request that is not new: its status is not ``WAITING``, or it already has computed
+          tokens (``num_computed_tokens != 0``);
+        * a prompt with ``num_tokens >= max_model_len``: no room is left for an output token
+          (``max_model_len - 1`` prompt tokens is accepted);
+        * a request that could never fit the cache even alone: its longest possible length,
+          ``min(num_tokens + max_tokens, max_model_len)`` tokens, needs more blocks of
+          ``block_size`` than the cache's ``num_gpu_blocks - 1`` usable ones (block 0 is the
+          null block). Needing exactly that many is accepted;
+        * a request without a block hasher (``request.get_hash_new_full_blocks is None``) while
+          prefix caching is on (with caching off it is accepted).
+
+        Every message names the request id; the two size checks also give their numbers (the
+        prompt's tokens and ``max_model_len``; the blocks needed and the usable blocks), so the
+        user knows what to change. Cost: O(1).
         """
-        raise NotImplementedError("lab 03-01, task 1: implement Scheduler.add_request")
+        raise NotImplementedError(
+            "lab 03-01, task 1: implement Scheduler.add_request "
+            "(hint: python -m course hint 03-01 1)"
+        )
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
     ) -> None:
-        """Finish requests from outside (a client abort): take each out of its queue
-        (``running``, ``waiting`` or ``swapped``), set ``finished_status`` and free it with
-        ``_free_request``. Unknown ids are ignored; a status that is not ``FINISHED_*`` is a
-        ``ValueError``."""
-        raise NotImplementedError("lab 03-01, task 6: implement Scheduler.finish_requests")
+        """Finish requests from outside (a client abort).
+
+        ``request_ids`` is one id (a ``str``, never read as a sequence of characters) or an
+        iterable of ids; an id may be listed twice, and unknown ids (never added, or finished
+        already) are ignored. Each known request leaves whichever queue holds it (``running``,
+        ``waiting``, or ``swapped`` in swap mode), gets the status ``finished_status`` and is
+        freed with ``_free_request`` (its blocks go back, it is reported in the next step's
+        ``finished_req_ids``, it leaves ``requests``). The other requests keep their order.
+
+        A ``finished_status`` that is not a ``FINISHED_*`` status is a ``ValueError`` naming
+        that status, raised before anything changes.
+        """
+        raise NotImplementedError(
+            "lab 03-01, task 6: implement Scheduler.finish_requests "
+            "(hint: python -m course hint 03-01 6)"
+        )
 
     def _free_request(self, request: Request) -> None:
         """Release a finished request's blocks (GPU, and CPU in swap mode), report it to the
@@ -161,12 +201,18 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def get_num_unfinished_requests(self) -> int:
-        """Requests waiting, running or swapped out."""
-        raise NotImplementedError("lab 03-01, task 1: implement get_num_unfinished_requests")
+        """How many requests are waiting, running or swapped out (all three queues)."""
+        raise NotImplementedError(
+            "lab 03-01, task 1: implement get_num_unfinished_requests "
+            "(hint: python -m course hint 03-01 1)"
+        )
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or swapped out."""
-        raise NotImplementedError("lab 03-01, task 1: implement has_unfinished_requests")
+        raise NotImplementedError(
+            "lab 03-01, task 1: implement has_unfinished_requests "
+            "(hint: python -m course hint 03-01 1)"
+        )
 
     def get_request_counts(self) -> tuple[int, int]:
         """``(num_running, num_waiting)``."""
@@ -191,19 +237,45 @@ class Scheduler:
         return output
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        """Tokens a running request may get now: what it lacks (``num_tokens -
-        num_computed_tokens``), capped by ``long_prefill_token_threshold`` when that is > 0, by
-        ``token_budget``, and by ``max_model_len - 1 - num_computed_tokens``; never negative."""
-        raise NotImplementedError("lab 03-01, task 2: implement Scheduler._num_new_tokens")
+        """How many tokens a running request may get in this step.
+
+        The tokens it lacks (``num_tokens - num_computed_tokens``), but no more than
+        ``long_prefill_token_threshold`` (when that is > 0; 0 means no cap), no more than
+        ``token_budget``, and no more than ``max_model_len - 1 - num_computed_tokens`` (the last
+        position a model of ``max_model_len`` has). Never negative: 0 means nothing to do now.
+        Pure: changes nothing.
+        """
+        raise NotImplementedError(
+            "lab 03-01, task 2: implement Scheduler._num_new_tokens "
+            "(hint: python -m course hint 03-01 2)"
+        )
 
     def _schedule_running(self, step: _Step) -> None:
-        """Walk ``running`` front to back while budget is left. For each request, ask
-        ``kv_cache_manager.allocate_slots(request, n)`` for its ``n = _num_new_tokens(...)``
-        tokens (skip it when ``n == 0``). When that returns None, pop the *last* running request,
-        ``_preempt`` it and retry; if the victim was the request itself, stop the walk. Record
-        each scheduled request in ``step`` (``scheduled_running_reqs``, ``req_to_new_blocks``,
-        ``num_scheduled_tokens``) and decrement ``step.token_budget``."""
-        raise NotImplementedError("lab 03-01, task 2: implement Scheduler._schedule_running")
+        """Schedule the running requests, oldest first, within ``step.token_budget``.
+
+        Each running request, in ``running`` order and while budget is left, is scheduled for
+        ``n = self._num_new_tokens(request, step.token_budget)`` tokens, with room for them
+        claimed from ``kv_cache_manager.allocate_slots(request, n)`` (it returns the *new*
+        blocks, or None when the cache cannot hold them). A request with ``n == 0`` (nothing to
+        do in this step) is passed over: it stays running, unscheduled, and the requests behind
+        it are still considered.
+
+        When the cache cannot hold a request's tokens, the *newest* running request (the last
+        one of ``running``) is taken out of ``running`` and handed to ``self._preempt``, and the
+        claim is tried again, as often as needed. If the request itself is the newest one left,
+        it preempts itself, and no request behind it is scheduled in this step.
+
+        Afterwards, for each scheduled request, in ``running`` order: it is in
+        ``step.scheduled_running_reqs``; ``step.req_to_new_blocks[id]`` holds the blocks its
+        claim returned and ``step.num_scheduled_tokens[id]`` its ``n >= 1``; ``step.token_budget``
+        is lower by the sum of those ``n``. Requests are not advanced here (``schedule()`` does
+        that after packaging the output). Cost: one claim per scheduled request plus one per
+        preemption.
+        """
+        raise NotImplementedError(
+            "lab 03-01, task 2: implement Scheduler._schedule_running "
+            "(hint: python -m course hint 03-01 2)"
+        )
 
     def _preempt(self, request: Request, step: _Step) -> None:
         """Preempt ``request`` (already removed from ``running``): count it, record it in
@@ -223,22 +295,48 @@ class Scheduler:
         self._preempt_by_recompute(request, step)
 
     def _preempt_by_recompute(self, request: Request, step: _Step) -> None:
-        """Drop the KV of ``request`` (already removed from ``running`` and counted by
-        ``_preempt``): free its blocks, set it PREEMPTED with ``num_computed_tokens = 0`` and put
-        it at the head of ``waiting``, so that it is the first to be admitted again."""
-        raise NotImplementedError("lab 03-01, task 3: implement Scheduler._preempt_by_recompute")
+        """Preempt ``request`` by dropping its KV (vLLM v1's only mode).
+
+        Input: a request already taken out of ``running``, already counted and recorded in
+        ``step`` by ``_preempt``. Afterwards: its blocks are back in the KV cache manager (full
+        blocks stay in the prefix cache, so its re-admission may hit them); its status is
+        ``PREEMPTED``; its ``num_computed_tokens`` is 0 (its output tokens are kept: they will be
+        recomputed with the prompt); it is at the *head* of ``waiting``, ahead of every request
+        that waited before, so that it is the first to be admitted again.
+        """
+        raise NotImplementedError(
+            "lab 03-01, task 3: implement Scheduler._preempt_by_recompute "
+            "(hint: python -m course hint 03-01 3)"
+        )
 
     def _schedule_waiting(self, step: _Step) -> None:
-        """Admit waiting requests front to back while budget is left and fewer than
-        ``max_num_running_reqs`` run. Start each from its prefix-cache hit
-        (``kv_cache_manager.get_computed_blocks``), give it what it lacks (capped by the long
-        prefill threshold and the budget), and allocate with the hit blocks. Stop at the first
-        request that does not fit (FCFS). An admitted request leaves ``waiting``, joins
-        ``running``, becomes RUNNING with ``num_computed_tokens`` = the hit (and
-        ``num_cached_tokens`` = the hit the first time); it is a new request if it was WAITING, a
-        resumed one if it was PREEMPTED. Its ``req_to_new_blocks`` entry is its *whole* block
-        table (``kv_cache_manager.get_blocks``)."""
-        raise NotImplementedError("lab 03-01, task 4: implement Scheduler._schedule_waiting")
+        """Admit waiting requests, first come first served, within ``step.token_budget``.
+
+        Requests are admitted from the head of ``waiting`` while budget is left and fewer than
+        ``max_num_running_reqs`` requests run. Admission is FCFS: the first request that the
+        cache cannot hold ends it, and nobody behind it is admitted in this step.
+
+        A request starts from its prefix-cache hit: ``kv_cache_manager.get_computed_blocks``
+        gives the cached blocks and their ``num_hit`` tokens (0 with caching off). It is
+        scheduled for the tokens it lacks beyond the hit, ``num_tokens - num_hit``, capped by
+        ``long_prefill_token_threshold`` (when > 0) and by the budget left; room for them is
+        claimed with ``kv_cache_manager.allocate_slots(request, n, num_hit, hit_blocks)`` (None:
+        it does not fit).
+
+        Afterwards, for each admitted request, in admission order: it has left ``waiting`` and is
+        at the back of ``running``; its status is ``RUNNING`` and ``num_computed_tokens`` is
+        ``num_hit``; ``num_cached_tokens`` is ``num_hit`` if it was still unset (negative), and
+        is never changed afterwards (a resumed request keeps its first value). It is in
+        ``step.scheduled_new_reqs`` if it was ``WAITING``, in ``step.scheduled_resumed_reqs``
+        if it was ``PREEMPTED`` (the runner must replace its old block table);
+        ``step.req_to_new_blocks[id]`` is its *whole* block table
+        (``kv_cache_manager.get_blocks(id)``), ``step.num_scheduled_tokens[id]`` its ``n``, and
+        ``step.token_budget`` is lower by ``n``.
+        """
+        raise NotImplementedError(
+            "lab 03-01, task 4: implement Scheduler._schedule_waiting "
+            "(hint: python -m course hint 03-01 4)"
+        )
 
     def _make_output(self, step: _Step, total: int) -> SchedulerOutput:
         """Package the step's decisions (``num_computed_tokens`` not yet advanced)."""
@@ -287,12 +385,30 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """For every request of ``scheduler_output.num_scheduled_tokens`` that still exists,
-        append its sampled tokens (``model_runner_output.sampled_token_ids[index]``; an empty
-        list means "still in prefill") one by one, calling ``check_stop`` after each and dropping
-        the tokens after a stop. Return one ``EngineCoreOutput`` per request that gained tokens
-        (with its finish reason, stop reason and ``max(num_cached_tokens, 0)``). Finally take
-        every stopped request out of its queue and ``_free_request`` it."""
-        raise NotImplementedError("lab 03-01, task 5: implement Scheduler.update_from_output")
+        """Append the tokens the runner sampled, apply the stop conditions, free who stopped.
+
+        Input: the output of an earlier ``schedule()`` and the runner's answer to it; request
+        ``id``'s sampled tokens are ``model_runner_output.sampled_token_ids[
+        model_runner_output.req_id_to_index[id]]``, an empty list when it is still in the middle
+        of its prompt. Requests of ``scheduler_output.num_scheduled_tokens`` that are no longer
+        in ``requests`` (aborted while the step ran) are skipped. A request that was preempted
+        after it was scheduled still receives its tokens.
+
+        The tokens are appended one at a time, with ``check_stop(request, max_model_len)`` after
+        each; the tokens after the one that stops it are dropped (never appended).
+
+        Output: one ``EngineCoreOutput`` per request that gained at least one token, in the
+        order of ``scheduler_output.num_scheduled_tokens``: its id, the tokens appended in this
+        call, its finish reason (``request.get_finished_reason()``, None while it runs), its
+        ``stop_reason`` and ``max(num_cached_tokens, 0)``.
+
+        Afterwards every request that stopped has left its queue (whichever holds it: a request
+        preempted after it was scheduled is in ``waiting``) and has been freed with
+        ``_free_request``.
+        """
+        raise NotImplementedError(
+            "lab 03-01, task 5: implement Scheduler.update_from_output "
+            "(hint: python -m course hint 03-01 5)"
+        )
 
 

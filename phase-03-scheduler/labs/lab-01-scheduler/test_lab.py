@@ -1,9 +1,15 @@
 """Graded tests of lab 03-01: the scheduler and continuous batching.
 
-Several tests port the properties of upstream's tests/v1/core/test_scheduler.py at v0.11.0
-(requests scheduled together, partial scheduling under a small budget, preemption during
-execution with ``num_blocks=11``, no block leak, stop conditions); the rest check the invariants
-of every step on seeded random workloads and compare a fixed workload with the golden trace.
+Tests are grouped by task, and each group uses only its task and the ones before it: where a
+test needs a later task (admission, the stop conditions, aborts), it runs with the reference's
+method in its place (``make_scheduler(upto=N)``), and where it needs requests already running,
+it puts them there by hand (``run_by_hand``). So the number of passing tests grows after every
+task you finish. The whole-run tests at the end (random workloads, the golden trace, no leak)
+use all of your code.
+
+Several tests port upstream's tests/v1/core/test_scheduler.py at v0.11.0 (requests scheduled
+together, partial scheduling under a small budget, preemption during execution with
+``num_blocks=11``, no block leak, stop conditions).
 """
 
 from __future__ import annotations
@@ -20,12 +26,22 @@ from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
 from mini_vllm.request import FinishReason, Request, RequestStatus
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler import Scheduler as ReferenceScheduler
 from mini_vllm.scheduler_output import ModelRunnerOutput
 from mini_vllm.toy_runner import ToyModelRunner, run_engine
 
 lab = load_lab(__file__)
 HERE = Path(__file__).resolve().parent
 EOS = 2
+
+# The methods of each task after task 2; `make_scheduler(upto=N)` takes the reference's for the
+# tasks after N, so a test of task N needs only your tasks 1..N.
+LATER_TASKS = {
+    3: ("_preempt_by_recompute",),
+    4: ("_schedule_waiting",),
+    5: ("update_from_output",),
+    6: ("finish_requests",),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,7 +55,8 @@ def _fixed_root_hash():
     init_none_hash(sha256)
 
 
-def make_scheduler(**overrides):
+def make_scheduler(upto=6, **overrides):
+    """Your Scheduler; with ``upto=N``, the reference's methods stand in for tasks after N."""
     kw = dict(
         max_num_seqs=16,
         max_num_batched_tokens=8192,
@@ -49,7 +66,16 @@ def make_scheduler(**overrides):
         enable_prefix_caching=False,
     )
     kw.update(overrides)
-    return lab.Scheduler(SchedulerConfig(**kw))
+    cls = lab.Scheduler
+    stand_ins = {
+        name: vars(ReferenceScheduler)[name]
+        for task, names in LATER_TASKS.items()
+        if task > upto
+        for name in names
+    }
+    if stand_ins:
+        cls = type(f"SchedulerUpToTask{upto}", (lab.Scheduler,), stand_ins)
+    return cls(SchedulerConfig(**kw))
 
 
 def create_requests(num_requests, num_tokens=10, max_tokens=16, block_size=16, stop_token_ids=None,
@@ -67,19 +93,26 @@ def create_requests(num_requests, num_tokens=10, max_tokens=16, block_size=16, s
 
 
 def make_output(scheduler_output, tokens=None, default=0):
-    """One token for every scheduled request whose prompt is done, [] for one still in prefill.
-
-    ``tokens`` maps request id -> list of tokens to return instead.
-    """
+    """One token for every scheduled request, or ``tokens[request id]`` (a list; [] = still in
+    prefill)."""
     tokens = tokens or {}
     req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled = []
-    for rid in req_ids:
-        if rid in tokens:
-            sampled.append(list(tokens[rid]))
-        else:
-            sampled.append([default])
+    sampled = [list(tokens[rid]) if rid in tokens else [default] for rid in req_ids]
     return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+
+
+def run_by_hand(scheduler, request, computed, outputs=()):
+    """Put a request added with ``add_request`` into ``running`` as a step would have left it:
+    its first ``computed`` tokens have KV (blocks claimed from the KV cache manager), then the
+    runner sampled ``outputs``. Needs only task 1."""
+    scheduler.waiting.remove(request)
+    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = computed
+    request.num_cached_tokens = 0
+    scheduler.running.append(request)
+    for token in outputs:
+        request.append_output_token_ids(token)
 
 
 def free_blocks(scheduler):
@@ -88,6 +121,10 @@ def free_blocks(scheduler):
 
 def usable_blocks(scheduler):
     return scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+
+
+def ids(requests):
+    return [r.request_id for r in requests]
 
 
 def assert_scheduler_empty(scheduler):
@@ -110,152 +147,314 @@ def check_step_invariants(scheduler, so):
     assert total <= cfg.max_num_batched_tokens, "token budget exceeded"
     assert all(n >= 1 for n in so.num_scheduled_tokens.values())
     assert len(scheduler.running) <= cfg.max_num_seqs
-    ids = so.scheduled_req_ids
-    assert sorted(ids) == sorted(so.num_scheduled_tokens), "scheduled requests and token counts"
-    queues = ([r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
-              + [r.request_id for r in scheduler.swapped])
+    assert sorted(so.scheduled_req_ids) == sorted(so.num_scheduled_tokens), (
+        "scheduled requests and token counts")
+    queues = ids(scheduler.running) + ids(scheduler.waiting) + ids(scheduler.swapped)
     assert sorted(queues) == sorted(scheduler.requests), "a request is in two queues or none"
     held = set(scheduler.kv_cache_manager.req_to_blocks)
-    running = {r.request_id for r in scheduler.running}
-    assert held == running, "blocks must be held exactly by the running requests"
+    assert held == set(ids(scheduler.running)), "blocks must be held exactly by running requests"
     for r in scheduler.running:
         assert r.status == RequestStatus.RUNNING
         table = scheduler.kv_cache_manager.req_to_blocks[r.request_id]
         assert len(table) * cfg.block_size >= r.num_computed_tokens
+    for r in scheduler.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 # ---------------------------------------------------------------------------------------------
-# Task 1: queues
+# Task 1: requests in, and the counts
 # ---------------------------------------------------------------------------------------------
 
 
 def test_add_requests_queues_them_in_order():
     scheduler = make_scheduler()
     requests = create_requests(num_requests=5)
+    assert scheduler.get_num_unfinished_requests() == 0
+    assert scheduler.has_unfinished_requests() is False
     for i, request in enumerate(requests):
         scheduler.add_request(request)
         assert scheduler.requests[request.request_id] is request
         assert len(scheduler.waiting) == i + 1
     assert list(scheduler.waiting) == requests
+    assert scheduler.running == []
+    assert requests[0].status == RequestStatus.WAITING
     assert scheduler.get_num_unfinished_requests() == 5
-    assert scheduler.has_unfinished_requests()
+    assert scheduler.has_unfinished_requests() is True
 
 
-@pytest.mark.parametrize("case", ["duplicate", "too-long", "cannot-fit", "no-hasher"])
-def test_add_request_rejects_bad_input_and_changes_nothing(case):
-    scheduler = make_scheduler(max_model_len=64, num_gpu_blocks=4, block_size=4,
+def test_unfinished_requests_counts_every_queue():
+    """Waiting, running and swapped out (lab 03-03 fills `swapped`; here it is done by hand)."""
+    scheduler = make_scheduler(block_size=4)
+    waiting, running, swapped = create_requests(3, num_tokens=6, block_size=4)
+    for request in (waiting, running, swapped):
+        scheduler.add_request(request)
+    run_by_hand(scheduler, running, 6)
+    scheduler.waiting.remove(swapped)
+    swapped.status = RequestStatus.SWAPPED
+    scheduler.swapped.append(swapped)
+    assert scheduler.get_num_unfinished_requests() == 3
+    scheduler.waiting.clear()
+    scheduler.running.clear()
+    assert scheduler.get_num_unfinished_requests() == 1
+    assert scheduler.has_unfinished_requests() is True
+    scheduler.swapped.clear()
+    assert scheduler.get_num_unfinished_requests() == 0
+    assert scheduler.has_unfinished_requests() is False
+
+
+@pytest.mark.parametrize(
+    "case, numbers",
+    [
+        ("duplicate", []),
+        ("too-long", ["64"]),             # 64 prompt tokens, max_model_len 64: no room left
+        ("cannot-fit", ["6", "5"]),       # it may reach 21 tokens = 6 blocks; 5 are usable
+        ("no-hasher", []),
+        ("preempted", []),
+        ("computed", []),
+    ],
+)
+def test_add_request_rejects_bad_input_and_changes_nothing(case, numbers):
+    """Refused with a ValueError naming the request (and, for the size checks, the numbers),
+    before anything is queued. The cache is large enough that each check is the only reason."""
+    blocks = 6 if case == "cannot-fit" else 40
+    scheduler = make_scheduler(max_model_len=64, num_gpu_blocks=blocks, block_size=4,
                                enable_prefix_caching=True)
     first = create_requests(1, num_tokens=4, max_tokens=4, block_size=4)[0]
     scheduler.add_request(first)
+    bad = create_requests(1, num_tokens=4, max_tokens=4, block_size=4, first_id=7)[0]
     if case == "duplicate":
         bad = create_requests(1, num_tokens=4, max_tokens=4, block_size=4)[0]
     elif case == "too-long":
-        bad = create_requests(1, num_tokens=64, block_size=4, first_id=1)[0]
-    elif case == "cannot-fit":  # 3 usable blocks of 4 tokens, but it may reach 20 tokens
-        bad = create_requests(1, num_tokens=10, max_tokens=10, block_size=4, first_id=1)[0]
+        bad = create_requests(1, num_tokens=64, max_tokens=1, block_size=4, first_id=7)[0]
+    elif case == "cannot-fit":
+        bad = create_requests(1, num_tokens=11, max_tokens=10, block_size=4, first_id=7)[0]
+    elif case == "no-hasher":
+        bad = Request("7", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=EOS)
+    elif case == "preempted":
+        bad.status = RequestStatus.PREEMPTED
     else:
-        bad = Request("9", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=EOS)
-    with pytest.raises(ValueError):
+        bad.num_computed_tokens = 2
+    with pytest.raises(ValueError) as excinfo:
         scheduler.add_request(bad)
+    message = str(excinfo.value)
+    assert bad.request_id in message, f"the message must name the request: {message!r}"
+    for number in numbers:
+        assert number in message, f"the message must give {number}: {message!r}"
     assert list(scheduler.waiting) == [first]
     assert list(scheduler.requests) == [first.request_id]
     assert scheduler.get_num_unfinished_requests() == 1
 
 
+@pytest.mark.parametrize("case", ["longest-prompt", "exact-fit", "capped-by-max-model-len",
+                                  "no-hasher-without-caching"])
+def test_add_request_accepts_the_limits(case):
+    """The checks refuse only what they must: a prompt of max_model_len - 1 tokens, a request
+    that needs exactly the usable blocks, one whose max_tokens only max_model_len caps, and one
+    without a hasher when caching is off."""
+    caching = case != "no-hasher-without-caching"
+    scheduler = make_scheduler(max_model_len=24, num_gpu_blocks=6, block_size=4,
+                               enable_prefix_caching=caching)
+    if case == "longest-prompt":  # 23 tokens + 1 output = 24 = 6 blocks > 5: make room
+        scheduler = make_scheduler(max_model_len=24, num_gpu_blocks=7, block_size=4)
+        request = create_requests(1, num_tokens=23, max_tokens=1, block_size=4)[0]
+    elif case == "exact-fit":  # 12 + 8 = 20 tokens = 5 blocks = every usable block
+        request = create_requests(1, num_tokens=12, max_tokens=8, block_size=4)[0]
+    elif case == "capped-by-max-model-len":  # 10 + 1000 is capped at 24 tokens: 6 blocks
+        scheduler = make_scheduler(max_model_len=24, num_gpu_blocks=7, block_size=4,
+                                   enable_prefix_caching=True)
+        request = create_requests(1, num_tokens=10, max_tokens=1000, block_size=4)[0]
+    else:
+        request = Request("0", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=EOS)
+    scheduler.add_request(request)
+    assert list(scheduler.waiting) == [request]
+    assert scheduler.requests == {request.request_id: request}
+
+
 # ---------------------------------------------------------------------------------------------
-# Tasks 2 and 4: running first, then waiting, within the budget
+# Task 2: the running requests, the budget, preempt and retry
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("enable_prefix_caching", [False, True])
-def test_requests_are_scheduled_together(enable_prefix_caching):
-    """Port of upstream test_schedule: ten prompts fit the budget, so all run in step 1."""
-    scheduler = make_scheduler(enable_prefix_caching=enable_prefix_caching)
-    requests = create_requests(num_requests=10)
+@pytest.mark.parametrize(
+    "prompt, outputs, computed, threshold, budget, max_model_len, want",
+    [
+        (10, 0, 0, 0, 100, 64, 10),   # what it lacks
+        (10, 0, 3, 0, 100, 64, 7),
+        (10, 0, 0, 4, 100, 64, 4),    # the long-prefill threshold
+        (10, 0, 0, 1, 100, 64, 1),
+        (10, 0, 0, 10, 100, 64, 10),
+        (10, 0, 0, 12, 100, 64, 10),
+        (10, 0, 0, 0, 3, 64, 3),      # the budget
+        (10, 0, 0, 4, 3, 64, 3),
+        (10, 0, 0, 0, 0, 64, 0),
+        (10, 0, 10, 0, 100, 64, 0),   # nothing left to compute
+        (11, 1, 10, 0, 100, 12, 1),   # the last position is max_model_len - 1
+        (11, 1, 11, 0, 100, 12, 0),
+        (11, 1, 12, 0, 100, 12, 0),   # never negative
+    ],
+)
+def test_num_new_tokens(prompt, outputs, computed, threshold, budget, max_model_len, want):
+    scheduler = make_scheduler(max_model_len=max_model_len, block_size=4,
+                               long_prefill_token_threshold=threshold)
+    request = create_requests(1, num_tokens=prompt, block_size=4)[0]
+    for _ in range(outputs):
+        request.append_output_token_ids(7)
+    request.num_computed_tokens = computed
+    assert scheduler._num_new_tokens(request, budget) == want
+    assert request.num_computed_tokens == computed and request.num_tokens == prompt + outputs
+
+
+def test_running_requests_are_scheduled_oldest_first_within_the_budget():
+    """Three running requests each lack 4 tokens of their prompt; a budget of 6 gives the oldest
+    4, the next 2 and the newest nothing, and the next step continues from there. A request with
+    nothing to do (its prompt is computed, its token not sampled yet) is passed over."""
+    scheduler = make_scheduler(upto=2, block_size=4)
+    requests = create_requests(3, num_tokens=8, block_size=4)
     for request in requests:
         scheduler.add_request(request)
-    output = scheduler.schedule()
-    assert len(output.scheduled_new_reqs) == len(requests)
-    assert output.scheduled_cached_reqs.num_reqs == 0
-    assert len(output.finished_req_ids) == 0
-    for req_id, num_tokens in output.num_scheduled_tokens.items():
-        assert num_tokens == len(requests[int(req_id)].prompt_token_ids)
-    assert output.total_num_scheduled_tokens == 100
-    assert len(scheduler.waiting) == 0
-    assert scheduler.running == requests
-    for request in requests:
-        assert request.status == RequestStatus.RUNNING
-        assert request.num_computed_tokens == 10  # advanced right after scheduling
-    for new in output.scheduled_new_reqs:
-        assert new.num_computed_tokens == 0  # the output carries the count before the step
-        assert len(new.block_ids[0]) == 1
+        run_by_hand(scheduler, request, 4)
+    scheduler.max_num_scheduled_tokens = 5  # the budget of every following step
 
-
-def test_partial_scheduling_under_a_small_budget():
-    """Port of upstream test_schedule_concurrent_partial_requests (threshold 400, budget 1024)."""
-    scheduler = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
-    requests = create_requests(num_requests=3, num_tokens=800)
-    for request in requests:
-        scheduler.add_request(request)
-
-    output = scheduler.schedule()
-    assert len(output.scheduled_new_reqs) == 3
-    assert [output.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224]
-    scheduler.update_from_output(output, make_output(output, {r.request_id: [] for r in requests}))
-
-    output1 = scheduler.schedule()
-    assert len(output1.scheduled_new_reqs) == 0
-    assert output1.scheduled_cached_reqs.num_reqs == 3
-    assert output1.scheduled_cached_reqs.num_computed_tokens == [400, 400, 224]
-    assert [output1.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224]
-    scheduler.update_from_output(output1, make_output(output1, {"2": []}))
-
-    output2 = scheduler.schedule()
-    assert [output2.num_scheduled_tokens[r.request_id] for r in requests] == [1, 1, 800 - 448]
-    assert len(scheduler.running) == 3
-
-
-def test_budget_splits_a_prompt_and_the_rest_waits():
-    """Without a threshold the budget alone chunks: the second prompt gets what is left."""
-    scheduler = make_scheduler(max_num_batched_tokens=100)
-    requests = create_requests(num_requests=3, num_tokens=80)
-    for request in requests:
-        scheduler.add_request(request)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": 80, "1": 20}
-    assert [r.request_id for r in scheduler.waiting] == ["2"]
-    scheduler.update_from_output(out, make_output(out, {"1": []}))
-    out = scheduler.schedule()
-    # Running first: "0" decodes, "1" finishes its prompt, then "2" takes the rest of the budget.
-    assert out.num_scheduled_tokens == {"0": 1, "1": 60, "2": 39}
+    assert out.num_scheduled_tokens == {"0": 4, "1": 1}
     assert out.scheduled_cached_reqs.req_ids == ["0", "1"]
-    assert [n.req_id for n in out.scheduled_new_reqs] == ["2"]
+    assert out.scheduled_cached_reqs.num_computed_tokens == [4, 4]
+    assert out.scheduled_cached_reqs.resumed_from_preemption == [False, False]
+    assert out.scheduled_new_reqs == []
+    assert ids(scheduler.running) == ["0", "1", "2"]
+    # Advanced once (by schedule(), after packaging the output), not twice.
+    assert [r.num_computed_tokens for r in requests] == [8, 5, 4]
+
+    out = scheduler.schedule()  # "0" has nothing to do; the ones behind it still run
+    assert out.num_scheduled_tokens == {"1": 3, "2": 2}
+    assert ids(scheduler.running) == ["0", "1", "2"]
+    assert [r.num_computed_tokens for r in requests] == [8, 8, 6]
+
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"2": 2}
+
+    out = scheduler.schedule()  # nobody has anything to do
+    assert out.num_scheduled_tokens == {} and out.total_num_scheduled_tokens == 0
+    assert ids(scheduler.running) == ["0", "1", "2"]
 
 
-def test_max_num_seqs_caps_the_running_queue():
-    scheduler = make_scheduler(max_num_seqs=3)
-    for request in create_requests(num_requests=5):
+def test_a_request_with_nothing_to_do_does_not_block_the_others():
+    """Steps overlap: "a" was scheduled for its whole prompt and its token has not come back
+    yet, so it has nothing to do; "b" behind it is in the middle of its prompt."""
+    scheduler = make_scheduler(upto=2, block_size=4, max_num_batched_tokens=16)
+    a, b = create_requests(2, num_tokens=8, block_size=4)
+    b_long = create_requests(1, num_tokens=40, block_size=4, first_id=1)[0]
+    scheduler.add_request(a)
+    scheduler.add_request(b_long)
+    run_by_hand(scheduler, a, 8)
+    run_by_hand(scheduler, b_long, 8)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"1": 16}
+    assert out.scheduled_cached_reqs.req_ids == ["1"]
+    assert ids(scheduler.running) == ["0", "1"] and a.status == RequestStatus.RUNNING
+    assert b_long.num_computed_tokens == 24
+
+
+def test_a_running_request_gets_only_its_new_blocks():
+    """The output carries a running request's *new* blocks (appended by the runner), None when
+    its token fits the blocks it has."""
+    scheduler = make_scheduler(upto=2, block_size=4)
+    request = create_requests(1, num_tokens=6, block_size=4)[0]
+    scheduler.add_request(request)
+    run_by_hand(scheduler, request, 6, outputs=[5])
+    table = scheduler.kv_cache_manager.get_block_ids("0")[0]
+    assert len(table) == 2
+    out = scheduler.schedule()  # position 6: still block 1
+    assert out.num_scheduled_tokens == {"0": 1}
+    assert out.scheduled_cached_reqs.new_block_ids == [None]
+    request.append_output_token_ids(5)
+    out = scheduler.schedule()  # position 7: still block 1
+    assert out.scheduled_cached_reqs.new_block_ids == [None]
+    request.append_output_token_ids(5)
+    out = scheduler.schedule()  # position 8: a third block
+    table = scheduler.kv_cache_manager.get_block_ids("0")[0]
+    assert len(table) == 3
+    assert out.scheduled_cached_reqs.new_block_ids == [([table[2]],)]
+    assert request.num_computed_tokens == 9
+
+
+def _full_cache_of_three(upto, **overrides):
+    """9 usable blocks of 4 tokens held by three running requests of 12 computed tokens, each
+    with one sampled token: the next step needs a fourth block for each."""
+    scheduler = make_scheduler(upto=upto, block_size=4, num_gpu_blocks=10, **overrides)
+    requests = create_requests(3, num_tokens=12, max_tokens=8, block_size=4, ignore_eos=True)
+    for request in requests:
         scheduler.add_request(request)
-    out = scheduler.schedule()
-    assert sorted(out.num_scheduled_tokens) == ["0", "1", "2"]
-    assert [r.request_id for r in scheduler.waiting] == ["3", "4"]
+        run_by_hand(scheduler, request, 12, outputs=[5])
+    assert free_blocks(scheduler) == 0
+    return scheduler, requests
 
 
-def test_prefix_cache_hit_on_admission():
-    scheduler = make_scheduler(enable_prefix_caching=True, block_size=4)
-    prompt = list(range(100, 118))  # 18 tokens: 4 full blocks
-    first = create_requests(1, block_size=4, prompt=prompt)[0]
-    scheduler.add_request(first)
+def test_out_of_blocks_preempts_the_newest_and_retries():
+    scheduler, requests = _full_cache_of_three(upto=2)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, make_output(out))
-    second = create_requests(1, block_size=4, prompt=prompt, first_id=1)[0]
-    scheduler.add_request(second)
+    assert out.preempted_req_ids == ["2"]
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1}
+    assert ids(scheduler.running) == ["0", "1"]
+    assert requests[2].status == RequestStatus.PREEMPTED
+    assert scheduler.stats.num_preemptions == 1
+    assert "2" not in out.scheduled_req_ids
+    assert free_blocks(scheduler) == 1  # 3 freed, 2 claimed
+
+
+def test_the_victim_is_the_last_of_running_not_the_latest_arrival():
+    """Running order is admission order, and a re-admitted request joins at the back: the
+    victim is the last request of `running`, whatever its id or arrival time."""
+    scheduler = make_scheduler(upto=2, block_size=4, num_gpu_blocks=10)
+    requests = create_requests(3, num_tokens=12, max_tokens=8, block_size=4, ignore_eos=True)
+    for request in requests:
+        scheduler.add_request(request)
+    for i in (2, 0, 1):
+        run_by_hand(scheduler, requests[i], 12, outputs=[5])
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens["1"] == 2  # 16 tokens come from the cache
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
-    assert second.num_cached_tokens == 16
-    first_blocks = scheduler.kv_cache_manager.get_block_ids("0")[0]
-    assert out.scheduled_new_reqs[0].block_ids[0][:4] == first_blocks[:4]
+    assert out.preempted_req_ids == ["1"]
+    assert out.num_scheduled_tokens == {"2": 1, "0": 1}
+    assert ids(scheduler.running) == ["2", "0"]
+
+
+def test_one_request_may_preempt_several():
+    """"0" needs four more blocks for its next 16 prompt tokens; preempting the newest ("3", two
+    blocks) is not enough, so "2" goes too. "1" still gets its token."""
+    scheduler = make_scheduler(upto=2, block_size=4, num_gpu_blocks=10)
+    r0 = create_requests(1, num_tokens=20, block_size=4)[0]
+    r1 = create_requests(1, num_tokens=15, block_size=4, first_id=1)[0]
+    r2, r3 = create_requests(2, num_tokens=8, block_size=4, first_id=2)
+    for request in (r0, r1, r2, r3):
+        scheduler.add_request(request)
+    run_by_hand(scheduler, r0, 4)                 # 1 block
+    run_by_hand(scheduler, r1, 15, outputs=[5])   # 4 blocks; its token fits the 4th
+    run_by_hand(scheduler, r2, 8, outputs=[5])    # 2 blocks
+    run_by_hand(scheduler, r3, 8, outputs=[5])    # 2 blocks
+    assert free_blocks(scheduler) == 0
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == ["3", "2"]
+    assert out.num_scheduled_tokens == {"0": 16, "1": 1}
+    assert ids(scheduler.running) == ["0", "1"]
+    assert r0.num_computed_tokens == 20
+    assert len(scheduler.kv_cache_manager.get_block_ids("0")[0]) == 5
+
+
+def test_a_request_that_is_the_newest_preempts_itself():
+    """"1" needs a sixth block and is the newest running request: it preempts itself and is
+    not scheduled. "0", before it, got its token without a new block."""
+    scheduler = make_scheduler(upto=2, block_size=4, num_gpu_blocks=10)
+    r0 = create_requests(1, num_tokens=15, block_size=4)[0]
+    r1 = create_requests(1, num_tokens=20, block_size=4, first_id=1)[0]
+    for request in (r0, r1):
+        scheduler.add_request(request)
+    run_by_hand(scheduler, r0, 15, outputs=[5])   # 4 blocks
+    run_by_hand(scheduler, r1, 20, outputs=[5])   # 5 blocks, the token needs a 6th
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == ["1"]
+    assert out.num_scheduled_tokens == {"0": 1}
+    assert out.scheduled_cached_reqs.req_ids == ["0"]
+    assert ids(scheduler.running) == ["0"]
+    assert r1.status == RequestStatus.PREEMPTED and r1.num_computed_tokens == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,9 +462,115 @@ def test_prefix_cache_hit_on_admission():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_the_victim_drops_its_kv_and_waits_at_the_head():
+    scheduler, requests = _full_cache_of_three(upto=3)
+    late = create_requests(1, num_tokens=3, max_tokens=2, block_size=4, first_id=3)[0]
+    scheduler.add_request(late)
+    out = scheduler.schedule()
+    victim = requests[2]
+    assert out.preempted_req_ids == ["2"]
+    assert victim.status == RequestStatus.PREEMPTED
+    assert victim.num_computed_tokens == 0
+    assert list(victim.output_token_ids) == [5], "its output is kept (and recomputed)"
+    assert ids(scheduler.waiting) == ["2", "3"], "the victim goes ahead of those waiting"
+    assert "2" not in scheduler.kv_cache_manager.req_to_blocks, "its blocks must be freed"
+    assert free_blocks(scheduler) == 1
+    assert "3" not in out.num_scheduled_tokens, "no admission in a step that preempted"
+    stats = scheduler.stats
+    assert (stats.num_preemptions, stats.num_recompute_preemptions) == (1, 1)
+    assert stats.num_recomputed_tokens == 12
+    assert victim.num_preemptions == 1
+
+
+def test_two_victims_wait_in_preemption_order_before_the_rest():
+    """Each victim goes to the head: the one preempted last waits first (it is older)."""
+    scheduler = make_scheduler(upto=3, block_size=4, num_gpu_blocks=10)
+    r0 = create_requests(1, num_tokens=20, block_size=4)[0]
+    r1 = create_requests(1, num_tokens=15, block_size=4, first_id=1)[0]
+    r2, r3, r4 = create_requests(3, num_tokens=8, block_size=4, first_id=2)
+    for request in (r0, r1, r2, r3, r4):
+        scheduler.add_request(request)
+    for request, n in ((r0, 4), (r1, 15), (r2, 8), (r3, 8)):
+        run_by_hand(scheduler, request, n, outputs=[5] if n > 4 else [])
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == ["3", "2"]
+    assert ids(scheduler.waiting) == ["2", "3", "4"]
+    assert free_blocks(scheduler) == 0
+
+
+def test_the_victim_comes_back_first_with_its_whole_table():
+    """Three decoding requests outgrow a small cache: the newest is preempted, goes to the head
+    of the waiting queue, nothing is admitted in that step, and it is re-admitted as a resumed
+    request (with its whole new block table) before a later arrival."""
+    scheduler = make_scheduler(upto=3, block_size=4, num_gpu_blocks=10,
+                               max_num_batched_tokens=64)
+    requests = create_requests(num_requests=3, num_tokens=12, max_tokens=8, block_size=4,
+                               ignore_eos=True)
+    late = create_requests(1, num_tokens=3, max_tokens=2, block_size=4, first_id=3)[0]
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()  # 3 x 12 tokens = 9 blocks: the cache is full
+    assert free_blocks(scheduler) == 0
+    scheduler.update_from_output(out, make_output(out, default=5))
+    scheduler.add_request(late)
+    out = scheduler.schedule()  # everyone needs a 4th block for token 13
+    assert out.preempted_req_ids == ["2"]
+    assert ids(scheduler.running) == ["0", "1"]
+    assert ids(scheduler.waiting) == ["2", "3"]
+    resumed_at = admitted_late_at = None
+    for step in range(100):
+        scheduler.update_from_output(out, make_output(out, default=5))
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        check_step_invariants(scheduler, out)
+        cached = out.scheduled_cached_reqs
+        if "2" in cached.req_ids and cached.resumed_from_preemption[cached.req_ids.index("2")]:
+            resumed_at = resumed_at if resumed_at is not None else step
+            ids_now = cached.new_block_ids[cached.req_ids.index("2")][0]
+            assert ids_now == scheduler.kv_cache_manager.get_block_ids("2")[0]
+        if any(n.req_id == "3" for n in out.scheduled_new_reqs):
+            admitted_late_at = step
+    assert resumed_at is not None and admitted_late_at is not None
+    assert resumed_at <= admitted_late_at
+    assert all(len(r.output_token_ids) == 8 for r in requests)
+    assert_scheduler_empty(scheduler)
+
+
+def _victim_with_a_cached_prefix(upto):
+    """Prefix caching on, 9 usable blocks held by "0", "1", "2" (12 computed tokens each, three
+    full cached blocks); "0" and "2" have sampled a token. "0" needs a fourth block: "2" is
+    preempted, and "0" reuses the block freed first, the victim's last one. Then "1" is
+    aborted, which makes room for the victim again."""
+    scheduler = make_scheduler(upto=upto, block_size=4, num_gpu_blocks=10,
+                               enable_prefix_caching=True)
+    requests = create_requests(3, num_tokens=12, max_tokens=8, block_size=4, ignore_eos=True)
+    for request, outputs in zip(requests, ([5], [], [5])):
+        scheduler.add_request(request)
+        run_by_hand(scheduler, request, 12, outputs=outputs)
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == ["2"] and out.num_scheduled_tokens == {"0": 1}
+    scheduler.finish_requests("1", RequestStatus.FINISHED_ABORTED)
+    return scheduler, requests
+
+
+def test_preempted_blocks_stay_in_the_prefix_cache():
+    """A recompute preemption frees the blocks but keeps their hashes: the victim's
+    re-admission finds its first two blocks in the cache (its third was reused) and computes
+    only the rest."""
+    scheduler, requests = _victim_with_a_cached_prefix(upto=3)
+    out = scheduler.schedule()
+    cached = out.scheduled_cached_reqs
+    assert cached.req_ids == ["2"] and cached.resumed_from_preemption == [True]
+    assert cached.num_computed_tokens == [8]
+    assert out.num_scheduled_tokens == {"2": 5}
+    assert requests[2].num_computed_tokens == 13
+
+
 def test_preempt_during_execution():
     """Port of upstream test_preempt_during_execution: 10 usable blocks (block 0 is null)."""
-    scheduler = make_scheduler(max_num_batched_tokens=100, block_size=16, num_gpu_blocks=11)
+    scheduler = make_scheduler(upto=3, max_num_batched_tokens=100, block_size=16,
+                               num_gpu_blocks=11)
     requests = create_requests(num_requests=2, num_tokens=80, block_size=16)
     scheduler.add_request(requests[0])
     output0 = scheduler.schedule()
@@ -293,52 +598,215 @@ def test_preempt_during_execution():
     assert list(requests[1].output_token_ids) == [42]
 
 
-def test_preemption_takes_the_newest_and_resumes_it_first():
-    """Three decoding requests outgrow a small cache: the newest is preempted, goes to the head
-    of the waiting queue, nothing new is admitted in that step, and it resumes later."""
-    scheduler = make_scheduler(block_size=4, num_gpu_blocks=10, max_num_batched_tokens=64)
-    requests = create_requests(num_requests=3, num_tokens=12, max_tokens=8, block_size=4,
-                               ignore_eos=True)
-    late = create_requests(1, num_tokens=3, max_tokens=2, block_size=4, first_id=3)[0]
+# ---------------------------------------------------------------------------------------------
+# Task 4: admission, first come first served
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_requests_are_scheduled_together(enable_prefix_caching):
+    """Port of upstream test_schedule: ten prompts fit the budget, so all run in step 1."""
+    scheduler = make_scheduler(upto=4, enable_prefix_caching=enable_prefix_caching)
+    requests = create_requests(num_requests=10)
     for request in requests:
         scheduler.add_request(request)
-    out = scheduler.schedule()  # 3 x 12 tokens = 9 blocks: the cache is full
-    assert free_blocks(scheduler) == 0
-    scheduler.update_from_output(out, make_output(out, default=5))
-    scheduler.add_request(late)
-    out = scheduler.schedule()  # everyone needs a 4th block for token 13
-    assert out.preempted_req_ids == ["2"]
-    assert [r.request_id for r in scheduler.running] == ["0", "1"]
-    assert [r.request_id for r in scheduler.waiting] == ["2", "3"]  # victim at the head
-    assert requests[2].num_preemptions == 1
-    assert "3" not in out.num_scheduled_tokens  # no admission in a step that preempted
-    # Run to the end: the victim comes back as a resumed request, before the late one.
-    resumed_at = admitted_late_at = None
-    for step in range(100):
-        scheduler.update_from_output(out, make_output(out, default=5))
-        if not scheduler.has_unfinished_requests():
-            break
-        out = scheduler.schedule()
-        check_step_invariants(scheduler, out)
-        cached = out.scheduled_cached_reqs
-        if "2" in cached.req_ids and cached.resumed_from_preemption[cached.req_ids.index("2")]:
-            resumed_at = resumed_at if resumed_at is not None else step
-            # A resumed request gets its whole block table again, not a diff.
-            ids = cached.new_block_ids[cached.req_ids.index("2")][0]
-            assert ids == scheduler.kv_cache_manager.get_block_ids("2")[0]
-        if any(n.req_id == "3" for n in out.scheduled_new_reqs):
-            admitted_late_at = step
-    assert resumed_at is not None and admitted_late_at is not None
-    assert resumed_at <= admitted_late_at
-    assert all(len(r.output_token_ids) == 8 for r in requests)
-    assert_scheduler_empty(scheduler)
+    output = scheduler.schedule()
+    assert len(output.scheduled_new_reqs) == len(requests)
+    assert output.scheduled_cached_reqs.num_reqs == 0
+    assert len(output.finished_req_ids) == 0
+    for req_id, num_tokens in output.num_scheduled_tokens.items():
+        assert num_tokens == len(requests[int(req_id)].prompt_token_ids)
+    assert output.total_num_scheduled_tokens == 100
+    assert len(scheduler.waiting) == 0
+    assert scheduler.running == requests
+    for request in requests:
+        assert request.status == RequestStatus.RUNNING
+        assert request.num_computed_tokens == 10  # advanced right after scheduling
+        assert request.num_cached_tokens == 0
+    for new, request in zip(output.scheduled_new_reqs, requests):
+        assert new.req_id == request.request_id
+        assert new.num_computed_tokens == 0  # the output carries the count before the step
+        assert new.block_ids == scheduler.kv_cache_manager.get_block_ids(new.req_id)
+        assert len(new.block_ids[0]) == 1
+
+
+def test_partial_scheduling_under_a_small_budget():
+    """Port of upstream test_schedule_concurrent_partial_requests (threshold 400, budget 1024)."""
+    scheduler = make_scheduler(upto=4, max_num_batched_tokens=1024,
+                               long_prefill_token_threshold=400)
+    requests = create_requests(num_requests=3, num_tokens=800)
+    for request in requests:
+        scheduler.add_request(request)
+
+    output = scheduler.schedule()
+    assert len(output.scheduled_new_reqs) == 3
+    assert [output.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224]
+    scheduler.update_from_output(output, make_output(output, {r.request_id: [] for r in requests}))
+
+    output1 = scheduler.schedule()
+    assert len(output1.scheduled_new_reqs) == 0
+    assert output1.scheduled_cached_reqs.num_reqs == 3
+    assert output1.scheduled_cached_reqs.num_computed_tokens == [400, 400, 224]
+    assert [output1.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224]
+    scheduler.update_from_output(output1, make_output(output1, {"2": []}))
+
+    output2 = scheduler.schedule()
+    assert [output2.num_scheduled_tokens[r.request_id] for r in requests] == [1, 1, 800 - 448]
+    assert len(scheduler.running) == 3
+
+
+def test_budget_splits_a_prompt_and_the_rest_waits():
+    """Without a threshold the budget alone chunks: the second prompt gets what is left."""
+    scheduler = make_scheduler(upto=4, max_num_batched_tokens=100)
+    requests = create_requests(num_requests=3, num_tokens=80)
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": 80, "1": 20}
+    assert ids(scheduler.waiting) == ["2"]
+    scheduler.update_from_output(out, make_output(out, {"1": []}))
+    out = scheduler.schedule()
+    # Running first: "0" decodes, "1" finishes its prompt, then "2" takes the rest of the budget.
+    assert out.num_scheduled_tokens == {"0": 1, "1": 60, "2": 39}
+    assert out.scheduled_cached_reqs.req_ids == ["0", "1"]
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["2"]
+
+
+def test_no_admission_once_the_running_requests_took_the_budget():
+    scheduler = make_scheduler(upto=4, max_num_batched_tokens=8, block_size=4)
+    running = create_requests(1, num_tokens=20, block_size=4)[0]
+    waiting = create_requests(1, num_tokens=2, block_size=4, first_id=1)[0]
+    scheduler.add_request(running)
+    scheduler.add_request(waiting)
+    run_by_hand(scheduler, running, 4)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": 8}
+    assert ids(scheduler.waiting) == ["1"] and waiting.status == RequestStatus.WAITING
+
+
+@pytest.mark.parametrize("threshold", [1, 5, 12])
+def test_waiting_requests_are_capped_by_the_threshold(threshold):
+    scheduler = make_scheduler(upto=4, max_num_batched_tokens=64,
+                               long_prefill_token_threshold=threshold)
+    requests = create_requests(3, num_tokens=12)
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": threshold, "1": threshold, "2": threshold}
+    assert [r.num_computed_tokens for r in requests] == [threshold] * 3
+
+
+def test_the_last_token_of_the_budget_admits_a_request():
+    """Running requests leave exactly 1 token of the budget: the next waiting request is
+    admitted with it (a chunk of one token)."""
+    scheduler = make_scheduler(upto=4, max_num_batched_tokens=9, block_size=4)
+    running = create_requests(1, num_tokens=20, block_size=4)[0]
+    waiting = create_requests(1, num_tokens=6, block_size=4, first_id=1)[0]
+    scheduler.add_request(running)
+    scheduler.add_request(waiting)
+    run_by_hand(scheduler, running, 12)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": 8, "1": 1}
+    assert waiting.status == RequestStatus.RUNNING and waiting.num_computed_tokens == 1
+
+
+@pytest.mark.parametrize("already_running", [0, 2])
+def test_max_num_seqs_caps_the_running_queue(already_running):
+    scheduler = make_scheduler(upto=4, max_num_seqs=3, block_size=4)
+    requests = create_requests(num_requests=6, block_size=4)
+    for request in requests:
+        scheduler.add_request(request)
+    for request in requests[:already_running]:
+        run_by_hand(scheduler, request, 10, outputs=[5])
+    out = scheduler.schedule()
+    assert len(scheduler.running) == 3
+    admitted = [n.req_id for n in out.scheduled_new_reqs]
+    assert admitted == [str(i) for i in range(already_running, 3)]
+    assert ids(scheduler.waiting) == [str(i) for i in range(3, 6)]
+
+
+def test_admission_stops_at_the_first_request_that_does_not_fit():
+    """FCFS: "1" needs 4 blocks and 3 are free; "2" needs 1 and would fit, but may not jump
+    the queue."""
+    scheduler = make_scheduler(upto=4, block_size=4, num_gpu_blocks=10)
+    r0 = create_requests(1, num_tokens=24, max_tokens=4, block_size=4)[0]
+    r1 = create_requests(1, num_tokens=16, max_tokens=4, block_size=4, first_id=1)[0]
+    r2 = create_requests(1, num_tokens=2, max_tokens=4, block_size=4, first_id=2)[0]
+    for request in (r0, r1, r2):
+        scheduler.add_request(request)
+    run_by_hand(scheduler, r0, 24, outputs=[5])  # 6 blocks + its token needs a 7th
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": 1}
+    assert ids(scheduler.waiting) == ["1", "2"]
+    assert r2.status == RequestStatus.WAITING and r2.num_computed_tokens == 0
+    assert "1" not in scheduler.kv_cache_manager.req_to_blocks, "a refused claim holds nothing"
+
+
+def test_prefix_cache_hit_on_admission():
+    scheduler = make_scheduler(upto=4, enable_prefix_caching=True, block_size=4)
+    prompt = list(range(100, 118))  # 18 tokens: 4 full blocks
+    first = create_requests(1, block_size=4, prompt=prompt)[0]
+    scheduler.add_request(first)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, make_output(out))
+    second = create_requests(1, block_size=4, prompt=prompt, first_id=1)[0]
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["1"] == 2  # 16 tokens come from the cache
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
+    assert second.num_cached_tokens == 16
+    assert second.num_computed_tokens == 18
+    first_blocks = scheduler.kv_cache_manager.get_block_ids("0")[0]
+    assert out.scheduled_new_reqs[0].block_ids[0][:4] == first_blocks[:4]
+
+
+def test_a_prefix_hit_and_the_budget_together():
+    """The budget is spent on the tokens beyond the hit: 16 of 18 are cached, 2 are computed,
+    and the next request gets the rest of the budget."""
+    scheduler = make_scheduler(upto=4, enable_prefix_caching=True, block_size=4,
+                               max_num_batched_tokens=12)
+    prompt = list(range(100, 118))
+    first = create_requests(1, block_size=4, prompt=prompt)[0]
+    scheduler.add_request(first)
+    run_by_hand(scheduler, first, 18)
+    second = create_requests(1, block_size=4, prompt=prompt, first_id=1)[0]
+    third = create_requests(1, num_tokens=30, block_size=4, first_id=2)[0]
+    scheduler.add_request(second)
+    scheduler.add_request(third)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"1": 2, "2": 10}
+
+
+def test_readmission_is_a_resumed_request_and_keeps_its_first_cached_count():
+    """A preempted request comes back as a *resumed* request (the runner must replace its old
+    table) with its whole block table; num_cached_tokens keeps the value of its first
+    admission, while num_computed_tokens starts from the new hit. A newcomer behind it is a
+    new request."""
+    scheduler, requests = _victim_with_a_cached_prefix(upto=4)
+    victim = requests[2]
+    assert victim.num_cached_tokens == 0  # its first admission (by hand) hit nothing
+    newcomer = create_requests(1, num_tokens=3, max_tokens=2, block_size=4, first_id=3)[0]
+    scheduler.add_request(newcomer)
+    out = scheduler.schedule()
+    cached = out.scheduled_cached_reqs
+    assert cached.req_ids == ["2"] and [n.req_id for n in out.scheduled_new_reqs] == ["3"]
+    assert cached.resumed_from_preemption == [True]
+    assert cached.new_block_ids == [scheduler.kv_cache_manager.get_block_ids("2")]
+    assert len(cached.new_block_ids[0][0]) == 4
+    assert cached.num_computed_tokens == [8]
+    assert out.num_scheduled_tokens == {"2": 5, "3": 3}
+    assert victim.num_cached_tokens == 0, "set on the first admission only"
+    assert newcomer.num_cached_tokens == 0
+    assert victim.status == RequestStatus.RUNNING and newcomer.status == RequestStatus.RUNNING
+    assert ids(scheduler.running) == ["0", "2", "3"] and not scheduler.waiting
+    assert out.scheduled_new_reqs[0].block_ids == scheduler.kv_cache_manager.get_block_ids("3")
 
 
 def test_no_admission_in_a_step_that_preempted():
     """A preempted mid-prefill request frees more blocks than the preempting request needs, and
     a smaller chunk of it would fit again at once. It must still wait for the next step:
     admitting into a cache that just proved too small only makes requests thrash."""
-    scheduler = make_scheduler(block_size=4, num_gpu_blocks=6, max_num_batched_tokens=8,
+    scheduler = make_scheduler(upto=4, block_size=4, num_gpu_blocks=6, max_num_batched_tokens=8,
                                max_num_seqs=4)
     requests = []
     for i, (n, max_tokens) in enumerate([(3, 3), (6, 6), (10, 3)]):
@@ -376,31 +844,53 @@ def _one_running(scheduler, **kw):
 
 def test_stop_on_eos_and_on_stop_token_trims_the_rest():
     """Port of upstream test_stop_via_update_from_output (several tokens in one step)."""
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(upto=5)
     eos_req, out = _one_running(scheduler, max_tokens=10)
     outputs = scheduler.update_from_output(out, make_output(out, {"0": [7, EOS, 9]}))
     assert eos_req.status == RequestStatus.FINISHED_STOPPED
     assert eos_req.get_finished_reason() == FinishReason.STOP
+    assert eos_req.stop_reason is None
     assert list(eos_req.output_token_ids) == [7, EOS]
+    assert len(outputs) == 1
     assert outputs[0].new_token_ids == [7, EOS] and outputs[0].finished
+    assert outputs[0].finish_reason == FinishReason.STOP and outputs[0].stop_reason is None
 
     stop_req = create_requests(1, stop_token_ids=[13], first_id=1)[0]
     scheduler.add_request(stop_req)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, make_output(out, {"1": [13, 4]}))
+    outputs = scheduler.update_from_output(out, make_output(out, {"1": [13, 4]}))
     assert stop_req.status == RequestStatus.FINISHED_STOPPED
     assert stop_req.stop_reason == 13
     assert list(stop_req.output_token_ids) == [13]
+    assert outputs[0].stop_reason == 13 and outputs[0].new_token_ids == [13]
     assert out.finished_req_ids == {"0"}  # finished before this step: the runner drops it
     assert scheduler.schedule().finished_req_ids == {"1"}
     assert_scheduler_empty(scheduler)
 
 
+@pytest.mark.parametrize("last", ["eos", "stop-token"])
+def test_the_length_cap_wins_over_a_stop_on_the_last_allowed_token(last):
+    """The last allowed token (max_tokens = 3) is also EOS or a stop token: the length cap is
+    checked first, so the request finishes LENGTH_CAPPED and records no stop reason."""
+    scheduler = make_scheduler(upto=5)
+    request, out = _one_running(scheduler, max_tokens=3, stop_token_ids=[13])
+    final = EOS if last == "eos" else 13
+    outputs = scheduler.update_from_output(out, make_output(out, {"0": [7, 8, final, 9]}))
+    assert list(request.output_token_ids) == [7, 8, final]
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert request.get_finished_reason() == FinishReason.LENGTH
+    assert request.stop_reason is None
+    assert outputs[0].finish_reason == FinishReason.LENGTH and outputs[0].stop_reason is None
+    assert outputs[0].new_token_ids == [7, 8, final]
+
+
 def test_stop_at_max_tokens_and_ignore_eos():
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(upto=5)
     request, out = _one_running(scheduler, max_tokens=3, ignore_eos=True)
-    scheduler.update_from_output(out, make_output(out, {"0": [EOS, EOS]}))
+    outputs = scheduler.update_from_output(out, make_output(out, {"0": [EOS, EOS]}))
     assert request.status == RequestStatus.RUNNING  # EOS ignored, 2 < 3 tokens
+    assert outputs[0].new_token_ids == [EOS, EOS] and not outputs[0].finished
+    assert outputs[0].finish_reason is None
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {"0": 2}  # both new tokens need their KV
     scheduler.update_from_output(out, make_output(out, {"0": [EOS, 8]}))
@@ -409,13 +899,22 @@ def test_stop_at_max_tokens_and_ignore_eos():
     assert request.get_finished_reason() == FinishReason.LENGTH
 
 
+def test_ignore_eos_does_not_ignore_stop_tokens():
+    scheduler = make_scheduler(upto=5)
+    request, out = _one_running(scheduler, max_tokens=10, ignore_eos=True, stop_token_ids=[EOS])
+    scheduler.update_from_output(out, make_output(out, {"0": [EOS, 5]}))
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.stop_reason == EOS
+    assert list(request.output_token_ids) == [EOS]
+
+
 def test_stop_at_max_model_len():
-    scheduler = make_scheduler(max_model_len=12, block_size=4)
+    scheduler = make_scheduler(upto=5, max_model_len=12, block_size=4)
     request, out = _one_running(scheduler, num_tokens=10, max_tokens=100, block_size=4)
     scheduler.update_from_output(out, make_output(out))
     assert request.status == RequestStatus.RUNNING
     out = scheduler.schedule()
-    scheduler.update_from_output(out, make_output(out))
+    scheduler.update_from_output(out, make_output(out, {"0": [EOS]}))  # EOS at the cap
     assert request.num_tokens == 12
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -424,22 +923,123 @@ def test_check_stop_directly():
     request = create_requests(1, max_tokens=5, stop_token_ids=[11])[0]
     request.append_output_token_ids(3)
     assert lab.check_stop(request, max_model_len=100) is False
-    assert request.status == RequestStatus.WAITING
+    assert request.status == RequestStatus.WAITING and request.stop_reason is None
     request.append_output_token_ids(11)
     assert lab.check_stop(request, max_model_len=100) is True
+    assert request.status == RequestStatus.FINISHED_STOPPED
     assert request.stop_reason == 11
+    # The cap on the total length: 10 prompt + 2 output tokens reach max_model_len = 12.
+    capped = create_requests(1, max_tokens=50, first_id=1)[0]
+    capped.append_output_token_ids([3, 4])
+    assert lab.check_stop(capped, max_model_len=13) is False
+    assert lab.check_stop(capped, max_model_len=12) is True
+    assert capped.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_check_stop_without_an_eos_id():
+    """A request without an EOS id (None) stops only on length and stop tokens."""
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_id=None)
+    request.append_output_token_ids(EOS)
+    assert lab.check_stop(request, max_model_len=100) is False
+    assert request.status == RequestStatus.WAITING
 
 
 def test_prefill_step_samples_nothing():
-    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler = make_scheduler(upto=5, max_num_batched_tokens=8)
     request, out = _one_running(scheduler, num_tokens=20)
     outputs = scheduler.update_from_output(out, make_output(out, {"0": []}))
     assert outputs == [] and request.num_output_tokens == 0
     assert scheduler.schedule().num_scheduled_tokens == {"0": 8}
 
 
+def test_outputs_follow_the_scheduled_order_and_carry_the_cached_count():
+    scheduler = make_scheduler(upto=5, enable_prefix_caching=True, block_size=4)
+    prompt = list(range(100, 110))
+    first = create_requests(1, block_size=4, prompt=prompt)[0]
+    scheduler.add_request(first)
+    run_by_hand(scheduler, first, 10, outputs=[5])
+    second = create_requests(1, block_size=4, prompt=prompt, first_id=1)[0]
+    third = create_requests(1, num_tokens=5, block_size=4, first_id=2)[0]
+    scheduler.add_request(second)
+    scheduler.add_request(third)
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["0", "1", "2"]
+    outputs = scheduler.update_from_output(out, make_output(out, {"0": [6], "1": [7],
+                                                                  "2": []}))
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("0", [6]), ("1", [7])]
+    assert [o.num_cached_tokens for o in outputs] == [0, 8]
+
+
+def test_an_unset_cached_count_is_reported_as_zero():
+    scheduler = make_scheduler(upto=5, block_size=4)
+    request = create_requests(1, num_tokens=4, block_size=4)[0]
+    scheduler.add_request(request)
+    run_by_hand(scheduler, request, 4)
+    request.num_cached_tokens = -1  # never admitted through _schedule_waiting
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, make_output(out))  # "0" had nothing to do: no output
+    request.num_computed_tokens = 3
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, make_output(out, {"0": [9]}))
+    assert outputs[0].num_cached_tokens == 0
+
+
+def test_requests_aborted_while_the_step_ran_are_skipped():
+    scheduler = make_scheduler(upto=5)
+    requests = create_requests(2)
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.finish_requests("0", RequestStatus.FINISHED_ABORTED)
+    outputs = scheduler.update_from_output(out, make_output(out, default=5))
+    assert [o.request_id for o in outputs] == ["1"]
+    assert list(requests[0].output_token_ids) == []
+    assert requests[0].status == RequestStatus.FINISHED_ABORTED
+
+
+def test_a_request_preempted_after_it_was_scheduled_can_stop():
+    """Steps overlap: "1" is scheduled, then preempted (it waits again) before its token comes
+    back; that token is its last (max_tokens = 1): it must leave `waiting` and be freed."""
+    scheduler = make_scheduler(upto=5, max_num_batched_tokens=100, block_size=16,
+                               num_gpu_blocks=11)
+    r0 = create_requests(1, num_tokens=80, block_size=16)[0]
+    r1 = create_requests(1, num_tokens=80, max_tokens=1, block_size=16, first_id=1)[0]
+    scheduler.add_request(r0)
+    out0 = scheduler.schedule()
+    scheduler.add_request(r1)
+    out1 = scheduler.schedule()
+    scheduler.update_from_output(out0, make_output(out0))
+    out2 = scheduler.schedule()
+    assert out2.preempted_req_ids == ["1"] and ids(scheduler.waiting) == ["1"]
+    outputs = scheduler.update_from_output(out1, make_output(out1, {"1": [42]}))
+    assert outputs[0].request_id == "1" and outputs[0].finished
+    assert r1.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert ids(scheduler.waiting) == [] and "1" not in scheduler.requests
+    assert scheduler.get_num_unfinished_requests() == 1
+    assert scheduler.schedule().finished_req_ids == {"1"}
+
+
+def test_a_request_swapped_out_after_it_was_scheduled_can_stop():
+    """The same in swap mode (lab 03-03; here the swap-out is done by hand): the request that
+    stops sits in `swapped` and must leave it."""
+    scheduler = make_scheduler(upto=5, block_size=4)
+    requests = create_requests(2, num_tokens=4, max_tokens=1, block_size=4)
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    for request in requests:  # "swapped out" while the step ran
+        scheduler.running.remove(request)
+        scheduler.kv_cache_manager.free(request)
+        request.status = RequestStatus.SWAPPED
+        scheduler.swapped.append(request)
+    outputs = scheduler.update_from_output(out, make_output(out, default=5))
+    assert [o.request_id for o in outputs] == ["0", "1"] and all(o.finished for o in outputs)
+    assert len(scheduler.swapped) == 0 and scheduler.requests == {}
+    assert scheduler.has_unfinished_requests() is False
+
+
 # ---------------------------------------------------------------------------------------------
-# Task 6: finishing from outside, and no leaks
+# Task 6: finishing from outside
 # ---------------------------------------------------------------------------------------------
 
 
@@ -457,11 +1057,77 @@ def test_finish_requests_from_waiting_and_running():
     assert scheduler.get_num_unfinished_requests() == 1
     out = scheduler.schedule()
     assert out.finished_req_ids == {"0", "2"}
-    with pytest.raises(ValueError):
-        scheduler.finish_requests("1", RequestStatus.RUNNING)
-    assert requests[1].status == RequestStatus.RUNNING
     scheduler.finish_requests("1", RequestStatus.FINISHED_ABORTED)
     assert_scheduler_empty(scheduler)
+
+
+def test_finish_requests_from_swapped():
+    """A request swapped out (lab 03-03 does this; here by hand) is taken out of `swapped`."""
+    scheduler = make_scheduler(block_size=4)
+    requests = create_requests(3, num_tokens=6, block_size=4)
+    for request in requests:
+        scheduler.add_request(request)
+    for request in requests:
+        scheduler.waiting.remove(request)
+        request.status = RequestStatus.SWAPPED
+        scheduler.swapped.append(request)
+    scheduler.finish_requests("1", RequestStatus.FINISHED_ABORTED)
+    assert ids(scheduler.swapped) == ["0", "2"]
+    assert requests[1].status == RequestStatus.FINISHED_ABORTED
+    assert "1" not in scheduler.requests and scheduler.get_num_unfinished_requests() == 2
+
+
+def test_finish_requests_takes_one_id_as_a_whole_and_keeps_the_others_in_order():
+    scheduler = make_scheduler(max_num_seqs=3, block_size=4)
+    requests = [create_requests(1, num_tokens=5, block_size=4, first_id=i)[0] for i in range(6)]
+    for rid, request in zip(["1", "2", "12", "3", "4", "5"], requests):
+        request.request_id = rid
+        scheduler.add_request(request)
+    scheduler.schedule()  # "1", "2", "12" run; "3", "4", "5" wait
+    scheduler.finish_requests("12", RequestStatus.FINISHED_ABORTED)
+    assert ids(scheduler.running) == ["1", "2"] and ids(scheduler.waiting) == ["3", "4", "5"]
+    scheduler.finish_requests(iter(["4", "4", "1"]), RequestStatus.FINISHED_STOPPED)
+    assert ids(scheduler.running) == ["2"] and ids(scheduler.waiting) == ["3", "5"]
+    assert requests[4].status == RequestStatus.FINISHED_STOPPED
+    assert sorted(scheduler.requests) == ["2", "3", "5"]
+    assert free_blocks(scheduler) == usable_blocks(scheduler) - 2
+    assert scheduler.schedule().finished_req_ids == {"12", "4", "1"}
+
+
+@pytest.mark.parametrize("status", [RequestStatus.RUNNING, RequestStatus.WAITING,
+                                    RequestStatus.PREEMPTED])
+def test_finish_requests_refuses_a_status_that_is_not_finished(status):
+    scheduler = make_scheduler(max_num_seqs=1)
+    requests = create_requests(2)
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler.schedule()
+    with pytest.raises(ValueError) as excinfo:
+        scheduler.finish_requests(["1", "0"], status)
+    assert str(status) in str(excinfo.value), "the message must name the status"
+    assert scheduler.running == [requests[0]] and list(scheduler.waiting) == [requests[1]]
+    assert [r.status for r in requests] == [RequestStatus.RUNNING, RequestStatus.WAITING]
+    assert sorted(scheduler.requests) == ["0", "1"]
+    assert "0" in scheduler.kv_cache_manager.req_to_blocks
+    assert scheduler.schedule().finished_req_ids == set()
+
+
+def test_finishing_an_unknown_or_finished_id_changes_nothing():
+    scheduler = make_scheduler()
+    request = create_requests(1)[0]
+    scheduler.add_request(request)
+    scheduler.finish_requests([], RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests("nobody", RequestStatus.FINISHED_ABORTED)
+    assert list(scheduler.waiting) == [request] and request.status == RequestStatus.WAITING
+    scheduler.finish_requests("0", RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests("0", RequestStatus.FINISHED_STOPPED)
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert_scheduler_empty(scheduler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs, with all of your tasks: no leak, invariants on random workloads, the golden trace
+# ---------------------------------------------------------------------------------------------
 
 
 def test_no_block_leak():
@@ -479,11 +1145,6 @@ def test_no_block_leak():
         scheduler.update_from_output(out, make_output(out))
     assert_scheduler_empty(scheduler)
     assert all(len(r.output_token_ids) == 10 for r in requests)
-
-
-# ---------------------------------------------------------------------------------------------
-# Whole runs: invariants on random workloads, and the golden trace
-# ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", range(6))

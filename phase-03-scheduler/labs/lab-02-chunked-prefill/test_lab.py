@@ -4,20 +4,30 @@ The metadata builder reproduces a worked example of vLLM's attention metadata ex
 484-token prompts under a 512-token budget, three steps), agrees with a token-by-token
 computation on random scheduler runs, and the chunked-prefill attention matches phase 01's
 reference attention and phase 02's decode kernel.
+
+Task by task: every test uses only the task it is about and the tasks before it. The builder's
+tests (task 3) order their batches with the reference's reorder as a stand-in for task 4, and
+task 4's own tests run it on the same workloads; the attention tests (task 5) get their
+metadata from the reference's builder. Adversarial inputs: caches whose every slot
+outside a sequence's context holds NaN (the null block of the padding included), mappings that
+hold other requests too, table entries no token reaches holding junk, block ids whose slots pass
+2**31, and targeted cases whose messages name the sequence, query row (position) and head.
 """
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 
 from course.loader import load_lab
-from course.numerics import assert_close
-from mini_vllm.attention.cache_ops import reshape_and_cache
-from mini_vllm.attention.paged_attn import kv_cache_x, paged_attention_v1
+from course.numerics import assert_close, tolerances
+from mini_vllm.attention.metadata import build_attention_metadata as build_reference
+from mini_vllm.attention.metadata import (
+    reorder_batch_to_split_decodes_and_prefills as reference_reorder,
+)
+from mini_vllm.attention.paged_attn import paged_attention_v1
 from mini_vllm.attention.reference import ref_attention
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
@@ -85,16 +95,33 @@ def _ints(t):
 
 
 # ---------------------------------------------------------------------------------------------
-# Task 1 and 2: the pieces
+# Task 1: query_start_loc
 # ---------------------------------------------------------------------------------------------
 
 
 def test_query_start_loc():
-    loc = lab.compute_query_start_loc(torch.tensor([4, 6], dtype=torch.int32))
-    assert loc.dtype == torch.int32
+    lens = torch.tensor([4, 6], dtype=torch.int32)
+    loc = lab.compute_query_start_loc(lens)
+    assert loc.dtype == torch.int32, f"query_start_loc must be int32, got {loc.dtype}"
     assert _ints(loc) == [0, 4, 10]
+    assert _ints(lens) == [4, 6], "the input was changed"
     assert _ints(lab.compute_query_start_loc(torch.tensor([1, 1, 5, 3], dtype=torch.int32))) == [
         0, 1, 2, 7, 10]
+
+
+def test_query_start_loc_of_one_none_and_int64():
+    assert _ints(lab.compute_query_start_loc(torch.tensor([7], dtype=torch.int32))) == [0, 7]
+    empty = lab.compute_query_start_loc(torch.tensor([], dtype=torch.int32))
+    assert _ints(empty) == [0] and empty.dtype == torch.int32, "no sequences: [0]"
+    wide = lab.compute_query_start_loc(torch.tensor([3, 4, 1], dtype=torch.int64))
+    assert _ints(wide) == [0, 3, 7, 8] and wide.dtype == torch.int32, (
+        f"int64 lengths give int32 offsets too, got {wide.dtype} {_ints(wide)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 2: slot_mapping
+# ---------------------------------------------------------------------------------------------
 
 
 def test_slot_mapping_follows_the_block_table():
@@ -107,8 +134,34 @@ def test_slot_mapping_follows_the_block_table():
     assert _ints(slots) == [5 * 2 + 1, 9 * 2 + 0, 9 * 2 + 1, 3 * 2 + 0, 3 * 2 + 1]
 
 
+def test_slot_mapping_of_tokens_in_any_order():
+    # Tokens interleaved across rows, int32 positions, block size 1 and 3.
+    tables = torch.tensor([[4, 8, 2, -5], [7, 1, 6, 2**31 - 1]], dtype=torch.int32)
+    req_indices = torch.tensor([1, 0, 1, 0, 0], dtype=torch.int32)
+    positions = torch.tensor([2, 0, 1, 2, 1], dtype=torch.int32)
+    got = _ints(lab.compute_slot_mapping(tables, req_indices, positions, 1))
+    assert got == [6, 4, 1, 2, 8], f"block size 1: the slot is the block id, got {got}"
+    got = _ints(lab.compute_slot_mapping(tables, req_indices, positions * 3 + 1, 3))
+    want = [6 * 3 + 1, 4 * 3 + 1, 1 * 3 + 1, 2 * 3 + 1, 8 * 3 + 1]
+    assert got == want, f"block size 3: expected {want}, got {got}"
+
+
+def test_slot_mapping_is_int64_past_2_to_the_31():
+    # A cache of 10**8 blocks of 32 tokens: slots pass 2**31 and must not wrap around.
+    big = 100_000_000
+    tables = torch.tensor([[big, big + 1], [3, 0]], dtype=torch.int32)
+    slots = lab.compute_slot_mapping(
+        tables, torch.tensor([0, 0, 1]), torch.tensor([31, 32, 5]), 32
+    )
+    want = [big * 32 + 31, (big + 1) * 32, 3 * 32 + 5]
+    assert slots.dtype == torch.int64 and _ints(slots) == want, (
+        f"expected {want} (int64), got {_ints(slots)} ({slots.dtype}): block ids times the block "
+        f"size overflow int32; convert before multiplying"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
-# Task 3 and 4: the worked example, exactly
+# Task 3: build_attention_metadata (the batch order comes from the reference's reorder)
 # ---------------------------------------------------------------------------------------------
 
 # The worked example's runner allocated blocks from the top of a 128234-block cache (V0's
@@ -130,10 +183,8 @@ SEED_STEPS = [
 ]
 
 
-def test_worked_example_two_prompts_one_split():
-    """Two 484-token prompts, a 512-token budget: A prefills fully and B gets a 28-token chunk;
-    then A decodes while B finishes its prompt; then both decode. The runner listed B first at
-    step 1; the fewest-swaps reorder then puts the decode A first."""
+def _worked_example(reorder, build):
+    """Run the worked example's three steps; yield (step, changed, metadata)."""
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048,
                              block_size=16, num_gpu_blocks=128, enable_prefix_caching=False)
     scheduler = Scheduler(config)
@@ -141,15 +192,23 @@ def test_worked_example_two_prompts_one_split():
     scheduler.add_request(_request("B", 484, 16, 200))
     tracker = BatchTracker()
     tracker.order = ["B", "A"]  # the worked example's runner placed the second prompt first
-    for step, want in enumerate(SEED_STEPS):
+    for step in range(len(SEED_STEPS)):
         so = scheduler.schedule()
         tracker.apply(so)
-        changed = lab.reorder_batch_to_split_decodes_and_prefills(
-            tracker.order, so.num_scheduled_tokens)
-        assert changed == (step == 1), "only step 2 needs a swap"
+        changed = reorder(tracker.order, so.num_scheduled_tokens)
         relabelled = {r: [SEED_NUM_BLOCKS - b for b in ids] for r, ids in tracker.blocks.items()}
-        md = lab.build_attention_metadata(tracker.order, so.num_scheduled_tokens,
-                                          tracker.computed, relabelled, 16)
+        md = build(tracker.order, so.num_scheduled_tokens, tracker.computed, relabelled, 16)
+        yield step, changed, list(tracker.order), md
+        scheduler.update_from_output(so, tracker.sampled(so))
+        for rid, n in so.num_scheduled_tokens.items():
+            tracker.computed[rid] += n
+
+
+def test_worked_example_two_prompts_one_split():
+    """Two 484-token prompts, a 512-token budget: A prefills fully and B gets a 28-token chunk;
+    then A decodes while B finishes its prompt; then both decode."""
+    for step, _, _, md in _worked_example(reference_reorder, lab.build_attention_metadata):
+        want = SEED_STEPS[step]
         got = dict(
             num_prefills=md.num_prefills, num_prefill_tokens=md.num_prefill_tokens,
             num_decode_tokens=md.num_decode_tokens, seq_lens=_ints(md.seq_lens),
@@ -160,31 +219,33 @@ def test_worked_example_two_prompts_one_split():
         )
         if "slot_mapping" in want:
             got["slot_mapping"] = _ints(md.slot_mapping)
-        assert got == want, f"step {step + 1} of the worked example"
+        wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+        assert not wrong, f"step {step + 1} of the worked example, (got, want): {wrong}"
         for name in ("query_start_loc", "seq_start_loc", "seq_lens", "context_lens"):
             assert getattr(md, name).dtype == torch.int32, name
         assert md.slot_mapping.dtype == torch.int64
-        scheduler.update_from_output(so, tracker.sampled(so))
-        for rid, n in so.num_scheduled_tokens.items():
-            tracker.computed[rid] += n
 
 
-def test_reorder_uses_the_fewest_swaps():
-    order = ["p0", "d1", "p2", "d3", "d4"]
-    counts = {"p0": 5, "d1": 1, "p2": 9, "d3": 1, "d4": 1}
-    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is True
-    # d4 (last decode) swaps with p0 (first prefill), d3 with p2; d1 was already in place.
-    assert order == ["d4", "d1", "d3", "p2", "p0"]
-    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is False
-    same = ["d1", "d3", "p0"]
-    assert lab.reorder_batch_to_split_decodes_and_prefills(same, counts) is False
-    assert same == ["d1", "d3", "p0"]
+def _loop_metadata(order, counts, computed, tables, bs):
+    """What the metadata must hold, computed token by token with plain Python."""
+    slots, positions, qsl, ssl = [], [], [0], [0]
+    for rid in order:
+        ctx, q = computed[rid], counts[rid]
+        for p in range(ctx, ctx + q):
+            positions.append(p)
+            slots.append(tables[rid][p // bs] * bs + p % bs)
+        qsl.append(qsl[-1] + q)
+        ssl.append(ssl[-1] + ctx + q)
+    return dict(positions=positions, slot_mapping=slots, query_start_loc=qsl, seq_start_loc=ssl,
+                seq_lens=[computed[r] + counts[r] for r in order],
+                context_lens=[computed[r] for r in order],
+                query_lens=[counts[r] for r in order])
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_metadata_matches_a_token_by_token_computation(seed):
-    """Random workloads through the reference scheduler (with preemption): the builder's
-    tensors equal what a plain loop over every scheduled token computes."""
+    """Random workloads through the reference scheduler (chunking, prefix hits, preemption):
+    the builder's tensors equal what a plain loop over every scheduled token computes."""
     rng = random.Random(seed)
     bs = rng.choice([2, 4, 8])
     config = SchedulerConfig(max_num_seqs=rng.randint(2, 6),
@@ -204,54 +265,184 @@ def test_metadata_matches_a_token_by_token_computation(seed):
         if not so.num_scheduled_tokens:
             continue
         counts = so.num_scheduled_tokens
-        lab.reorder_batch_to_split_decodes_and_prefills(tracker.order, counts)
+        reference_reorder(tracker.order, counts)
         is_decode = [counts[r] <= 1 for r in tracker.order]
-        assert is_decode == sorted(is_decode, reverse=True), "decodes must come first"
         md = lab.build_attention_metadata(tracker.order, counts, tracker.computed,
                                           tracker.blocks, bs)
-        slots, positions, qsl = [], [], [0]
-        for rid in tracker.order:
-            ctx, q = tracker.computed[rid], counts[rid]
-            for p in range(ctx, ctx + q):
-                positions.append(p)
-                slots.append(tracker.blocks[rid][p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + q)
-        assert md.req_ids == tracker.order
-        assert _ints(md.positions) == positions
-        assert _ints(md.slot_mapping) == slots
-        assert _ints(md.query_start_loc) == qsl
-        assert _ints(md.seq_lens) == [tracker.computed[r] + counts[r] for r in tracker.order]
-        assert md.num_decodes == sum(is_decode)
+        want = _loop_metadata(tracker.order, counts, tracker.computed, tracker.blocks, bs)
+        where = f"step {steps}, batch {tracker.order}"
+        assert md.req_ids == tracker.order, where
+        for name, value in want.items():
+            assert _ints(getattr(md, name)) == value, f"{where}: {name}"
+        assert md.num_decodes == sum(is_decode), where
         assert md.num_decode_tokens + md.num_prefill_tokens == so.total_num_scheduled_tokens
         width = max(len(tracker.blocks[r]) for r in tracker.order)
-        assert tuple(md.block_tables.shape) == (len(tracker.order), width)
+        assert tuple(md.block_tables.shape) == (len(tracker.order), width), where
         for i, rid in enumerate(tracker.order):
             row = _ints(md.block_tables[i])
-            assert row[: len(tracker.blocks[rid])] == tracker.blocks[rid]
+            assert row[: len(tracker.blocks[rid])] == tracker.blocks[rid], where
             assert all(b == 0 for b in row[len(tracker.blocks[rid]):]), "pad with the null block"
-        assert len(set(slots)) == len(slots), "two tokens written to one slot"
+        assert len(set(want["slot_mapping"])) == len(want["slot_mapping"])
         scheduler.update_from_output(so, tracker.sampled(so))
         for rid, n in counts.items():
             tracker.computed[rid] += n
     assert not scheduler.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("case", ["empty", "twice", "missing", "prefill-first", "short-table"])
+def _hand_batch():
+    """Two decodes then two prefills (one of them a first chunk), block size 4; the mappings
+    also hold a request that is not in the batch; the tables are tuples and lists, one longer
+    than it needs to be."""
+    order = ["d0", "d1", "p0", "p1"]
+    counts = {"d0": 1, "d1": 1, "p0": 6, "p1": 3, "other": 50}
+    computed = {"d0": 9, "d1": 0, "p0": 4, "p1": 0, "other": 0}
+    tables = {"d0": (7, 3, 12), "d1": [5], "p0": [2, 8, 6], "p1": [11, 4, 9, 1], "other": [0]}
+    return order, counts, computed, tables
+
+
+def test_build_fills_every_field_of_a_hand_made_batch():
+    order, counts, computed, tables = _hand_batch()
+    before = (list(order), dict(counts), dict(computed), {k: list(v) for k, v in tables.items()})
+    md = lab.build_attention_metadata(order, counts, computed, tables, 4)
+    want = _loop_metadata(order, counts, computed, tables, 4)
+    for name, value in want.items():
+        assert _ints(getattr(md, name)) == value, f"{name}: got {_ints(getattr(md, name))}"
+    expect = dict(req_ids=order, num_reqs=4, num_actual_tokens=11, num_decodes=2, num_prefills=2,
+                  num_decode_tokens=2, num_prefill_tokens=9, max_query_len=6, max_seq_len=10,
+                  max_prefill_seq_len=10, max_decode_seq_len=10)
+    for name, value in expect.items():
+        got = getattr(md, name)
+        assert got == value, f"{name}: expected {value!r}, got {got!r}"
+        if isinstance(value, int):
+            assert type(got) is int, f"{name} must be a Python int, got {type(got).__name__}"
+    assert _ints(md.block_tables.flatten()) == [7, 3, 12, 0, 5, 0, 0, 0, 2, 8, 6, 0, 11, 4, 9, 1]
+    assert md.block_tables.dtype == torch.int32
+    for name in ("query_start_loc", "seq_start_loc", "query_lens", "seq_lens", "context_lens"):
+        assert getattr(md, name).dtype == torch.int32, f"{name} must be int32"
+    for name in ("positions", "slot_mapping"):
+        assert getattr(md, name).dtype == torch.int64, f"{name} must be int64"
+    after = (list(order), dict(counts), dict(computed), {k: list(v) for k, v in tables.items()})
+    assert after == before, "build_attention_metadata changed its inputs"
+
+
+def test_build_max_fields_are_0_for_an_empty_group_and_the_threshold_counts():
+    order, counts, computed, tables = _hand_batch()
+    decodes = lab.build_attention_metadata(order[:2], counts, computed, tables, 4)
+    assert (decodes.num_prefills, decodes.num_prefill_tokens, decodes.max_prefill_seq_len) == (
+        0, 0, 0), "no prefills: their counts and max_prefill_seq_len are 0"
+    prefills = lab.build_attention_metadata(order[2:], counts, computed, tables, 4)
+    assert (prefills.num_decodes, prefills.num_decode_tokens, prefills.max_decode_seq_len) == (
+        0, 0, 0), "no decodes: their counts and max_decode_seq_len are 0"
+    # With decode_threshold=3, p1 (3 tokens) is a decode: it must then come before p0.
+    md = lab.build_attention_metadata(["d0", "d1", "p1", "p0"], counts, computed, tables, 4,
+                                      decode_threshold=3)
+    assert (md.num_decodes, md.num_decode_tokens, md.max_decode_seq_len) == (3, 5, 10)
+    with pytest.raises(ValueError):
+        lab.build_attention_metadata(order, counts, computed, tables, 4, decode_threshold=3)
+        pytest.fail("with decode_threshold=3, p1 is a decode after the prefill p0")
+
+
+def test_build_accepts_a_table_that_fits_exactly():
+    # Context 3 + query 5 = 8 positions = exactly two blocks of 4.
+    md = lab.build_attention_metadata(["a"], {"a": 5}, {"a": 3}, {"a": [6, 2]}, 4)
+    assert _ints(md.slot_mapping) == [6 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["empty", "twice", "missing-computed", "missing-scheduled", "missing-table", "zero-query",
+     "negative-context", "prefill-first", "short-table", "block-size-0", "block-size-float"],
+)
 def test_build_rejects_bad_input(case):
     counts, computed, tables = {"a": 1, "b": 5}, {"a": 3, "b": 0}, {"a": [1], "b": [2, 3]}
-    order = ["a", "b"]
+    order, bs = ["a", "b"], 4
     if case == "empty":
         order = []
     elif case == "twice":
         order = ["a", "a", "b"]
-    elif case == "missing":
+    elif case == "missing-computed":
         computed = {"a": 3}
+    elif case == "missing-scheduled":
+        counts = {"a": 1}
+    elif case == "missing-table":
+        tables = {"b": [2, 3]}
+    elif case == "zero-query":
+        counts = {"a": 0, "b": 5}
+    elif case == "negative-context":
+        computed = {"a": -1, "b": 0}
     elif case == "prefill-first":
         order = ["b", "a"]
+    elif case == "short-table":
+        tables = {"a": [1], "b": [2]}  # b needs 5 slots, one block of 4 holds 4
+    elif case == "block-size-0":
+        bs = 0
     else:
-        tables = {"a": [1], "b": [2]}
+        bs = 4.0
     with pytest.raises(ValueError):
-        lab.build_attention_metadata(order, counts, computed, tables, 4)
+        lab.build_attention_metadata(order, counts, computed, tables, bs)
+        pytest.fail(f"build_attention_metadata accepted a batch with {case}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 4: the decodes-first reorder
+# ---------------------------------------------------------------------------------------------
+
+
+def test_reorder_uses_the_fewest_swaps():
+    order = ["p0", "d1", "p2", "d3", "d4"]
+    counts = {"p0": 5, "d1": 1, "p2": 9, "d3": 1, "d4": 1}
+    same_list = order
+    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is True
+    assert order is same_list, "reorder in place"
+    # d4 (last decode) swaps with p0 (first prefill), d3 with p2; d1 was already in place.
+    assert order == ["d4", "d1", "d3", "p2", "p0"]
+    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is False
+    same = ["d1", "d3", "p0"]
+    assert lab.reorder_batch_to_split_decodes_and_prefills(same, counts) is False
+    assert same == ["d1", "d3", "p0"]
+
+
+def _oracle_reorder(order, counts, threshold=1):
+    """The contract's result, by its description: the misplaced decodes from the back take the
+    places of the misplaced prefills from the front."""
+    nd = sum(counts[r] <= threshold for r in order)
+    late_decodes = [i for i, r in enumerate(order) if counts[r] <= threshold and i >= nd]
+    early_prefills = [i for i, r in enumerate(order) if counts[r] > threshold and i < nd]
+    out = list(order)
+    for d, p in zip(reversed(late_decodes), early_prefills):
+        out[d], out[p] = out[p], out[d]
+    return out, bool(late_decodes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reorder_on_random_batches(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        n = rng.randint(0, 9)
+        threshold = rng.choice([1, 1, 2])
+        order = [f"r{i}" for i in range(n)]
+        counts = {r: rng.choice([1, 1, 2, 3, 17]) for r in order}
+        counts["not-in-batch"] = 1
+        want, changed = _oracle_reorder(order, counts, threshold)
+        got = list(order)
+        kwargs = {} if threshold == 1 else {"decode_threshold": threshold}
+        result = lab.reorder_batch_to_split_decodes_and_prefills(got, counts, **kwargs)
+        where = (f"batch {[(r, counts[r]) for r in order]} (request, tokens), decode_threshold "
+                 f"{threshold}")
+        assert got == want, f"{where}: expected {want}, got {got}"
+        assert result is changed, f"{where}: must return {changed}"
+
+
+def test_reorder_in_the_worked_example():
+    """Only step 2 needs a swap: A became a decode in row 1, behind the prefill B."""
+    changes, orders = [], []
+    for _, changed, order, _ in _worked_example(
+        lab.reorder_batch_to_split_decodes_and_prefills, build_reference
+    ):
+        changes.append(changed)
+        orders.append(order)
+    assert changes == [False, True, False], f"swaps per step: {changes}"
+    assert orders == [["B", "A"], ["A", "B"], ["A", "B"]], f"orders per step: {orders}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +450,10 @@ def test_build_rejects_bad_input(case):
 # ---------------------------------------------------------------------------------------------
 
 
-def _paged_batch(seed, dtype, num_heads=4, num_kv_heads=2, head_size=16, bs=4):
-    """A random mixed batch written into a paged cache with shuffled block ids."""
+def _paged_batch(seed, dtype, num_heads=4, num_kv_heads=2, head_size=16, bs=4, junk=0.0):
+    """A random mixed batch written into a paged cache with shuffled block ids. Every slot that
+    holds no context token (stale slots past seq_len, unowned blocks, block 0 which pads the
+    tables) holds ``junk``."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     lens = [(rng.randint(1, 20), 1) for _ in range(2)] + [
@@ -270,36 +463,160 @@ def _paged_batch(seed, dtype, num_heads=4, num_kv_heads=2, head_size=16, bs=4):
     rng.shuffle(free)
     ids = [f"s{i}" for i in range(len(lens))]
     tables, full_kv = {}, {}
-    x = kv_cache_x(dtype)
-    key_cache = torch.zeros(num_blocks, num_kv_heads, head_size // x, bs, x, dtype=dtype)
-    value_cache = torch.zeros(num_blocks, num_kv_heads, head_size, bs, dtype=dtype)
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    key_cache = torch.full((num_blocks, num_kv_heads, head_size // x, bs, x), junk, dtype=dtype)
+    value_cache = torch.full((num_blocks, num_kv_heads, head_size, bs), junk, dtype=dtype)
     for rid, (ctx, q) in zip(ids, lens):
         n = ctx + q
         tables[rid] = [free.pop() for _ in range(-(-n // bs))]
         k = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
         v = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
         full_kv[rid] = (k, v)
-        slots = torch.tensor([tables[rid][p // bs] * bs + p % bs for p in range(n)])
-        reshape_and_cache(k, v, key_cache, value_cache, slots)
-    md = lab.build_attention_metadata(ids, {r: q for r, (_, q) in zip(ids, lens)},
-                                      {r: c for r, (c, _) in zip(ids, lens)}, tables, bs)
+        pos = torch.arange(n)
+        blocks = torch.tensor(tables[rid])[pos // bs]
+        key_cache[blocks, :, :, pos % bs, :] = k.reshape(n, num_kv_heads, head_size // x, x)
+        value_cache[blocks, :, :, pos % bs] = v
+    # The reference's builder stands in for task 3, so that these tests wait on task 5 only.
+    md = build_reference(ids, {r: q for r, (_, q) in zip(ids, lens)},
+                         {r: c for r, (c, _) in zip(ids, lens)}, tables, bs)
     query = torch.randn(md.num_actual_tokens, num_heads, head_size, generator=gen).to(dtype)
     return ids, lens, md, query, key_cache, value_cache, full_kv
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("seed", range(3))
-def test_chunked_prefill_attention_matches_the_reference(seed, dtype):
-    ids, lens, md, query, kc, vc, full_kv = _paged_batch(seed, dtype)
-    scale = 1 / math.sqrt(query.shape[-1])
-    out = lab.chunked_prefill_attention(query, kc, vc, md, scale)
-    assert out.shape == query.shape and out.dtype == dtype
+def check_chunked(out, want, md, lens, dtype, what):
+    """``out`` equals ``want`` ([num_tokens, heads, head_size]); otherwise name the sequences,
+    query rows (with their positions) and heads that are wrong."""
+    assert out.shape == want.shape, (
+        f"{what}: output shape {tuple(out.shape)}, want {tuple(want.shape)}"
+    )
+    assert out.dtype == dtype, f"{what}: output dtype {out.dtype}, must be the query's {dtype}"
+    atol, rtol = tolerances(dtype)
+    g, w = out.detach().double(), want.detach().double()
+    bad = ~((g - w).abs() <= atol + rtol * w.abs())
+    if not bool(bad.any()):
+        return
+    lines = [f"{what}: {int(bad.any(-1).sum())} of {bad.shape[0] * bad.shape[1]} (row, head) "
+             f"outputs wrong beyond atol={atol:g}, rtol={rtol:g} ({dtype})"]
+    qsl = _ints(md.query_start_loc)
+    for s, (ctx, q) in enumerate(lens):
+        rows = bad[qsl[s]:qsl[s + 1]].any(dim=-1)  # [q, heads]
+        if not bool(rows.any()):
+            continue
+        wrong_rows = rows.any(dim=1).nonzero().flatten().tolist()
+        heads = rows.any(dim=0).nonzero().flatten().tolist()
+        kind = "decode" if q == 1 else ("first chunk" if ctx == 0 else "chunk after a context")
+        lines.append(
+            f"  sequence {s} ({kind}: context {ctx}, query {q}): query rows {wrong_rows} "
+            f"(positions {[ctx + i for i in wrong_rows]}), heads {heads}"
+            + (" -- NaN" if bool(torch.isnan(g[qsl[s]:qsl[s + 1]]).any()) else "")
+        )
+    if bool(torch.isnan(g).any()):
+        lines.append("  the output holds NaN: the only NaN in the caches sits where the contract "
+                     "says values are ignored (past seq_len, the null block of the padding); a "
+                     "softmax weight of 0 times NaN is NaN")
+    raise AssertionError("\n".join(lines))
+
+
+def _expected(md, lens, query, full_kv, ids, scale):
+    want = torch.empty_like(query)
     for i, rid in enumerate(ids):
         s, e = int(md.query_start_loc[i]), int(md.query_start_loc[i + 1])
         k, v = full_kv[rid]
-        want = ref_attention(query[s:e], k, v, scale=scale)
-        assert_close(out[s:e], want, msg=f"sequence {rid} (context {lens[i][0]}, "
-                                         f"query {lens[i][1]})")
+        want[s:e] = ref_attention(query[s:e], k, v, scale=scale)
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_chunked_prefill_attention_matches_the_reference(seed, dtype):
+    ids, lens, md, query, kc, vc, full_kv = _paged_batch(seed, dtype)
+    scale = 0.3
+    out = lab.chunked_prefill_attention(query, kc, vc, md, scale)
+    check_chunked(out, _expected(md, lens, query, full_kv, ids, scale), md, lens, dtype,
+                  f"chunked prefill, seed {seed}")
+
+
+def test_chunked_prefill_default_scale_is_one_over_sqrt_head_size():
+    ids, lens, md, query, kc, vc, full_kv = _paged_batch(4, torch.float32, head_size=32)
+    out = lab.chunked_prefill_attention(query, kc, vc, md)
+    check_chunked(out, _expected(md, lens, query, full_kv, ids, 32**-0.5), md, lens,
+                  torch.float32, "scale left out (1 / sqrt(32))")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunked_prefill_ignores_nan_outside_the_context(dtype):
+    """Every slot outside a sequence's context holds NaN: the slots past seq_len in its last
+    block, the blocks nobody owns, and block 0, which pads the shorter block tables."""
+    ids, lens, md, query, kc, vc, full_kv = _paged_batch(5, dtype, junk=float("nan"))
+    out = lab.chunked_prefill_attention(query, kc, vc, md, 0.3)
+    check_chunked(out, _expected(md, lens, query, full_kv, ids, 0.3), md, lens, dtype,
+                  "chunked prefill over a cache full of NaN outside the contexts")
+
+
+def test_chunked_prefill_in_float64_accumulates_in_float64():
+    ids, lens, md, query, kc, vc, full_kv = _paged_batch(6, torch.float64)
+    out = lab.chunked_prefill_attention(query, kc, vc, md, 0.3)
+    check_chunked(out, _expected(md, lens, query, full_kv, ids, 0.3), md, lens, torch.float64,
+                  "float64 inputs (scores and softmax in float64)")
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (6, 3), (4, 4)], ids=lambda h: f"h{h[0]}x{h[1]}")
+def test_chunked_prefill_query_head_reads_kv_head_h_over_group(heads):
+    """Each KV head's values are a constant, 100 * (k + 1): query head h must come out as
+    100 * (h // group + 1) in every row, whatever the weights."""
+    num_heads, kvh = heads
+    group = num_heads // kvh
+    ids, lens, md, query, kc, vc, _ = _paged_batch(8, torch.float32, num_heads=num_heads,
+                                                   num_kv_heads=kvh)
+    for k in range(kvh):
+        vc[:, k] = 100.0 * (k + 1)
+    out = lab.chunked_prefill_attention(query, kc, vc, md)
+    got = out.mean(dim=-1)  # [tokens, heads]
+    problems = []
+    for h in range(num_heads):
+        vals = torch.unique(got[:, h].round())
+        want = 100.0 * (h // group + 1)
+        if not torch.allclose(got[:, h], torch.full_like(got[:, h], want)):
+            read = sorted({int(v) // 100 - 1 for v in vals.tolist()})
+            problems.append(f"query head {h} read KV head(s) {read}, expected {h // group}")
+    assert not problems, (
+        f"{num_heads} query heads on {kvh} KV heads: query head h reads KV head h // {group}\n  "
+        + "\n  ".join(problems)
+    )
+
+
+def test_chunk_sees_exactly_its_context_and_itself():
+    """The value of position t is t and every key is zero, so each query row averages the
+    positions it may see: row i of a chunk after c cached tokens must give (c + i) / 2."""
+    ids, lens, md, query, kc, vc, _ = _paged_batch(9, torch.float32, junk=1000.0)
+    bs = kc.shape[3]
+    kc.zero_()
+    vc.fill_(1000.0)
+    for i in range(len(ids)):
+        ctx, q = lens[i]
+        pos = torch.arange(ctx + q)
+        blocks = md.block_tables[i].long()[pos // bs]
+        vc[blocks, :, :, pos % bs] = pos.float()[:, None, None]
+    out = lab.chunked_prefill_attention(query, kc, vc, md)
+    problems = []
+    qsl = _ints(md.query_start_loc)
+    for i in range(len(ids)):
+        ctx, q = lens[i]
+        for row in range(q):
+            got = float(out[qsl[i] + row].mean())
+            want = (ctx + row) / 2
+            if abs(got - want) > 1e-3:
+                seen = 2 * got if got < 500 else float("inf")
+                problems.append(
+                    f"sequence {i} (context {ctx}, query {q}), row {row} at position "
+                    f"{ctx + row}: mean of the visible positions must be {want:g}, got {got:.4g}"
+                    + (f" (as if it saw positions 0..{seen:.0f})" if seen != float("inf") else
+                       " (it read slots past seq_len, which hold 1000)")
+                )
+    assert not problems, (
+        "query row i of a chunk sits at position context + i and sees keys 0 .. context + i\n  "
+        + "\n  ".join(problems[:10])
+    )
 
 
 def test_chunk_does_not_see_its_future():
@@ -331,10 +648,19 @@ def test_decodes_agree_with_paged_attention_v1():
     paged_attention_v1(want, query[:nd].contiguous(), kc, vc, kc.shape[1], scale,
                        md.block_tables[:nd].contiguous(), md.seq_lens[:nd].contiguous(),
                        kc.shape[3], int(md.seq_lens[:nd].max()))
-    assert_close(out[:nd], want)
+    assert_close(out[:nd], want, msg="decode rows vs paged_attention_v1")
 
 
-def test_attention_rejects_a_query_that_does_not_match():
+def test_attention_rejects_inputs_that_do_not_match():
     ids, lens, md, query, kc, vc, _ = _paged_batch(1, torch.float32)
-    with pytest.raises(ValueError):
-        lab.chunked_prefill_attention(query[:-1], kc, vc, md)
+    cases = [
+        ("one query row fewer than the metadata", (query[:-1], kc, vc)),
+        ("a 2-D query", (query[:, 0], kc, vc)),
+        ("a query head size other than the cache's", (query[..., :8].contiguous(), kc, vc)),
+        ("3 query heads on 2 KV heads", (query[:, :3].contiguous(), kc, vc)),
+        ("a 4-D key cache", (query, kc.flatten(-2), vc)),
+    ]
+    for what, args in cases:
+        with pytest.raises(ValueError):
+            lab.chunked_prefill_attention(*args, md)
+            pytest.fail(f"chunked_prefill_attention accepted {what}")

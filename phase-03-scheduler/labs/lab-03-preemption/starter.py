@@ -1,6 +1,11 @@
 """Lab 03-03 starter: preemption by swapping.
 
 Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
+Each docstring is a contract: what goes in, what comes out, what must hold afterwards, which
+errors. How to get there is yours to work out; when stuck, climb the hint ladder:
+``python -m course hint 03-03 N`` (a question), then ``--level 2`` (the steps), then
+``--level 3`` (the upstream lines to read).
+
 The scheduler of lab 03-01 is the base class (the reference, from ``mini_vllm``): it already
 preempts, calls ``_preempt_by_swap`` in swap mode when the CPU pool has room, and calls
 ``_schedule_swapped`` before admitting waiting requests. You write those two methods and the
@@ -53,18 +58,42 @@ class SwapSpace:
         return len(self.req_to_cpu_blocks.get(request_id, ()))
 
     def swap_out(self, request_id: str, gpu_block_ids: list[int]) -> list[tuple[int, int]]:
-        """Take one CPU block per GPU block from ``block_pool``, remember them for the request
-        and return ``[(gpu_id, cpu_id), ...]``, pair ``i`` for logical block ``i``. Raise
-        ``ValueError`` (changing nothing) when the request is already swapped out or the CPU pool
-        lacks room."""
-        raise NotImplementedError("lab 03-03, task 1: implement SwapSpace.swap_out")
+        """Give ``request_id`` one CPU block per GPU block, to park its KV on the CPU.
+
+        Input: the GPU block ids of the request's KV, in block-table order (entry ``i`` is its
+        logical block ``i``). Output: ``[(gpu_id, cpu_id), ...]``, one pair per GPU block, in
+        the same order: the runner copies GPU block ``gpu_id`` into CPU block ``cpu_id``. The
+        CPU blocks come from ``self.block_pool`` (never block 0, never a block another request
+        holds), and ``self.req_to_cpu_blocks[request_id]`` lists their ``KVCacheBlock`` objects
+        in that same order (``free``, ``num_swapped_blocks`` and ``swap_in`` read it).
+        Afterwards ``get_num_free_blocks()`` is lower by ``len(gpu_block_ids)``; using every
+        free CPU block is allowed.
+
+        Refused with ``ValueError``, and then nothing changes: a request already swapped out
+        (the message names it); more blocks than the free CPU blocks (the message gives both
+        numbers). Cost: O(len(gpu_block_ids)).
+        """
+        raise NotImplementedError(
+            "lab 03-03, task 1: implement SwapSpace.swap_out (hint: python -m course hint 03-03 1)"
+        )
 
     def swap_in(self, request_id: str, gpu_block_ids: list[int]) -> list[tuple[int, int]]:
-        """Pair the request's CPU blocks, in order, with ``gpu_block_ids`` (one per CPU block),
-        free the CPU blocks and forget the request; return ``[(cpu_id, gpu_id), ...]``. Raise
-        ``ValueError`` (changing nothing) when the request is not swapped out or the number of
-        GPU blocks is wrong."""
-        raise NotImplementedError("lab 03-03, task 2: implement SwapSpace.swap_in")
+        """Bring ``request_id``'s parked KV back into the GPU blocks ``gpu_block_ids``.
+
+        Input: a swapped-out request and exactly one GPU block per CPU block it holds, in
+        block-table order. Output: ``[(cpu_id, gpu_id), ...]``: pair ``i`` is the request's
+        ``i``-th CPU block (the one ``swap_out`` gave its logical block ``i``) with
+        ``gpu_block_ids[i]``, so that the request resumes with exactly the KV it left with.
+        Afterwards the request holds no CPU block (``num_swapped_blocks`` is 0; it may be
+        swapped out again) and its CPU blocks are free again.
+
+        Refused with ``ValueError``, and then nothing changes: a request that is not swapped
+        out (the message names it); a number of GPU blocks other than its number of CPU blocks
+        (the message gives both numbers). Cost: O(number of blocks).
+        """
+        raise NotImplementedError(
+            "lab 03-03, task 2: implement SwapSpace.swap_in (hint: python -m course hint 03-03 2)"
+        )
 
     def free(self, request_id: str) -> None:
         """Drop a swapped request's CPU blocks without copying (it finished or was aborted)."""
@@ -79,26 +108,51 @@ class Scheduler(_BaseScheduler):
     swap_space_cls = SwapSpace
 
     def _preempt_by_swap(self, request: Request, step: _Step) -> None:
-        """Park a preempted request's KV on the CPU (``_preempt`` has already counted it and
-        checked that the CPU pool has room).
+        """Preempt ``request`` by parking its KV on the CPU instead of dropping it.
 
-        Swap out the GPU blocks that hold its computed tokens (the first
-        ``cdiv(num_computed_tokens, block_size)`` of its table), add the mapping to
-        ``step.blocks_to_swap_out`` and to ``stats.num_blocks_swapped_out``, free its GPU
-        blocks, set it SWAPPED *keeping* ``num_computed_tokens``, and append it to ``swapped``."""
-        raise NotImplementedError("lab 03-03, task 3: implement Scheduler._preempt_by_swap")
+        Input: a request already taken out of ``running``, counted and recorded in ``step`` by
+        ``_preempt``, which has also checked that it has computed tokens and that the CPU pool
+        can take the blocks that hold them.
+
+        Afterwards: the GPU blocks holding its computed tokens, the first
+        ``cdiv(num_computed_tokens, block_size)`` of its block table (the last one may be partly
+        filled), in table order, are swapped out through ``self.swap_space.swap_out``; the pairs
+        are appended to ``step.blocks_to_swap_out`` in that order and counted in
+        ``self.stats.num_blocks_swapped_out``; its GPU blocks are back in the KV cache manager;
+        its status is ``SWAPPED`` and its ``num_computed_tokens`` is *unchanged* (it resumes
+        where it stopped); it is at the back of ``swapped``.
+        """
+        raise NotImplementedError(
+            "lab 03-03, task 3: implement Scheduler._preempt_by_swap "
+            "(hint: python -m course hint 03-03 3)"
+        )
 
     def _schedule_swapped(self, step: _Step) -> None:
-        """Bring swapped requests back, front of ``swapped`` first, while budget is left and
-        fewer than ``max_num_running_reqs`` run.
+        """Resume swapped-out requests, first come first served, within ``step.token_budget``.
 
-        For each: ``n = self._num_new_tokens(request, step.token_budget)`` (stop if 0); ask
-        ``kv_cache_manager.allocate_slots(request, n)`` for its old KV *and* the new tokens (stop
-        at None); pair its CPU blocks with the first new GPU blocks (``swap_in``) into
-        ``step.blocks_to_swap_in`` and ``stats.num_blocks_swapped_in``; make it RUNNING at the
-        back of ``running``; record it as a *resumed* request with its whole block table
-        (``kv_cache_manager.get_blocks``), its tokens, and take them from the budget."""
-        raise NotImplementedError("lab 03-03, task 4: implement Scheduler._schedule_swapped")
+        ``schedule()`` calls it only in a step that preempted nobody, and while anyone is
+        swapped out it admits no waiting request (V0's rule: parked requests go first).
+
+        Requests resume from the front of ``swapped`` while budget is left and fewer than
+        ``max_num_running_reqs`` requests run. Each gets ``n = self._num_new_tokens(request,
+        step.token_budget)`` tokens, and GPU room both for the KV it parked (its
+        ``num_computed_tokens`` still counts it) and for the ``n`` new tokens, claimed with
+        ``kv_cache_manager.allocate_slots(request, n)``. The first request that cannot resume
+        (``n`` is 0, or the claim returns None) ends it: nobody behind it overtakes it.
+
+        Afterwards, for each resumed request, in order: its CPU blocks are paired, by
+        ``self.swap_space.swap_in``, with the *first* ``num_swapped_blocks`` blocks of its new
+        table (the pairs appended to ``step.blocks_to_swap_in`` and counted in
+        ``self.stats.num_blocks_swapped_in``); it has left ``swapped`` and is at the back of
+        ``running``, status ``RUNNING``; it is in ``step.scheduled_resumed_reqs`` (the runner
+        replaces its old table) with its *whole* block table in ``step.req_to_new_blocks``
+        (``kv_cache_manager.get_blocks``); ``step.num_scheduled_tokens`` holds its ``n`` and
+        ``step.token_budget`` is lower by ``n``.
+        """
+        raise NotImplementedError(
+            "lab 03-03, task 4: implement Scheduler._schedule_swapped "
+            "(hint: python -m course hint 03-03 4)"
+        )
 
 
 # Given for your convenience: blocks needed for n tokens = cdiv(n, block_size).

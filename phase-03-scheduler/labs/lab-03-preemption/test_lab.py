@@ -2,8 +2,13 @@
 
 The headline property: a request that is swapped out and back in resumes with exactly the KV it
 had, so its paged-attention output is bit for bit the same. Around it: no block is lost or owned
-twice across the GPU and CPU pools, swapped requests come back before new ones, and the two
-preemption modes generate the same tokens while moving very different amounts of work.
+twice across the GPU and CPU pools, swapped requests come back before new ones, an aborted
+swapped request gives its CPU blocks back, and the two preemption modes generate the same
+tokens while moving very different amounts of work.
+
+Tests are grouped by task and use only their task and the ones before it: task 3's runs use the
+reference's ``_schedule_swapped`` (``make_scheduler(upto=3)``), and swapped-out states are built
+with the given ``_preempt`` (``swap_out_by_hand``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from mini_vllm.kv_cache_manager import cdiv
 from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
 from mini_vllm.request import Request, RequestStatus
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler import Scheduler as ReferenceScheduler
+from mini_vllm.scheduler import _Step
+from mini_vllm.scheduler_output import ModelRunnerOutput
 from mini_vllm.toy_runner import ToyModelRunner, run_engine
 
 lab = load_lab(__file__)
@@ -42,12 +50,50 @@ def make_requests(specs, block_size, seed=0):
     return out
 
 
-def make_scheduler(mode="swap", **overrides):
+def make_scheduler(mode="swap", upto=4, **overrides):
+    """Your Scheduler; with ``upto=3`` the reference's ``_schedule_swapped`` stands in for
+    task 4."""
     kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, block_size=4,
               num_gpu_blocks=25, enable_prefix_caching=False, preemption_mode=mode,
               num_cpu_blocks=64)
     kw.update(overrides)
-    return lab.Scheduler(SchedulerConfig(**kw))
+    cls = lab.Scheduler
+    if upto < 4:
+        cls = type("SchedulerUpToTask3", (lab.Scheduler,),
+                   {"_schedule_swapped": vars(ReferenceScheduler)["_schedule_swapped"]})
+    return cls(SchedulerConfig(**kw))
+
+
+def run_by_hand(scheduler, request, computed, outputs=()):
+    """Put an added request into ``running`` as a step would have left it: ``computed`` tokens
+    with KV (GPU blocks claimed from the KV cache manager), then ``outputs`` sampled."""
+    scheduler.waiting.remove(request)
+    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = computed
+    scheduler.running.append(request)
+    for token in outputs:
+        request.append_output_token_ids(token)
+
+
+def swap_out_by_hand(scheduler, request):
+    """Preempt a running request through the given ``_preempt`` (which calls your
+    ``_preempt_by_swap``); returns the step it recorded into (its ``blocks_to_swap_out``)."""
+    step = _Step(token_budget=0)
+    scheduler.running.remove(request)
+    scheduler._preempt(request, step)
+    return step
+
+
+def one_token_each(so, tokens=None):
+    tokens = tokens or {}
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = [list(tokens.get(r, [5])) for r in req_ids]
+    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+
+
+def gpu_free(scheduler):
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 def check_pools(scheduler):
@@ -90,7 +136,7 @@ def check_kv(runner, scheduler):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tasks 1 and 2: the swap space
+# Task 1: swap_out
 # ---------------------------------------------------------------------------------------------
 
 
@@ -100,41 +146,214 @@ def test_swap_out_pairs_each_gpu_block_with_its_own_cpu_block():
     assert [g for g, _ in mapping] == [5, 3, 9], "pair i must be logical block i"
     cpu = [c for _, c in mapping]
     assert len(set(cpu)) == 3 and 0 not in cpu
+    assert all(1 <= c < 8 for c in cpu)
     assert space.get_num_free_blocks() == 7 - 3
     assert space.num_swapped_blocks("a") == 3
-    back = space.swap_in("a", [11, 12, 13])
-    assert back == [(cpu[0], 11), (cpu[1], 12), (cpu[2], 13)]
-    assert space.get_num_free_blocks() == 7 and space.num_swapped_blocks("a") == 0
+    assert [b.block_id for b in space.req_to_cpu_blocks["a"]] == cpu
+    more = space.swap_out("b", [1, 2])
+    assert not set(c for _, c in more) & set(cpu), "a CPU block given to two requests"
+    assert space.get_num_free_blocks() == 2
 
 
-@pytest.mark.parametrize("case", ["twice", "too-big", "in-unknown", "in-wrong-count"])
-def test_swap_space_rejects_bad_calls_and_changes_nothing(case):
+def test_swap_out_may_use_every_free_cpu_block_and_free_gives_them_back():
+    space = lab.SwapSpace(5)  # 4 usable
+    mapping = space.swap_out("a", [10, 11, 12, 13])
+    assert sorted(c for _, c in mapping) == [1, 2, 3, 4]
+    assert space.get_num_free_blocks() == 0 and space.can_swap_out(1) is False
+    space.free("a")  # given: an aborted swapped request drops its CPU blocks
+    assert space.get_num_free_blocks() == 4 and space.num_swapped_blocks("a") == 0
+    assert len(space.swap_out("b", [7, 8, 9, 6])) == 4
+
+
+@pytest.mark.parametrize("case, numbers", [("twice", ["req-A"]), ("too-big", ["4", "3"])])
+def test_swap_out_refuses_and_changes_nothing(case, numbers):
     space = lab.SwapSpace(6)
-    space.swap_out("a", [1, 2])
-    with pytest.raises(ValueError):
+    space.swap_out("req-A", [1, 2])
+    with pytest.raises(ValueError) as excinfo:
         if case == "twice":
-            space.swap_out("a", [3])
-        elif case == "too-big":
-            space.swap_out("b", [3, 4, 5, 6])
-        elif case == "in-unknown":
-            space.swap_in("b", [1])
+            space.swap_out("req-A", [3])
         else:
-            space.swap_in("a", [1, 2, 3])
-    assert space.num_swapped_blocks("a") == 2
-    assert space.num_swapped_blocks("b") == 0
+            space.swap_out("req-B", [3, 4, 5, 6])
+    for number in numbers:
+        assert number in str(excinfo.value), f"the message must give {number!r}"
+    assert space.num_swapped_blocks("req-A") == 2
+    assert space.num_swapped_blocks("req-B") == 0 and "req-B" not in space.req_to_cpu_blocks
     assert space.get_num_free_blocks() == 3
 
 
 # ---------------------------------------------------------------------------------------------
-# Tasks 3 and 4: the scheduler's swap mode
+# Task 2: swap_in
 # ---------------------------------------------------------------------------------------------
 
 
-def test_swapped_request_resumes_with_exactly_its_kv():
-    """Snapshot the victim's KV and its paged-attention output when it is swapped out; after it
-    is swapped back in (into other blocks), both are bit for bit the same."""
+def test_swap_in_returns_the_same_cpu_blocks_in_order():
+    space = lab.SwapSpace(8)
+    mapping = space.swap_out("a", [5, 3, 9])
+    cpu = [c for _, c in mapping]
+    back = space.swap_in("a", [11, 12, 13])
+    assert back == [(cpu[0], 11), (cpu[1], 12), (cpu[2], 13)]
+    assert space.get_num_free_blocks() == 7 and space.num_swapped_blocks("a") == 0
+    assert "a" not in space.req_to_cpu_blocks
+    # Swapped out again, it gets CPU blocks again (the freed ones are reusable).
+    again = space.swap_out("a", [1, 2, 3, 4, 5, 6, 7])
+    assert sorted(c for _, c in again) == list(range(1, 8))
+
+
+def test_swap_in_of_one_request_leaves_the_others_parked():
+    space = lab.SwapSpace(8)
+    a = space.swap_out("a", [1, 2])
+    b = space.swap_out("b", [3, 4, 5])
+    assert space.swap_in("b", [6, 7, 8]) == [(c, g) for (_, c), g in zip(b, [6, 7, 8])]
+    assert space.num_swapped_blocks("a") == 2 and space.get_num_free_blocks() == 5
+    assert space.swap_in("a", [9, 10]) == [(c, g) for (_, c), g in zip(a, [9, 10])]
+    assert space.get_num_free_blocks() == 7
+
+
+@pytest.mark.parametrize("case, numbers", [("unknown", ["req-B"]), ("too-few", ["2", "1"]),
+                                           ("too-many", ["2", "3"])])
+def test_swap_in_refuses_and_changes_nothing(case, numbers):
+    space = lab.SwapSpace(6)
+    mapping = space.swap_out("req-A", [1, 2])
+    with pytest.raises(ValueError) as excinfo:
+        if case == "unknown":
+            space.swap_in("req-B", [1])
+        elif case == "too-few":
+            space.swap_in("req-A", [7])
+        else:
+            space.swap_in("req-A", [7, 8, 9])
+    for number in numbers:
+        assert number in str(excinfo.value), f"the message must give {number!r}"
+    assert space.num_swapped_blocks("req-A") == 2
+    assert space.get_num_free_blocks() == 3
+    assert space.swap_in("req-A", [7, 8]) == [(c, g) for (_, c), g in zip(mapping, [7, 8])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 3: preemption by swap (the reference's _schedule_swapped brings requests back)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_swap_preemption_keeps_progress_and_moves_the_right_blocks():
     bs = 4
-    scheduler = make_scheduler(num_gpu_blocks=16)
+    scheduler = make_scheduler(upto=3, num_gpu_blocks=10, max_num_batched_tokens=64)
+    requests = make_requests([(12, 8), (12, 8), (12, 8)], bs)
+    for request in requests:
+        scheduler.add_request(request)
+    so = scheduler.schedule()  # 9 blocks: full
+    victim_blocks = scheduler.kv_cache_manager.get_block_ids("r2")[0]
+    scheduler.update_from_output(so, one_token_each(so))
+    so = scheduler.schedule()
+    assert so.preempted_req_ids == ["r2"]
+    victim = requests[2]
+    assert victim.status == RequestStatus.SWAPPED
+    assert victim.num_computed_tokens == 12, "swapping keeps the computed tokens"
+    assert list(scheduler.swapped) == [victim] and len(scheduler.waiting) == 0
+    assert [g for g, _ in so.blocks_to_swap_out] == victim_blocks
+    assert so.blocks_to_swap_in == []
+    assert len(set(c for _, c in so.blocks_to_swap_out)) == 3
+    assert [c.block_id for c in scheduler.swap_space.req_to_cpu_blocks["r2"]] == [
+        c for _, c in so.blocks_to_swap_out]
+    assert scheduler.stats.num_blocks_swapped_out == 3
+    assert scheduler.stats.num_swap_preemptions == 1 and victim.num_preemptions == 1
+    assert gpu_free(scheduler) == 1
+    check_pools(scheduler)
+
+
+@pytest.mark.parametrize("computed, blocks", [(9, 3), (8, 2), (1, 1)])
+def test_only_the_blocks_with_computed_tokens_travel(computed, blocks):
+    """A table of 4 GPU blocks holding ``computed`` tokens: the first cdiv(computed, 4) blocks
+    are swapped out (the last one may be partly filled), and all 4 are freed."""
+    scheduler = make_scheduler(upto=3, num_gpu_blocks=10)
+    request = make_requests([(16, 4)], 4)[0]
+    scheduler.add_request(request)
+    scheduler.waiting.remove(request)
+    kv = scheduler.kv_cache_manager
+    assert kv.allocate_slots(request, computed, num_lookahead_tokens=16 - computed) is not None
+    table = kv.get_block_ids("r0")[0]
+    assert len(table) == 4
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = computed
+    scheduler.running.append(request)
+    step = swap_out_by_hand(scheduler, request)
+    assert [g for g, _ in step.blocks_to_swap_out] == table[:blocks]
+    assert scheduler.swap_space.num_swapped_blocks("r0") == blocks
+    assert request.num_computed_tokens == computed
+    assert gpu_free(scheduler) == 9
+    assert list(scheduler.swapped) == [request] and scheduler.running == []
+    check_pools(scheduler)
+
+
+def test_victims_join_the_back_of_swapped_and_add_to_the_step():
+    scheduler = make_scheduler(upto=3, num_gpu_blocks=10)
+    requests = make_requests([(8, 4), (8, 4), (8, 4)], 4)
+    for request in requests:
+        scheduler.add_request(request)
+        run_by_hand(scheduler, request, 8, outputs=[5])
+    step = _Step(token_budget=0)
+    step.blocks_to_swap_out.append((99, 99))  # what an earlier victim of the step added
+    for request in (requests[2], requests[0]):
+        scheduler.running.remove(request)
+        scheduler._preempt(request, step)
+    assert [r.request_id for r in scheduler.swapped] == ["r2", "r0"]
+    assert len(step.blocks_to_swap_out) == 5 and step.blocks_to_swap_out[0] == (99, 99)
+    assert scheduler.stats.num_blocks_swapped_out == 4
+    check_pools(scheduler)
+
+
+def test_an_aborted_swapped_request_gives_its_cpu_blocks_back():
+    """A client aborts a request while its KV is parked on the CPU: finish_requests (lab
+    03-01's, given here) drops it from `swapped` and the swap space frees its CPU blocks."""
+    bs = 4
+    scheduler = make_scheduler(upto=3, num_gpu_blocks=10, num_cpu_blocks=8)
+    requests = make_requests([(12, 6), (12, 6), (12, 6)], bs)
+    for request in requests:
+        scheduler.add_request(request)
+        run_by_hand(scheduler, request, 12, outputs=[5])
+    swap_out_by_hand(scheduler, requests[1])
+    assert scheduler.swap_space.get_num_free_blocks() == 7 - 3
+    scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.swap_space.get_num_free_blocks() == 7
+    assert scheduler.swap_space.num_swapped_blocks("r1") == 0
+    assert list(scheduler.swapped) == [] and "r1" not in scheduler.requests
+    assert requests[1].status == RequestStatus.FINISHED_ABORTED
+    check_pools(scheduler)
+    so = scheduler.schedule()
+    assert "r1" in so.finished_req_ids and so.blocks_to_swap_in == []
+    for _ in range(50):  # the others run to the end
+        scheduler.update_from_output(so, one_token_each(so))
+        check_pools(scheduler)
+        if not scheduler.has_unfinished_requests():
+            break
+        so = scheduler.schedule()
+    assert [r.num_output_tokens for r in requests] == [6, 1, 6]
+    assert scheduler.swap_space.get_num_free_blocks() == 7
+
+
+def test_full_cpu_pool_falls_back_to_recompute():
+    """Swap while the CPU pool has room (3 usable blocks: one victim of 3 blocks), recompute once
+    it is full; the pools and the KV stay consistent either way."""
+    bs = 4
+    scheduler = make_scheduler(upto=3, num_gpu_blocks=10, num_cpu_blocks=4)
+    runner = ToyModelRunner(bs, 10, 4)
+    run_engine(scheduler, runner, {0: make_requests([(12, 8)] * 4, bs)},
+               on_step=lambda s, so, sch: (check_pools(sch), check_kv(runner, sch)))
+    assert scheduler.stats.num_swap_preemptions >= 1
+    assert scheduler.stats.num_recompute_preemptions >= 1
+    assert scheduler.swap_space.get_num_free_blocks() == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 4: bringing swapped requests back
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("upto", [3, 4], ids=["resumed-by-the-reference", "resumed-by-yours"])
+def test_swapped_request_resumes_with_exactly_its_kv(upto):
+    """Snapshot the victim's KV and its paged-attention output when it is swapped out; after it
+    is swapped back in (into other blocks), both are bit for bit the same. With ``upto=3`` the
+    reference's _schedule_swapped brings it back (a test of your swap-out), with 4 yours."""
+    bs = 4
+    scheduler = make_scheduler(upto=upto, num_gpu_blocks=16)
     runner = ToyModelRunner(bs, 16, 64)
     for request in make_requests([(13, 20), (14, 20), (15, 20)], bs):
         scheduler.add_request(request)
@@ -180,26 +399,80 @@ def test_swapped_request_resumes_with_exactly_its_kv():
     assert not scheduler.has_unfinished_requests()
 
 
-def test_swap_preemption_keeps_progress_and_moves_the_right_blocks():
-    bs = 4
-    scheduler = make_scheduler(num_gpu_blocks=10, max_num_batched_tokens=64)
-    requests = make_requests([(12, 8), (12, 8), (12, 8)], bs)
-    for request in requests:
+def _one_swapped_and_room(max_num_seqs=8, budget=64):
+    """"r0", "r1", "r2" of 12 computed tokens and one sampled token fill 9 usable blocks; "r2"
+    is swapped out (its 3 blocks), then "r0" is aborted: 7 GPU blocks are free."""
+    scheduler = make_scheduler(num_gpu_blocks=10, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=budget)
+    requests = make_requests([(12, 8), (12, 8), (12, 8), (10, 4)], 4)
+    for request in requests[:3]:
         scheduler.add_request(request)
-    so = scheduler.schedule()  # 9 blocks: full
-    victim_blocks = scheduler.kv_cache_manager.get_block_ids("r2")[0]
-    from mini_vllm.scheduler_output import ModelRunnerOutput
-    scheduler.update_from_output(so, ModelRunnerOutput(["r0", "r1", "r2"],
-                                                      {"r0": 0, "r1": 1, "r2": 2}, [[5], [5], [5]]))
-    so = scheduler.schedule()
-    assert so.preempted_req_ids == ["r2"]
+        run_by_hand(scheduler, request, 12, outputs=[5])
+    swapped_out = swap_out_by_hand(scheduler, requests[2]).blocks_to_swap_out
+    scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    assert gpu_free(scheduler) == 6
+    return scheduler, requests, swapped_out
+
+
+def test_resume_pairs_the_cpu_blocks_with_the_first_new_blocks():
+    scheduler, requests, swapped_out = _one_swapped_and_room()
     victim = requests[2]
-    assert victim.status == RequestStatus.SWAPPED
-    assert victim.num_computed_tokens == 12, "swapping keeps the computed tokens"
-    assert list(scheduler.swapped) == [victim] and len(scheduler.waiting) == 0
-    assert [g for g, _ in so.blocks_to_swap_out] == victim_blocks
-    assert so.blocks_to_swap_in == []
-    assert scheduler.stats.num_blocks_swapped_out == 3
+    so = scheduler.schedule()
+    table = scheduler.kv_cache_manager.get_block_ids("r2")[0]
+    assert len(table) == 4, "room for its 12 parked tokens and the new one"
+    assert so.blocks_to_swap_in == [(c, g) for (_, c), g in zip(swapped_out, table[:3])]
+    assert so.num_scheduled_tokens == {"r1": 1, "r2": 1}
+    cached = so.scheduled_cached_reqs
+    assert cached.req_ids == ["r1", "r2"]
+    assert cached.resumed_from_preemption == [False, True]
+    assert cached.new_block_ids[1] == (table,), "a resumed request gets its whole table"
+    assert cached.num_computed_tokens == [12, 12]
+    assert victim.status == RequestStatus.RUNNING and victim.num_computed_tokens == 13
+    assert [r.request_id for r in scheduler.running] == ["r1", "r2"]
+    assert list(scheduler.swapped) == []
+    assert scheduler.stats.num_blocks_swapped_in == 3
+    assert scheduler.swap_space.get_num_free_blocks() == 63
+    check_pools(scheduler)
+
+
+@pytest.mark.parametrize("budget, want", [(6, {"r1": 1, "r2": 1, "r3": 4}),
+                                          (2, {"r1": 1, "r2": 1})])
+def test_a_resumed_request_takes_its_tokens_from_the_budget(budget, want):
+    """"r1" takes 1 token, "r2" resumes with 1 (the last one of a budget of 2), and the waiting
+    "r3" gets what is left."""
+    scheduler, requests, _ = _one_swapped_and_room(budget=budget)
+    scheduler.add_request(requests[3])
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == want
+
+
+@pytest.mark.parametrize("case", ["seats", "budget", "nothing-to-do", "fcfs"])
+def test_swapped_requests_wait_when_they_cannot_resume(case):
+    """Nobody resumes: all seats taken; no budget left; the head of `swapped` has nothing to do
+    yet (its token has not come back); the head does not fit the GPU, and the one behind it,
+    which would, may not overtake it. Waiting requests are not admitted either."""
+    scheduler = make_scheduler(num_gpu_blocks=10, max_num_batched_tokens=64)
+    specs = [(12, 8), (16, 8), (4, 8), (8, 8), (3, 2)]
+    r0, r1, r2, r3, late = make_requests(specs, 4)
+    for request in (r0, r1, r2, r3, late):
+        scheduler.add_request(request)
+    run_by_hand(scheduler, r0, 12, outputs=[5])                     # 3 blocks
+    run_by_hand(scheduler, r1, 16, outputs=[] if case == "nothing-to-do" else [5])  # 4 blocks
+    run_by_hand(scheduler, r2, 4, outputs=[5])                      # 1 block
+    swap_out_by_hand(scheduler, r1)
+    swap_out_by_hand(scheduler, r2)
+    if case == "seats":
+        scheduler.max_num_running_reqs = 1
+    elif case == "budget":
+        scheduler.max_num_scheduled_tokens = 1  # "r0" takes it
+    elif case == "fcfs":
+        run_by_hand(scheduler, r3, 8, outputs=[5])  # 2 blocks: 4 free, "r1" needs 5, "r2" 2
+    so = scheduler.schedule()
+    assert [r.request_id for r in scheduler.swapped] == ["r1", "r2"]
+    assert so.blocks_to_swap_in == [] and not any(so.scheduled_cached_reqs.resumed_from_preemption)
+    assert so.scheduled_new_reqs == [], "nobody is admitted while requests are swapped out"
+    assert scheduler.stats.num_blocks_swapped_in == 0
+    assert r1.status == r2.status == RequestStatus.SWAPPED
     check_pools(scheduler)
 
 
@@ -232,19 +505,6 @@ def test_swapped_requests_come_back_before_new_ones():
     assert any(kind == "late-waits-behind-swapped" for kind, _, _ in order)
     assert resumes and admit_late and min(resumes) <= admit_late[0]
     assert scheduler.swap_space.get_num_free_blocks() == 63
-
-
-def test_full_cpu_pool_falls_back_to_recompute():
-    """Swap while the CPU pool has room (3 usable blocks: one victim of 3 blocks), recompute once
-    it is full; the pools and the KV stay consistent either way."""
-    bs = 4
-    scheduler = make_scheduler(num_gpu_blocks=10, num_cpu_blocks=4)
-    runner = ToyModelRunner(bs, 10, 4)
-    run_engine(scheduler, runner, {0: make_requests([(12, 8)] * 4, bs)},
-               on_step=lambda s, so, sch: (check_pools(sch), check_kv(runner, sch)))
-    assert scheduler.stats.num_swap_preemptions >= 1
-    assert scheduler.stats.num_recompute_preemptions >= 1
-    assert scheduler.swap_space.get_num_free_blocks() == 3
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -290,6 +550,40 @@ def test_swap_recompute_and_no_preemption_agree(seed):
     assert swap_stats.num_blocks_swapped_out == swap_stats.num_blocks_swapped_in
     if rec_stats.num_preemptions:
         assert rec_stats.num_recomputed_tokens > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_aborts_at_any_point_leave_both_pools_clean(seed):
+    """Random swap-mode workloads where a random request is aborted at a random step, whatever
+    queue it is in (running, waiting, swapped): the pools stay consistent after every step and
+    end entirely free; the others still generate all their tokens."""
+    rng = random.Random(100 + seed)
+    bs = rng.choice([2, 4])
+    specs = [(rng.randint(4, 24), rng.randint(4, 12)) for _ in range(6)]
+    blocks = max(cdiv(n + m, bs) for n, m in specs) + 3
+    scheduler = make_scheduler(num_gpu_blocks=blocks, block_size=bs,
+                               max_num_batched_tokens=16, num_cpu_blocks=40)
+    runner = ToyModelRunner(bs, blocks, 40, with_kv=False)
+    requests = make_requests(specs, bs, seed)
+    aborts = {rng.randint(1, 25): f"r{i}" for i in rng.sample(range(6), 3)}
+    where = []
+
+    def on_step(step, so, sch):
+        rid = aborts.get(step)
+        if rid is not None and rid in sch.requests:
+            where.append(sch.requests[rid].status)
+            sch.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        check_pools(sch)
+
+    run_engine(scheduler, runner, {0: requests}, on_step=on_step)
+    assert scheduler.stats.num_swap_preemptions > 0, "the workload must swap"
+    for request in requests:
+        assert request.is_finished()
+        if request.status != RequestStatus.FINISHED_ABORTED:
+            assert request.num_output_tokens == request.max_tokens
+    assert scheduler.swap_space.get_num_free_blocks() == 39
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
 def test_the_two_modes_trade_recompute_for_copies():

@@ -4,12 +4,15 @@ The model is a tiny randomly initialised Llama (two layers, 32 wide) with a larg
 so its greedy choices are far from ties and the engine must reproduce, token for token, what a
 plain full recomputation with no cache produces.
 
-Groups:
+Groups, each using only its task and the ones before it:
   1. task 1: applying the scheduler's diff (new, cached, resumed, finished requests)
-  2. task 2: batch order, input ids, positions and slots
-  3. task 3: which requests sample, from which logits row
-  4. tasks 4-5: whole generations against the no-cache reference, with chunked prefill, prefix
-     caching, and preemption by recompute and by swap; seeded sampling; min_tokens
+  2. task 2: batch order (kept from step to step, decodes first), input ids, positions, slots
+  3. task 3: which requests sample, from which logits row, with which generator and bans
+  4. task 4: your runner driven by hand with the reference scheduler: whole generations
+     against the no-cache reference (chunked prefill, prefix caching, preemption by recompute
+     and by swap), a step that schedules nothing, the output in batch order
+  5. task 5: your EngineCore.step: the same generations through step(), seeded sampling,
+     min_tokens, statistics, an idle step
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from course.loader import load_lab
 from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
+from mini_vllm.scheduler import Scheduler as ReferenceScheduler
 
 lab = load_lab(__file__)
 
@@ -69,7 +73,35 @@ def run_engine(prompt_list, params, max_steps=2000, **config):
 
 
 def make_runner(**kw):
-    return lab.ModelRunner(tiny_model(), block_size=4, num_gpu_blocks=32, **kw)
+    kw.setdefault("num_gpu_blocks", 32)
+    return lab.ModelRunner(tiny_model(), block_size=4, **kw)
+
+
+def run_by_hand(prompt_list, params, **config):
+    """Your runner with the reference scheduler, the engine loop written out (no step())."""
+    config = lab.SchedulerConfig(**config)
+    scheduler = ReferenceScheduler(config)
+    runner = lab.ModelRunner(tiny_model(), block_size=config.block_size,
+                             num_gpu_blocks=config.num_gpu_blocks,
+                             num_cpu_blocks=config.num_cpu_blocks)
+    requests = []
+    from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
+    from mini_vllm.request import Request
+
+    hasher = get_request_block_hasher(config.block_size, sha256)
+    for i, p in enumerate(prompt_list):
+        requests.append(Request(f"r{i}", list(p), params, None, block_hasher=hasher))
+        scheduler.add_request(requests[-1])
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests():
+            break
+        so = scheduler.schedule()
+        mro = runner.execute_model(so)
+        assert mro.req_ids == runner.batch_req_ids or so.total_num_scheduled_tokens == 0
+        scheduler.update_from_output(so, mro)
+    else:
+        pytest.fail("the run did not finish within 2000 steps")
+    return scheduler, runner, [list(r.output_token_ids) for r in requests]
 
 
 def sched_output(new=(), cached=None, num_scheduled=None, finished=()):
@@ -130,6 +162,28 @@ def test_update_states_tracks_new_cached_resumed_and_finished_requests():
     assert "a" not in runner.requests, "finished requests must be forgotten"
 
 
+def test_update_states_edge_cases():
+    """An unknown finished id is ignored; a new request starts from its prefix-cache hit; a
+    resumed request without blocks gets an empty table; the runner's own tokens are kept."""
+    runner = make_runner()
+    runner._update_states(sched_output(
+        new=[new_req("a", range(1, 10), [1, 2, 3], computed=8), new_req("b", [4, 5], [4])],
+        finished=["never-seen"],
+    ))
+    assert runner.requests["a"].num_computed_tokens == 8
+    runner.requests["b"].token_ids.append(33)
+    runner._update_states(sched_output(
+        cached=cached_reqs(("b", True, None, 0), ("a", False, [5], 9)), finished=["ghost"],
+    ))
+    assert runner.requests["b"].block_ids == [] and runner.requests["b"].num_computed_tokens == 0
+    assert runner.requests["b"].token_ids == [4, 5, 33], "the runner's samples are kept"
+    assert runner.requests["a"].block_ids == [1, 2, 3, 5]
+    assert runner.requests["a"].num_computed_tokens == 9
+    # finished and new in one step: the old record goes, the new one is the new request's
+    runner._update_states(sched_output(new=[new_req("c", [7], [6])], finished=["a", "b"]))
+    assert sorted(runner.requests) == ["c"]
+
+
 # ----------------------------------------------------------------------------- task 2
 
 
@@ -162,6 +216,31 @@ def test_prepare_inputs_orders_decodes_first_and_slices_each_request():
     assert input_ids.tolist() == [23, 24]
     assert meta.positions.tolist() == [3, 4]
     assert meta.context_lens.tolist() == [3]
+    assert runner.batch_req_ids == ["b"], "only the scheduled requests"
+
+
+def test_batch_order_is_kept_from_the_previous_step_then_made_decodes_first():
+    """The previous batch was ["c", "x", "a"]; now "a" and "b" decode, "c" and "d" prefill,
+    "x" is not scheduled. Kept order first, then newcomers in scheduled order: [c, a, d, b];
+    then decodes first with the fewest moves: "b" swaps places with "c": [b, a, d, c]."""
+    runner = make_runner()
+    runner._update_states(sched_output(new=[
+        new_req("a", [1, 2, 3, 4], [1, 2]), new_req("c", [5, 6, 7, 8, 9, 10], [3, 4]),
+        new_req("x", [11], [5]),
+    ]))
+    runner.requests["a"].token_ids.append(40)  # "a" decodes position 4
+    runner.batch_req_ids = ["c", "x", "a"]
+    new = [new_req("d", [12, 13], [6]), new_req("b", [14], [7])]
+    cached = cached_reqs(("a", False, None, 4), ("c", False, None, 3))
+    runner._update_states(sched_output(new=new, cached=cached))
+    so = sched_output(new=new, cached=cached, num_scheduled={"a": 1, "b": 1, "c": 3, "d": 2})
+    assert so.scheduled_req_ids == ["d", "b", "a", "c"]
+    input_ids, meta = runner._prepare_inputs(so)
+    assert meta.req_ids == ["b", "a", "d", "c"]
+    assert runner.batch_req_ids == ["b", "a", "d", "c"]
+    assert input_ids.tolist() == [14, 40, 12, 13, 8, 9, 10]
+    assert meta.positions.tolist() == [0, 4, 0, 1, 3, 4, 5]
+    assert runner.requests["a"].token_ids == [1, 2, 3, 4, 40], "preparing changes no record"
 
 
 # ----------------------------------------------------------------------------- task 3
@@ -189,7 +268,57 @@ def test_sample_uses_the_last_row_and_skips_requests_mid_prefill():
     assert runner.requests["c"].token_ids == [9, 10, 11, 12, want_c]
 
 
-# ----------------------------------------------------------------------------- tasks 4-5
+def _seeded(rid, tokens, blocks, **params):
+    return lab.NewRequestData(
+        req_id=rid, prompt_token_ids=list(tokens),
+        sampling_params=lab.SamplingParams(**params), block_ids=(list(blocks),),
+        num_computed_tokens=0,
+    )
+
+
+def test_a_seeded_request_draws_from_its_own_generator_only_when_it_samples():
+    """Runner A sees the seeded request "s" in two chunks, beside another random request;
+    runner B sees it in one step, alone. Its token comes from its own generator, and the chunk
+    that samples nothing draws nothing: A and B sample the same token."""
+    params = dict(temperature=1.0, seed=1234)
+    hidden = torch.randn(8, TINY.hidden_size, generator=torch.Generator().manual_seed(3))
+    a = make_runner()
+    a._update_states(sched_output(new=[
+        new_req("o", [1, 2], [1]), _seeded("s", [3, 4, 5, 6, 7], [2, 3], **params),
+    ]))
+    a.requests["o"].sampling_params = lab.SamplingParams(temperature=1.0)
+    meta = lab.build_attention_metadata(["o", "s"], {"o": 2, "s": 3}, {"o": 0, "s": 0},
+                                        {"o": [1], "s": [2, 3]}, 4)
+    assert a._sample(hidden[:5], meta)[1] == []
+    a.requests["s"].num_computed_tokens = 3
+    meta = lab.build_attention_metadata(["s"], {"s": 2}, {"s": 3}, {"s": [2, 3]}, 4)
+    token_a = a._sample(hidden[5:7], meta)
+    b = make_runner()
+    b._update_states(sched_output(new=[_seeded("s", [3, 4, 5, 6, 7], [2, 3], **params)]))
+    meta = lab.build_attention_metadata(["s"], {"s": 5}, {"s": 0}, {"s": [2, 3]}, 4)
+    rows = torch.cat([hidden[:3], hidden[5:7]])
+    token_b = b._sample(rows, meta)
+    assert token_a == token_b
+
+
+def test_min_tokens_bans_the_stop_tokens_while_it_holds():
+    """Greedy: the row's best token is a stop token, and the request has fewer output tokens
+    than min_tokens, so it gets the second best; once min_tokens is reached, the best."""
+    hidden = torch.randn(1, TINY.hidden_size, generator=torch.Generator().manual_seed(5))
+    order = tiny_model().compute_logits(hidden)[0].argsort(descending=True).tolist()
+    best, second = order[0], order[1]
+    runner = make_runner()
+    runner._update_states(sched_output(new=[_seeded(
+        "r", [9], [1], temperature=0.0, min_tokens=2, stop_token_ids=[best])]))
+    meta = lab.build_attention_metadata(["r"], {"r": 1}, {"r": 0}, {"r": [1]}, 4)
+    assert runner._sample(hidden, meta) == [[second]]
+    assert runner.requests["r"].token_ids == [9, second]
+    runner.requests["r"].token_ids.append(second)  # 2 output tokens: min_tokens is reached
+    meta = lab.build_attention_metadata(["r"], {"r": 1}, {"r": 2}, {"r": [1]}, 4)
+    assert runner._sample(hidden, meta) == [[best]]
+
+
+# ----------------------------------------------------------------------------- task 4
 
 CONFIGS = {
     "roomy": dict(block_size=16, num_gpu_blocks=64, max_num_batched_tokens=256),
@@ -198,6 +327,58 @@ CONFIGS = {
     "preempt-swap": dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=12,
                          preemption_mode="swap", num_cpu_blocks=48),
 }
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_your_runner_with_the_reference_loop_equals_full_recomputation(name):
+    """The engine loop written out (schedule, your execute_model, update): greedy output equals
+    a plain recomputation with no cache, in every configuration."""
+    params = lab.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    scheduler, runner, outputs = run_by_hand(prompts(), params, **CONFIGS[name])
+    for i, (got, p) in enumerate(zip(outputs, prompts())):
+        want = reference(tuple(p))
+        assert got == want, f"{name}: prompt {i} (length {len(p)}): got {got}, want {want}"
+    if name.startswith("preempt"):
+        assert scheduler.stats.num_preemptions > 0, "this configuration is meant to preempt"
+    if name == "preempt-swap":
+        assert runner.stats.num_blocks_swapped_in > 0
+    assert runner.stats.num_forward_passes == scheduler.stats.num_steps
+    assert runner.stats.num_tokens_computed > 0
+
+
+def test_a_step_that_schedules_nothing_still_applies_the_diff_and_the_copies():
+    """No token is scheduled, but a request finished and another is swapped out: the runner
+    forgets the first, copies the second's blocks to the CPU, runs no model, returns nothing."""
+    runner = make_runner(num_cpu_blocks=4)
+    runner._update_states(sched_output(new=[new_req("a", [1, 2, 3], [1]),
+                                            new_req("b", [4, 5, 6, 7, 8], [2, 3])]))
+    key, value = runner.kv_caches[0]
+    key[2].fill_(1.5)
+    value[3].fill_(-2.0)
+    so = sched_output(finished=["a"])
+    so.blocks_to_swap_out = [(2, 1), (3, 2)]
+    out = runner.execute_model(so)
+    assert out.req_ids == [] and out.sampled_token_ids == [] and out.req_id_to_index == {}
+    assert "a" not in runner.requests and "b" in runner.requests
+    cpu_key, cpu_value = runner.cpu_kv_caches[0]
+    assert torch.equal(cpu_key[1], key[2]) and torch.equal(cpu_value[2], value[3])
+    assert runner.stats.num_forward_passes == 0 and runner.stats.num_blocks_swapped_out == 2
+
+
+def test_execute_model_answers_in_batch_order():
+    runner = make_runner()
+    new = [new_req("p", list(range(1, 8)), [1, 2]), new_req("q", [9], [3])]
+    so = sched_output(new=new, num_scheduled={"p": 7, "q": 1})
+    out = runner.execute_model(so)
+    assert out.req_ids == ["q", "p"] == runner.batch_req_ids, "decodes (one token) first"
+    assert out.req_id_to_index == {"q": 0, "p": 1}
+    assert [len(t) for t in out.sampled_token_ids] == [1, 1]
+    assert runner.requests["p"].token_ids[-1] == out.sampled_token_ids[1][0]
+    assert out.sampled_token_ids[1] == [reference(tuple(range(1, 8)), 1)[0]]
+    assert runner.stats.num_forward_passes == 1 and runner.stats.num_tokens_computed == 8
+
+
+# ----------------------------------------------------------------------------- task 5
 
 
 @pytest.mark.points(2)
@@ -238,6 +419,31 @@ def test_step_without_requests_does_nothing():
                             eos_token_id=None)
     assert engine.step() == []
     assert engine.scheduler.stats.num_steps == 0
+    assert engine.model_runner.stats.num_forward_passes == 0
+
+
+def test_step_returns_the_news_and_records_the_statistics():
+    """One step per call: it returns update_from_output's outputs (the new tokens, and which
+    requests finished), and the engine's counters follow (prefix-cache hits, peak blocks)."""
+    params = lab.SamplingParams(temperature=0.0, max_tokens=2)
+    engine = lab.EngineCore(tiny_model(), lab.SchedulerConfig(block_size=4, num_gpu_blocks=32),
+                            eos_token_id=None)
+    p = prompts()[2]
+    engine.add_request(engine.make_request("a", p, params))
+    want = reference(tuple(p), 2)
+    outputs = engine.step()
+    assert [(o.request_id, o.new_token_ids, o.finished) for o in outputs] == [("a", want[:1],
+                                                                                False)]
+    assert engine.scheduler.stats.num_steps == 1
+    assert engine.model_runner.stats.num_forward_passes == 1
+    assert engine.peak_blocks_in_use == 6  # 23 prompt tokens + 1 = 6 blocks of 4
+    outputs = engine.step()
+    assert [(o.request_id, o.new_token_ids, o.finished) for o in outputs] == [("a", want[1:],
+                                                                                True)]
+    engine.add_request(engine.make_request("b", p, params))  # the same prompt: 5 blocks hit
+    engine.step()
+    assert engine.prefix_cache_hits == 20
+    assert engine.prefix_cache_queries == 2 * 23
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():

@@ -1,0 +1,41 @@
+"""Tests of two helpers the labs' tests and measurements use: assert_close's report of where a
+tensor is wrong (`dims=`), and course.measure.peak_tensor_bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course.measure import peak_tensor_bytes
+from course.numerics import assert_close, where_wrong
+
+
+def test_assert_close_names_the_rows_and_heads_that_are_wrong():
+    expected = torch.zeros(3, 4, 5)
+    actual = expected.clone()
+    actual[1, 2] = 1.0
+    actual[2, 2, 0] = 1.0
+    with pytest.raises(AssertionError) as info:
+        assert_close(actual, expected, dims=("query row", "head", "dim"))
+    assert "mismatches in: query row 1, 2 of 3; head 2 of 4; every dim (5)" in str(info.value)
+
+
+def test_where_wrong_needs_one_name_per_dimension():
+    with pytest.raises(ValueError):
+        where_wrong(torch.zeros(2, 3, dtype=torch.bool), ("row",))
+
+
+def test_peak_tensor_bytes_counts_what_is_alive_at_once_and_not_the_inputs():
+    x = torch.ones(100, 100)  # 40,000 bytes, not counted
+
+    def two_at_once():
+        a = x * 2  # 40,000 bytes
+        b = a.t().contiguous()  # 40,000 more while a is alive; the view adds nothing
+        return float(b.sum())
+
+    def one_at_a_time():
+        for _ in range(3):
+            float((x * 2).sum())  # each product is freed before the next
+
+    assert peak_tensor_bytes(two_at_once, (x,)) == 80_000 + 4  # + the 0-d sum
+    assert peak_tensor_bytes(one_at_a_time, (x,)) == 40_000 + 4
