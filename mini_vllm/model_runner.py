@@ -152,7 +152,7 @@ class PagedAttentionBackend:
             block_tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
             if ops is not None and hasattr(ops, "paged_attention_v1"):
                 decode_out = torch.empty_like(query[:nt])
-                ops.paged_attention_v1(
+                ops.paged_decode(  # v1, v2 or the GQA-aware kernel (ops.choose_decode_kernel)
                     decode_out, query[:nt].contiguous(), key_cache, value_cache,
                     self.num_kv_heads, scale, block_tables.to(query.device),
                     seq_lens.to(query.device), key_cache.shape[3], meta.max_decode_seq_len, None,
