@@ -130,6 +130,9 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Write token ``i``'s key and value into slot ``slot_mapping[i]`` of the x-split caches.
 
@@ -188,6 +191,9 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Decode attention over the paged cache, one query token per sequence, into ``out``.
 
@@ -241,6 +247,9 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """v1's result (same inputs, same ``out``), computed partition by partition.
 
@@ -323,6 +332,9 @@ def forward_decode(
     num_kv_heads: int,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Allocate the output (and v2's buffers), pick v1 or v2 with ``use_v1`` and run it.
 
@@ -349,6 +361,9 @@ def forward_decode(
             block_size,
             max_seq_len,
             alibi_slopes,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
         )
         return out
     parts = _num_partitions(max_seq_len)
@@ -372,6 +387,9 @@ def forward_decode(
         block_size,
         max_seq_len,
         alibi_slopes,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
     )
     return out
 
