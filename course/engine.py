@@ -203,24 +203,24 @@ def run_workers(jobs: list[dict], timeout_s: float, root: Path = REPO_ROOT) -> l
             out, log = Path(tmp) / f"records-{i}.jsonl", Path(tmp) / f"log-{i}.txt"
             out.touch()
             spec = json.dumps({**job, "out": str(out)})
-            pid = _fork_worker(spec, log) if _same_tree(root) else _exec_worker(spec, log, root)
-            procs.append((pid, out, log, time.perf_counter()))
+            child = _fork_worker(spec, log) if _same_tree(root) else _exec_worker(spec, log, root)
+            procs.append((child, out, log, time.perf_counter()))
         results = [WorkerResult() for _ in jobs]
         waiting = {i for i in range(len(jobs))}
         deadline = time.monotonic() + timeout_s
         try:
             while waiting:
                 for i in sorted(waiting):
-                    pid, _, _, begun = procs[i]
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
+                    child, _, _, begun = procs[i]
+                    code = _poll(child)
+                    if code is not None:
                         waiting.discard(i)
-                        results[i].exit_code = os.waitstatus_to_exitcode(status)
+                        results[i].exit_code = code
                         results[i].seconds = time.perf_counter() - begun
                 if waiting and time.monotonic() > deadline:
                     for i in waiting:
                         _kill_group(procs[i][0])
-                        os.waitpid(procs[i][0], 0)
+                        _poll(procs[i][0], block=True)
                         results[i].timed_out, results[i].exit_code = True, -1
                         results[i].seconds = time.perf_counter() - procs[i][3]
                     waiting.clear()
@@ -272,17 +272,29 @@ def _fork_worker(spec: str, log: Path) -> int:
         os._exit(code)
 
 
-def _exec_worker(spec: str, log: Path, root: Path) -> int:
+def _exec_worker(spec: str, log: Path, root: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "course.engine_worker", spec], cwd=root,
                                 env=env, start_new_session=True, stdout=out,
                                 stderr=subprocess.STDOUT)
-    return proc.pid
+    return proc
 
 
-def _kill_group(pid: int) -> None:
+# A worker is a forked pid or, for another tree, a Popen. A Popen is waited for through its own
+# object, never by pid: the subprocess module reaps dropped Popen children (of any thread) the
+# next time anyone starts a process, and a waitpid on a reaped pid fails (ECHILD).
+def _poll(child: int | subprocess.Popen, block: bool = False) -> int | None:
+    """The child's exit code (negative: the signal that killed it), or None while it runs."""
+    if isinstance(child, subprocess.Popen):
+        return child.wait() if block else child.poll()
+    done, status = os.waitpid(child, 0 if block else os.WNOHANG)
+    return os.waitstatus_to_exitcode(status) if done else None
+
+
+def _kill_group(child: int | subprocess.Popen) -> None:
+    pid = child.pid if isinstance(child, subprocess.Popen) else child
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

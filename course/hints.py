@@ -11,7 +11,7 @@ hints in `hints.toml` in its folder, one table per task of its starter:
 
 Every `read` reference must be an entry of upstream_refs/map (so `python -m course refs
 --vllm-src ...` checks it against the release). `course check` requires all three levels for
-every task of every lab in CONVERTED_LABS.
+every task of every lab.
 """
 
 from __future__ import annotations
@@ -29,19 +29,6 @@ from course.tasks import open_tasks, readme_section
 
 HINTS_FILE = "hints.toml"
 LEVELS = {1: "a question", 2: "the steps", 3: "the upstream lines to read"}
-
-# Labs whose hints `course check` requires (every task, all three levels). The labs not listed
-# are being converted (issues 12 and 15); once every lab is, delete this set and the one line in
-# `hints_required` that reads it, so that every lab is held to the rule.
-CONVERTED_LABS = {
-    "01-01", "01-02", "01-03", "02-01", "02-02", "02-03", "02-04", "02-05", "03-01", "03-02",
-    "03-03", "03-04",
-}
-
-
-def hints_required(lab: Lab) -> bool:
-    return lab.id in CONVERTED_LABS
-
 
 @dataclass(frozen=True)
 class Hint:
@@ -85,26 +72,24 @@ def load_hints(lab: Lab) -> dict[int, Hint]:
 
 
 def check_hints(lab: Lab) -> list[str]:
-    """Problems with the lab's hints: for a converted lab, a task without all three levels is
-    one; for any lab, hints for a task that does not exist and references that are not mapped."""
+    """Problems with the lab's hints: a task without all three levels, hints for a task that
+    does not exist, references that are not mapped."""
     try:
         hints = load_hints(lab)
     except ValueError as exc:
         return [str(exc)]
-    required = hints_required(lab)
     problems = []
     tasks = {t.number: t for t in open_tasks(lab)}
-    if required and not hints_path(lab).is_file():
+    if not hints_path(lab).is_file():
         return [f"no {HINTS_FILE}: every task needs hints (levels 1-3)"]
     mapped = {(r.file, r.line, r.version) for r in load_map(lab.phase_dir.parent)[0]}
     for number in sorted(tasks):
         hint = hints.get(number)
         if hint is None:
-            if required:
-                problems.append(f"{HINTS_FILE}: task {number} has no hints")
+            problems.append(f"{HINTS_FILE}: task {number} has no hints")
             continue
         for level, value in ((1, hint.question), (2, hint.steps), (3, hint.read)):
-            if required and not value:
+            if not value:
                 problems.append(
                     f"{HINTS_FILE}: task {number} has no level {level} ({LEVELS[level]})"
                 )

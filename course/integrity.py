@@ -18,7 +18,7 @@ from pathlib import Path
 
 from course.api import compare
 from course.bugs import BUGS_DIR, PlantedBug, bugs_path, load_bugs
-from course.hints import check_hints, hints_required
+from course.hints import check_hints
 from course.labs import REPO_ROOT, Lab, lab_metadata
 from course.loader import load_module
 from course.refs import check_consistency
@@ -70,7 +70,7 @@ def _cuda_available() -> bool:
 
 def check_starter_messages(lab: Lab) -> list[str]:
     """Each `raise NotImplementedError(...)` in the starter names this lab and a task number
-    (and, in a lab with hints, the hint command for that task)."""
+    (and the hint command for that task)."""
     problems = []
     text = (lab.path / "starter.py").read_text(encoding="utf-8")
     expected = re.compile(rf"lab {re.escape(lab.id)}, task (\d+): \S")
@@ -81,7 +81,7 @@ def check_starter_messages(lab: Lab) -> list[str]:
             problems.append(
                 f'starter.py:{line}: NotImplementedError should say "lab {lab.id}, task N: ..."'
             )
-        elif hints_required(lab):
+        else:
             hint = f"python -m course hint {lab.id} {found[1]}"
             if hint not in " ".join(m["arg"].replace('"', " ").split()):
                 problems.append(f"starter.py:{line}: the message should end with ({hint})")

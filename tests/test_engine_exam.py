@@ -210,3 +210,37 @@ def test_the_exam_is_a_graded_unit_when_every_engine_lab_is_graded():
     some = SimpleNamespace(labs=[lab for lab in discover() if lab.id != engine_labs()[0].id],
                            manifest={})
     assert not [u for u in graded_units(some) if isinstance(u, CommandUnit)]
+
+
+def test_workers_of_another_tree_run_side_by_side_in_threads(tmp_path):
+    """`course check` runs exam jobs of several trees (planted bugs, stand-ins) in threads. A
+    worker started in another tree is a Popen; the subprocess module reaps dropped Popen
+    children whenever any thread starts a process, so such a worker must be waited for through
+    its object (a waitpid on its pid failed with ECHILD in CI)."""
+    import threading
+
+    from course.engine import run_workers
+
+    worker = tmp_path / "tree" / "course" / "engine_worker.py"
+    worker.parent.mkdir(parents=True)
+    (worker.parent / "__init__.py").write_text("")
+    worker.write_text(
+        "import json, sys, time\n"
+        "spec = json.loads(sys.argv[1])\n"
+        "time.sleep(spec['sleep'])\n"
+        "open(spec['out'], 'a').write(json.dumps({'type': 'done'}) + '\\n')\n"
+    )
+    stop = threading.Event()
+
+    def another_thread_starting_processes():
+        while not stop.is_set():
+            subprocess.run(["true"], check=True)
+
+    spawner = threading.Thread(target=another_thread_starting_processes)
+    spawner.start()
+    try:
+        results = [run_workers([{"sleep": 0.2}], 60, tmp_path / "tree")[0] for _ in range(3)]
+    finally:
+        stop.set()
+        spawner.join()
+    assert [(r.exit_code, r.error) for r in results] == [(0, None)] * 3

@@ -49,12 +49,13 @@ __host__ __device__ constexpr int attention_smem_bytes(int num_token_slots) {
 //     logits[t - w.start_token] = q . k_t + w.alibi_slope * (t - (w.seq_len - 1))
 // (q_smem already holds the query times the scale, as fp32), store 0 for slots t >= w.seq_len,
 // and return the max of the valid logits this thread stored (-FLT_MAX if none).
-// Decomposition: warp `warp` takes blocks first_block + warp, + NUM_WARPS, ...; a thread group of
-// GROUP = 32 / BLOCK_SIZE lanes takes one token of the block; per 16-byte chunk c of that token's
-// key (key_cache[physical, w.kv_head, c, token, 0..X)), each lane of the group loads VEC = X /
-// GROUP elements with load_as_float, multiplies them with the matching q_smem entries, and the
-// group adds its partial sums with group_sum<GROUP>. Offsets in elements: p.kv_block_stride,
-// p.kv_head_stride; the physical block is w.block_table[block] (use int64_t for it).
+// Contract: every thread of the block calls it; key t of logical block b is
+// key_cache[w.block_table[b], w.kv_head, c, t % BLOCK_SIZE, 0..X) for chunk c < HEAD_SIZE / X
+// (offsets in elements: p.kv_block_stride, p.kv_head_stride; the block number times a stride
+// needs 64 bits). Slots past the end may hold anything, NaN included: they must not reach a
+// valid logit or the max. Read each key element once per thread block, in 16-byte vector loads
+// (load_as_float). No barrier is needed inside: task 2's first reduction is the barrier.
+// How to split the tokens among warps and lanes: `python -m course hint 02-06 1`.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __device__ float qk_logits(const PagedAttentionParams& p, const AttentionWork& w,
                            const float* q_smem, float* logits) {
@@ -66,6 +67,7 @@ __device__ float qk_logits(const PagedAttentionParams& p, const AttentionWork& w
 // sum of the exponentials over the whole thread block. `my_max` is this thread's task-1 result.
 // Use block_max and block_sum (common.cuh), each with its own scratch buffer (red_max, red_sum:
 // NUM_WARPS floats each). Their barrier is also what makes task 1's logits visible to all.
+// Hint: `python -m course hint 02-06 2`.
 template <int NUM_THREADS>
 __device__ SoftmaxStats softmax_in_place(float* logits, int num_tokens, float my_max,
                                          float* red_max, float* red_sum) {
@@ -74,14 +76,14 @@ __device__ SoftmaxStats softmax_in_place(float* logits, int num_tokens, float my
 }
 
 // Task 3. Write out[d] = inv_sum * sum_t probs[t - w.start_token] * v_t[d] for d < HEAD_SIZE,
-// over the tokens t < w.seq_len of blocks [w.first_block, w.end_block).
-// Decomposition: the same warps take the same blocks. A lane loads V_VEC = min(X, BLOCK_SIZE)
-// consecutive tokens of one row d of the block (value_cache[physical, w.kv_head, d, token0..]),
-// one 16-byte load; LANES_PER_ROW = BLOCK_SIZE / V_VEC lanes cover a row, so a warp covers
-// 32 / LANES_PER_ROW rows per pass. Accumulate per row in fp32 registers. Skip tokens past the
-// end with a select, not a multiplication by 0 (the cache may hold NaN there). Then add the
-// lanes of a row (group_sum<LANES_PER_ROW>) and the warps (through shared memory: reuse `probs`
-// as [NUM_WARPS][HEAD_SIZE] floats, after a __syncthreads so that no warp still reads it).
+// over the tokens t < w.seq_len of blocks [w.first_block, w.end_block), in T.
+// Contract: every thread of the block calls it; the values of logical block b are
+// value_cache[w.block_table[b], w.kv_head, d, 0..BLOCK_SIZE) (row d, tokens along it, same
+// strides as the keys). Slots past the end may hold NaN and must not reach the output (NaN * 0
+// is NaN: leave them out, do not multiply them by 0). Accumulate in fp32. `probs` is yours to
+// reuse as scratch (attention_smem_bytes above is its size) once no thread reads it any
+// more; the barrier that guarantees that is yours too.
+// How to split the rows among lanes and add the warps' parts: `python -m course hint 02-06 3`.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __device__ void accumulate_values(const PagedAttentionParams& p, const AttentionWork& w,
                                   float* probs, float inv_sum, T* __restrict__ out) {
@@ -166,6 +168,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
 //     out[d] = sum_i w_i * o_i[d] / sum_i w_i.
 // Use block_max / block_sum with red_max / red_sum, and `weights` (num_parts floats of dynamic
 // shared memory) to keep the w_i. Partitions i >= num_parts were never written: do not read them.
+// Hint: `python -m course hint 02-06 4`.
 template <typename T, int HEAD_SIZE, int NUM_THREADS>
 __global__ void __launch_bounds__(NUM_THREADS)
     partition_reduce_kernel(const PagedAttentionParams p) {
@@ -191,10 +194,14 @@ __global__ void __launch_bounds__(NUM_THREADS)
 
 // The first task a kernel needs that is not marked done, as the message the tests show.
 inline const char* missing_task(bool needs_reduce) {
-  if (!LAB_TASK_1_DONE) return "lab 02-06, task 1: write qk_logits in starter.cu, then set LAB_TASK_1_DONE to 1";
-  if (!LAB_TASK_2_DONE) return "lab 02-06, task 2: write softmax_in_place in starter.cu, then set LAB_TASK_2_DONE to 1";
-  if (!LAB_TASK_3_DONE) return "lab 02-06, task 3: write accumulate_values in starter.cu, then set LAB_TASK_3_DONE to 1";
-  if (needs_reduce && !LAB_TASK_4_DONE) return "lab 02-06, task 4: write partition_reduce_kernel in starter.cu, then set LAB_TASK_4_DONE to 1";
+  if (!LAB_TASK_1_DONE)
+    return "lab 02-06, task 1: write qk_logits in starter.cu, then set LAB_TASK_1_DONE to 1 (hint: python -m course hint 02-06 1)";
+  if (!LAB_TASK_2_DONE)
+    return "lab 02-06, task 2: write softmax_in_place in starter.cu, then set LAB_TASK_2_DONE to 1 (hint: python -m course hint 02-06 2)";
+  if (!LAB_TASK_3_DONE)
+    return "lab 02-06, task 3: write accumulate_values in starter.cu, then set LAB_TASK_3_DONE to 1 (hint: python -m course hint 02-06 3)";
+  if (needs_reduce && !LAB_TASK_4_DONE)
+    return "lab 02-06, task 4: write partition_reduce_kernel in starter.cu, then set LAB_TASK_4_DONE to 1 (hint: python -m course hint 02-06 4)";
   return nullptr;
 }
 

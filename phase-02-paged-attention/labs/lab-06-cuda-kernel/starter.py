@@ -75,7 +75,7 @@ def _check_tasks_done(needs_reduce: bool) -> None:
             # The message is starter.cu's own "lab 02-06, task N: ..." for that task.
             error = NotImplementedError(
                 said.group(1) if said else f"lab 02-06, task {task}: finish it in starter.cu, "
-                f"then set LAB_TASK_{task}_DONE to 1"
+                f"then set LAB_TASK_{task}_DONE to 1 (hint: python -m course hint 02-06 {task})"
             )
             raise error
 
