@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mini_vllm.attention.fp8 import scaled_fp8_quant
 from mini_vllm.attention.paged_checks import (
     check_copy,
     check_flash_caches,
@@ -39,6 +40,9 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Write token ``i``'s key and value into slot ``slot_mapping[i]`` of the paged caches.
 
@@ -49,9 +53,16 @@ def reshape_and_cache(
     ``value_cache[b, h, d, o] == value[i, h, d]``. Tokens with a negative slot are skipped and no
     other cache element changes.
 
+    ``kv_cache_dtype="fp8"``: the caches are float8_e4m3fn (``x = 16``) and what is stored is
+    ``scaled_fp8_quant(key, k_scale)`` (``value``, ``v_scale``): ``fp8(clamp(x / scale, -448,
+    448))``. ``"auto"`` (default): the caches hold ``key``'s dtype and the scales are ignored.
+    Either way the scales must be finite and > 0.
+
     upstream: csrc/cache_kernels.cu:214 @ v0.11.0
     """
-    num_blocks, block_size = check_paged_caches(key, value, key_cache, value_cache)
+    num_blocks, block_size = check_paged_caches(
+        key, value, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale
+    )
     num_tokens, num_kv_heads, head_size = key.shape
     x = key_cache.shape[4]
     slots, all_real = check_slots_all_valid(slot_mapping, num_tokens,
@@ -64,6 +75,8 @@ def reshape_and_cache(
         real = slots[rows]
         k = key[rows.to(key.device)].to(key_cache.device)
         v = value[rows.to(value.device)].to(value_cache.device)
+    if key_cache.dtype != key.dtype:  # fp8 (the checks allow no other mismatch)
+        k, v = scaled_fp8_quant(k, float(k_scale)), scaled_fp8_quant(v, float(v_scale))
     blocks, offsets = real // block_size, real % block_size
     # Split head_size into (head_size // x, x): chunk d // x, lane d % x.
     key_cache[blocks, :, :, offsets, :] = k.reshape(-1, num_kv_heads, head_size // x, x)
