@@ -24,6 +24,8 @@ v2 loops over partitions only (the kernel's third grid dimension).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mini_vllm.attention.paged_checks import (
@@ -165,34 +167,51 @@ def _context_plan(
     block_size: int,
     num_tokens: int,
     num_kv_heads: int,
+    head_size: int,
+    x: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What to read for a decode batch: ``(ids, valid, bias)``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What to read for a decode batch: ``(key_index, value_index, valid, bias)``.
 
-    ``ids [num_seqs * blocks]`` are the blocks to gather (padding columns of the table point at
-    block 0), ``valid [num_seqs, num_tokens]`` marks the positions inside each context and
-    ``bias [num_seqs * num_kv_heads, 1, num_tokens]`` is 0 there and ``-inf`` elsewhere. They
-    depend only on the table and the lengths, which the engine passes unchanged to every layer
-    of a step, so the last plan is reused while those tensors are the same objects, unmodified
-    (their version counters unchanged).
+    With ``ids [num_seqs, blocks]`` the blocks to read (padding columns of the table point at
+    block 0): ``key_index`` lists, in ``[seqs, kv_heads, blocks, block_size, head_size // x]``
+    order, the 16-byte key vectors of a contiguous key cache viewed as one flat run of them, so
+    that one gather lands the keys token-major; ``value_index`` lists, in ``[seqs, kv_heads,
+    head_size, blocks]`` order, the ``block_size``-long rows of the value cache viewed as
+    ``[-1, block_size]``. ``valid [num_seqs, num_tokens]`` marks the positions inside each
+    context and ``bias [num_seqs * num_kv_heads, 1, num_tokens]`` is 0 there and ``-inf``
+    elsewhere.
+
+    All of it depends only on the table, the lengths and the shapes, which the engine passes
+    unchanged to every layer of a step, so the last plan is reused while those tensors are the
+    same objects, unmodified (their version counters unchanged).
     """
     key = (*_tensor_key(block_tables), *_tensor_key(seq_lens), block_size, num_tokens,
-           num_kv_heads, dtype)
+           num_kv_heads, head_size, x, dtype)
     plan = _same_inputs("decode_plan", key)
     if plan is not None:
         return plan  # type: ignore[return-value]
-    num_seqs = seq_lens.shape[0]
-    pos = torch.arange(num_tokens, device=seq_lens.device)
+    num_seqs, n_blk, dev = seq_lens.shape[0], num_tokens // block_size, seq_lens.device
+    pos = torch.arange(num_tokens, device=dev)
     valid = pos[None, :] < seq_lens.to(torch.int64)[:, None]  # [num_seqs, num_tokens]
     # Table columns past a sequence's end are padding and may hold anything: point them at
     # block 0 so the gather stays in bounds, and let the mask drop what they bring in.
-    table = block_tables[:, : num_tokens // block_size].to(torch.int64)
+    table = block_tables[:, :n_blk].to(torch.int64)
     col_used = valid[:, ::block_size]
-    ids = torch.where(col_used, table, torch.zeros_like(table)).reshape(-1)
-    bias = torch.zeros(num_seqs, 1, num_tokens, dtype=dtype, device=seq_lens.device)
+    ids = torch.where(col_used, table, torch.zeros_like(table))
+
+    def ar(n: int, dim: int, ndim: int) -> torch.Tensor:
+        return torch.arange(n, device=dev).view([n if d == dim else 1 for d in range(ndim)])
+
+    heads = ids.view(num_seqs, 1, n_blk) * num_kv_heads + ar(num_kv_heads, 1, 3)
+    chunks = head_size // x
+    key_index = ((heads[..., None, None] * chunks + ar(chunks, 4, 5)) * block_size
+                 + ar(block_size, 3, 5)).reshape(-1)
+    value_index = (heads[:, :, None, :] * head_size + ar(head_size, 2, 4)).reshape(-1)
+    bias = torch.zeros(num_seqs, 1, num_tokens, dtype=dtype, device=dev)
     bias.masked_fill_(~valid[:, None, :], float("-inf"))
     bias = bias.repeat_interleave(num_kv_heads, dim=0)
-    plan = (ids, valid, bias)
+    plan = (key_index, value_index, valid, bias)
     _memo["decode_plan"] = (key, plan)
     return plan
 
@@ -223,37 +242,28 @@ def _gather_logits(
     ``-inf`` bias, so a NaN or inf in a stale slot makes the result non-finite (and the caller
     redoes it sanitized).
 
-    Each cache is read once, by whole blocks (as a kernel reads them), then laid out so that one
-    batched matmul per side covers every (sequence, KV head) pair with its ``group`` query heads.
-    The key cache is moved in units of its 16-byte ``x`` vectors (each viewed as one 16-byte
-    element), which is what its layout is for: the ``x`` lanes of a chunk stay together and only
-    the chunk and token axes swap. The values keep each block's ``block_size`` tokens contiguous
-    (``[head_size, tokens]``; the matmul reads them transposed).
+    Each cache is read once, by one gather (see :func:`_context_plan`) that lays the context out
+    for one batched matmul per side over every (sequence, KV head) pair with its ``group``
+    query heads. The keys move in units of their 16-byte ``x`` vectors (each viewed as one
+    16-byte element), which is what the layout is for: the ``x`` lanes of a chunk stay
+    together, only the chunk and token axes swap. The values move in rows of ``block_size``
+    tokens, kept as they are (``[head_size, tokens]``; the matmul reads them transposed).
     """
     num_seqs, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
-    n_blk = num_tokens // block_size
     x = key_cache.shape[-1]
     rows = num_seqs * num_kv_heads
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    ids, valid, bias = _context_plan(block_tables, seq_lens, block_size, num_tokens,
-                                     num_kv_heads, acc)
+    key_index, value_index, valid, bias = _context_plan(
+        block_tables, seq_lens, block_size, num_tokens, num_kv_heads, head_size, x, acc)
 
-    vectors = key_cache.view(torch.complex128)  # [blocks, kvh, head_size // x, block_size, 1]
-    keys = (
-        vectors.index_select(0, ids)
-        .view(num_seqs, n_blk, num_kv_heads, head_size // x, block_size)
-        .permute(0, 2, 1, 4, 3)  # [seqs, kvh, blocks, block_size, head_size // x]
-        .contiguous()
-        .view(key_cache.dtype)
-    )
+    if not key_cache.is_contiguous() or key_cache.storage_offset() % x:
+        key_cache = key_cache.clone()  # contiguous and 16-byte aligned, for the vector view
+    vectors = key_cache.view(torch.complex128).view(-1)  # one element per 16-byte vector
+    keys = vectors.index_select(0, key_index).view(key_cache.dtype)
     keys = keys.view(rows, num_tokens, head_size)
-    values = (
-        value_cache.index_select(0, ids)
-        .view(num_seqs, n_blk, num_kv_heads, head_size, block_size)
-        .permute(0, 2, 3, 1, 4)  # [seqs, kvh, head_size, blocks, block_size]
-        .reshape(rows, head_size, num_tokens)
-    )
+    values = value_cache.contiguous().view(-1, block_size).index_select(0, value_index)
+    values = values.view(rows, head_size, num_tokens)
     if keys.dtype != acc:
         keys, values = keys.to(acc), values.to(acc)
     if sanitize:
@@ -329,7 +339,7 @@ def paged_attention_v1(
     # result is not finite, and the sanitized pass (the same maths) replaces it.
     logits, values = _gather_logits(*args, sanitize=False)
     result = _weighted_values(torch.softmax(logits, dim=-1), values)
-    if not bool(torch.isfinite(result.sum())):
+    if not math.isfinite(result.sum().item()):
         logits, values = _gather_logits(*args, sanitize=True)
         result = _weighted_values(torch.softmax(logits, dim=-1), values)
     out.copy_(result.view(out.shape))
