@@ -37,6 +37,10 @@ class PlantedBug:
     find: str
     replace: str
     requires: str | None = None  # a key of TIERS: the tests that must reject it
+    # The edit is in code the lab gives (a reference-only kernel, a given launcher), not in a
+    # task: no graded test can see it, since graded tests are those the untouched starter fails.
+    # Such a bug counts as rejected by the lab's tests of its given code (marked starter_ok).
+    given: bool = False
 
     def problems(self, root: Path = REPO_ROOT) -> list[str]:
         """Why this bug cannot be applied as written (empty when it can)."""

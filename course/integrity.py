@@ -142,10 +142,10 @@ def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT)
         shutil.copytree(root, copy, ignore=copy_ignore)
         bug.apply(copy)
         run = run_lab(lab, "solution", root=copy, extra_args=("-x", *tier))
-        if run.exit_code == 1 and not _rejections(run):
+        if run.exit_code == 1 and not _rejections(run, bug.given):
             # The first failure was a crash; look further for a test that fails on behaviour.
             run = run_lab(lab, "solution", root=copy, extra_args=tier)
-    rejecting = _rejections(run)
+    rejecting = _rejections(run, bug.given)
     by = f", {bug.requires} tier" if bug.requires else ""
     if run.exit_code == 1 and rejecting:
         t = rejecting[0]
@@ -183,9 +183,11 @@ CRASH_TYPES = {
 }
 
 
-def _rejections(run: LabRun) -> list[dict]:
-    """Graded tests (not starter_ok) that failed on an assertion or a documented error."""
-    return [t for t in run.by_outcome("failed") if t.get("exception", "") not in CRASH_TYPES]
+def _rejections(run: LabRun, given: bool = False) -> list[dict]:
+    """Graded tests (not starter_ok) that failed on an assertion or a documented error; for a
+    bug in given code, the lab's tests of that code (starter_ok) count too."""
+    failed = run.by_outcome("failed", graded=not given)
+    return [t for t in failed if t.get("exception", "") not in CRASH_TYPES]
 
 
 def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -> LabCheck:

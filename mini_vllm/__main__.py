@@ -6,6 +6,7 @@ Examples::
     python -m mini_vllm generate "KING.\\n" "QUEEN.\\n" --max-tokens 200 --temperature 0.8 --seed 1
     python -m mini_vllm generate --model smollm2 --chat "What is the capital of France?"
     python -m mini_vllm generate "Ber.\\n" --model path/to/hf_llama_dir --block-size 32
+    python -m mini_vllm generate "HAMLET.\\n" --kv-cache-dtype fp8 --kv-cache-memory 1000000
     python -m mini_vllm convert-gguf path/to/model.gguf path/to/hf_folder
 
 upstream: none (vLLM's command line is `vllm serve`/`vllm bench`; this is a demo of the engine)
@@ -51,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-prefix-caching", action="store_true")
     gen.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     gen.add_argument("--num-cpu-blocks", type=int, default=0)
+    gen.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                     help="KV cache storage: the model's dtype (auto) or FP8 e4m3 with per-layer "
+                     "scales computed from the first prompts (half the bytes of fp16)")
+    gen.add_argument("--kv-cache-memory", type=int, default=None,
+                     help="KV cache budget in bytes (instead of --num-gpu-blocks): the number "
+                     "of blocks is what fits")
     gen.add_argument("--device", default="cpu")
     conv = sub.add_parser("convert-gguf", help="convert a GGUF file to a Hugging Face folder")
     conv.add_argument("source", help="a .gguf file, or 'smollm2'")
@@ -97,6 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
         num_cpu_blocks=args.num_cpu_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory,
     )
     prompts = [_unescape(p) for p in args.prompts]
     if args.chat:

@@ -34,6 +34,12 @@ from typing import Any
 
 import torch
 
+from mini_vllm.attention.fp8 import (
+    KV_CACHE_DTYPES,
+    check_kv_scale,
+    is_fp8,
+    kv_cache_torch_dtype,
+)
 from mini_vllm.config import PREEMPTION_MODES, SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
 from mini_vllm.model import LlamaForCausalLM
@@ -71,6 +77,12 @@ class EngineConfig:
     * ``max_model_len``: prompt + output cap (default: the model's ``max_position_embeddings``).
     * ``preemption_mode``: ``"recompute"`` or ``"swap"`` (then ``num_cpu_blocks`` >= 2).
     * ``long_prefill_token_threshold``: per-request cap per step (0: off).
+    * ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"``/``"fp8_e4m3"``: the cache
+      stores float8_e4m3fn, one byte per element, so a ``kv_cache_memory`` budget holds twice
+      the blocks of an fp16/bf16 model's cache (four times a float32 model's).
+    * ``kv_scales``: with fp8, one ``(k_scale, v_scale)`` pair for every layer or a list of one
+      pair per layer; ``None`` (default): each layer computes its pair once, from the K/V of the
+      first step (the first prompts), as upstream's ``calculate_kv_scales``.
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -86,6 +98,8 @@ class EngineConfig:
     num_cpu_blocks: int = 0
     long_prefill_token_threshold: int = 0
     use_cuda_ops: bool | None = None
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         for name, low, optional in (
@@ -133,6 +147,29 @@ class EngineConfig:
                 f"EngineConfig: preemption_mode must be one of {PREEMPTION_MODES}, got "
                 f"{self.preemption_mode!r}"
             )
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig: kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
+        if self.kv_scales is not None:
+            if not is_fp8(self.kv_cache_dtype):
+                raise ValueError(
+                    "EngineConfig: kv_scales are for an fp8 cache; set kv_cache_dtype='fp8' "
+                    "or leave kv_scales out"
+                )
+            # The shape against the model's layers is checked by the runner; the values here.
+            pairs = (self.kv_scales if self.kv_scales and isinstance(self.kv_scales[0],
+                                                                     (tuple, list))
+                     else [self.kv_scales])
+            for item in pairs:
+                if not isinstance(item, (tuple, list)) or len(item) != 2:
+                    raise ValueError(
+                        f"EngineConfig: kv_scales must be a (k_scale, v_scale) pair or a list "
+                        f"of them, one per layer; got {self.kv_scales!r}"
+                    )
+                for value in item:
+                    check_kv_scale("EngineConfig: kv_scales entry", value)
 
     def scheduler_config(self, model: LlamaForCausalLM) -> SchedulerConfig:
         """The scheduler's half of this config, with the KV-cache size resolved for ``model``."""
@@ -145,11 +182,12 @@ class EngineConfig:
             )
         num_blocks = self.num_gpu_blocks
         if num_blocks is None and self.kv_cache_memory is not None:
-            num_blocks = self.kv_cache_memory // kv_block_bytes(model, self.block_size)
+            block_bytes = kv_block_bytes(model, self.block_size, self.kv_cache_dtype)
+            num_blocks = self.kv_cache_memory // block_bytes
             if num_blocks < 2:
                 raise ValueError(
                     f"EngineConfig: kv_cache_memory={self.kv_cache_memory} bytes holds "
-                    f"{num_blocks} block(s) of {kv_block_bytes(model, self.block_size)} bytes; "
+                    f"{num_blocks} block(s) of {block_bytes} bytes; "
                     "give it at least two (block 0 is reserved)"
                 )
         return SchedulerConfig(
@@ -165,13 +203,15 @@ class EngineConfig:
         )
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
-    """Bytes of one KV block over all layers: keys and values of ``block_size`` tokens.
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV block over all layers: keys and values of ``block_size`` tokens, in the
+    model's dtype (``"auto"``) or one byte per element (``"fp8"``).
 
     upstream: none (vLLM sizes pages per layer spec; one full-attention group needs one formula)
     """
     cfg = model.config
-    elem = next(model.parameters()).element_size()
+    dtype = kv_cache_torch_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+    elem = dtype.itemsize
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * elem
 
 
@@ -200,6 +240,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
+    kv_cache_dtype: str = "auto"
+    kv_cache_torch_dtype: str = ""
+    kv_block_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -220,7 +263,8 @@ class EngineStats:
             f"computed), {self.num_generated_tokens} generated, "
             f"{self.generation_tokens_per_s:.1f} generated tokens/s",
             f"KV blocks in use: {self.kv_blocks_in_use} of {self.kv_blocks_total} "
-            f"(peak {self.peak_kv_blocks_in_use})",
+            f"(peak {self.peak_kv_blocks_in_use})   KV cache dtype: {self.kv_cache_dtype} "
+            f"({self.kv_cache_torch_dtype}, {self.kv_block_bytes} bytes per block)",
             f"prefix-cache hit rate: {100 * self.prefix_cache_hit_rate:.1f}% "
             f"({self.prefix_cache_hits} of {self.prefix_cache_queries} tokens)",
             f"preemptions: {self.num_preemptions}   blocks swapped out/in: "
@@ -245,8 +289,14 @@ class EngineCoreBase:
         *,
         eos_token_id: int | None = None,
         use_cuda_ops: bool | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None,
     ) -> None:
         self.scheduler = Scheduler(scheduler_config, log_stats=True)
+        # Only an fp8 cache passes the new arguments, so a runner class written before them
+        # still builds an "auto" engine.
+        fp8_kwargs = ({"kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales}
+                      if kv_cache_dtype != "auto" else {})
         self.model_runner = self.runner_cls(
             model,
             block_size=scheduler_config.block_size,
@@ -254,6 +304,7 @@ class EngineCoreBase:
             num_cpu_blocks=scheduler_config.num_cpu_blocks,
             eos_token_id=eos_token_id,
             use_cuda_ops=use_cuda_ops,
+            **fp8_kwargs,
         )
         self.block_hasher = get_request_block_hasher(scheduler_config.block_size, sha256)
         self.eos_token_id = eos_token_id
@@ -554,6 +605,8 @@ class LLM:
             self._scheduler_config,
             eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
             use_cuda_ops=self.config.use_cuda_ops,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_scales=self.config.kv_scales,
         )
 
     # ------------------------------------------------------------------ the public calls
@@ -871,6 +924,11 @@ class LLM:
             num_preemptions=sched_stats.num_preemptions - start_preempt,
             num_blocks_swapped_out=runner_stats.num_blocks_swapped_out - start_out,
             num_blocks_swapped_in=runner_stats.num_blocks_swapped_in - start_in,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_cache_torch_dtype=str(engine.model_runner.kv_caches[0][0].dtype).replace(
+                "torch.", ""),
+            kv_block_bytes=kv_block_bytes(self.model, self._scheduler_config.block_size,
+                                          self.config.kv_cache_dtype),
         )
         return results
 

@@ -30,6 +30,14 @@ import torch
 
 from mini_vllm.attention import cache_ops, paged_attn
 from mini_vllm.attention.chunked_prefill import chunked_prefill_attention
+from mini_vllm.attention.fp8 import (
+    K_SCALE_CONSTANT,
+    V_SCALE_CONSTANT,
+    check_kv_scale,
+    is_fp8,
+    kv_cache_torch_dtype,
+    scaled_fp8_dequant,
+)
 from mini_vllm.attention.metadata import (
     AttentionMetadata,
     build_attention_metadata,
@@ -46,6 +54,7 @@ __all__ = [
     "ModelRunnerBase",
     "PagedAttentionBackend",
     "RunnerStats",
+    "check_kv_scales",
 ]
 
 
@@ -124,14 +133,51 @@ class PagedAttentionBackend:
     Uses the CUDA kernels of ``mini_vllm.csrc`` when the cache is on a GPU and they are built;
     the PyTorch ops of ``mini_vllm.attention`` otherwise (they compute the same thing).
 
+    FP8 cache (``kv_cache_dtype="fp8"``): each layer's ``(k_scale, v_scale)`` comes from
+    ``kv_scales`` (one pair per layer, in the order of ``kv_caches``), or, where that is
+    ``None``, is computed once from the first K/V the layer sees (the first step's tokens):
+    ``amax(|k|) / K_SCALE_CONSTANT`` and ``amax(|v|) / V_SCALE_CONSTANT``, as upstream's
+    ``calc_kv_scales``. The CUDA kernels have no fp8 path yet, so an fp8 cache always runs the
+    PyTorch ops; chunked-prefill attention reads a dequantized copy of the prefill blocks.
+
     upstream: vllm/attention/ops/chunked_prefill_paged_decode.py:227 @ v0.11.0
     """
 
-    def __init__(self, num_kv_heads: int, cuda_ops: object | None = None) -> None:
+    def __init__(
+        self,
+        num_kv_heads: int,
+        cuda_ops: object | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        kv_scales: list[tuple[float, float]] | None = None,
+    ) -> None:
         self.num_kv_heads = num_kv_heads
-        self.cuda_ops = cuda_ops
+        self.fp8 = is_fp8(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.cuda_ops = None if self.fp8 else cuda_ops
+        # Which layer a key cache belongs to: the model hands the backend caches, not indices.
+        self._layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(kv_caches or [])}
+        n = len(self._layer_of)
+        self.kv_scales: list[tuple[float, float] | None] = (
+            list(kv_scales) if kv_scales is not None else [None] * n
+        )
+
+    def _scales(self, key, value, key_cache) -> tuple[float, float]:
+        layer = self._layer_of.get(key_cache.data_ptr())
+        if layer is None:
+            raise ValueError("an fp8 key cache this backend was not built with")
+        scales = self.kv_scales[layer]
+        if scales is None:  # calibrate once, on the first K/V this layer sees
+            tiny = torch.finfo(torch.float32).tiny
+            k_amax = max(float(key.detach().abs().amax()), tiny) if key.numel() else 1.0
+            v_amax = max(float(value.detach().abs().amax()), tiny) if value.numel() else 1.0
+            scales = (k_amax / K_SCALE_CONSTANT, v_amax / V_SCALE_CONSTANT)
+            self.kv_scales[layer] = scales
+        return scales
 
     def __call__(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+        if self.fp8:
+            return self._forward_fp8(query, key, value, key_cache, value_cache, meta, scale)
         ops = self.cuda_ops
         if ops is not None and hasattr(ops, "reshape_and_cache"):
             ops.reshape_and_cache(key, value, key_cache, value_cache,
@@ -152,7 +198,7 @@ class PagedAttentionBackend:
             block_tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
             if ops is not None and hasattr(ops, "paged_attention_v1"):
                 decode_out = torch.empty_like(query[:nt])
-                ops.paged_attention_v1(
+                ops.paged_decode(  # v1, v2 or the GQA-aware kernel (ops.choose_decode_kernel)
                     decode_out, query[:nt].contiguous(), key_cache, value_cache,
                     self.num_kv_heads, scale, block_tables.to(query.device),
                     seq_lens.to(query.device), key_cache.shape[3], meta.max_decode_seq_len, None,
@@ -169,6 +215,44 @@ class PagedAttentionBackend:
             )
         return out
 
+    def _forward_fp8(self, query, key, value, key_cache, value_cache, meta, scale):
+        """The same step on an fp8 cache: quantize on write, dequantize on read."""
+        k_scale, v_scale = self._scales(key, value, key_cache)
+        fp8 = (self.kv_cache_dtype, k_scale, v_scale)
+        cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, *fp8)
+        nd, nt = meta.num_decodes, meta.num_decode_tokens
+        out = query.new_empty(query.shape) if meta.num_prefills else None
+        if nd:
+            decoded = paged_attn.forward_decode(
+                query[:nt], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                meta.max_decode_seq_len, self.num_kv_heads, scale, None, *fp8,
+            )
+            if out is None:
+                return decoded
+            out[:nt] = decoded
+        if meta.num_prefills:
+            part = _prefill_part(meta) if nd else meta
+            k_blocks, v_blocks, part = _dequantized_blocks(
+                key_cache, value_cache, part, k_scale, v_scale, query.dtype)
+            out[nt:] = chunked_prefill_attention(query[nt:], k_blocks, v_blocks, part, scale)
+        return out
+
+
+def _dequantized_blocks(key_cache, value_cache, meta: AttentionMetadata, k_scale: float,
+                        v_scale: float, dtype: torch.dtype):
+    """The blocks ``meta``'s tables name, dequantized into ``dtype``, and ``meta`` renumbered to
+    read them (table entry ``(s, j)`` becomes block ``s * columns + j`` of the copy).
+
+    Keeps the fp8 layout (``x = 16``), which ``chunked_prefill_attention`` reads like any other.
+    Table padding may name any block; it is clamped into the cache and masked by the attention.
+    """
+    tables = meta.block_tables
+    ids = tables.reshape(-1).to(key_cache.device, torch.int64).clamp(0, key_cache.shape[0] - 1)
+    k = scaled_fp8_dequant(key_cache.index_select(0, ids), k_scale, dtype)
+    v = scaled_fp8_dequant(value_cache.index_select(0, ids), v_scale, dtype)
+    renumbered = torch.arange(ids.numel(), dtype=tables.dtype, device=tables.device)
+    return k, v, dataclasses.replace(meta, block_tables=renumbered.view(tables.shape))
+
 
 def _load_cuda_ops(device: torch.device) -> object | None:
     """The compiled kernels when the device is a GPU and they load; ``None`` otherwise."""
@@ -184,6 +268,36 @@ def _load_cuda_ops(device: torch.device) -> object | None:
     from mini_vllm.csrc import ops
 
     return ops
+
+
+def check_kv_scales(
+    kv_scales: object, num_layers: int
+) -> list[tuple[float, float]] | None:
+    """``kv_scales`` as one ``(k_scale, v_scale)`` pair of floats per layer, or ``None``.
+
+    Accepts ``None`` (calibrate), one pair for every layer, or a sequence of ``num_layers``
+    pairs; each scale finite and > 0. Anything else is a ``ValueError``.
+
+    upstream: none (upstream loads per-layer k_scale/v_scale from the checkpoint)
+    """
+    if kv_scales is None:
+        return None
+
+    def pair(item: object, where: str) -> tuple[float, float]:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"kv_scales{where} must be a (k_scale, v_scale) pair, got {item!r}")
+        return (check_kv_scale(f"kv_scales{where} k_scale", item[0]),
+                check_kv_scale(f"kv_scales{where} v_scale", item[1]))
+
+    if (isinstance(kv_scales, (tuple, list)) and len(kv_scales) == 2
+            and not isinstance(kv_scales[0], (tuple, list))):
+        return [pair(kv_scales, "")] * num_layers
+    if not isinstance(kv_scales, (tuple, list)) or len(kv_scales) != num_layers:
+        raise ValueError(
+            f"kv_scales must be None, one (k_scale, v_scale) pair, or one pair per layer "
+            f"({num_layers}); got {kv_scales!r}"
+        )
+    return [pair(item, f"[{i}]") for i, item in enumerate(kv_scales)]
 
 
 class ModelRunnerBase:
@@ -207,6 +321,8 @@ class ModelRunnerBase:
         num_cpu_blocks: int = 0,
         eos_token_id: int | None = None,
         use_cuda_ops: bool | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -215,18 +331,22 @@ class ModelRunnerBase:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.eos_token_id = eos_token_id
-        x = paged_attn.kv_cache_x(self.dtype)
+        # The cache's dtype: the model's ("auto") or float8_e4m3fn ("fp8", x = 16).
+        self.kv_cache_dtype = kv_cache_dtype
+        self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
+        kv_scales = check_kv_scales(kv_scales, cfg.num_hidden_layers)
+        x = paged_attn.kv_cache_x(self.cache_dtype)
         if cfg.head_dim % x:
             raise ValueError(
-                f"head_dim {cfg.head_dim} must be a multiple of x={x} for {self.dtype}"
+                f"head_dim {cfg.head_dim} must be a multiple of x={x} for {self.cache_dtype}"
             )
         kv_shape = (cfg.num_key_value_heads, cfg.head_dim // x, block_size, x)
         v_shape = (cfg.num_key_value_heads, cfg.head_dim, block_size)
 
         def pool(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
             return [
-                (torch.zeros((n, *kv_shape), dtype=self.dtype, device=device),
-                 torch.zeros((n, *v_shape), dtype=self.dtype, device=device))
+                (torch.zeros((n, *kv_shape), dtype=self.cache_dtype, device=device),
+                 torch.zeros((n, *v_shape), dtype=self.cache_dtype, device=device))
                 for _ in range(cfg.num_hidden_layers)
             ]
 
@@ -235,12 +355,20 @@ class ModelRunnerBase:
         cuda_ops = _load_cuda_ops(self.device) if use_cuda_ops in (None, True) else None
         if use_cuda_ops and cuda_ops is None:
             raise RuntimeError("use_cuda_ops=True but the CUDA ops are not available here")
-        self.attn_backend = PagedAttentionBackend(cfg.num_key_value_heads, cuda_ops)
+        self.attn_backend = PagedAttentionBackend(
+            cfg.num_key_value_heads, cuda_ops, kv_cache_dtype, self.kv_caches, kv_scales
+        )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # The persistent batch order (decodes first), carried from step to step.
         self.batch_req_ids: list[str] = []
         self.stats = RunnerStats()
+
+    @property
+    def kv_scales(self) -> list[tuple[float, float] | None] | None:
+        """Per layer ``(k_scale, v_scale)`` of an fp8 cache (``None`` for a layer not yet
+        calibrated); ``None`` for an ``"auto"`` cache."""
+        return list(self.attn_backend.kv_scales) if self.attn_backend.fp8 else None
 
     @property
     def kv_cache_bytes(self) -> int:

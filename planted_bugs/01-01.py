@@ -68,6 +68,16 @@ BUGS = [
         replace="    dtype = query.dtype\n    q = query.to(dtype)",
     ),
     PlantedBug(
+        name="empty-query-returns-before-the-checks",
+        description="ref_attention takes the q_len == 0 shortcut before checking its input, so "
+        "wrong slopes (or shapes) with no queries give an empty result instead of a ValueError",
+        file=_REF,
+        find="    _, num_heads, _ = _check_qkv(query, key, value, alibi_slopes)\n"
+        "    if query.shape[0] == 0:\n        return query.new_empty(query.shape)\n",
+        replace="    if query.shape[0] == 0:\n        return query.new_empty(query.shape)\n"
+        "    _, num_heads, _ = _check_qkv(query, key, value, alibi_slopes)\n",
+    ),
+    PlantedBug(
         name="varlen-drops-causal",
         description="the packed batch does not pass `causal` on, so causal=False still masks",
         file=_REF,

@@ -6,6 +6,7 @@ from course.bugs import PlantedBug
 
 PAGED = "mini_vllm/attention/paged_attn.py"
 CACHE = "mini_vllm/attention/cache_ops.py"
+FP8 = "mini_vllm/attention/fp8.py"
 
 BUGS = [
     PlantedBug(
@@ -150,5 +151,33 @@ BUGS = [
         file=PAGED,
         find="dist = pos[None, :] - (seq_lens.to(torch.int64)[:, None] - 1)  # [seqs, T]",
         replace="dist = pos[None, :] + 0 * seq_lens.to(torch.int64)[:, None]  # [seqs, T]",
+    ),
+    # Task 7 (the FP8 KV cache).
+    PlantedBug(
+        name="fp8-key-scale-applied-on-write-not-on-read",
+        description="keys are stored as e4m3(k / k_scale) but read back as the raw e4m3 value, "
+        "without the * k_scale: every logit is off by the factor 1 / k_scale",
+        file=PAGED,
+        find="keys = scaled_fp8_dequant(keys, k_scale, acc)",
+        replace="keys = keys.to(acc)",
+    ),
+    PlantedBug(
+        name="fp8-e5m2-instead-of-e4m3",
+        description="the cache format is e5m2 (2 mantissa bits, max 57344) instead of upstream's "
+        "e4m3 for kv_cache_dtype='fp8': twice the rounding error, and a cache the checks "
+        "refuse",
+        file=FP8,
+        find="FP8_DTYPE = torch.float8_e4m3fn",
+        replace="FP8_DTYPE = torch.float8_e5m2",
+    ),
+    PlantedBug(
+        name="fp8-clip-without-the-scale",
+        description="the clamp to +-448 is applied to x instead of x / scale: with a scale "
+        "above 1, values between 448 and 448 * scale saturate at 448",
+        file=FP8,
+        find="y = x.to(torch.float32) / scale\n    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)"
+        ".to(FP8_DTYPE)",
+        replace="y = x.to(torch.float32).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX) / scale\n"
+        "    return y.to(FP8_DTYPE)",
     ),
 ]

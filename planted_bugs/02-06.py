@@ -10,6 +10,9 @@ checked on a machine without a GPU, where the kernels run in the CPU emulation:
 * race: a missing barrier that happens not to change the output in the emulation's thread order;
 * nvcc: visible in the compiled code;
 * none: an input check.
+
+`given=True` marks an edit of code the lab gives (the reference-only GQA-aware kernel, the cache
+kernels): the lab's tests of that code are `starter_ok`, not graded, and count for it.
 """
 
 from course.bugs import PlantedBug
@@ -71,6 +74,7 @@ BUGS = [
         find="const int first_row = warp * ROWS_PER_WARP;",
         replace="const int first_row = 0;",
         requires="oracle",
+        given=True,
     ),
     PlantedBug(
         name="key-cache-without-x-interleave",
@@ -80,6 +84,7 @@ BUGS = [
         find="(static_cast<int64_t>(d / X) * p.block_size + offset) * X + d % X",
         replace="static_cast<int64_t>(offset) * p.head_size + d",
         requires="oracle",
+        given=True,
     ),
     PlantedBug(
         name="gqa-shuffle-skipped-past-the-end",
@@ -91,6 +96,7 @@ BUGS = [
         "around shuffles",
         replace="      if (g < num_q && valid) {",
         requires="oracle",
+        given=True,
     ),
     PlantedBug(
         name="v2-last-partition-one-block-too-far",

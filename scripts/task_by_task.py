@@ -103,14 +103,18 @@ def fill(source: str, solution, qualnames: list[str], starter=None) -> str:
         _, ref = _reference_function(solution, qualname)
         for name in sorted(_global_names(ref.__code__)):
             if name in ref.__globals__ and name not in defined and name not in vars(builtins):
-                missing.setdefault(name, ref.__globals__[name])
-    for name, value in missing.items():
+                missing.setdefault(name, (ref.__globals__[name], ref.__module__))
+    for name, (value, home) in missing.items():
         if inspect.ismodule(value):
             lines.append(f"import {value.__name__} as {name}  # noqa: E402\n")
         elif getattr(value, "__module__", "").startswith("course_labs."):
             lines.append("\n" + textwrap.dedent(inspect.getsource(value)))  # lab-only helper
         else:
-            lines.append(f"from {value.__module__} import {name}  # noqa: E402\n")
+            # A constant (an int, a tuple, a dtype) has no __module__ of its own: take it from
+            # the module of the reference function that reads it.
+            source = value.__module__ if isinstance(getattr(value, "__module__", None),
+                                                    str) else home
+            lines.append(f"from {source} import {name}  # noqa: E402\n")
     return "".join(lines)
 
 

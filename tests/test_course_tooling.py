@@ -17,6 +17,10 @@ from course.refs import check_against_source, check_consistency
 
 FIXTURE = Path(__file__).parent / "fixtures" / "demo_lab"
 LAB = "phase-09-demo/labs/lab-01-demo"
+ADD_TODO = (  # the demo starter's task 1, as written there
+    'raise NotImplementedError(\n        "lab 09-01, task 1: implement add '
+    '(hint: python -m course hint 09-01 1)"\n    )'
+)
 
 
 @pytest.fixture
@@ -35,6 +39,7 @@ def demo(tmp_path: Path) -> Path:
     (root / "planted_bugs").mkdir()
     shutil.copy(FIXTURE.parent / "demo_planted_bugs.py", root / "planted_bugs" / "09-01.py")
     (root / "upstream_refs" / "map").mkdir(parents=True)
+    shutil.copy(FIXTURE.parent / "demo_refs.toml", root / "upstream_refs" / "map" / "demo.toml")
     (root / "course" / "labs.toml").write_text('[lab."09-01"]\npoints = 5\n')
     return root
 
@@ -157,7 +162,7 @@ def test_grade_a_submission_against_the_published_tests(demo, tmp_path):
     starter = student / LAB / "starter.py"
     starter.write_text(
         starter.read_text().replace(
-            'raise NotImplementedError("lab 09-01, task 1: implement add")', "return a + b"
+            ADD_TODO, "return a + b"
         )
     )
     (student / LAB / "test_lab.py").write_text("def test_bump():\n    pass\n")
@@ -193,8 +198,7 @@ def test_grade_gives_nothing_for_importing_the_reference(demo, tmp_path):
     starter = student / LAB / "starter.py"
     starter.write_text(
         starter.read_text().replace(
-            'def add(a: int, b: int) -> int:\n    raise NotImplementedError("lab 09-01, task 1: '
-            'implement add")\n',
+            f"def add(a: int, b: int) -> int:\n    {ADD_TODO}\n",
             "from mini_vllm.adder import add\n",
         )
     )
@@ -213,7 +217,7 @@ def test_status_shows_progress_and_the_next_step(demo):
     starter = demo / LAB / "starter.py"
     starter.write_text(
         starter.read_text().replace(
-            'raise NotImplementedError("lab 09-01, task 1: implement add")', "return a + b"
+            ADD_TODO, "return a + b"
         )
     )
     proc = run(demo, "-m", "course", impl=None)
@@ -301,3 +305,35 @@ def test_refs_checker_says_which_versions_it_could_not_check(tmp_path):
 def test_every_upstream_reference_in_the_course_is_mapped_and_every_entry_used():
     problems = check_consistency(REPO_ROOT)
     assert not problems, "\n".join(problems)
+
+
+def test_a_bug_only_an_ungraded_test_sees_counts_only_in_given_code(demo):
+    """A planted bug is rejected by graded tests; starter_ok tests count only for a bug marked
+    given=True (in code the lab gives, which no graded test can reach)."""
+    given = "\n\ndef double(x: int) -> int:\n    return 2 * x\n"
+    for name in ("starter.py", "solution.py"):
+        path = demo / LAB / name
+        path.write_text(path.read_text() + given)
+    tests = demo / LAB / "test_lab.py"
+    tests.write_text(
+        tests.read_text()
+        + "\n\n@pytest.mark.starter_ok\ndef test_the_given_helper():\n"
+        + "    assert lab.double(3) == 6\n"
+    )
+    bugs = demo / "planted_bugs" / "09-01.py"
+    bug = (
+        '    PlantedBug(name="double-triples", description="the given helper triples",\n'
+        '               file=f"{LAB}/solution.py", find="return 2 * x", replace="return 3 * x"'
+        "GIVEN),\n]"
+    )
+    text = bugs.read_text().rstrip()
+    assert text.endswith("]")
+    bugs.write_text(text[:-1] + bug.replace("GIVEN", ""))
+    proc = run(demo, "-m", "course", "check")
+    assert proc.returncode == 1
+    assert "planted bug 'double-triples': NOT REJECTED" in proc.stdout
+    assert "only crashes or ungraded tests fail" in proc.stdout
+    bugs.write_text(text[:-1] + bug.replace("GIVEN", ", given=True"))
+    proc = run(demo, "-m", "course", "check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "double-triples" in proc.stdout and "test_the_given_helper" in proc.stdout

@@ -141,6 +141,21 @@ def test_the_shared_memory_opt_in_of_the_modelled_device(device, optin, fits):
     assert result.tolist() == [optin, invalid, 0 if fits else invalid, 0 if fits else invalid]
 
 
+@pytest.mark.parametrize("m, n", [(32, 8), (8, 32), (16, 16)])
+def test_wmma_multiplies_matrices_as_cuda_specifies(m, n):
+    """The tensor-core API (nvcuda::wmma) in the three fp16 shapes, through shared memory:
+    D = A B + C with fp32 accumulation, as torch computes it."""
+    k = 16
+    gen = torch.Generator().manual_seed(m)
+    a = torch.randn(m, k, generator=gen).half()
+    b = torch.randn(k, n, generator=gen).half()
+    c = torch.randn(m, n, generator=gen)
+    d = torch.zeros(m, n)
+    run("wmma_multiply", a=a, bt=b.t().contiguous(), c=c, d_out=d, m=m)
+    want = a.float() @ b.float() + c
+    assert torch.allclose(d, want, atol=1e-4), (d - want).abs().max()
+
+
 # ---- misuse, reported instead of hanging ---------------------------------------------------------
 
 
@@ -167,6 +182,23 @@ def test_a_shuffle_under_divergence():
     want = f"threads 0, 2, ..., 30 wait at __shfl_xor_sync() at emulation_cases.cu:{shfl}"
     assert want in message, message
     assert "threads 1, 3, ..., 31 wait at the barrier" in message, message
+
+
+def test_a_wmma_operation_under_divergence():
+    message = failure("wmma_in_branch", d_out=torch.zeros(256))
+    mma = line("if (threadIdx.x >= 16) wmma::mma_sync(acc, fa, fb, acc);")
+    store = line("wmma::store_matrix_sync(d, acc, 16, wmma::mem_row_major);\n}")
+    assert (f"threads 0-15 wait at wmma::store_matrix_sync() at emulation_cases.cu:{store}"
+            in message), message
+    assert f"threads 16-31 wait at wmma::mma_sync() at emulation_cases.cu:{mma}" in message, message
+    assert "the lanes of a warp collective must reach the same call" in message, message
+
+
+def test_a_wmma_load_from_a_misaligned_pointer():
+    message = failure("wmma_misaligned", a=torch.zeros(512, dtype=torch.float16),
+                      d_out=torch.zeros(32))
+    assert "wmma::load_matrix_sync() at emulation_cases.cu:" in message, message
+    assert "is not 256-bit (32-byte) aligned" in message, message
 
 
 def test_a_shuffle_that_reads_a_lane_outside_its_mask():

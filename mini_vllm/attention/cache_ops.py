@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mini_vllm.attention.fp8 import scaled_fp8_quant
 from mini_vllm.attention.paged_checks import (
     _memo,
     _same_inputs,
@@ -42,6 +43,9 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Write token ``i``'s key and value into slot ``slot_mapping[i]`` of the paged caches.
 
@@ -52,9 +56,16 @@ def reshape_and_cache(
     ``value_cache[b, h, d, o] == value[i, h, d]``. Tokens with a negative slot are skipped and no
     other cache element changes.
 
+    ``kv_cache_dtype="fp8"``: the caches are float8_e4m3fn (``x = 16``) and what is stored is
+    ``scaled_fp8_quant(key, k_scale)`` (``value``, ``v_scale``): ``fp8(clamp(x / scale, -448,
+    448))``. ``"auto"`` (default): the caches hold ``key``'s dtype and the scales are ignored.
+    Either way the scales must be finite and > 0.
+
     upstream: csrc/cache_kernels.cu:214 @ v0.11.0
     """
-    num_blocks, block_size = check_paged_caches(key, value, key_cache, value_cache)
+    num_blocks, block_size = check_paged_caches(
+        key, value, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale
+    )
     num_tokens, num_kv_heads, head_size = key.shape
     x = key_cache.shape[4]
     slots, all_real = check_slots_all_valid(slot_mapping, num_tokens,
@@ -67,6 +78,8 @@ def reshape_and_cache(
         real = slots[rows]
         k = key[rows.to(key.device)].to(key_cache.device)
         v = value[rows.to(value.device)].to(value_cache.device)
+    if key_cache.dtype != key.dtype:  # fp8 (the checks allow no other mismatch)
+        k, v = scaled_fp8_quant(k, float(k_scale)), scaled_fp8_quant(v, float(v_scale))
     blocks, offsets, key_index, value_index = _write_plan(
         real, block_size, num_kv_heads, head_size, x)
     # Split head_size into (head_size // x, x): chunk d // x, lane d % x. Each chunk's x lanes
@@ -76,7 +89,10 @@ def reshape_and_cache(
             and key_cache.storage_offset() % x == 0):
         key_cache.view(torch.complex128).view(-1).index_copy_(
             0, key_index, key_vectors.view(torch.complex128).view(-1))
-        value_cache.view(-1).index_copy_(0, value_index, v.reshape(-1))
+        flat_values, v = value_cache.view(-1), v.reshape(-1)
+        if flat_values.element_size() == 1:  # fp8: copied as the bytes they are
+            flat_values, v = flat_values.view(torch.uint8), v.view(torch.uint8)
+        flat_values.index_copy_(0, value_index, v)
     else:  # a strided view of a larger cache: the same writes, indexed by block and offset
         key_cache[blocks, :, :, offsets, :] = key_vectors
         value_cache[blocks, :, :, offsets] = v

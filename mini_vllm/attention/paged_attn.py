@@ -15,6 +15,11 @@ Token ``t`` of a sequence lives in physical block ``block_table[t // block_size]
 ``key_cache[block, h, d // x, offset, d % x]``; of its value at
 ``value_cache[block, h, d, offset]``.
 
+With ``kv_cache_dtype="fp8"`` the caches hold float8_e4m3fn (``x = 16``) and every op takes
+per-layer ``k_scale``/``v_scale``: a cached key element ``q`` stands for ``q * k_scale`` (values
+likewise), dequantized as it is read, so the maths after the gather is the same for both paths
+(see ``mini_vllm.attention.fp8``).
+
 Both kernels take one query token per sequence (decode). ``paged_attention_v1`` attends over the
 whole context at once; ``paged_attention_v2`` cuts the context into partitions of
 ``PARTITION_SIZE`` tokens, writes each partition's max logit, exp sum and normalised partial output
@@ -28,8 +33,9 @@ import math
 
 import torch
 
+from mini_vllm.attention.fp8 import FP8_DTYPE, scaled_fp8_dequant
 from mini_vllm.attention.paged_checks import (
-    CACHE_DTYPES,
+    KV_CACHE_TORCH_DTYPES,
     _memo,
     _same_inputs,
     _tensor_key,
@@ -66,16 +72,17 @@ V1_MIN_PARALLEL_WORK = 512
 
 
 def kv_cache_x(dtype: torch.dtype) -> int:
-    """Elements per 16-byte vector for ``dtype``: 4 for fp32, 8 for fp16/bf16.
+    """Elements per 16-byte vector for ``dtype``: 4 for fp32, 8 for fp16/bf16, 16 for fp8.
 
     The key cache splits ``head_size`` into ``head_size // x`` chunks of ``x`` contiguous
     elements so that a GPU thread can fetch one chunk with a single 16-byte load.
 
     upstream: csrc/attention/attention_kernels.cuh:195 @ v0.11.0
     """
-    if dtype not in CACHE_DTYPES:
+    if dtype not in KV_CACHE_TORCH_DTYPES:
         raise ValueError(
-            f"unsupported KV cache dtype {dtype}; use one of float32, float16, bfloat16"
+            f"unsupported KV cache dtype {dtype}; use one of float32, float16, bfloat16, "
+            "float8_e4m3fn"
         )
     return 16 // dtype.itemsize
 
@@ -227,6 +234,8 @@ def _gather_logits(
     block_size: int,
     num_tokens: int,
     alibi_slopes: torch.Tensor | None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
     sanitize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled (ALiBi-biased, masked) logits and the gathered values, one row per KV head.
@@ -240,7 +249,8 @@ def _gather_logits(
     With ``sanitize``, positions past a sequence's end are excluded whatever the cache holds
     there: their logits are exactly ``-inf`` and their values 0. Without it they only get a
     ``-inf`` bias, so a NaN or inf in a stale slot makes the result non-finite (and the caller
-    redoes it sanitized).
+    redoes it sanitized). With ``k_scale``/``v_scale`` given the caches are fp8 and the gathered
+    context is dequantized (``fp8 * scale``, in the accumulation dtype) before any arithmetic.
 
     Each cache is read once, by one gather (see :func:`_context_plan`) that lays the context out
     for one batched matmul per side over every (sequence, KV head) pair with its ``group``
@@ -264,7 +274,10 @@ def _gather_logits(
     keys = keys.view(rows, num_tokens, head_size)
     values = value_cache.contiguous().view(-1, block_size).index_select(0, value_index)
     values = values.view(rows, head_size, num_tokens)
-    if keys.dtype != acc:
+    if k_scale is not None:  # fp8: dequantize on read, only the context this batch uses
+        keys = scaled_fp8_dequant(keys, k_scale, acc)
+        values = scaled_fp8_dequant(values, v_scale, acc)
+    elif keys.dtype != acc:
         keys, values = keys.to(acc), values.to(acc)
     if sanitize:
         # Stale slots past seq_len (and padding blocks) may hold NaN or inf, and a zero softmax
@@ -296,6 +309,18 @@ def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tenso
     return torch.bmm(weights.to(values.dtype), values.transpose(1, 2))
 
 
+def _cache_scales(
+    key_cache: torch.Tensor, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor
+) -> tuple[float | None, float | None]:
+    """``(k_scale, v_scale)`` as floats for an fp8 cache, ``(None, None)`` otherwise.
+
+    Called after the checks, which guarantee the scales are valid and the cache dtype matches.
+    """
+    if key_cache.dtype != FP8_DTYPE:
+        return None, None
+    return float(k_scale), float(v_scale)
+
+
 def paged_attention_v1(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -308,6 +333,9 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Decode attention over paged KV; writes ``out`` in place.
 
@@ -315,6 +343,10 @@ def paged_attention_v1(
     of ``scale * q . k (+ alibi_slopes[h] * (key_pos - (seq_len - 1)))`` times the values, read
     from KV head ``h // (num_heads // num_kv_heads)``. Accumulation is fp32; ``out`` gets the
     query dtype. Nothing is written unless every input is valid.
+
+    ``kv_cache_dtype="fp8"``: the caches are float8_e4m3fn and each key (value) element read
+    is ``stored * k_scale`` (``* v_scale``); ``"auto"`` (default): the caches hold the query's
+    dtype and the scales are ignored (but must still be finite and > 0).
 
     upstream: csrc/attention/paged_attention_v1.cu:46 @ v0.11.0
     """
@@ -328,13 +360,17 @@ def paged_attention_v1(
         block_size,
         max_seq_len,
         alibi_slopes,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
     )
     check_out(out, query)
+    scales = _cache_scales(key_cache, k_scale, v_scale)
     if longest == 0:
         return
     num_tokens = -(-longest // block_size) * block_size
     args = (query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-            block_size, num_tokens, alibi_slopes)
+            block_size, num_tokens, alibi_slopes, *scales)
     # Fast path: stale slots are masked by a -inf bias only. Should one hold NaN or inf, the
     # result is not finite, and the sanitized pass (the same maths) replaces it.
     logits, values = _gather_logits(*args, sanitize=False)
@@ -360,6 +396,9 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Partitioned decode attention; same result as v1, written to ``out`` in place.
 
@@ -367,7 +406,8 @@ def paged_attention_v2(
     ``max_logits[s, h, p]`` = the partition's largest logit ``m_p``; ``exp_sums[s, h, p]`` =
     ``sum exp(logit - m_p)``; ``tmp_out[s, h, p]`` = the partition's own softmax-weighted values.
     Partitions that start past a sequence's end get ``m_p = -inf``, exp sum 0 and zeros (upstream
-    leaves them unwritten). Phase 2 is ``paged_attention_v2_reduce``.
+    leaves them unwritten). Phase 2 is ``paged_attention_v2_reduce``. ``kv_cache_dtype``,
+    ``k_scale`` and ``v_scale`` as in ``paged_attention_v1``.
 
     upstream: csrc/attention/paged_attention_v2.cu:46 @ v0.11.0
     """
@@ -381,8 +421,12 @@ def paged_attention_v2(
         block_size,
         max_seq_len,
         alibi_slopes,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
     )
     check_out(out, query)
+    scales = _cache_scales(key_cache, k_scale, v_scale)
     if PARTITION_SIZE % block_size != 0:
         raise ValueError(f"block_size {block_size} must divide PARTITION_SIZE={PARTITION_SIZE}")
     parts = num_partitions(max_seq_len)
@@ -403,6 +447,7 @@ def paged_attention_v2(
         block_size,
         num_tokens,
         alibi_slopes,
+        *scales,
     )
     # One step per partition, as the kernel's third grid dimension; all sequences and heads
     # at once. The last partition is as short as the longest context allows.
@@ -469,6 +514,9 @@ def forward_decode(
     num_kv_heads: int,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Allocate the output (and v2's buffers), pick v1 or v2 with ``use_v1``, and run it.
 
@@ -495,6 +543,9 @@ def forward_decode(
             block_size,
             max_seq_len,
             alibi_slopes,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
         )
         return out
     parts = num_partitions(max_seq_len)
@@ -518,5 +569,8 @@ def forward_decode(
         block_size,
         max_seq_len,
         alibi_slopes,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
     )
     return out

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from mini_vllm.attention.fp8 import FP8_DTYPE, check_kv_scale, is_fp8
+
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What a cache tensor may hold: the model dtypes, or e4m3 bytes with kv_cache_dtype="fp8".
+KV_CACHE_TORCH_DTYPES = (*CACHE_DTYPES, FP8_DTYPE)
 
 # The engine calls the ops once per layer with the same step tensors (block tables, sequence
 # lengths, slot mapping). Their *value* checks cost tensor operations, so the last result is
@@ -38,11 +42,43 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 def vector_elems(dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in one 16-byte vector (the ``x`` of the key cache layout)."""
-    if dtype not in CACHE_DTYPES:
+    if dtype not in KV_CACHE_TORCH_DTYPES:
         raise ValueError(
-            f"unsupported KV cache dtype {dtype}; use one of float32, float16, bfloat16"
+            f"unsupported KV cache dtype {dtype}; use one of float32, float16, bfloat16 "
+            "(or float8_e4m3fn with kv_cache_dtype='fp8')"
         )
     return 16 // dtype.itemsize
+
+
+def check_cache_dtype(
+    model_dtype: torch.dtype,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: float | torch.Tensor,
+    v_scale: float | torch.Tensor,
+) -> tuple[bool, float, float]:
+    """Check the caches' dtype against ``kv_cache_dtype``; return ``(fp8, k_scale, v_scale)``.
+
+    ``"auto"``: both caches hold ``model_dtype`` (the query's, or the key's when writing).
+    ``"fp8"``/``"fp8_e4m3"``: both hold ``float8_e4m3fn``. The scales must be finite and > 0
+    whatever the cache dtype (they are ignored for ``"auto"``, as upstream ignores them).
+    """
+    fp8 = is_fp8(kv_cache_dtype)
+    k, v = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    want = FP8_DTYPE if fp8 else model_dtype
+    if key_cache.dtype != want or value_cache.dtype != want:
+        if fp8:
+            advice = f"allocate the caches in {FP8_DTYPE} for kv_cache_dtype={kv_cache_dtype!r}"
+        elif FP8_DTYPE in (key_cache.dtype, value_cache.dtype):
+            advice = "an fp8 cache needs kv_cache_dtype='fp8' with its k_scale and v_scale"
+        else:
+            advice = "the cache holds the model's dtype when kv_cache_dtype='auto'"
+        raise ValueError(
+            f"cache dtypes ({key_cache.dtype}, {value_cache.dtype}) must be {want} "
+            f"(kv_cache_dtype={kv_cache_dtype!r}, model dtype {model_dtype}); {advice}"
+        )
+    return fp8, k, v
 
 
 def check_decode_inputs(
@@ -55,10 +91,14 @@ def check_decode_inputs(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> int:
     """Validate a decode batch; return the longest context actually present.
 
-    Raises ``ValueError`` naming the offending argument. Never writes.
+    Raises ``ValueError`` naming the offending argument. Never writes. The cache's ``x`` is
+    its own dtype's (16 for fp8), not the query's.
     """
     if query.dim() != 3:
         raise ValueError(
@@ -72,13 +112,11 @@ def check_decode_inputs(
             f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads} "
             "(each KV head serves num_heads // num_kv_heads query heads)"
         )
-    x = vector_elems(query.dtype)
+    check_cache_dtype(query.dtype, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+    x = vector_elems(key_cache.dtype)
     if head_size % x != 0:
-        raise ValueError(f"head_size {head_size} must be a multiple of x={x} for {query.dtype}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
         raise ValueError(
-            f"cache dtypes ({key_cache.dtype}, {value_cache.dtype}) must equal the query dtype "
-            f"{query.dtype}; this course has no quantised (fp8) KV cache"
+            f"head_size {head_size} must be a multiple of x={x} for {key_cache.dtype}"
         )
     num_blocks = key_cache.shape[0] if key_cache.dim() > 0 else 0
     want_k = (num_blocks, num_kv_heads, head_size // x, block_size, x)
@@ -267,17 +305,25 @@ def check_ids(ids: torch.Tensor, num_blocks: int, what: str) -> None:
 
 
 def check_paged_caches(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> tuple[int, int]:
-    """Check ``key``/``value`` against x-split caches; return ``(num_blocks, block_size)``."""
+    """Check ``key``/``value`` against x-split caches; return ``(num_blocks, block_size)``.
+
+    The caches hold ``key.dtype`` (``"auto"``) or float8_e4m3fn (``"fp8"``), see
+    :func:`check_cache_dtype`; ``x`` is the cache dtype's.
+    """
     check_kv(key, value)
     _, num_kv_heads, head_size = key.shape
-    if key_cache.dtype != key.dtype or value_cache.dtype != key.dtype:
-        raise ValueError(
-            f"cache dtypes ({key_cache.dtype}, {value_cache.dtype}) must equal the key dtype "
-            f"{key.dtype}; this course has no quantised (fp8) KV cache"
-        )
-    x = vector_elems(key.dtype)
+    if key.dtype not in CACHE_DTYPES:
+        raise ValueError(f"key dtype {key.dtype} unsupported; use float32, float16, bfloat16")
+    check_cache_dtype(key.dtype, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+    x = vector_elems(key_cache.dtype)
     if key_cache.dim() != 5 or value_cache.dim() != 4:
         raise ValueError(
             f"key_cache must be 5-D and value_cache 4-D, got {tuple(key_cache.shape)} and "
@@ -289,7 +335,7 @@ def check_paged_caches(
     if head_size % x != 0 or tuple(key_cache.shape) != want_k:
         raise ValueError(
             f"key_cache must be [num_blocks, num_kv_heads, head_size // x, block_size, x] with "
-            f"x={x} for {key.dtype}: expected {want_k}, got {tuple(key_cache.shape)}"
+            f"x={x} for {key_cache.dtype}: expected {want_k}, got {tuple(key_cache.shape)}"
         )
     if tuple(value_cache.shape) != want_v:
         raise ValueError(

@@ -51,6 +51,14 @@ __host__ __device__ constexpr int attention_smem_bytes(int num_token_slots) {
   return 4 * const_max(num_token_slots, (NUM_THREADS / kWarpSize) * HEAD_SIZE);
 }
 
+// Static shared memory of attend_blocks: the scaled query row and the two reduction scratch
+// arrays. The v1 launcher counts it before a launch (the emulation reports a kernel's static
+// shared memory only once a block of it has run; a GPU's cudaFuncGetAttributes may add padding).
+template <int HEAD_SIZE, int NUM_THREADS>
+__host__ __device__ constexpr int attention_static_smem_bytes() {
+  return 4 * HEAD_SIZE + 2 * 4 * (NUM_THREADS / kWarpSize);
+}
+
 // Step 1: logits[t - start_token] = q . k_t (+ ALiBi) for every token slot t of the range; slots
 // past the end of the sequence get 0. Returns the max over this thread's valid logits.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>

@@ -167,20 +167,36 @@ void paged_attention_v1(torch::Tensor& out, const torch::Tensor& query,
                  "paged_attention_v1");
 }
 
-// v2 and the GQA-aware kernel share their signature; `launch` picks the kernel.
+// v2 and the GQA-aware kernel share their signature (the GQA kernel adds `partition_size`, 0 for
+// 512 tokens); `launch` picks the kernel.
 template <Status (*launch)(const PagedAttentionParams&, cudaStream_t)>
 void partitioned_attention(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& max_logits,
                            torch::Tensor& tmp_out, const torch::Tensor& query,
                            const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                            int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
                            const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                           const std::optional<torch::Tensor>& alibi_slopes) {
+                           const std::optional<torch::Tensor>& alibi_slopes,
+                           int64_t partition_size = 0) {
   PagedAttentionParams p =
       attention_params(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
                        seq_lens, block_size, max_seq_len, alibi_slopes);
   add_partition_buffers(p, query, exp_sums, max_logits, tmp_out);
+  TORCH_CHECK(partition_size >= 0 && partition_size <= mini_vllm::kPartitionSize,
+              "partition_size must be 0 (512) or a power of two from 64 to 512");
+  p.partition_size = static_cast<int>(partition_size);
   const c10::cuda::CUDAGuard guard(query.device());
   raise_if_error(launch(p, c10::cuda::getCurrentCUDAStream()), "paged attention");
+}
+
+void partitioned_v2(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& max_logits,
+                    torch::Tensor& tmp_out, const torch::Tensor& query,
+                    const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                    int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
+                    const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                    const std::optional<torch::Tensor>& alibi_slopes) {
+  partitioned_attention<mini_vllm::launch_paged_attention_v2>(
+      out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, 0);
 }
 
 #ifndef MINI_VLLM_ATTENTION_ONLY
@@ -209,8 +225,8 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
                   value_cache.size(3) == key_cache.size(3),
               "key_cache / value_cache do not have the paged layout for these keys");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
-                  slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0),
-              "slot_mapping must be contiguous int64 [num_tokens]");
+                  slot_mapping.is_contiguous() && slot_mapping.size(0) <= key.size(0),
+              "slot_mapping must be contiguous int64 [num_tokens] (key may be padded: longer)");
   mini_vllm::ReshapeAndCacheParams p{};
   p.key = key.data_ptr();
   p.value = value.data_ptr();
@@ -218,7 +234,7 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
   p.value_cache = value_cache.data_ptr();
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
   p.dtype = dtype_of(key);
-  p.num_tokens = static_cast<int>(key.size(0));
+  p.num_tokens = static_cast<int>(slot_mapping.size(0));  // the real tokens; key may be longer
   p.num_kv_heads = static_cast<int>(key.size(1));
   p.head_size = static_cast<int>(key.size(2));
   p.block_size = static_cast<int>(key_cache.size(3));
@@ -307,7 +323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
         py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none());
-  m.def("paged_attention_v2", &partitioned_attention<mini_vllm::launch_paged_attention_v2>,
+  m.def("paged_attention_v2", &partitioned_v2,
         py::arg("out"), py::arg("exp_sums"), py::arg("max_logits"), py::arg("tmp_out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
@@ -317,7 +333,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("exp_sums"), py::arg("max_logits"), py::arg("tmp_out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
-        py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none());
+        py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none(),
+        py::arg("partition_size") = 0);
   m.def("reshape_and_cache", &reshape_and_cache, py::arg("key"), py::arg("value"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
   m.def("copy_blocks", &copy_blocks, py::arg("key_caches"), py::arg("value_caches"),

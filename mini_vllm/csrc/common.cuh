@@ -62,6 +62,25 @@ __device__ __forceinline__ void load_as_float(const T* ptr, float (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = to_float(elems[i]);
 }
 
+// N consecutive floats from 16-byte aligned memory (shared memory, in the kernels), in 16-byte
+// loads when N is a multiple of 4.
+template <int N>
+__device__ __forceinline__ void load_floats(const float* ptr, float (&out)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 v = reinterpret_cast<const float4*>(ptr)[i];
+      out[4 * i] = v.x;
+      out[4 * i + 1] = v.y;
+      out[4 * i + 2] = v.z;
+      out[4 * i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = ptr[i];
+  }
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 
 // Sum over aligned groups of WIDTH consecutive lanes (WIDTH a power of two <= 32). A butterfly:
@@ -111,6 +130,11 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 // ---- helpers for the attention kernels --------------------------------------------------------
+
+// Tokens per partition of a partitioned launch (v2 always uses kPartitionSize).
+__host__ __device__ __forceinline__ int partition_size_of(const PagedAttentionParams& p) {
+  return p.partition_size > 0 ? p.partition_size : kPartitionSize;
+}
 
 // The number of context tokens of sequence `seq`, clamped so that bad values cannot take a
 // kernel outside its buffers: never negative, never past max_seq_len or the block table's width.

@@ -15,8 +15,11 @@ namespace mini_vllm {
 // Element types the kernels are built for. The KV cache always has the query's dtype (no fp8).
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// Tokens per v2 partition; every supported block size divides it.
+// Tokens per v2 partition; every supported block size divides it. The GQA-aware kernel may use
+// smaller partitions (a power of two from kMinPartitionSize, chosen by its caller from the shape
+// so that short contexts and small batches still give the GPU enough thread blocks).
 constexpr int kPartitionSize = 512;
+constexpr int kMinPartitionSize = 64;
 
 enum class StatusCode : int { kOk = 0, kNotImplemented = 1, kUnsupported = 2, kCudaError = 3 };
 
@@ -68,10 +71,12 @@ struct PagedAttentionParams {
   int64_t kv_block_stride;  // elements between two physical blocks of a cache
   int64_t kv_head_stride;   // elements between two KV heads inside a block
   float scale;
+  int partition_size;  // tokens per partition of the GQA-aware kernel and its merge; 0: 512
 };
 
 // Writes the new tokens' keys and values into their cache slots.
-//   key, value    [num_tokens, num_kv_heads, head_size] (row stride key_stride / value_stride)
+//   key, value    [>= num_tokens, num_kv_heads, head_size] (row stride key_stride / value_stride;
+//                 rows past num_tokens, a padded batch's, are not read)
 //   slot_mapping  int64 [num_tokens]; a negative slot marks padding and is skipped
 struct ReshapeAndCacheParams {
   const void* key;

@@ -25,15 +25,35 @@ __all__ = [
     "SUPPORTED_HEAD_SIZES",
     "check_attention_inputs",
     "check_partition_buffers",
+    "choose_decode_kernel",
     "copy_blocks",
+    "device_sm_count",
+    "device_smem_optin",
+    "gqa_num_partitions",
+    "gqa_partition_size",
     "paged_attention_gqa",
     "paged_attention_v1",
     "paged_attention_v2",
+    "paged_decode",
     "reshape_and_cache",
+    "v1_fits",
     "swap_blocks",
 ]
 
 PARTITION_SIZE = 512  # tokens per v2 partition; kPartitionSize in kernel_params.h
+MIN_PARTITION_SIZE = 64  # the GQA-aware kernel's smallest partition; kMinPartitionSize
+# Thread blocks of the GQA-aware kernel that one SM holds at once (its __launch_bounds__ minimum
+# for the common head sizes; scripts/gqa_sass_report.py computes the occupancy).
+GQA_BLOCKS_PER_SM = 4
+# SMs and opt-in shared memory per block of the GPUs the CPU emulation models
+# (mini_vllm/csrc/emulation/runtime.cpp).
+EMULATED_SM_COUNT = {"default": 1, "t4": 40, "a100": 108, "h100": 132}
+EMULATED_SMEM_OPTIN = {"default": 48 * 1024, "t4": 64 * 1024, "a100": 163 * 1024,
+                       "h100": 227 * 1024}
+# Query heads per KV head from which decode takes the GQA-aware kernel: each K/V block is then
+# read once instead of `group` times. (A design choice to be checked by the benchmark on a GPU.)
+GQA_MIN_GROUP = 2
+V1_THREADS = 128
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -161,19 +181,89 @@ def check_attention_inputs(
     return _require_device(tensors, "query", backend)
 
 
+def gqa_num_partitions(max_seq_len: int, partition_size: int) -> int:
+    """Partitions of ``partition_size`` tokens that a context of ``max_seq_len`` needs: the
+    width dim 2 of the partition buffers must have.
+
+    upstream: none (this course's kernel)
+    """
+    return -(-max_seq_len // partition_size)
+
+
+def gqa_partition_size(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    blocks_per_sm: int = GQA_BLOCKS_PER_SM,
+    max_num_partitions: int | None = None,
+) -> int:
+    """Tokens per partition for the GQA-aware kernel: the largest power of two from 512 down to
+    64 whose grid still fills the GPU.
+
+    The kernel's grid has one thread block per (KV head, chunk of up to 8 query heads, sequence,
+    partition), so a small batch or a short context gives few blocks: at batch 1 and 8 KV heads,
+    512-token partitions of a 4096-token context are 64 blocks for 132 SMs. Halving the partition
+    doubles the blocks (and the partial results the merge reads, which stay small beside the
+    K/V). "Fills" means at least 90% of one wave, ``num_sms * blocks_per_sm`` resident blocks:
+    a grid of 0.97 waves runs as well as one of 1.94. When no size fills the GPU the smallest is
+    taken. ``max_num_partitions`` (the width of given partition buffers) rules out sizes whose
+    partitions would not fit in them; the 512-token size always fits buffers sized for v2.
+
+    upstream: none (upstream's v2 always uses 512-token partitions, one block per query head)
+    """
+    if num_kv_heads <= 0 or num_heads % num_kv_heads or max_seq_len < 1 or num_sms < 1:
+        raise ValueError(f"gqa_partition_size: bad shape (num_heads={num_heads}, num_kv_heads="
+                         f"{num_kv_heads}, max_seq_len={max_seq_len}, num_sms={num_sms})")
+    chunks = -(-(num_heads // num_kv_heads) // 8)  # query heads per block: at most 8
+    slots = num_sms * blocks_per_sm
+    size = PARTITION_SIZE
+    while size > MIN_PARTITION_SIZE:
+        blocks = num_kv_heads * chunks * num_seqs * gqa_num_partitions(max_seq_len, size)
+        smaller = size // 2
+        fits = max_num_partitions is None or (
+            gqa_num_partitions(max_seq_len, smaller) <= max_num_partitions
+        )
+        if blocks >= 0.9 * slots or not fits:
+            break
+        size = smaller
+    # The same number of partitions with larger ones is the same grid with less merging.
+    while size < PARTITION_SIZE and (
+        gqa_num_partitions(max_seq_len, 2 * size) == gqa_num_partitions(max_seq_len, size)
+    ):
+        size *= 2
+    return size
+
+
+def device_sm_count(device: torch.device, backend: str) -> int:
+    """SMs of the GPU that runs the kernels: the real one for "cuda", the modelled one for the
+    emulation ($MINI_VLLM_EMU_DEVICE).
+
+    upstream: none (upstream's v2 launcher does not look at the SM count)
+    """
+    if backend == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    import os
+
+    return EMULATED_SM_COUNT.get(os.environ.get("MINI_VLLM_EMU_DEVICE") or "default", 1)
+
+
 def check_partition_buffers(
     out: torch.Tensor,
     exp_sums: torch.Tensor,
     max_logits: torch.Tensor,
     tmp_out: torch.Tensor,
     max_seq_len: int,
+    partition_size: int = PARTITION_SIZE,
 ) -> None:
-    """Raise ValueError unless the v2 partition buffers fit ``out`` and ``max_seq_len``.
+    """Raise ValueError unless the v2 partition buffers fit ``out`` and ``max_seq_len``
+    (partitions of ``partition_size`` tokens: 512 for v2, see ``gqa_partition_size``).
 
     upstream: none (upstream trusts its caller, vllm/attention/ops/paged_attn.py, to size them)
     """
     num_seqs, num_heads, head_size = out.shape
-    parts = -(-max_seq_len // PARTITION_SIZE) if isinstance(max_seq_len, int) else 0
+    parts = -(-max_seq_len // partition_size) if isinstance(max_seq_len, int) else 0
     width = exp_sums.shape[2] if exp_sums.dim() == 3 else -1
     for name, t, dtype, shape in (
         ("exp_sums", exp_sums, torch.float32, (num_seqs, num_heads, width)),
@@ -184,7 +274,7 @@ def check_partition_buffers(
             raise ValueError(
                 f"{name} must be a contiguous {dtype} tensor of shape "
                 f"{shape[:2] + ('P',) + shape[3:]} with the same P >= {parts} "
-                f"(= ceil(max_seq_len / {PARTITION_SIZE})) as exp_sums; got {t.dtype} "
+                f"(= ceil(max_seq_len / {partition_size})) as exp_sums; got {t.dtype} "
                 f"{tuple(t.shape)}"
             )
 
@@ -266,20 +356,37 @@ def paged_attention_gqa(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
     backend: str | None = None,
+    partition_size: int | None = None,
 ) -> None:
     """Like ``paged_attention_v2`` (same arguments, same result), but one thread block serves
     all query heads of a KV head, so each K/V block is read once per KV head, not once per
     query head. fp32 inputs are handed to v2. See paged_attention_gqa.cu.
+
+    ``partition_size`` (tokens per partition: 64, 128, 256 or 512) defaults to
+    ``gqa_partition_size`` for this shape and GPU, within the width of the given buffers (buffers
+    sized for v2 allow 512 only; size them with ``gqa_num_partitions`` to let it choose).
 
     upstream: none (this course's kernel; upstream's grid re-reads K/V once per query head)
     """
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
+    if partition_size is None:
+        partition_size = PARTITION_SIZE
+        if query.dtype != torch.float32:  # fp32 runs v2, whose partitions are 512 tokens
+            partition_size = gqa_partition_size(
+                query.shape[0], query.shape[1], num_kv_heads, max_seq_len,
+                device_sm_count(query.device, backend), max_num_partitions=exp_sums.shape[2])
+    elif partition_size not in (64, 128, 256, 512) or (
+        query.dtype == torch.float32 and partition_size != PARTITION_SIZE
+    ):
+        raise ValueError(f"partition_size must be 64, 128, 256 or 512 (512 for float32, which "
+                         f"runs v2), got {partition_size!r}")
+    check_partition_buffers(out, exp_sums, max_logits, tmp_out, max_seq_len, partition_size)
     _csrc.load_ops(backend=backend).paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query,
                                                   key_cache, value_cache, num_kv_heads, scale,
                                                   block_tables, seq_lens, block_size,
-                                                  max_seq_len, alibi_slopes)
+                                                  max_seq_len, alibi_slopes, partition_size)
 
 
 def reshape_and_cache(
@@ -291,6 +398,9 @@ def reshape_and_cache(
     backend: str | None = None,
 ) -> None:
     """Write token ``i``'s key and value into cache slot ``slot_mapping[i]`` (negative: skip).
+
+    As upstream (and the PyTorch op), the slot mapping's length is the number of real tokens:
+    ``key`` and ``value`` may be longer (a padded batch), and their rows past it are ignored.
 
     upstream: vllm/_custom_ops.py:1590 @ v0.11.0
     """
@@ -317,11 +427,12 @@ def reshape_and_cache(
         if cache.dtype != key.dtype or tuple(cache.shape) != want or not cache.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {key.dtype} tensor of shape {want}, "
                              f"got {cache.dtype} {tuple(cache.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens or (
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > num_tokens or (
         slot_mapping.dtype not in (torch.int32, torch.int64)
     ):
-        raise ValueError(f"slot_mapping must be a 1-D int64 (or int32) tensor of {num_tokens} "
-                         f"slots, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(f"slot_mapping must be a 1-D int64 (or int32) tensor of at most "
+                         f"{num_tokens} slots (one per real token; key may be padded), got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     backend = _require_device({"key": key, "value": value, "key_cache": key_cache,
                                "value_cache": value_cache, "slot_mapping": slot_mapping}, "key",
                               backend)
@@ -402,3 +513,134 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     else:
         _require_device({"src": src, "dst": dst}, "src", backend)
     _csrc.load_ops(backend=backend).swap_blocks(src, dst, mapping)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's decode on a GPU: which kernel
+# --------------------------------------------------------------------------------------------
+
+
+def v1_fits(max_seq_len: int, head_size: int, block_size: int, smem_optin: int) -> bool:
+    """Whether ``paged_attention_v1``'s shared memory fits a block on a GPU that lets a block opt
+    in to ``smem_optin`` bytes (every GPU allows 48 KB): one fp32 logit per token slot of the
+    longest sequence (or the warps' partial rows, if larger), plus the static query row and
+    reduction scratch (``attention_smem_bytes`` + ``attention_static_smem_bytes`` in
+    attention_core.cuh). Its launcher refuses past this ("use paged_attention_v2").
+
+    upstream: none (upstream's v1 launcher sets the attribute and lets a launch fail)
+    """
+    slots = -(-max_seq_len // block_size) * block_size
+    dynamic = 4 * max(slots, (V1_THREADS // 32) * head_size)
+    static = 4 * head_size + 2 * 4 * (V1_THREADS // 32)
+    return dynamic + static <= max(smem_optin, 48 * 1024)
+
+
+def choose_decode_kernel(
+    max_seq_len: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    smem_optin: int,
+    gqa: bool = True,
+) -> str:
+    """"gqa", "v1" or "v2": the kernel the engine's decode runs on a GPU.
+
+    The GQA-aware kernel when ``gqa`` is allowed, the model groups at least GQA_MIN_GROUP query
+    heads per KV head and the dtype is fp16 or bf16 (it hands fp32 to v2 anyway): it reads each
+    K/V block once per KV head instead of once per query head. Otherwise the PyTorch path's rule,
+    ``mini_vllm.attention.paged_attn.use_v1`` (upstream's heuristic), picks v1 or v2; v1 also
+    needs its logits to fit in the shared memory of one block (``v1_fits``).
+
+    upstream: vllm/attention/ops/paged_attn.py:135 @ v0.11.0 (the v1/v2 rule; GQA is ours)
+    """
+    from mini_vllm.attention.paged_attn import use_v1
+
+    group = num_heads // max(num_kv_heads, 1)
+    if gqa and group >= GQA_MIN_GROUP and dtype in (torch.float16, torch.bfloat16):
+        return "gqa"
+    if use_v1(max_seq_len, num_seqs, num_heads) and v1_fits(max_seq_len, head_size, block_size,
+                                                            smem_optin):
+        return "v1"
+    return "v2"
+
+
+def device_smem_optin(device: torch.device, backend: str) -> int:
+    """Shared memory a block may opt in to on the GPU that runs the kernels (modelled in the
+    emulation).
+
+    upstream: none (upstream's v1 launcher sets the attribute without checking it)
+    """
+    if backend == "cuda":
+        return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+    import os
+
+    return EMULATED_SMEM_OPTIN.get(os.environ.get("MINI_VLLM_EMU_DEVICE") or "default", 48 * 1024)
+
+
+def paged_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> str:
+    """Decode attention as the engine runs it on a GPU: v1, v2 or the GQA-aware kernel, chosen by
+    ``choose_decode_kernel``; writes ``out`` (v1's contract) and returns the kernel's name.
+
+    The kernels are looked up in this module at call time, so an engine composed with a student's
+    lab 02-06 (``python -m course engine``) runs the student's v1 and v2; the GQA-aware kernel
+    stands in for v2 only while v2 is the reference's. Should v1 refuse a context that its shared
+    memory cannot hold, v2 does the step.
+
+    upstream: vllm/attention/ops/paged_attn.py:96 @ v0.11.0 (forward_decode)
+    """
+    import sys
+
+    me = sys.modules[__name__]
+    backend = _csrc.resolve_backend(backend)
+    num_seqs, num_heads, head_size = query.shape
+    kernel = choose_decode_kernel(
+        max_seq_len, num_seqs, num_heads, num_kv_heads, head_size, block_size, query.dtype,
+        device_smem_optin(query.device, backend),
+        gqa=me.paged_attention_v2 is _REFERENCE["paged_attention_v2"],
+    )
+    args = (query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+            block_size, max_seq_len, alibi_slopes)
+    if kernel == "v1":
+        try:
+            me.paged_attention_v1(out, *args, backend=backend)
+            return kernel
+        except ValueError as exc:
+            if "use paged_attention_v2" not in str(exc):
+                raise
+            kernel = "v2"
+    partition = PARTITION_SIZE
+    if kernel == "gqa":
+        partition = gqa_partition_size(num_seqs, num_heads, num_kv_heads, max_seq_len,
+                                       device_sm_count(query.device, backend))
+    parts = gqa_num_partitions(max_seq_len, partition)
+    exp_sums = torch.empty(num_seqs, num_heads, parts, dtype=torch.float32, device=query.device)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty(num_seqs, num_heads, parts, head_size, dtype=query.dtype,
+                          device=query.device)
+    if kernel == "gqa":
+        me.paged_attention_gqa(out, exp_sums, max_logits, tmp_out, *args, backend=backend,
+                               partition_size=partition)
+    else:
+        me.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *args, backend=backend)
+    return kernel
+
+
+# The reference kernels, kept where course.compose's rebinding of module names does not reach
+# (it replaces names, not the contents of a dict): paged_decode compares with them.
+_REFERENCE = {"paged_attention_v2": paged_attention_v2}

@@ -27,7 +27,8 @@ Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
   const auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kV1Threads>;
   const int slots = div_round_up(p.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE;
   const int smem = attention_smem_bytes<HEAD_SIZE, kV1Threads>(slots);
-  if (smem > 48 * 1024) {
+  const int static_smem = attention_static_smem_bytes<HEAD_SIZE, kV1Threads>();
+  if (smem + static_smem > 48 * 1024) {
     // Past 48 KB a block must opt in, up to the device's limit minus the static shared memory.
     int device = 0, optin = 0;
     cudaFuncAttributes attrs{};
@@ -37,7 +38,7 @@ Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
     }
     if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, kernel);
     if (err != cudaSuccess) return cuda_status(err);
-    if (smem > optin - static_cast<int>(attrs.sharedSizeBytes)) {
+    if (smem > optin - const_max(static_smem, static_cast<int>(attrs.sharedSizeBytes))) {
       return unsupported(
           "max_seq_len is too long for paged_attention_v1 (its logits do not fit in shared "
           "memory); use paged_attention_v2");

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
   const int seq = blockIdx.y;
   const int tid = threadIdx.x;
   // Only the partitions that hold tokens were written by phase 1; the rest are never read.
-  const int num_parts = div_round_up(clamped_seq_len(p, seq), kPartitionSize);
+  const int num_parts = div_round_up(clamped_seq_len(p, seq), partition_size_of(p));
 
   const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
   const float* max_logits = p.max_logits + row * p.max_num_partitions;
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
 // Launches the merge for every (head, sequence) of `p` after phase 1 has run on `stream`.
 template <typename T, int HEAD_SIZE, int NUM_THREADS>
 Status launch_partition_reduce(const PagedAttentionParams& p, cudaStream_t stream) {
-  const int parts_needed = div_round_up(p.max_seq_len, kPartitionSize);
+  const int parts_needed = div_round_up(p.max_seq_len, partition_size_of(p));
   const dim3 grid(p.num_heads, p.num_seqs);
   const size_t smem = sizeof(float) * parts_needed;
   const auto kernel = partition_reduce_kernel<T, HEAD_SIZE, NUM_THREADS>;

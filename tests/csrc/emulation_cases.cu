@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
+#include <mma.h>
 
 #include <cstdint>
 #include <string>
@@ -157,6 +158,84 @@ __global__ void convert(const float* in, unsigned short* half_bits, unsigned sho
   }
 }
 
+// ---- tensor cores (nvcuda::wmma) ------------------------------------------------------------------
+
+// One warp: D = A * B + C for an M x K half matrix A (row-major), a K x N half matrix B (col-major,
+// i.e. stored as B^T row by row) and an M x N float C, by wmma in the shape M, N, K; D stored
+// row-major. The matrices go through shared memory, as a kernel would stage them.
+template <int M, int N, int K>
+__global__ void wmma_multiply(const __half* a, const __half* bt, const float* c, float* d) {
+  using namespace nvcuda;
+  MINI_VLLM_SHARED(float4, stage, [(M * K + K * N) / 8]);  // 16-byte units
+  __half* sa = reinterpret_cast<__half*>(&stage[0]);
+  __half* sb = sa + M * K;
+  for (int i = threadIdx.x; i < M * K; i += 32) sa[i] = a[i];
+  for (int i = threadIdx.x; i < K * N; i += 32) sb[i] = bt[i];
+  __syncwarp();
+  wmma::fragment<wmma::matrix_a, M, N, K, __half, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, M, N, K, __half, wmma::col_major> fb;
+  wmma::fragment<wmma::accumulator, M, N, K, float> acc;
+  wmma::load_matrix_sync(fa, sa, K);
+  wmma::load_matrix_sync(fb, sb, K);
+  wmma::load_matrix_sync(acc, c, N, wmma::mem_row_major);
+  wmma::mma_sync(acc, fa, fb, acc);
+  wmma::store_matrix_sync(d, acc, N, wmma::mem_row_major);
+}
+
+// Lanes 0-15 skip the mma: the others wait for them forever (a hang or garbage on a GPU).
+__global__ void wmma_in_branch(float* d) {
+  using namespace nvcuda;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(fa, 1.f);
+  wmma::fill_fragment(fb, 1.f);
+  wmma::fill_fragment(acc, 0.f);
+  if (threadIdx.x >= 16) wmma::mma_sync(acc, fa, fb, acc);
+  wmma::store_matrix_sync(d, acc, 16, wmma::mem_row_major);
+}
+
+// A matrix load from a pointer 16 bytes past a 32-byte boundary.
+__global__ void wmma_misaligned(const __half* a, float* d) {
+  using namespace nvcuda;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+  wmma::load_matrix_sync(fa, a + 8, 16);
+  d[threadIdx.x] = __half2float(fa.x[0]);
+}
+
+}  // namespace
+
+MINI_VLLM_EMU_OP(wmma_multiply) {
+  const auto* a = static_cast<const __half*>(req.buffer("a"));
+  const auto* bt = static_cast<const __half*>(req.buffer("bt"));
+  const auto* c = static_cast<const float*>(req.buffer("c"));
+  auto* d = static_cast<float*>(req.buffer("d"));
+  const int m = static_cast<int>(req.integer("m"));
+  if (m == 32) {
+    const auto kernel = wmma_multiply<32, 8, 16>;
+    MINI_VLLM_LAUNCH(kernel, 1, 32, 0, nullptr)(a, bt, c, d);
+  } else if (m == 8) {
+    const auto kernel = wmma_multiply<8, 32, 16>;
+    MINI_VLLM_LAUNCH(kernel, 1, 32, 0, nullptr)(a, bt, c, d);
+  } else {
+    const auto kernel = wmma_multiply<16, 16, 16>;
+    MINI_VLLM_LAUNCH(kernel, 1, 32, 0, nullptr)(a, bt, c, d);
+  }
+  status(cudaGetLastError());
+}
+
+MINI_VLLM_EMU_OP(wmma_in_branch) {
+  MINI_VLLM_LAUNCH(wmma_in_branch, 1, 32, 0, nullptr)(static_cast<float*>(req.buffer("d")));
+  status(cudaGetLastError());
+}
+
+MINI_VLLM_EMU_OP(wmma_misaligned) {
+  MINI_VLLM_LAUNCH(wmma_misaligned, 1, 32, 0, nullptr)(
+      static_cast<const __half*>(req.buffer("a")), static_cast<float*>(req.buffer("d")));
+  status(cudaGetLastError());
+}
+
+namespace {
 }  // namespace
 
 MINI_VLLM_EMU_OP(convert) {

@@ -18,8 +18,8 @@
 //     cudaGetLastError, cudaMemcpyAsync) behave like those of the modelled device
 //     (MINI_VLLM_EMU_DEVICE: default, t4, a100, h100).
 // Nothing here is specific to one kernel. What the emulator does not model (timing, the memory
-// model beyond barrier ordering, warp-synchronous code without collectives, texture/tensor-core
-// instructions) is listed in the lab 02-06 README.
+// model beyond barrier ordering, warp-synchronous code without collectives, texture instructions,
+// the layout of tensor-core fragments: wmma is emulated with a layout of its own) is listed in the lab 02-06 README.
 #pragma once
 
 #define MINI_VLLM_EMULATION 1
@@ -29,7 +29,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -77,6 +79,8 @@ struct alignas(8) float2 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 struct alignas(4) ushort2 {
   unsigned short x, y;
 };
@@ -327,6 +331,9 @@ enum class Op : int {
   kBallot,
   kAny,
   kAll,
+  kWmmaLoad,
+  kWmmaStore,
+  kWmmaMma,
 };
 
 // What a fiber sees of itself; the scheduler points g_thread at the running fiber's record.
@@ -345,6 +352,12 @@ int block_barrier(Op op, int predicate, const char* file, int line);
 // Returns this lane's result in the same form.
 uint64_t warp_collective(Op op, unsigned mask, uint64_t bits, int bytes, int arg, int width,
                          const char* file, int line);
+
+// After a warp collective completes: the `bits` every lane of the calling thread's warp passed
+// to it (32 entries, by lane).
+const uint64_t* warp_lane_bits();
+// Reports a misuse of a CUDA API inside a kernel (with the kernel, block and thread) and exits.
+[[noreturn]] void usage_error(const std::string& message);
 
 // The storage of one __shared__ declaration in the running block: allocated and filled with
 // 0xff on first use in the block, then the same for every thread of it. `key` identifies it.
@@ -509,3 +522,192 @@ template <typename R, typename... A>
 inline cudaError_t cudaFuncSetAttribute(R (*kernel)(A...), cudaFuncAttribute attr, int value) {
   return mini_vllm_emu::func_set_attribute(reinterpret_cast<const void*>(kernel), attr, value);
 }
+
+// ---- tensor cores: nvcuda::wmma ---------------------------------------------------------------------
+// The warp-level matrix API of <mma.h>, computed in fp32 on the CPU. A fragment's layout across
+// the lanes is unspecified by CUDA; here lane l holds elements l * E ... l * E + E - 1 of the
+// matrix in row-major order (E = rows * cols / 32). load_matrix_sync, store_matrix_sync and
+// mma_sync are warp collectives: every lane of the warp must reach the same call, as with the
+// shuffles, and the pointer must be 256-bit aligned and ldm a multiple of 16 bytes, as CUDA
+// requires. A load reads memory after every lane has arrived, so shared-memory stores made
+// before it by any lane are seen (a GPU needs __syncwarp() for that; see the kernels).
+
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+namespace detail {
+template <typename Use, int M, int N, int K>
+struct Shape;
+template <int M, int N, int K>
+struct Shape<matrix_a, M, N, K> {
+  static constexpr int rows = M, cols = K;
+};
+template <int M, int N, int K>
+struct Shape<matrix_b, M, N, K> {
+  static constexpr int rows = K, cols = N;
+};
+template <int M, int N, int K>
+struct Shape<accumulator, M, N, K> {
+  static constexpr int rows = M, cols = N;
+};
+inline float as_float(float v) { return v; }
+inline float as_float(__half v) { return __half2float(v); }
+inline float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) { return v; }
+template <>
+inline __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+inline unsigned lane_id() {
+  const uint3 t = threadIdx;
+  return (t.x + blockDim.x * (t.y + blockDim.y * t.z)) % 32;
+}
+
+// The rendezvous of a wmma call: all 32 lanes, at the same call site; `bits` travels to the
+// others (warp_lane_bits). Checks the pointer and ldm first, as the hardware requires.
+inline void arrive(mini_vllm_emu::Op op, const void* ptr, unsigned ldm, size_t elem_bytes,
+                   uint64_t bits, const char* file, int line) {
+  if (ptr != nullptr) {
+    const char* slash = strrchr(file, '/');
+    file = slash ? slash + 1 : file;
+    const char* what = op == mini_vllm_emu::Op::kWmmaLoad ? "wmma::load_matrix_sync"
+                                                           : "wmma::store_matrix_sync";
+    if (reinterpret_cast<uintptr_t>(ptr) % 32 != 0) {
+      char buf[256];
+      snprintf(buf, sizeof buf, "%s() at %s:%d: the pointer %p is not 256-bit (32-byte) aligned",
+               what, file, line, ptr);
+      mini_vllm_emu::usage_error(buf);
+    }
+    if ((ldm * elem_bytes) % 16 != 0) {
+      char buf[256];
+      snprintf(buf, sizeof buf, "%s() at %s:%d: ldm %u is not a multiple of 16 bytes (%zu-byte "
+               "elements)", what, file, line, ldm, elem_bytes);
+      mini_vllm_emu::usage_error(buf);
+    }
+  }
+  mini_vllm_emu::warp_collective(op, 0xffffffffu, bits, 8, 0, 32, file, line);
+}
+}  // namespace detail
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+class fragment {
+ public:
+  static constexpr int rows = detail::Shape<Use, M, N, K>::rows;
+  static constexpr int cols = detail::Shape<Use, M, N, K>::cols;
+  static_assert(rows * cols % 32 == 0, "a fragment spreads its matrix over the 32 lanes");
+  static constexpr int num_elements = rows * cols / 32;
+  using element_type = T;
+  T x[num_elements];
+  // Element (r, c) of the whole matrix lives in lane (r * cols + c) / num_elements.
+};
+
+template <typename Use, int M, int N, int K, typename T, typename Layout, typename V>
+inline void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, const V& value) {
+  for (int i = 0; i < f.num_elements; ++i) f.x[i] = static_cast<T>(value);
+}
+template <typename Use, int M, int N, int K, typename Layout>
+inline void fill_fragment(fragment<Use, M, N, K, __half, Layout>& f, float value) {
+  for (int i = 0; i < f.num_elements; ++i) f.x[i] = __float2half_rn(value);
+}
+template <typename Use, int M, int N, int K, typename Layout>
+inline void fill_fragment(fragment<Use, M, N, K, __nv_bfloat16, Layout>& f, float value) {
+  for (int i = 0; i < f.num_elements; ++i) f.x[i] = __float2bfloat16_rn(value);
+}
+
+namespace detail {
+template <typename Frag, typename T>
+inline void load(Frag& f, const T* ptr, unsigned ldm, bool col_major, const char* file,
+                 int line) {
+  arrive(mini_vllm_emu::Op::kWmmaLoad, ptr, ldm, sizeof(T), 0, file, line);
+  const int first = static_cast<int>(lane_id()) * Frag::num_elements;
+  for (int i = 0; i < Frag::num_elements; ++i) {
+    const int r = (first + i) / Frag::cols, c = (first + i) % Frag::cols;
+    const T v = col_major ? ptr[r + static_cast<size_t>(c) * ldm]
+                          : ptr[static_cast<size_t>(r) * ldm + c];
+    f.x[i] = from_float<typename Frag::element_type>(as_float(v));
+  }
+}
+}  // namespace detail
+
+// matrix_a / matrix_b: the layout is the fragment's.
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* ptr, unsigned ldm,
+                             const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  static_assert(!std::is_same_v<Use, accumulator>, "an accumulator load names its layout");
+  detail::load(f, ptr, ldm, std::is_same_v<Layout, col_major>, file, line);
+}
+template <int M, int N, int K, typename T>
+inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* ptr, unsigned ldm,
+                             layout_t layout, const char* file = __builtin_FILE(),
+                             int line = __builtin_LINE()) {
+  detail::load(f, ptr, ldm, layout == mem_col_major, file, line);
+}
+
+template <int M, int N, int K, typename T>
+inline void store_matrix_sync(T* ptr, const fragment<accumulator, M, N, K, T>& f, unsigned ldm,
+                              layout_t layout, const char* file = __builtin_FILE(),
+                              int line = __builtin_LINE()) {
+  using Frag = fragment<accumulator, M, N, K, T>;
+  detail::arrive(mini_vllm_emu::Op::kWmmaStore, ptr, ldm, sizeof(T), 0, file, line);
+  const int first = static_cast<int>(detail::lane_id()) * Frag::num_elements;
+  for (int i = 0; i < Frag::num_elements; ++i) {
+    const int r = (first + i) / Frag::cols, c = (first + i) % Frag::cols;
+    T& dst = layout == mem_col_major ? ptr[r + static_cast<size_t>(c) * ldm]
+                                     : ptr[static_cast<size_t>(r) * ldm + c];
+    dst = f.x[i];
+  }
+}
+
+// D = A * B + C, fp32 accumulation. Two rendezvous: the first publishes every lane's fragments
+// (each lane then reads what its own outputs need from the others'), the second makes sure every
+// lane has read before any lane writes D (which may be C itself).
+template <int M, int N, int K, typename TA, typename LA, typename TB, typename LB, typename TC>
+inline void mma_sync(fragment<accumulator, M, N, K, TC>& d,
+                     const fragment<matrix_a, M, N, K, TA, LA>& a,
+                     const fragment<matrix_b, M, N, K, TB, LB>& b,
+                     const fragment<accumulator, M, N, K, TC>& c,
+                     const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  using FA = fragment<matrix_a, M, N, K, TA, LA>;
+  using FB = fragment<matrix_b, M, N, K, TB, LB>;
+  using FC = fragment<accumulator, M, N, K, TC>;
+  struct Operands {
+    const FA* a;
+    const FB* b;
+    const FC* c;
+  } mine{&a, &b, &c};
+  detail::arrive(mini_vllm_emu::Op::kWmmaMma, nullptr, 0, 1,
+                 static_cast<uint64_t>(reinterpret_cast<uintptr_t>(&mine)), file, line);
+  const uint64_t* lanes = mini_vllm_emu::warp_lane_bits();
+  auto operands = [&](int lane) -> const Operands& {
+    return *reinterpret_cast<const Operands*>(static_cast<uintptr_t>(lanes[lane]));
+  };
+  float result[FC::num_elements];
+  const int first = static_cast<int>(detail::lane_id()) * FC::num_elements;
+  for (int i = 0; i < FC::num_elements; ++i) {
+    const int r = (first + i) / N, col = (first + i) % N;
+    float sum = detail::as_float(operands((r * N + col) / FC::num_elements)
+                                     .c->x[(r * N + col) % FC::num_elements]);
+    for (int k = 0; k < K; ++k) {
+      const int ia = r * K + k, ib = k * N + col;
+      sum += detail::as_float(operands(ia / FA::num_elements).a->x[ia % FA::num_elements]) *
+             detail::as_float(operands(ib / FB::num_elements).b->x[ib % FB::num_elements]);
+    }
+    result[i] = sum;
+  }
+  detail::arrive(mini_vllm_emu::Op::kWmmaMma, nullptr, 0, 1, 0, file, line);
+  for (int i = 0; i < FC::num_elements; ++i) d.x[i] = detail::from_float<TC>(result[i]);
+}
+
+}  // namespace wmma
+}  // namespace nvcuda

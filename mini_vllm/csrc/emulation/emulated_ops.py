@@ -45,7 +45,7 @@ class EmulatedOps:
 
     def _attention(self, op, out, query, key_cache, value_cache, num_kv_heads, scale,
                    block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                   partition_buffers=None) -> None:
+                   partition_buffers=None, partition_size=0) -> None:
         dtype = _DTYPE[query.dtype]
         variant = Variant((dtype,), (query.shape[2],), (int(block_size),))
         buffers = {
@@ -78,6 +78,7 @@ class EmulatedOps:
             buffers["max_logits"] = Arg(max_logits, writable=True)
             buffers["tmp_out"] = Arg(tmp_out, writable=True)
             scalars["max_num_partitions"] = exp_sums.shape[2]
+            scalars["partition_size"] = int(partition_size)
         self._run(variant, op, buffers, scalars)
 
     def paged_attention_v1(self, out, query, key_cache, value_cache, num_kv_heads, scale,
@@ -95,10 +96,10 @@ class EmulatedOps:
 
     def paged_attention_gqa(self, out, exp_sums, max_logits, tmp_out, query, key_cache,
                             value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                            max_seq_len, alibi_slopes=None) -> None:
+                            max_seq_len, alibi_slopes=None, partition_size=0) -> None:
         self._attention("paged_attention_gqa", out, query, key_cache, value_cache, num_kv_heads,
                         scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                        (exp_sums, max_logits, tmp_out))
+                        (exp_sums, max_logits, tmp_out), partition_size)
 
     # ---- cache kernels -----------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class EmulatedOps:
             "slot_mapping": Arg(slot_mapping),
         }, {
             "dtype": _CODE[_DTYPE[key.dtype]],
-            "num_tokens": key.shape[0],
+            "num_tokens": slot_mapping.shape[0],  # the real tokens; key may be padded
             "num_kv_heads": key.shape[1],
             "head_size": key.shape[2],
             "block_size": key_cache.shape[3],

@@ -49,6 +49,7 @@ PagedAttentionParams attention_params(const Request& req) {
   p.kv_block_stride = req.integer("kv_block_stride");
   p.kv_head_stride = req.integer("kv_head_stride");
   p.scale = static_cast<float>(req.real("scale"));
+  if (req.scalars.count("partition_size")) p.partition_size = static_cast<int>(req.integer("partition_size"));
   return p;
 }
 

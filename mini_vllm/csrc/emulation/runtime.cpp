@@ -278,6 +278,9 @@ struct BlockState {
 
 Launch* g_launch = nullptr;
 std::vector<Fiber> g_fibers;
+// The values the lanes of each warp passed to that warp's last completed collective. It stays
+// valid until every lane has left that collective: the next one completes only when all are back.
+uint64_t g_lane_bits[32][32];
 Fiber* g_current = nullptr;  // null while the scheduler itself runs
 BlockState g_block;
 Context g_scheduler;
@@ -419,6 +422,9 @@ const char* op_name(Op op) {
     case Op::kBallot: return "__ballot_sync()";
     case Op::kAny: return "__any_sync()";
     case Op::kAll: return "__all_sync()";
+    case Op::kWmmaLoad: return "wmma::load_matrix_sync()";
+    case Op::kWmmaStore: return "wmma::store_matrix_sync()";
+    case Op::kWmmaMma: return "wmma::mma_sync()";
   }
   return "a collective";
 }
@@ -669,6 +675,7 @@ bool resolve_warps() {
           case Op::kAll: me.result = vote == (group); break;
           default: me.result = 0; break;
         }
+        g_lane_bits[w][o->tid % 32] = o->bits;  // what every lane passed, for warp_lane_bits
       }
 #if defined(MINI_VLLM_EMU_TSAN)
       // Lanes leave after every lane arrived: each acquires what all of them released.
@@ -768,8 +775,10 @@ uint64_t arrive(State state, Op op, unsigned mask, uint64_t bits, int bytes, int
 // Shared memory lives between inaccessible pages (and, under AddressSanitizer, poisoned bytes),
 // so that an index past a shared array faults at once instead of corrupting the heap.
 Guarded fresh_shared(size_t bytes, size_t align, const std::string& name) {
-  if (align > 16) fail("shared memory aligned to more than 16 bytes is not emulated: " + name);
-  const size_t padded = (std::max<size_t>(bytes, 1) + 15) / 16 * 16;
+  if (align > 128) fail("shared memory aligned to more than 128 bytes is not emulated: " + name);
+  // The data ends at the guard page when it can; a stricter alignment moves it down a little.
+  const size_t step = std::max<size_t>(align, 16);
+  const size_t padded = (std::max<size_t>(bytes, 1) + step - 1) / step * step;
   const size_t span = (padded + kPage - 1) / kPage * kPage;
   Guarded g;
   {
@@ -926,6 +935,15 @@ const char* device_key() { return device().key; }
 int block_barrier(Op op, int predicate, const char* file, int line) {
   const void* ret = __builtin_return_address(0);
   return static_cast<int>(arrive(State::kBarrier, op, 0, predicate != 0, 0, 0, 0, file, line, ret));
+}
+
+const uint64_t* warp_lane_bits() {
+  if (g_current == nullptr) fail("a warp collective's values were read outside a kernel");
+  return g_lane_bits[g_current->tid / 32];
+}
+
+[[noreturn]] void usage_error(const std::string& message) {
+  fail(message + " (" + where() + ")");
 }
 
 uint64_t warp_collective(Op op, unsigned mask, uint64_t bits, int bytes, int arg, int width,

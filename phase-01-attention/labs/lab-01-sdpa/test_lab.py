@@ -497,6 +497,15 @@ def test_ref_attention_rejects_bad_shapes(q_shape, kv_shape, v_shape, slopes):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_ref_attention_of_no_queries_still_rejects_wrong_slopes(dtype):
+    # The checks come before the q_len == 0 shortcut: 3 slopes for 4 heads is an error even when
+    # there is nothing to attend.
+    q, k, v = make_qkv(0, 5, 4, 2, 8, dtype, seed=19)
+    with pytest.raises(ValueError):
+        lab.ref_attention(q, k, v, alibi_slopes=torch.ones(3))
+
+
 @given(
     q_len=st.integers(1, 6),
     context=st.integers(0, 10),
@@ -625,6 +634,16 @@ def test_varlen_attention_names_the_sequence_with_more_queries_than_keys(cu_q, c
         f"the message should name sequence {s}, its {q_len} queries and its {kv_len} keys: "
         f"{info.value}"
     )
+
+
+def test_varlen_attention_checks_the_slopes_even_for_a_batch_of_no_sequences():
+    # No sequence means no ref_attention call to catch them: the batch's own check must.
+    q, k, v = make_qkv(0, 0, 4, 2, 8, torch.float32)
+    empty = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError):
+        lab.ref_varlen_attention(q, k, v, empty, empty, alibi_slopes=torch.ones(3))
+    out = lab.ref_varlen_attention(q, k, v, empty, empty, alibi_slopes=torch.ones(4))
+    assert tuple(out.shape) == (0, 4, 8), f"an empty batch gives an empty output, got {out.shape}"
 
 
 def test_varlen_attention_rejects_float_offsets():

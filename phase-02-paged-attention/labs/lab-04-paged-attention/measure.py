@@ -13,9 +13,9 @@ strided view with the x-split shape: same numbers, same code, only the memory or
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from course.measure import best_of
 
 TITLE = "One decode step: v1, v2, and v1 over token-major memory"
 X_LABEL = "context length (tokens per sequence)"
@@ -55,12 +55,7 @@ def token_major(key_cache: torch.Tensor, value_cache: torch.Tensor):
 
 
 def _best_ms(fn) -> float:
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return best_of(fn, REPEATS) * 1e3
 
 
 def run(impl, n: int) -> dict:

@@ -1,7 +1,8 @@
 """Lab 02-04 reference: PagedAttention in PyTorch.
 
 The code lives once in ``mini_vllm.attention.paged_attn`` (layouts, v1, v2, the choice rule) and
-``mini_vllm.attention.cache_ops`` (writing and moving cache blocks); this file re-exports it.
+``mini_vllm.attention.cache_ops`` (writing and moving cache blocks), and the FP8 conversions of
+task 7 in ``mini_vllm.attention.fp8``; this file re-exports it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from mini_vllm.attention.cache_ops import (
     reshape_and_cache_flash,
     swap_blocks,
 )
+from mini_vllm.attention.fp8 import scaled_fp8_dequant, scaled_fp8_quant
 from mini_vllm.attention.paged_attn import (
     PARTITION_SIZE,
     forward_decode,
@@ -38,4 +40,6 @@ __all__ = [
     "forward_decode",
     "copy_blocks",
     "swap_blocks",
+    "scaled_fp8_quant",
+    "scaled_fp8_dequant",
 ]

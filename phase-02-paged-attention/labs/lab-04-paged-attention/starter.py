@@ -6,7 +6,8 @@ errors. How to get there is yours to work out; when stuck, climb the hint ladder
 ``python -m course hint 02-04 N`` (a question), then ``--level 2`` (the steps), then
 ``--level 3`` (the upstream lines to read).
 
-Layouts (``x = 16 // element_size``: 4 for float32, 8 for float16/bfloat16)::
+Layouts (``x = 16 // element_size``: 4 for float32, 8 for float16/bfloat16, 16 for the
+float8_e4m3fn cache of task 7)::
 
     key_cache   [num_blocks, num_kv_heads, head_size // x, block_size, x]
     value_cache [num_blocks, num_kv_heads, head_size,      block_size]
@@ -37,8 +38,10 @@ from collections.abc import Sequence
 
 import torch
 
+from mini_vllm.attention.fp8 import FP8_DTYPE, FP8_E4M3_MAX  # noqa: F401  (task 7)
 from mini_vllm.attention.paged_checks import (  # noqa: F401  (helpers for you to call)
     CACHE_DTYPES,
+    KV_CACHE_TORCH_DTYPES,
     check_copy,
     check_decode_inputs,
     check_flash_caches,
@@ -63,6 +66,8 @@ __all__ = [
     "forward_decode",
     "copy_blocks",
     "swap_blocks",
+    "scaled_fp8_quant",
+    "scaled_fp8_dequant",
 ]
 
 # Tokens per v2 partition (upstream's value). Every block size divides it.
@@ -130,6 +135,9 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Write token ``i``'s key and value into slot ``slot_mapping[i]`` of the x-split caches.
 
@@ -146,6 +154,13 @@ def reshape_and_cache(
     Errors (``ValueError``, raised before anything is written; ``check_paged_caches`` and
     ``check_slots`` do it): caches of another shape, ``x`` or dtype; a slot beyond the cache;
     two tokens in one slot; a slot mapping longer than ``key``. Tensor ops only.
+
+    Task 7 (FP8 cache): with ``kv_cache_dtype="fp8"`` (or ``"fp8_e4m3"``) the caches are
+    float8_e4m3fn (``x = 16``) and the stored values are ``scaled_fp8_quant(key, k_scale)`` and
+    ``scaled_fp8_quant(value, v_scale)``. With ``"auto"`` (the default) the scales are ignored.
+    Pass ``kv_cache_dtype, k_scale, v_scale`` to ``check_paged_caches``: it refuses an fp8
+    cache under ``"auto"``, a model-dtype cache under ``"fp8"``, and a scale that is zero,
+    negative or not finite.
     """
     raise NotImplementedError(
         "lab 02-04, task 2: implement reshape_and_cache (hint: python -m course hint 02-04 2)"
@@ -188,6 +203,9 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Decode attention over the paged cache, one query token per sequence, into ``out``.
 
@@ -215,6 +233,11 @@ def paged_attention_v1(
     too few table columns, a ``seq_len < 1`` or ``> max_seq_len``. A batch of no sequences is
     valid and leaves nothing to do. Tensor ops only: the whole batch at once, no loop over
     sequences or tokens.
+
+    Task 7 (FP8 cache): with ``kv_cache_dtype="fp8"`` the caches are float8_e4m3fn (``x = 16``)
+    and every key element read stands for ``scaled_fp8_dequant(stored, k_scale, float32)``
+    (values: ``v_scale``); the rest of the maths is unchanged. Pass ``kv_cache_dtype, k_scale,
+    v_scale`` to ``check_decode_inputs`` (same refusals as ``reshape_and_cache``).
     """
     raise NotImplementedError(
         "lab 02-04, task 3: implement paged_attention_v1 (hint: python -m course hint 02-04 3)"
@@ -241,6 +264,9 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """v1's result (same inputs, same ``out``), computed partition by partition.
 
@@ -263,7 +289,8 @@ def paged_attention_v2(
     Junk as in v1: nothing may depend on it. Errors (``ValueError`` before anything is
     written): v1's, a ``block_size`` that does not divide ``PARTITION_SIZE``, and buffers of the
     wrong dtype, device or shape or too few partitions (``check_v2_buffers``). A Python loop
-    over partitions is fine; none over tokens.
+    over partitions is fine; none over tokens. ``kv_cache_dtype``, ``k_scale``, ``v_scale``
+    (task 7): as in v1.
     """
     raise NotImplementedError(
         "lab 02-04, task 4: implement paged_attention_v2 (hint: python -m course hint 02-04 4)"
@@ -323,6 +350,9 @@ def forward_decode(
     num_kv_heads: int,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Allocate the output (and v2's buffers), pick v1 or v2 with ``use_v1`` and run it.
 
@@ -349,6 +379,9 @@ def forward_decode(
             block_size,
             max_seq_len,
             alibi_slopes,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
         )
         return out
     parts = _num_partitions(max_seq_len)
@@ -372,6 +405,9 @@ def forward_decode(
         block_size,
         max_seq_len,
         alibi_slopes,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
     )
     return out
 
@@ -406,4 +442,44 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     """
     raise NotImplementedError(
         "lab 02-04, task 6: implement swap_blocks (hint: python -m course hint 02-04 6)"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Task 7 (extension): the FP8 KV cache
+# ------------------------------------------------------------------------------------------
+
+
+def scaled_fp8_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 cache stores for ``x``: ``float8_e4m3fn(clamp(x / scale, -448, 448))``.
+
+    Inputs: ``x`` of any shape in float32, float16 or bfloat16; ``scale`` a float > 0 (the
+    callers have checked it). Output: a new tensor of ``x``'s shape in ``torch.float8_e4m3fn``
+    (``FP8_DTYPE``); ``x`` is not changed.
+
+    Divide in float32, then clamp to ``+-FP8_E4M3_MAX`` (448, e4m3's largest finite value),
+    then cast (which rounds to the nearest e4m3 value). So a value within ``448 * scale`` reads
+    back within 2**-4 of itself (relative; ``2**-10 * scale`` absolute below
+    ``2**-6 * scale``), and anything beyond, inf included, reads back as ``+-448 * scale``. NaN
+    stays NaN. The clamp must apply to ``x / scale``, not to ``x``.
+
+    Then give ``reshape_and_cache`` (task 2) its fp8 branch: see its docstring.
+    """
+    raise NotImplementedError(
+        "lab 02-04, task 7: implement scaled_fp8_quant (hint: python -m course hint 02-04 7)"
+    )
+
+
+def scaled_fp8_dequant(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The value an FP8 cache entry stands for: ``q * scale``, in ``dtype``.
+
+    Inputs: ``q`` float8_e4m3fn of any shape; ``scale`` the float it was quantized with;
+    ``dtype`` float32, float16 or bfloat16. Output: a new tensor of ``q``'s shape in
+    ``dtype``, the product taken in float32 and then cast to ``dtype``.
+
+    Then give ``paged_attention_v1`` and ``v2`` (tasks 3 and 4) their fp8 branch: dequantize
+    the key and value blocks you gather (only those), before any arithmetic.
+    """
+    raise NotImplementedError(
+        "lab 02-04, task 7: implement scaled_fp8_dequant (hint: python -m course hint 02-04 7)"
     )

@@ -1471,3 +1471,183 @@ def test_swap_blocks_gpu_to_cpu_and_back():
     again = torch.zeros_like(gpu)
     lab.swap_blocks(cpu, again, torch.tensor([[2, 0]], dtype=torch.int64))
     assert torch.equal(again[0].cpu(), keys[0][4])
+
+
+# ------------------------------------------------------------------------------------------
+# Task 7 (extension): the FP8 KV cache
+# ------------------------------------------------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def fp8_of(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """The test's own quantization: e4m3 of x / scale, clamped to +-448 first."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def magnitudes(n: int, scale: float, seed: int) -> torch.Tensor:
+    """Both signs, |x / scale| from 2**-12 (subnormal) to 448, log-uniform."""
+    g = torch.Generator().manual_seed(seed)
+    exps = torch.empty(n).uniform_(-12.0, math.log2(FP8_MAX), generator=g)
+    signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    return signs * torch.exp2(exps) * scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.02, 5.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_quant_rounds_to_e4m3_within_half_a_step(scale, dtype):
+    x = magnitudes(3000, scale, seed=1).to(dtype)
+    q = lab.scaled_fp8_quant(x, scale)
+    assert isinstance(q, torch.Tensor) and q.dtype == E4M3, (
+        f"scaled_fp8_quant must return torch.float8_e4m3fn (e4m3: 3 mantissa bits, max 448), "
+        f"got {getattr(q, 'dtype', type(q).__name__)}"
+    )
+    assert q.shape == x.shape
+    back = q.float() * scale
+    err = (back - x.float()).abs()
+    normal = x.float().abs() >= 2.0**-6 * scale
+    rel = float((err[normal] / x.float().abs()[normal]).max())
+    assert rel <= 2.0**-4 * (1 + 1e-6), (
+        f"largest relative error {rel:.4g} in e4m3's normal range; rounding to the nearest of 8 "
+        f"mantissa steps gives at most 2**-4 = 0.0625 (is the format e4m3, and is x divided "
+        f"by the scale before the cast?)"
+    )
+    assert float(err[~normal].max()) <= 2.0**-10 * scale * (1 + 1e-6)
+    assert torch.equal(bytes_of(q), bytes_of(fp8_of(x, scale))), "not the nearest e4m3 value"
+
+
+@pytest.mark.parametrize("scale", [2.0, 0.25])
+def test_fp8_quant_saturates_at_448_times_the_scale(scale):
+    x = torch.tensor([416.0, 448.0, 480.0, 1000.0, math.inf]) * scale
+    x = torch.cat([x, -x])
+    got = lab.scaled_fp8_quant(x, scale).float()
+    want = torch.tensor([416.0, 448.0, 448.0, 448.0, 448.0])
+    assert_close(got, torch.cat([want, -want]), atol=0, rtol=0,
+                 msg=f"stored values of x = [416, 448, 480, 1000, inf] * {scale} (the clamp "
+                 "applies to x / scale, so a value saturates at 448 * scale, not at 448): ")
+    assert torch.isnan(lab.scaled_fp8_quant(torch.tensor([NAN]), scale).float()).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_dequant_multiplies_by_the_scale(dtype):
+    grid = bytes_of(torch.arange(256, dtype=torch.uint8)).view(E4M3)
+    grid = grid[torch.isfinite(grid.float())]
+    for scale in (1.0, 0.0137, 3.0):
+        got = lab.scaled_fp8_dequant(grid, scale, dtype)
+        assert got.dtype == dtype and got.shape == grid.shape
+        assert_close(got, (grid.float() * scale).to(dtype), atol=0, rtol=0,
+                     msg=f"scale {scale}: ")
+
+
+def _fp8_caches(num_blocks, kvh, head, block_size):
+    key_cache = torch.zeros(num_blocks, kvh, head // 16, block_size, 16, dtype=E4M3)
+    value_cache = torch.zeros(num_blocks, kvh, head, block_size, dtype=E4M3)
+    bytes_of(key_cache).fill_(0x7F)  # e4m3fn's NaN: junk wherever nothing was written
+    bytes_of(value_cache).fill_(0x7F)
+    return key_cache, value_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reshape_and_cache_fp8_stores_the_scaled_e4m3_bytes(dtype):
+    g = torch.Generator().manual_seed(2)
+    kvh, head, bs = 2, 32, 8
+    key_cache, value_cache = _fp8_caches(6, kvh, head, bs)
+    key = (torch.randn(5, kvh, head, generator=g) * 4).to(dtype)
+    value = (torch.randn(5, kvh, head, generator=g) * 0.3).to(dtype)
+    slots = torch.tensor([9, -1, 40, 8, 23])
+    k_scale, v_scale = 0.03, 0.002
+    k_before, v_before = bytes_of(key_cache).clone(), bytes_of(value_cache).clone()
+    lab.reshape_and_cache(key, value, key_cache, value_cache, slots, "fp8", k_scale, v_scale)
+    want_k, want_v = k_before.clone(), v_before.clone()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            b, o = divmod(s, bs)
+            want_k[b, :, :, o, :] = bytes_of(fp8_of(key[i], k_scale)).reshape(kvh, head // 16, 16)
+            want_v[b, :, :, o] = bytes_of(fp8_of(value[i], v_scale))
+    assert torch.equal(bytes_of(key_cache), want_k), (
+        "key cache bytes differ from e4m3(key / k_scale) at the slots (or changed elsewhere)")
+    assert torch.equal(bytes_of(value_cache), want_v), (
+        "value cache bytes differ from e4m3(value / v_scale) at the slots (or changed elsewhere)")
+
+
+def _fp8_batch(seq_lens, dtype, seed, kvh=2, heads=4, head=32, bs=16):
+    """An fp8 cache written by the test, and the expected outputs: lab 01's reference on the
+    values the cache stands for (the test's own dequantization)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in seq_lens]
+    num_blocks = sum(need) + 2
+    key_cache, value_cache = _fp8_caches(num_blocks, kvh, head, bs)
+    tables = _tables(seq_lens, bs, num_blocks, seed)
+    k_scale, v_scale = 0.011, 0.0037
+    query = torch.randn(len(seq_lens), heads, head, generator=g).to(dtype)
+    want = []
+    for s, n in enumerate(seq_lens):
+        k = torch.randn(n, kvh, head, generator=g) * 2
+        v = torch.randn(n, kvh, head, generator=g) * 0.5
+        qk, qv = fp8_of(k, k_scale), fp8_of(v, v_scale)
+        pos = torch.arange(n)
+        blocks = tables[s].long()[pos // bs]
+        write_tokens(key_cache, value_cache, blocks, pos % bs, qk, qv)
+        want.append(ref_attention(query[s : s + 1].float(), qk.float() * k_scale,
+                                  qv.float() * v_scale, scale=0.2)[0])
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    args = (query, key_cache, value_cache, kvh, 0.2, tables, lens, bs, max(seq_lens), None,
+            "fp8", k_scale, v_scale)
+    return args, torch.stack(want)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_paged_attention_on_an_fp8_cache_dequantizes_on_read(version, dtype):
+    seq_lens = [1, 37, 600]  # 600: two v2 partitions
+    args, want = _fp8_batch(seq_lens, dtype, seed=4)
+    out = torch.full_like(args[0], NAN)
+    if version == "v1":
+        lab.paged_attention_v1(out, *args)
+    else:
+        parts = -(-max(seq_lens) // PARTITION)
+        shape = (len(seq_lens), args[0].shape[1], parts)
+        lab.paged_attention_v2(out, torch.full(shape, NAN), torch.full(shape, NAN),
+                               torch.full((*shape, args[0].shape[2]), NAN, dtype=dtype),
+                               *args)
+    check_attention(out, want.to(dtype), seq_lens=seq_lens, block_size=16, dtype=dtype,
+                    what=f"{version} on an fp8 cache (keys read as stored * k_scale, values as "
+                    "stored * v_scale)")
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, math.nan, math.inf])
+def test_fp8_bad_scales_and_dtype_mixups_are_refused_before_writing(bad):
+    key_cache, value_cache = _fp8_caches(4, 1, 16, 4)
+    f32_k, f32_v = torch.zeros(4, 1, 4, 4, 4), torch.zeros(4, 1, 16, 4)
+    key = value = torch.randn(2, 1, 16)
+    slots = torch.tensor([4, 5])
+    query, out = torch.randn(1, 2, 16), torch.full((1, 2, 16), 7.0)
+    tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    before = bytes_of(key_cache).clone(), bytes_of(value_cache).clone()
+    calls = {
+        f"k_scale={bad}": lambda: lab.reshape_and_cache(key, value, key_cache, value_cache,
+                                                        slots, "fp8", bad, 1.0),
+        f"v_scale={bad}": lambda: lab.reshape_and_cache(key, value, key_cache, value_cache,
+                                                        slots, "fp8", 1.0, bad),
+        "an fp8 cache with kv_cache_dtype='auto'": lambda: lab.reshape_and_cache(
+            key, value, key_cache, value_cache, slots),
+        "a float32 cache with kv_cache_dtype='fp8'": lambda: lab.reshape_and_cache(
+            key, value, f32_k, f32_v, slots, "fp8", 1.0, 1.0),
+        f"v1 with k_scale={bad}": lambda: lab.paged_attention_v1(
+            out, query, key_cache, value_cache, 1, 0.25, tables, lens, 4, 4, None, "fp8",
+            bad, 1.0),
+        "v1 on an fp8 cache with kv_cache_dtype='auto'": lambda: lab.paged_attention_v1(
+            out, query, key_cache, value_cache, 1, 0.25, tables, lens, 4, 4),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError):
+            call()
+        assert torch.equal(bytes_of(key_cache), before[0]), f"{what}: wrote the key cache"
+        assert torch.equal(bytes_of(value_cache), before[1]), f"{what}: wrote the value cache"
+        assert (f32_k == 0).all() and (f32_v == 0).all(), f"{what}: wrote the float32 cache"
+        assert (out == 7.0).all(), f"{what}: wrote out"

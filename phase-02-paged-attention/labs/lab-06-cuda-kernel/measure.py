@@ -46,7 +46,7 @@ def sizes(quick: bool) -> list[int]:
     if not torch.cuda.is_available():
         raise ValueError(
             "this measurement times your kernels, so it needs a CUDA GPU, and this machine has "
-            "none. A free Colab T4 is enough (README, 'Predict, then measure', says how); on the "
+            "none. A free Colab T4 is enough (README, 'On a free GPU (Colab)'); on the "
             "CPU, the emulation tests tell you whether your kernels are right.")
     return [512, 4096, 32768] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 

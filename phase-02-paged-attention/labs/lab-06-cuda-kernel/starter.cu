@@ -45,6 +45,12 @@ __host__ __device__ constexpr int attention_smem_bytes(int num_token_slots) {
   return 4 * const_max(num_token_slots, (NUM_THREADS / kWarpSize) * HEAD_SIZE);
 }
 
+// The static shared memory of attend_blocks (q_smem, red_max, red_sum), counted by launch_v1.
+template <int HEAD_SIZE, int NUM_THREADS>
+__host__ __device__ constexpr int attention_static_smem_bytes() {
+  return 4 * HEAD_SIZE + 2 * 4 * (NUM_THREADS / kWarpSize);
+}
+
 // Task 1. For every token slot t of blocks [w.first_block, w.end_block), store
 //     logits[t - w.start_token] = q . k_t + w.alibi_slope * (t - (w.seq_len - 1))
 // (q_smem already holds the query times the scale, as fp32), store 0 for slots t >= w.seq_len,
@@ -210,7 +216,8 @@ Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
   const auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
   const int slots = div_round_up(p.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE;
   const int smem = attention_smem_bytes<HEAD_SIZE, kThreads>(slots);
-  if (smem > 48 * 1024) {
+  const int static_smem = attention_static_smem_bytes<HEAD_SIZE, kThreads>();
+  if (smem + static_smem > 48 * 1024) {
     // Past 48 KB a kernel must opt in, up to the device's limit minus its static shared memory.
     int device = 0, optin = 0;
     cudaFuncAttributes attrs{};
@@ -220,7 +227,7 @@ Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
     }
     if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, kernel);
     if (err != cudaSuccess) return cuda_status(err);
-    if (smem > optin - static_cast<int>(attrs.sharedSizeBytes)) {
+    if (smem > optin - const_max(static_smem, static_cast<int>(attrs.sharedSizeBytes))) {
       return unsupported(
           "max_seq_len is too long for paged_attention_v1 (its logits do not fit in shared "
           "memory); use paged_attention_v2");

@@ -189,12 +189,29 @@ def expected_output(b: dict) -> torch.Tensor:
     return out
 
 
+@cache
+def gpu_worker():
+    """The process that runs the kernels of the GPU tests (mini_vllm.csrc.isolation): a kernel
+    that breaks its CUDA context fails its own test only."""
+    from mini_vllm.csrc.isolation import IsolatedRunner
+
+    return IsolatedRunner()
+
+
 def run_kernel(version: str, b: dict, fn=None, backend: str = KERNEL_BACKEND) -> torch.Tensor:
     """Run v1 or v2 (lab's, or `fn` with the v2 signature) on the poisoned caches."""
     out = torch.full_like(b["query"], float("nan"))
     common = (b["query"], b["poisoned_k"], b["poisoned_v"], b["num_kv_heads"], b["scale"],
               b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"],
               b["alibi_slopes"])
+    if backend == "cuda":  # in the worker process, on CPU copies of the arguments
+        args = (out, *(partition_buffers(b) if version == "v2" else ()), *common)
+        where = fn.__module__ if fn else f"lab:{lab.impl}:{Path(lab.source_path).parent}"
+        name = fn.__name__ if fn else f"paged_attention_{version}"
+        (result,) = gpu_worker().call(
+            "mini_vllm.csrc.isolation", "run_on_gpu", where, name, [0],
+            *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], backend="cuda")
+        return result.to(out.device)
     if version == "v1":
         (fn or lab.paged_attention_v1)(out, *common, backend=backend)
     else:
@@ -486,6 +503,66 @@ def test_reference_gqa_kernel_in_other_dtypes_and_block_sizes(dtype, block_size)
                  msg=f"GQA-aware kernel, {dtype}, block {block_size}")
 
 
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("partition_size", [64, 128, 256])
+def test_reference_gqa_kernel_with_smaller_partitions(partition_size):
+    """The GQA-aware kernel's partition size is chosen from the shape (small batches and short
+    contexts get smaller partitions, so more thread blocks); every size gives v2's result."""
+    from mini_vllm.csrc.ops import gqa_num_partitions, paged_attention_gqa
+
+    require(KERNEL_BACKEND)
+    kw = {} if ON_GPU else dict(num_seqs=EMU_NUM_SEQS, max_len=EMU_MAX_LEN)
+    b = make_batch(num_heads=(8, 2), head_size=128, block_size=16, use_alibi=True, **kw)
+    parts = gqa_num_partitions(b["max_seq_len"], partition_size)
+    num_seqs, nh, hs = b["query"].shape
+    dev = b["query"].device
+    bufs = (torch.full((num_seqs, nh, parts), float("nan"), device=dev),
+            torch.full((num_seqs, nh, parts), float("nan"), device=dev),
+            torch.full((num_seqs, nh, parts, hs), float("nan"), dtype=b["query"].dtype,
+                       device=dev))
+    out = torch.full_like(b["query"], float("nan"))
+    paged_attention_gqa(out, *bufs, b["query"], b["poisoned_k"], b["poisoned_v"],
+                        b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"],
+                        b["block_size"], b["max_seq_len"], b["alibi_slopes"],
+                        backend=KERNEL_BACKEND, partition_size=partition_size)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    assert_close(out, expected_output(b),
+                 msg=f"GQA-aware kernel, {partition_size}-token partitions")
+    # Partitions past a sequence's end are never written (NaN stays), the others are.
+    written = ~bufs[0][:, 0].isnan()
+    lens = b["seq_lens"].cpu()
+    for s in range(num_seqs):
+        want = gqa_num_partitions(int(lens[s]), partition_size)
+        assert written[s].tolist() == [i < want for i in range(parts)], f"sequence {s}"
+    too_narrow = tuple(t[:, :, :1].contiguous() for t in bufs)
+    if parts > 1:
+        with pytest.raises(ValueError, match="exp_sums"):
+            paged_attention_gqa(out, *too_narrow, b["query"], b["key_cache"], b["value_cache"],
+                                b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"],
+                                b["block_size"], b["max_seq_len"], b["alibi_slopes"],
+                                backend=KERNEL_BACKEND, partition_size=partition_size)
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@pytest.mark.emulation
+def test_reference_gqa_kernel_on_a_modelled_t4(monkeypatch):
+    """bf16 matrix operations need sm_80: on a T4 (sm_75) the launcher takes the scalar kernel
+    for bf16 and the tensor-core kernel for fp16; both are right."""
+    from mini_vllm.csrc.ops import paged_attention_gqa
+
+    require("emulation")
+    monkeypatch.setenv("MINI_VLLM_EMU_DEVICE", "t4")
+    for dtype in (torch.bfloat16, torch.float16):
+        b = make_batch(num_heads=(8, 1), head_size=112 if dtype == torch.bfloat16 else 128,
+                       block_size=16, dtype=dtype, device="cpu", num_seqs=3, max_len=700)
+        assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend="emulation"),
+                     expected_output(b), msg=f"GQA-aware kernel on a T4, {dtype}")
+
+
 def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -> None:
     from mini_vllm.attention import cache_ops
     from mini_vllm.csrc import ops
@@ -507,6 +584,15 @@ def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -
     if backend == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache differs from the oracle"
+    # A padded batch: the slot mapping covers the first 30 tokens; the padding rows (NaN) of key
+    # and value are not read, as upstream and the PyTorch op do.
+    key[30:], value[30:] = float("nan"), float("nan")
+    cache_ops.reshape_and_cache(key, value, ek, ev, slots[:30])
+    ops.reshape_and_cache(key, value, kc, vc, slots[:30], backend=backend)
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache of a padded batch"
+    assert not kc.isnan().any(), "a padding row reached the cache"
 
 
 def check_copy_and_swap_blocks(backend: str) -> None:
@@ -721,9 +807,11 @@ def test_reference_ops_under_address_sanitizer():
     from mini_vllm.csrc.ops import paged_attention_gqa
 
     require(ASAN)
-    b = tight_batch(num_heads=(8, 2), head_size=128, block_size=16, use_alibi=True)
-    assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=ASAN), expected_output(b),
-                 msg="GQA-aware kernel under AddressSanitizer")
+    # Groups of 4 take the tensor-core kernel, groups of 2 the scalar one.
+    for heads in ((8, 2), (4, 2)):
+        b = tight_batch(num_heads=heads, head_size=128, block_size=16, use_alibi=True)
+        assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=ASAN),
+                     expected_output(b), msg=f"GQA-aware kernel {heads} under AddressSanitizer")
     check_reshape_and_cache(torch.float16, 16, ASAN)
     check_copy_and_swap_blocks(ASAN)
 
@@ -754,9 +842,10 @@ def test_reference_ops_have_no_data_race():
     from mini_vllm.csrc.ops import paged_attention_gqa
 
     require(RACE)
-    b = small_batch(num_heads=(4, 2), head_size=64, block_size=16)
-    assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=RACE), expected_output(b),
-                 msg="GQA-aware kernel under ThreadSanitizer")
+    for heads in ((8, 2), (4, 2)):  # the tensor-core kernel, the scalar one
+        b = small_batch(num_heads=heads, head_size=64, block_size=16)
+        assert_close(run_kernel("v2", b, fn=paged_attention_gqa, backend=RACE),
+                     expected_output(b), msg=f"GQA-aware kernel {heads} under ThreadSanitizer")
     check_reshape_and_cache(torch.bfloat16, 8, RACE)
     check_copy_and_swap_blocks(RACE)
 

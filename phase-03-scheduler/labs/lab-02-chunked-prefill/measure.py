@@ -11,10 +11,9 @@ call; the same work as two calls (the 16 decodes, then the chunk); and the 16 de
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from course.measure import best_of
 from mini_vllm.attention.metadata import build_attention_metadata
 
 TITLE = "16 decodes and one prefill chunk in one step"
@@ -60,12 +59,7 @@ def _batch(names, requests, tables, gen):
 
 
 def _best_ms(fn) -> float:
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return best_of(fn, REPEATS) * 1e3
 
 
 def run(impl, chunk: int) -> dict:

@@ -1,0 +1,177 @@
+"""Run GPU kernel calls in a child process, so that one bad kernel fails one call.
+
+An illegal address (or any other "sticky" CUDA error) leaves a process's CUDA context unusable:
+every later CUDA call in that process fails with the same error. A test run that calls a
+student's kernel in-process then reports the first mistake once and every later test as that
+same error. ``IsolatedRunner`` keeps the kernel calls in a worker process with its own context:
+
+* a call that returns, or raises an ordinary exception (a ``ValueError`` from an input check),
+  comes back as it would in-process, and the worker stays for the next call;
+* a call that ends in a CUDA error raises ``KernelCrashed`` with the error and a note that the
+  worker's context was discarded; the next call starts a fresh worker;
+* a worker that dies (a segmentation fault, ``os._exit``) raises ``KernelCrashed`` too.
+
+Calls name their function as ``(module, name)`` (imported in the worker) or
+``("lab:<impl>:" + folder, name)`` (the lab's starter or solution, loaded as the tests load it;
+``"lab:" + folder`` takes the one ``LAB_IMPL`` names). Tensors
+travel as CPU tensors (the worker moves them to the GPU and back, see ``run_on_gpu``).
+
+upstream: none (vLLM's tests run kernels in-process; this isolation is the course's)
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import traceback
+from typing import Any
+
+__all__ = ["IsolatedRunner", "KernelCrashed", "run_on_gpu"]
+
+# Substrings of the errors that leave a CUDA context unusable.
+STICKY_CUDA_ERRORS = ("CUDA error", "illegal memory access", "illegal address",
+                      "device-side assert", "unspecified launch failure", "AcceleratorError")
+
+
+class KernelCrashed(RuntimeError):
+    """A kernel call broke its worker process (a CUDA error or a crash); later calls get a fresh
+    worker."""
+
+
+def _resolve(where: str, name: str):
+    if where.startswith("lab:"):
+        from pathlib import Path
+
+        from course.loader import load_module
+
+        impl, _, folder_name = where[4:].partition(":")
+        if impl not in ("starter", "solution"):  # "lab:<folder>": the impl LAB_IMPL names
+            impl, folder_name = os.environ.get("LAB_IMPL", "solution"), where[4:]
+        folder = Path(folder_name)
+        lab_id = folder.parents[1].name.split("-")[1] + "-" + folder.name.split("-")[1]
+        module = load_module(folder, impl, lab_id)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def _worker(conn) -> None:
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        where, name, args, kwargs = request
+        try:
+            result = _resolve(where, name)(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException as exc:  # reported to the parent, which decides
+            text = f"{type(exc).__name__}: {exc}"
+            sticky = any(s in text for s in STICKY_CUDA_ERRORS)
+            try:
+                conn.send(("error", exc if not sticky else None, text, traceback.format_exc(),
+                           sticky))
+            except Exception:  # an exception that does not pickle
+                conn.send(("error", None, text, traceback.format_exc(), sticky))
+            if sticky:
+                return  # this context is broken: the parent starts a new worker
+
+
+class IsolatedRunner:
+    """A worker process for kernel calls (started on first use, restarted after a crash)."""
+
+    def __init__(self) -> None:
+        self._ctx = multiprocessing.get_context("spawn")
+        self._proc = None
+        self._conn = None
+        self.restarts = 0
+
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_worker, args=(child,), daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _discard(self) -> None:
+        if self._proc is not None:
+            self._proc.join(timeout=5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        self._proc = self._conn = None
+        self.restarts += 1
+
+    def call(self, where: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``name(*args, **kwargs)`` of module ``where``, run in the worker."""
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        try:
+            self._conn.send((where, name, args, kwargs))
+            reply = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self._proc.join(timeout=5)  # reap it, so that its exit code is known
+            code = self._proc.exitcode
+            self._discard()
+            raise KernelCrashed(
+                f"{name}: the worker process running the kernel died (exit code {code}): a crash "
+                "in the kernel or its launcher. This call fails; the next one gets a fresh worker."
+            ) from None
+        if reply[0] == "ok":
+            return reply[1]
+        _, exc, text, tb, sticky = reply
+        if sticky:
+            self._discard()
+            raise KernelCrashed(
+                f"{name}: {text}\nThe kernel left its CUDA context unusable (an illegal address, "
+                "an assert...): this test fails, and the next kernel call gets a fresh process, so "
+                "other tests are not affected. Run this test alone with CUDA_LAUNCH_BLOCKING=1, or "
+                "under compute-sanitizer, to find the faulting access.\n--- worker traceback ---\n"
+                + tb
+            )
+        if exc is not None:
+            raise exc
+        raise RuntimeError(f"{name}: {text}\n--- worker traceback ---\n{tb}")
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._discard()
+
+
+def run_on_gpu(where: str, name: str, outputs: list[int], *args: Any, **kwargs: Any):
+    """In the worker: move tensor arguments to the GPU, call ``name``, synchronise, and return
+    the arguments at positions ``outputs`` (written by the call) as CPU tensors."""
+    import torch
+
+    moved = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    _resolve(where, name)(*moved, **kwargs)
+    torch.cuda.synchronize()
+    return [moved[i].cpu() for i in outputs]
+
+
+def _probe(kind: str) -> Any:
+    """What the isolation's own tests run in a worker: a value, an error, a crash."""
+    if kind == "pid":
+        return os.getpid()
+    if kind == "value-error":
+        raise ValueError("bad input: nothing was run")
+    if kind == "cuda-error":
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    if kind == "exit":
+        os._exit(9)
+    if kind == "segfault":  # what a crash in native code looks like: the process dies on a signal
+        import ctypes
+
+        ctypes.string_at(0)
+    raise AssertionError(kind)

@@ -1,0 +1,230 @@
+"""The engine's GPU decode, checked on a CPU: which kernel it picks (pure rules), that the choice
+computes what the PyTorch path computes (the kernels run in the CPU emulation), and the worker
+process that keeps one crashing kernel from failing every later GPU test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_vllm.csrc import ops
+
+# ---- the GQA-aware kernel's partition size ---------------------------------------------------
+
+
+@pytest.mark.parametrize("num_seqs, context, sms, want", [
+    (8, 4096, 132, 512),   # the default shape: 512 blocks, 0.97 of a wave of 4 x 132
+    (256, 4096, 132, 512),
+    (1, 4096, 132, 64),    # batch 1: 8 blocks per 512-token split; 64-token partitions give 512
+    (8, 512, 132, 64),     # a short context: the same
+    (1, 32768, 132, 512),  # 64 partitions already fill the GPU
+    (1, 100, 132, 64),     # two 64-token partitions rather than one of 512
+    (1, 4096, 40, 128),    # a T4 has fewer SMs: 256 blocks are enough
+    (1, 4096, 1, 512),     # one SM: nothing to gain
+])
+def test_gqa_partition_size_fills_the_gpu(num_seqs, context, sms, want):
+    assert ops.gqa_partition_size(num_seqs, 64, 8, context, sms) == want
+
+
+def test_gqa_partition_size_stays_within_the_given_buffers():
+    # Buffers sized for v2 (8 partitions of 512 at 4096 tokens) allow 512 only; twice as wide, 256.
+    assert ops.gqa_partition_size(1, 64, 8, 4096, 132, max_num_partitions=8) == 512
+    assert ops.gqa_partition_size(1, 64, 8, 4096, 132, max_num_partitions=16) == 256
+    assert ops.gqa_num_partitions(4096, 64) == 64 and ops.gqa_num_partitions(4097, 512) == 9
+    with pytest.raises(ValueError, match="bad shape"):
+        ops.gqa_partition_size(1, 6, 4, 4096, 132)
+
+
+# ---- v1, v2 or the GQA-aware kernel -----------------------------------------------------------
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+H100 = 227 * 1024
+
+
+@pytest.mark.parametrize("args, want", [
+    # (max_seq_len, num_seqs, num_heads, num_kv_heads, dtype)
+    ((4096, 8, 64, 8, F16), "gqa"),     # grouped-query attention in fp16/bf16
+    ((300, 1, 32, 16, BF16), "gqa"),
+    ((4096, 8, 64, 8, F32), "v2"),      # fp32: upstream's rule (64 x 8 = 512 pairs: not > 512)
+    ((4096, 16, 64, 64, F16), "v1"),    # multi-head: 1024 (sequence, head) pairs, <= 8192 tokens
+    ((4096, 2, 32, 32, F16), "v2"),     # few pairs and several partitions
+    ((500, 2, 32, 32, F16), "v1"),      # one partition
+    ((9000, 64, 32, 32, F16), "v2"),    # past 8192 tokens
+])
+def test_decode_kernel_follows_the_pytorch_rule_and_the_gqa_benefit(args, want):
+    max_seq_len, num_seqs, num_heads, num_kv_heads, dtype = args
+    assert ops.choose_decode_kernel(max_seq_len, num_seqs, num_heads, num_kv_heads, 128, 16,
+                                    dtype, H100) == want
+    # Without the GQA-aware kernel (an engine with a student's v2): upstream's rule alone.
+    from mini_vllm.attention.paged_attn import use_v1
+
+    no_gqa = ops.choose_decode_kernel(max_seq_len, num_seqs, num_heads, num_kv_heads, 128, 16,
+                                      dtype, H100, gqa=False)
+    assert no_gqa == ("v1" if use_v1(max_seq_len, num_seqs, num_heads) else "v2")
+
+
+@pytest.mark.parametrize("optin", [64 * 1024, 163 * 1024, 227 * 1024])
+def test_v1_is_chosen_up_to_its_shared_memory_limit_and_not_past_it(optin, monkeypatch):
+    """v1 keeps a logit per token in shared memory: on a T4, A100 or H100 it fits contexts up
+    to about 16K, 41K or 57K tokens. Upstream's rule stops at 8192 tokens, well inside; with that
+    threshold lifted, the shared memory decides, at the limit and one block past it."""
+    static = 4 * 128 + 32  # the query row and the two reduction scratch arrays
+    longest = (optin - static) // 4 // 16 * 16
+    assert ops.v1_fits(longest, 128, 16, optin) and not ops.v1_fits(longest + 1, 128, 16, optin)
+    args = (2000, 8, 8, 128, 16, F32, optin)  # many (sequence, head) pairs: v1 if it fits
+    assert ops.choose_decode_kernel(longest, *args) == "v2"  # past upstream's 8192 tokens
+    monkeypatch.setattr("mini_vllm.attention.paged_attn.V1_MAX_SEQ_LEN", 10**6)
+    assert ops.choose_decode_kernel(longest, *args) == "v1"
+    assert ops.choose_decode_kernel(longest + 1, *args) == "v2"
+    # 48 KB need no opt-in on any GPU; the static part counts against them too.
+    within_48k = (48 * 1024 - static) // 4 // 16 * 16
+    assert ops.v1_fits(within_48k, 128, 16, 0) and not ops.v1_fits(within_48k + 1, 128, 16, 0)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("device", ["t4", "a100"])
+def test_v1_fits_agrees_with_the_launcher_at_the_limit(device, monkeypatch):
+    """The rule's arithmetic is the launcher's: at the longest context it allows, v1 runs (in the
+    emulation of that GPU's limits); one block more and the launcher refuses."""
+    from mini_vllm.csrc.emulation import flavor_supported
+
+    if flavor_supported("plain"):
+        pytest.skip(flavor_supported("plain"))
+    monkeypatch.setenv("MINI_VLLM_EMU_DEVICE", device)
+    optin = ops.EMULATED_SMEM_OPTIN[device]
+    longest = max(n for n in range(16, 70000, 16) if ops.v1_fits(n, 64, 16, optin))
+    for n, ok in ((longest, True), (longest + 16, False)):
+        b = _batch(num_heads=(1, 1), head_size=64, lens=[n], dtype=F16)
+        out = torch.empty_like(b["query"])
+        if ok:
+            ops.paged_attention_v1(out, *_args(b), backend="emulation")
+            torch.testing.assert_close(out, _expected(b), atol=2e-3, rtol=1e-2)
+        else:
+            with pytest.raises(ValueError, match="use paged_attention_v2"):
+                ops.paged_attention_v1(out, *_args(b), backend="emulation")
+
+
+# ---- paged_decode: the choice, run ------------------------------------------------------------
+
+
+def _batch(num_heads, head_size, lens, dtype=F16, block_size=16, seed=0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    nh, nkv = num_heads
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    used = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(sum(used), generator=gen).tolist()
+    table = torch.zeros(len(lens), max(used), dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(used):
+        table[s, :n] = torch.tensor(perm[start:start + n], dtype=torch.int32)
+        start += n
+    return dict(
+        query=torch.randn(len(lens), nh, head_size, generator=gen).to(dtype),
+        key_cache=torch.randn(sum(used), nkv, head_size // x, block_size, x, generator=gen)
+        .to(dtype),
+        value_cache=torch.randn(sum(used), nkv, head_size, block_size, generator=gen).to(dtype),
+        num_kv_heads=nkv, scale=head_size**-0.5, block_tables=table,
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_size=block_size,
+        max_seq_len=max(lens),
+    )
+
+
+def _args(b: dict) -> tuple:
+    return (b["query"], b["key_cache"], b["value_cache"], b["num_kv_heads"], b["scale"],
+            b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"])
+
+
+def _expected(b: dict) -> torch.Tensor:
+    from mini_vllm.attention.paged_attn import paged_attention_v1
+
+    out = torch.empty_like(b["query"])
+    paged_attention_v1(out, *_args(b))
+    return out
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("heads, lens, want", [
+    ((8, 2), [40, 700], "gqa"),
+    ((4, 4), [40, 300], "v1"),
+    ((4, 4), [40, 700], "v2"),
+])
+def test_paged_decode_runs_the_chosen_kernel_and_matches_pytorch(heads, lens, want):
+    from course.numerics import assert_close
+    from mini_vllm.csrc.emulation import flavor_supported
+
+    if flavor_supported("plain"):
+        pytest.skip(flavor_supported("plain"))
+    b = _batch(heads, 128, lens)
+    out = torch.full_like(b["query"], float("nan"))
+    assert ops.paged_decode(out, *_args(b), backend="emulation") == want
+    assert_close(out, _expected(b), msg=f"paged_decode ({want})")
+
+
+def test_paged_decode_runs_a_students_v2_rather_than_the_gqa_kernel(monkeypatch):
+    """Composed with a student's lab 02-06 (course.compose rebinds ops.paged_attention_v2), the
+    engine's decode runs the student's kernels, never the reference's GQA-aware kernel."""
+    calls = []
+
+    def students_v2(out, *args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        out.zero_()
+
+    monkeypatch.setattr(ops, "paged_attention_v2", students_v2)
+    monkeypatch.setattr(ops, "paged_attention_gqa", lambda *a, **k: pytest.fail("GQA kernel ran"))
+    b = _batch((8, 2), 128, [40, 700])
+    out = torch.empty_like(b["query"])
+    assert ops.paged_decode(out, *_args(b), backend="emulation") == "v2"
+    assert calls == ["emulation"]
+
+
+def test_the_engine_backend_decodes_through_paged_decode():
+    """PagedAttentionBackend (mini_vllm.model_runner) hands GPU decodes to ops.paged_decode."""
+    import inspect
+
+    from mini_vllm import model_runner
+
+    source = inspect.getsource(model_runner.PagedAttentionBackend.__call__)
+    assert "ops.paged_decode(" in source and "ops.paged_attention_v1(" not in source
+
+
+# ---- the worker process of the GPU tests ------------------------------------------------------
+
+
+def test_a_crashing_kernel_fails_one_call_and_the_next_call_gets_a_fresh_worker():
+    from mini_vllm.csrc.isolation import IsolatedRunner, KernelCrashed
+
+    runner = IsolatedRunner()
+    try:
+        first = runner.call("mini_vllm.csrc.isolation", "_probe", "pid")
+        with pytest.raises(ValueError, match="nothing was run"):  # an ordinary error
+            runner.call("mini_vllm.csrc.isolation", "_probe", "value-error")
+        assert runner.call("mini_vllm.csrc.isolation", "_probe", "pid") == first  # same worker
+        with pytest.raises(KernelCrashed, match="(?s)illegal memory access.*fresh process"):
+            runner.call("mini_vllm.csrc.isolation", "_probe", "cuda-error")
+        second = runner.call("mini_vllm.csrc.isolation", "_probe", "pid")
+        assert second != first
+        with pytest.raises(KernelCrashed, match="died \\(exit code 9\\)"):
+            runner.call("mini_vllm.csrc.isolation", "_probe", "exit")
+        third = runner.call("mini_vllm.csrc.isolation", "_probe", "pid")
+        assert third not in (first, second)
+        with pytest.raises(KernelCrashed, match="died \\(exit code -11\\)"):  # SIGSEGV
+            runner.call("mini_vllm.csrc.isolation", "_probe", "segfault")
+        fourth = runner.call("mini_vllm.csrc.isolation", "_probe", "pid")
+        assert fourth not in (first, second, third)
+        assert runner.restarts == 3
+    finally:
+        runner.close()
+    assert runner.pid is None
+
+
+def test_the_worker_loads_the_lab_implementation_the_tests_load():
+    """The lab's GPU tests name the student's kernel as ``lab:<impl>:<folder>``; the worker loads
+    that file, whatever LAB_IMPL says in its environment."""
+    from pathlib import Path
+
+    from mini_vllm.csrc.isolation import _resolve
+
+    folder = next(Path(__file__).resolve().parents[1].glob("phase-02-*/labs/lab-06-*"))
+    starters = _resolve(f"lab:starter:{folder}", "paged_attention_v1")
+    assert Path(starters.__code__.co_filename) == folder / "starter.py"
+    assert _resolve(f"lab:solution:{folder}", "paged_attention_v1") is ops.paged_attention_v1
