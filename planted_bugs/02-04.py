@@ -23,9 +23,9 @@ BUGS = [
         "round (element d taken as (d % (head_size // x), d // (head_size // x))), scrambling "
         "every key's elements",
         file=PAGED,
-        find="q = query.to(acc).view(num_seqs, num_kv_heads, group, head_size // x, x)",
-        replace="q = query.to(acc).view(num_seqs, num_kv_heads, group, x, head_size // x)"
-        ".transpose(-1, -2)",
+        find="keys = keys.view(rows, num_tokens, head_size)",
+        replace="keys = keys.view(rows, num_tokens, head_size // x, x).transpose(-1, -2)"
+        ".reshape(rows, num_tokens, head_size)",
     ),
     PlantedBug(
         name="slot-offset-off-by-one",
@@ -55,9 +55,9 @@ BUGS = [
         description="query heads are grouped as h % num_kv_heads instead of "
         "h // (num_heads // num_kv_heads)",
         file=PAGED,
-        find="q = query.to(acc).view(num_seqs, num_kv_heads, group, head_size // x, x)",
-        replace="q = query.to(acc).view(num_seqs, group, num_kv_heads, head_size // x, x)"
-        ".transpose(1, 2)",
+        find="q = query.to(acc).view(rows, group, head_size)",
+        replace="q = query.to(acc).view(num_seqs, group, num_kv_heads, head_size)"
+        ".transpose(1, 2).reshape(rows, group, head_size)",
     ),
     PlantedBug(
         name="v2-reduce-without-rescale",
@@ -102,7 +102,7 @@ BUGS = [
         description="positions past seq_len get logit -inf but their values are used as they "
         "are: a zero softmax weight times a NaN in an unwritten slot is NaN",
         file=PAGED,
-        find="values.masked_fill_(~valid.view(num_seqs, n_blk, 1, 1, block_size), 0.0)",
+        find="values.view(num_seqs, -1, num_tokens).masked_fill_(~valid[:, None, :], 0.0)",
         replace="pass",
     ),
     PlantedBug(

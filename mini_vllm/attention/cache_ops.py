@@ -18,6 +18,9 @@ import torch
 
 from mini_vllm.attention.fp8 import scaled_fp8_quant
 from mini_vllm.attention.paged_checks import (
+    _memo,
+    _same_inputs,
+    _tensor_key,
     check_copy,
     check_flash_caches,
     check_paged_caches,
@@ -77,10 +80,49 @@ def reshape_and_cache(
         v = value[rows.to(value.device)].to(value_cache.device)
     if key_cache.dtype != key.dtype:  # fp8 (the checks allow no other mismatch)
         k, v = scaled_fp8_quant(k, float(k_scale)), scaled_fp8_quant(v, float(v_scale))
+    blocks, offsets, key_index, value_index = _write_plan(
+        real, block_size, num_kv_heads, head_size, x)
+    # Split head_size into (head_size // x, x): chunk d // x, lane d % x. Each chunk's x lanes
+    # are one 16-byte vector, written as one element of the cache viewed as such vectors.
+    key_vectors = k.reshape(-1, num_kv_heads, head_size // x, x).contiguous()
+    if (key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key_cache.storage_offset() % x == 0):
+        key_cache.view(torch.complex128).view(-1).index_copy_(
+            0, key_index, key_vectors.view(torch.complex128).view(-1))
+        flat_values, v = value_cache.view(-1), v.reshape(-1)
+        if flat_values.element_size() == 1:  # fp8: copied as the bytes they are
+            flat_values, v = flat_values.view(torch.uint8), v.view(torch.uint8)
+        flat_values.index_copy_(0, value_index, v)
+    else:  # a strided view of a larger cache: the same writes, indexed by block and offset
+        key_cache[blocks, :, :, offsets, :] = key_vectors
+        value_cache[blocks, :, :, offsets] = v
+
+
+def _write_plan(
+    real: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int, x: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where ``reshape_and_cache`` writes the tokens of the ``real`` (non-negative) slots.
+
+    ``(blocks, offsets, key_index, value_index)``: each token's block and offset in it;
+    ``key_index [tokens * kv_heads * (head_size // x)]``: the 16-byte vectors of a contiguous
+    key cache viewed as one flat run of them; ``value_index [tokens * kv_heads * head_size]``:
+    the elements of a contiguous value cache. The engine writes every layer of a step to the
+    same slots, so the last plan is reused while ``real`` is the same, unmodified tensor.
+    """
+    key = (*_tensor_key(real), block_size, num_kv_heads, head_size, x)
+    plan = _same_inputs("write_plan", key)
+    if plan is not None:
+        return plan  # type: ignore[return-value]
     blocks, offsets = real // block_size, real % block_size
-    # Split head_size into (head_size // x, x): chunk d // x, lane d % x.
-    key_cache[blocks, :, :, offsets, :] = k.reshape(-1, num_kv_heads, head_size // x, x)
-    value_cache[blocks, :, :, offsets] = v
+    heads = blocks[:, None] * num_kv_heads + torch.arange(num_kv_heads, device=real.device)
+    chunks = torch.arange(head_size // x, device=real.device)
+    dims = torch.arange(head_size, device=real.device)
+    at = offsets[:, None, None]
+    key_index = (heads[:, :, None] * (head_size // x) + chunks) * block_size + at
+    value_index = (heads[:, :, None] * head_size + dims) * block_size + at
+    plan = (blocks, offsets, key_index.reshape(-1), value_index.reshape(-1))
+    _memo["write_plan"] = (key, plan)
+    return plan
 
 
 def reshape_and_cache_flash(

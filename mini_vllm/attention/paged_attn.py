@@ -29,11 +29,16 @@ v2 loops over partitions only (the kernel's third grid dimension).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mini_vllm.attention.fp8 import FP8_DTYPE, scaled_fp8_dequant
 from mini_vllm.attention.paged_checks import (
     KV_CACHE_TORCH_DTYPES,
+    _memo,
+    _same_inputs,
+    _tensor_key,
     check_decode_inputs,
     check_out,
     check_v2_buffers,
@@ -163,6 +168,61 @@ def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def _context_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_size: int,
+    x: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What to read for a decode batch: ``(key_index, value_index, valid, bias)``.
+
+    With ``ids [num_seqs, blocks]`` the blocks to read (padding columns of the table point at
+    block 0): ``key_index`` lists, in ``[seqs, kv_heads, blocks, block_size, head_size // x]``
+    order, the 16-byte key vectors of a contiguous key cache viewed as one flat run of them, so
+    that one gather lands the keys token-major; ``value_index`` lists, in ``[seqs, kv_heads,
+    head_size, blocks]`` order, the ``block_size``-long rows of the value cache viewed as
+    ``[-1, block_size]``. ``valid [num_seqs, num_tokens]`` marks the positions inside each
+    context and ``bias [num_seqs * num_kv_heads, 1, num_tokens]`` is 0 there and ``-inf``
+    elsewhere.
+
+    All of it depends only on the table, the lengths and the shapes, which the engine passes
+    unchanged to every layer of a step, so the last plan is reused while those tensors are the
+    same objects, unmodified (their version counters unchanged).
+    """
+    key = (*_tensor_key(block_tables), *_tensor_key(seq_lens), block_size, num_tokens,
+           num_kv_heads, head_size, x, dtype)
+    plan = _same_inputs("decode_plan", key)
+    if plan is not None:
+        return plan  # type: ignore[return-value]
+    num_seqs, n_blk, dev = seq_lens.shape[0], num_tokens // block_size, seq_lens.device
+    pos = torch.arange(num_tokens, device=dev)
+    valid = pos[None, :] < seq_lens.to(torch.int64)[:, None]  # [num_seqs, num_tokens]
+    # Table columns past a sequence's end are padding and may hold anything: point them at
+    # block 0 so the gather stays in bounds, and let the mask drop what they bring in.
+    table = block_tables[:, :n_blk].to(torch.int64)
+    col_used = valid[:, ::block_size]
+    ids = torch.where(col_used, table, torch.zeros_like(table))
+
+    def ar(n: int, dim: int, ndim: int) -> torch.Tensor:
+        return torch.arange(n, device=dev).view([n if d == dim else 1 for d in range(ndim)])
+
+    heads = ids.view(num_seqs, 1, n_blk) * num_kv_heads + ar(num_kv_heads, 1, 3)
+    chunks = head_size // x
+    key_index = ((heads[..., None, None] * chunks + ar(chunks, 4, 5)) * block_size
+                 + ar(block_size, 3, 5)).reshape(-1)
+    value_index = (heads[:, :, None, :] * head_size + ar(head_size, 2, 4)).reshape(-1)
+    bias = torch.zeros(num_seqs, 1, num_tokens, dtype=dtype, device=dev)
+    bias.masked_fill_(~valid[:, None, :], float("-inf"))
+    bias = bias.repeat_interleave(num_kv_heads, dim=0)
+    plan = (key_index, value_index, valid, bias)
+    _memo["decode_plan"] = (key, plan)
+    return plan
+
+
 def _gather_logits(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -176,75 +236,77 @@ def _gather_logits(
     alibi_slopes: torch.Tensor | None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    sanitize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled (ALiBi-biased, masked) fp32 logits and the gathered value blocks.
+    """Scaled (ALiBi-biased, masked) logits and the gathered values, one row per KV head.
 
-    With ``k_scale``/``v_scale`` given the caches are fp8 and the gathered blocks are
-    dequantized (``fp8 * scale``, in the accumulation dtype) before any arithmetic.
-
-    Returns ``logits [num_seqs, num_kv_heads, group, num_tokens]`` with ``-inf`` at positions
-    ``>= seq_len`` and ``values [num_seqs, blocks, num_kv_heads, head_size, block_size]`` (the
-    value blocks in their cache layout; :func:`_weighted_values` consumes them), where ``group =
-    num_heads // num_kv_heads`` and query head ``h`` is KV head ``h // group``, member
+    Returns ``logits [num_seqs * num_kv_heads, group, num_tokens]`` (fp32; fp64 for fp64 input),
+    ``-inf`` at positions ``>= seq_len``, and ``values [num_seqs * num_kv_heads, head_size,
+    num_tokens]``, where ``group = num_heads // num_kv_heads``, row ``s * num_kv_heads + k``
+    is sequence ``s``'s KV head ``k`` and query head ``h`` is KV head ``h // group``, member
     ``h % group``. ``num_tokens`` must be a multiple of ``block_size`` covering every context.
 
-    The blocks are read whole (``index_select`` on the block dimension: one contiguous copy per
-    block, as a kernel reads them) and used in their cache layout: the key's ``x`` split is
-    contracted directly (``einsum`` over ``head_size // x`` and ``x``), and the values are
-    multiplied block by block. Neither is first rearranged token-major, which would copy every
-    cached token of the batch a second time in every layer at every step.
+    With ``sanitize``, positions past a sequence's end are excluded whatever the cache holds
+    there: their logits are exactly ``-inf`` and their values 0. Without it they only get a
+    ``-inf`` bias, so a NaN or inf in a stale slot makes the result non-finite (and the caller
+    redoes it sanitized). With ``k_scale``/``v_scale`` given the caches are fp8 and the gathered
+    context is dequantized (``fp8 * scale``, in the accumulation dtype) before any arithmetic.
+
+    Each cache is read once, by one gather (see :func:`_context_plan`) that lays the context out
+    for one batched matmul per side over every (sequence, KV head) pair with its ``group``
+    query heads. The keys move in units of their 16-byte ``x`` vectors (each viewed as one
+    16-byte element), which is what the layout is for: the ``x`` lanes of a chunk stay
+    together, only the chunk and token axes swap. The values move in rows of ``block_size``
+    tokens, kept as they are (``[head_size, tokens]``; the matmul reads them transposed).
     """
     num_seqs, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
-    n_blk = num_tokens // block_size
     x = key_cache.shape[-1]
-    pos = torch.arange(num_tokens, device=query.device)
-    valid = pos[None, :] < seq_lens.to(torch.int64)[:, None]  # [num_seqs, num_tokens]
-
-    # Table columns past a sequence's end are padding and may hold anything: point them at
-    # block 0 so the gather stays in bounds, and let the mask drop what they bring in.
-    table = block_tables[:, :n_blk].to(torch.int64)
-    col_used = valid[:, ::block_size]
-    ids = torch.where(col_used, table, torch.zeros_like(table)).reshape(-1)
-
+    rows = num_seqs * num_kv_heads
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    keys = key_cache.index_select(0, ids).view(
-        num_seqs, n_blk, num_kv_heads, head_size // x, block_size, x)
-    values = value_cache.index_select(0, ids).view(
-        num_seqs, n_blk, num_kv_heads, head_size, block_size)
-    if k_scale is not None:  # fp8: dequantize on read, only the blocks this batch uses
+    key_index, value_index, valid, bias = _context_plan(
+        block_tables, seq_lens, block_size, num_tokens, num_kv_heads, head_size, x, acc)
+
+    if not key_cache.is_contiguous() or key_cache.storage_offset() % x:
+        key_cache = key_cache.clone()  # contiguous and 16-byte aligned, for the vector view
+    vectors = key_cache.view(torch.complex128).view(-1)  # one element per 16-byte vector
+    keys = vectors.index_select(0, key_index).view(key_cache.dtype)
+    keys = keys.view(rows, num_tokens, head_size)
+    values = value_cache.contiguous().view(-1, block_size).index_select(0, value_index)
+    values = values.view(rows, head_size, num_tokens)
+    if k_scale is not None:  # fp8: dequantize on read, only the context this batch uses
         keys = scaled_fp8_dequant(keys, k_scale, acc)
         values = scaled_fp8_dequant(values, v_scale, acc)
     elif keys.dtype != acc:
         keys, values = keys.to(acc), values.to(acc)
-    # Stale slots past seq_len (and padding blocks) may hold NaN or inf, and a zero softmax
-    # weight times NaN is NaN: zero those values (a fresh copy), as upstream's kernel does.
-    values.masked_fill_(~valid.view(num_seqs, n_blk, 1, 1, block_size), 0.0)
-    q = query.to(acc).view(num_seqs, num_kv_heads, group, head_size // x, x)
-    # logits[s, k, g, n, b] = sum over (c, l) of q[s, k, g, c, l] * key[s, n, k, c, b, l]
-    logits = torch.einsum("skgcl,snkcbl->skgnb", q, keys).reshape(
-        num_seqs, num_kv_heads, group, num_tokens) * scale
+    if sanitize:
+        # Stale slots past seq_len (and padding blocks) may hold NaN or inf, and a zero softmax
+        # weight times NaN is NaN: zero those values (a fresh copy), as upstream's kernel does.
+        values.view(num_seqs, -1, num_tokens).masked_fill_(~valid[:, None, :], 0.0)
+    q = query.to(acc).view(rows, group, head_size)
     if alibi_slopes is not None:
         # The only query sits at position seq_len - 1, so key t gets slope * (t - seq_len + 1).
+        pos = torch.arange(num_tokens, device=query.device)
         dist = pos[None, :] - (seq_lens.to(torch.int64)[:, None] - 1)  # [seqs, T]
         slopes = alibi_slopes.to(acc).view(1, num_kv_heads, group, 1)
-        logits = logits + slopes * dist[:, None, None, :].to(acc)
-    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        alibi = slopes * dist[:, None, None, :].to(acc)
+        bias = bias + alibi.reshape(rows, group, num_tokens)
+    logits = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)
+    if sanitize:
+        logits = logits.view(num_seqs, -1, num_tokens).masked_fill(
+            ~valid[:, None, :], float("-inf")).view(rows, group, num_tokens)
     return logits, values
 
 
 def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``sum_t weights[s, k, g, t] * value_t`` -> ``[num_seqs, num_kv_heads, group, head_size]``.
+    """``sum_t weights[r, g, t] * values[r, :, t]`` -> ``[num_seqs * num_kv_heads, group, D]``.
 
-    ``values`` are value blocks ``[num_seqs, blocks, num_kv_heads, head_size, block_size]``
-    covering the ``t`` of ``weights``: one small matmul per block (``[head_size, block_size]``
-    times ``[block_size, group]``), then a sum over the blocks.
+    ``weights [num_seqs * num_kv_heads, group, T]`` and ``values [num_seqs * num_kv_heads,
+    head_size, T]`` as :func:`_gather_logits` returns them (or a slice of their ``T``): one
+    batched matmul, whose rows are already in query-head order (``.view(num_seqs, num_heads,
+    head_size)`` puts head ``k * group + g`` in its place).
     """
-    num_seqs, n_blk, num_kv_heads, head_size, block_size = values.shape
-    group = weights.shape[2]
-    w = weights.reshape(num_seqs, num_kv_heads, group, n_blk, block_size).permute(0, 3, 1, 4, 2)
-    out = torch.matmul(values, w.to(values.dtype)).sum(dim=1)  # [seqs, kvh, D, group]
-    return out.transpose(-1, -2)
+    return torch.bmm(weights.to(values.dtype), values.transpose(1, 2))
 
 
 def _cache_scales(
@@ -307,22 +369,16 @@ def paged_attention_v1(
     if longest == 0:
         return
     num_tokens = -(-longest // block_size) * block_size
-    logits, values = _gather_logits(
-        query,
-        key_cache,
-        value_cache,
-        num_kv_heads,
-        scale,
-        block_tables,
-        seq_lens,
-        block_size,
-        num_tokens,
-        alibi_slopes,
-        *scales,
-    )
-    probs = torch.softmax(logits, dim=-1)
-    result = _weighted_values(probs, values)  # [seqs, kvh, group, D]
-    out.copy_(result.reshape(out.shape))
+    args = (query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+            block_size, num_tokens, alibi_slopes, *scales)
+    # Fast path: stale slots are masked by a -inf bias only. Should one hold NaN or inf, the
+    # result is not finite, and the sanitized pass (the same maths) replaces it.
+    logits, values = _gather_logits(*args, sanitize=False)
+    result = _weighted_values(torch.softmax(logits, dim=-1), values)
+    if not math.isfinite(result.sum().item()):
+        logits, values = _gather_logits(*args, sanitize=True)
+        result = _weighted_values(torch.softmax(logits, dim=-1), values)
+    out.copy_(result.view(out.shape))
 
 
 def paged_attention_v2(
@@ -395,21 +451,19 @@ def paged_attention_v2(
     )
     # One step per partition, as the kernel's third grid dimension; all sequences and heads
     # at once. The last partition is as short as the longest context allows.
-    blocks_per_part = PARTITION_SIZE // block_size
     for p in range(used_parts):
         part = slice(p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE)
-        chunk = logits[..., part]  # [seqs, kvh, group, <= P]
+        chunk = logits[..., part]  # [seqs * kvh, group, <= P]
         part_max = chunk.amax(dim=-1)  # -inf where the partition starts past the sequence
         # Subtract a finite stand-in for empty partitions so exp() gives 0 rather than NaN.
         safe_max = torch.where(torch.isfinite(part_max), part_max, torch.zeros_like(part_max))
         weights = torch.exp(chunk - safe_max[..., None])
         part_sum = weights.sum(dim=-1)
-        part_blocks = values[:, p * blocks_per_part : (p + 1) * blocks_per_part]
-        partial = _weighted_values(weights, part_blocks)  # [seqs, kvh, group, D]
+        partial = _weighted_values(weights, values[..., part])  # [seqs * kvh, group, D]
         partial = partial / part_sum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-        exp_sums[:, :, p] = part_sum.reshape(num_seqs, num_heads)
-        max_logits[:, :, p] = part_max.reshape(num_seqs, num_heads)
-        tmp_out[:, :, p] = partial.reshape(num_seqs, num_heads, head_size)
+        exp_sums[:, :, p] = part_sum.view(num_seqs, num_heads)
+        max_logits[:, :, p] = part_max.view(num_seqs, num_heads)
+        tmp_out[:, :, p] = partial.view(num_seqs, num_heads, head_size)
     exp_sums[:, :, used_parts:] = 0.0
     max_logits[:, :, used_parts:] = float("-inf")
     tmp_out[:, :, used_parts:] = 0.0
