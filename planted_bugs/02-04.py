@@ -151,4 +151,12 @@ BUGS = [
         find="dist = pos[None, :] - (seq_lens.to(torch.int64)[:, None] - 1)  # [seqs, T]",
         replace="dist = pos[None, :] + 0 * seq_lens.to(torch.int64)[:, None]  # [seqs, T]",
     ),
+    PlantedBug(
+        name="weighted-sum-in-cache-dtype",
+        description="the values stay in the cache's float16 / bfloat16, so the probabilities are "
+        "rounded to it and the weighted sum runs in it: each output is off by several units",
+        file=PAGED,
+        find="keys, values = keys.to(acc), values.to(acc)",
+        replace="keys, values = keys.to(acc), values",
+    ),
 ]
