@@ -180,4 +180,12 @@ BUGS = [
         replace="y = x.to(torch.float32).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX) / scale\n"
         "    return y.to(FP8_DTYPE)",
     ),
+    PlantedBug(
+        name="weighted-sum-in-cache-dtype",
+        description="the values stay in the cache's float16 / bfloat16, so the probabilities are "
+        "rounded to it and the weighted sum runs in it: each output is off by several units",
+        file=PAGED,
+        find="keys, values = keys.to(acc), values.to(acc)",
+        replace="keys, values = keys.to(acc), values",
+    ),
 ]

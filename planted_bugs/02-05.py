@@ -64,4 +64,20 @@ BUGS = [
         find="            ref_cnt = block.ref_cnt - 1\n",
         replace="            ref_cnt = 0\n",
     ),
+    PlantedBug(
+        name="append-refusal-ignores-lookahead",
+        description="append_slots counts the blocks for the new tokens but not for the lookahead "
+        "slots: it starts copying, then allocate_slots finds too few free blocks half-way",
+        file=_MGR,
+        find="num_tokens_need_slot = min(num_tokens + num_lookahead_tokens, self.max_model_len)",
+        replace="num_tokens_need_slot = min(num_tokens, self.max_model_len)",
+    ),
+    PlantedBug(
+        name="append-refuses-exactly-max-model-len",
+        description="append_slots refuses a step that brings the request to exactly "
+        "max_model_len tokens, which fits",
+        file=_MGR,
+        find="if num_tokens > self.max_model_len:",
+        replace="if num_tokens >= self.max_model_len:",
+    ),
 ]

@@ -102,4 +102,12 @@ BUGS = [
         find="scale = 1.0 / math.sqrt(head_size)",
         replace="scale = 1.0 + 0 * math.sqrt(head_size)",
     ),
+    PlantedBug(
+        name="attention-in-half-precision",
+        description="scores, softmax and the weighted sum run in the query's float16 / bfloat16 "
+        "instead of float32: each output is off by several units of the dtype",
+        file=ATTN,
+        find="acc = torch.float64 if query.dtype == torch.float64 else torch.float32",
+        replace="acc = query.dtype",
+    ),
 ]

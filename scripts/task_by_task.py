@@ -103,10 +103,15 @@ def fill(source: str, solution, qualnames: list[str], starter=None) -> str:
         _, ref = _reference_function(solution, qualname)
         for name in sorted(_global_names(ref.__code__)):
             if name in ref.__globals__ and name not in defined and name not in vars(builtins):
-                missing.setdefault(name, (ref.__globals__[name], ref.__module__))
+                missing.setdefault(name, (ref.__globals__[name], ref.__globals__["__name__"]))
     for name, (value, home) in missing.items():
         if inspect.ismodule(value):
             lines.append(f"import {value.__name__} as {name}  # noqa: E402\n")
+        elif not hasattr(value, "__module__"):  # a constant (an int, a tuple of dtypes...)
+            if home.startswith("course_labs."):
+                lines.append(f"{name} = {value!r}\n")
+            else:
+                lines.append(f"from {home} import {name}  # noqa: E402\n")
         elif getattr(value, "__module__", "").startswith("course_labs."):
             lines.append("\n" + textwrap.dedent(inspect.getsource(value)))  # lab-only helper
         else:

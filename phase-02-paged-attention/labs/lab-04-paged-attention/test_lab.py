@@ -858,6 +858,40 @@ def test_v1_ignores_nan_in_stale_slots_and_padding(dtype):
     batch.check(batch.run_v1(), f"v1 over a cache whose unused slots hold NaN ({dtype})")
 
 
+def _units_off(out, want, dtype):
+    """Error of ``out`` in units of ``dtype``'s spacing at ``want`` (at least its spacing at
+    1/16, so that outputs near 0 do not turn a tiny absolute error into many units)."""
+    mag = want.abs().clamp_min(1 / 16)
+    spacing = torch.finfo(dtype).eps * torch.pow(2.0, torch.floor(torch.log2(mag)))
+    return (out.double() - want).abs() / spacing
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_v1_in_half_precision_rounds_only_the_result(dtype):
+    """Logits, softmax and the weighted sum are float32 and only the result is rounded to
+    ``out``'s dtype: every output is within one unit of the float64 result. A weighted sum in
+    float16 / bfloat16 (values or probabilities rounded to the cache dtype) is off by several."""
+    for seed in range(2):
+        batch = Batch(seed=40 + seed, seq_lens=[1, 16, 37, 300], num_heads=(8, 2), head_size=64,
+                      block_size=16, dtype=dtype, alibi=seed % 2 == 1)
+        slopes = None if batch.alibi_slopes is None else batch.alibi_slopes.double()
+        q = batch.query.double()
+        want = torch.stack([
+            ref_attention(q[s : s + 1], batch.keys[s].double(), batch.values[s].double(),
+                          scale=batch.scale, alibi_slopes=slopes)[0]
+            for s in range(len(batch.seq_lens_list))
+        ])
+        out = batch.run_v1()
+        assert out.dtype == dtype, f"out must keep its dtype {dtype}, got {out.dtype}"
+        err = _units_off(out, want, dtype)
+        s, h = divmod(int(err.amax(dim=-1).flatten().argmax()), batch.num_heads)
+        assert float(err.max()) <= 1.0, (
+            f"seed {40 + seed}, {dtype}: out[{s}, {h}] is {float(err.max()):.2f} units of {dtype} "
+            f"from the float64 result ({describe_len(batch.seq_lens_list[s], 16)}); compute the "
+            f"logits, softmax and weighted sum in float32 and round only the result"
+        )
+
+
 def test_v1_uses_scale_defaults_and_a_larger_max_seq_len():
     """``scale`` is used as given (not 1/sqrt(head_size)), ``alibi_slopes`` defaults to None,
     and ``max_seq_len`` may exceed every seq_len."""

@@ -231,6 +231,10 @@ def test_fork_refuses_a_parent_whose_cached_blocks_run_ahead():
     with pytest.raises(ValueError):
         mgr.fork(parent, child)
     assert snapshot(mgr) == before
+    parent.num_computed_tokens = child.num_computed_tokens = 4  # half-way: 8 cached, 4 computed
+    with pytest.raises(ValueError):
+        mgr.fork(parent, child)
+    assert snapshot(mgr) == before
     parent.num_computed_tokens = child.num_computed_tokens = 8  # after the step: fine
     mgr.fork(parent, child)
     assert table(mgr, "c") == table(mgr, "p")
@@ -526,6 +530,37 @@ def test_append_slots_that_fits_exactly():
     copies = sim.mgr.append_slots(child, 1)
     assert copies is not None and len(copies) == 1, "one copy, one free block: it fits"
     assert sim.mgr.block_pool.get_num_free_blocks() == 0
+
+
+def test_append_slots_up_to_exactly_max_model_len():
+    mgr = make_manager(max_model_len=12)
+    parent = _prefilled(mgr, list(range(10)))  # blocks of 4, 4, 2
+    mgr.fork(parent, make_child(parent, "c", 1))
+    copies = mgr.append_slots(parent, 2, num_lookahead_tokens=3)  # 12 tokens: exactly the limit
+    assert copies is not None and len(copies) == 1, "12 tokens of max_model_len=12 fit"
+    assert len(table(mgr, parent.request_id)) == 3, "lookahead slots stop at max_model_len"
+
+
+@pytest.mark.parametrize("num_blocks", [5, 6])
+def test_append_slots_reserves_lookahead_slots(num_blocks):
+    """With lookahead the step needs slots for num_computed + num_new + lookahead tokens: the
+    refusal counts those blocks too (before any copy), and a success holds them."""
+    mgr = make_manager(num_blocks=num_blocks)  # 4 or 5 usable blocks
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6])  # 2 blocks, the second shared after the fork
+    child = make_child(parent, "c", 10)
+    mgr.fork(parent, child)
+    # 7 tokens + 6 lookahead = 13 slots = 4 blocks: 2 new blocks plus 1 copy = 3 blocks.
+    before = snapshot(mgr)
+    copies = mgr.append_slots(child, 1, num_lookahead_tokens=6)
+    if num_blocks == 5:  # 2 free
+        assert copies is None, "1 copy + 2 lookahead blocks need 3 free blocks, 2 are free"
+        assert snapshot(mgr) == before
+    else:  # 3 free: exactly enough
+        assert copies is not None and len(copies) == 1
+        assert len(table(mgr, "c")) == 4, (
+            f"the child's table must cover 13 slots (4 blocks), got {table(mgr, 'c')}"
+        )
+        assert mgr.block_pool.get_num_free_blocks() == 0
 
 
 def test_append_slots_counts_lookahead_blocks_it_already_holds_as_no_new_blocks():

@@ -348,6 +348,16 @@ def test_build_accepts_a_table_that_fits_exactly():
     assert _ints(md.slot_mapping) == [6 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3]
 
 
+def test_build_with_blocks_of_one_token():
+    # block_size 1 is valid: every position is its own block, the slot is the table entry.
+    md = lab.build_attention_metadata(["a", "b"], {"a": 1, "b": 3}, {"a": 2, "b": 0},
+                                      {"a": [4, 7, 9], "b": [3, 5, 8]}, 1)
+    assert _ints(md.slot_mapping) == [9, 3, 5, 8], (
+        f"block_size 1: slots must be the table entries [9, 3, 5, 8], got {_ints(md.slot_mapping)}"
+    )
+    assert _ints(md.positions) == [2, 0, 1, 2]
+
+
 @pytest.mark.parametrize(
     "case",
     ["empty", "twice", "missing-computed", "missing-scheduled", "missing-table", "zero-query",
@@ -558,6 +568,35 @@ def test_chunked_prefill_in_float64_accumulates_in_float64():
     out = lab.chunked_prefill_attention(query, kc, vc, md, 0.3)
     check_chunked(out, _expected(md, lens, query, full_kv, ids, 0.3), md, lens, torch.float64,
                   "float64 inputs (scores and softmax in float64)")
+
+
+def _ulps(out, want, dtype):
+    """Error of ``out`` in units of ``dtype``'s spacing at ``want`` (at least its spacing at
+    1/16, so that outputs near 0 do not turn a tiny absolute error into many units)."""
+    mag = want.abs().clamp_min(1 / 16)
+    spacing = torch.finfo(dtype).eps * torch.pow(2.0, torch.floor(torch.log2(mag)))
+    return (out.double() - want).abs() / spacing
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunked_prefill_in_half_precision_rounds_once(dtype):
+    """Scores, softmax and the weighted sum run in float32 and only the result is rounded to
+    the query's dtype: every output is within one unit of the float64 result. Computing in
+    float16 / bfloat16 throughout is off by several units."""
+    for seed in range(4):
+        ids, lens, md, query, kc, vc, full_kv = _paged_batch(seed, dtype)
+        exact_kv = {r: (k.double(), v.double()) for r, (k, v) in full_kv.items()}
+        want = _expected(md, lens, query.double(), exact_kv, ids, 0.3)
+        out = lab.chunked_prefill_attention(query, kc, vc, md, 0.3)
+        assert out.dtype == dtype, f"output dtype {out.dtype}, must be the query's {dtype}"
+        err = _ulps(out, want, dtype)
+        worst = int(err.flatten().argmax())
+        token, head = divmod(worst // err.shape[-1], err.shape[1])
+        assert float(err.max()) <= 1.0, (
+            f"seed {seed}, {dtype}: output off by {float(err.max()):.2f} units of {dtype} from "
+            f"the float64 result (flat token {token}, head {head}); compute scores, softmax and "
+            f"the weighted sum in float32 and round only the result"
+        )
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (6, 3), (4, 4)], ids=lambda h: f"h{h[0]}x{h[1]}")
