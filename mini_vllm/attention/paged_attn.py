@@ -268,7 +268,9 @@ def _gather_logits(
         block_tables, seq_lens, block_size, num_tokens, num_kv_heads, head_size, x, acc)
 
     if not key_cache.is_contiguous() or key_cache.storage_offset() % x:
-        key_cache = key_cache.clone()  # contiguous and 16-byte aligned, for the vector view
+        # A contiguous, 16-byte aligned copy for the vector view (a plain clone() would keep
+        # a strided view's memory order).
+        key_cache = key_cache.clone(memory_format=torch.contiguous_format)
     vectors = key_cache.view(torch.complex128).view(-1)  # one element per 16-byte vector
     keys = vectors.index_select(0, key_index).view(key_cache.dtype)
     keys = keys.view(rows, num_tokens, head_size)

@@ -86,9 +86,10 @@ def _num_partitions(max_seq_len: int) -> int:
 
 def kv_cache_x(dtype: torch.dtype) -> int:
     """``x``: how many elements of ``dtype`` fill one 16-byte vector (4 for float32, 8 for
-    float16 and bfloat16).
+    float16 and bfloat16; 16 for ``FP8_DTYPE``, the float8_e4m3fn cache of task 7).
 
-    Errors: a dtype outside ``CACHE_DTYPES`` (int64, float64, ...) raises ``ValueError``.
+    Errors: a dtype outside ``CACHE_DTYPES`` and ``FP8_DTYPE`` (int64, float64, ...) raises
+    ``ValueError``.
     """
     raise NotImplementedError(
         "lab 02-04, task 1: implement kv_cache_x (hint: python -m course hint 02-04 1)"

@@ -83,6 +83,34 @@ def write_tokens(key_cache, value_cache, blocks, offsets, keys, values):
     value_cache[blocks, :, :, offsets] = values.to(value_cache.dtype)
 
 
+def token_major(key_cache, value_cache):
+    """The same caches stored token-major (the flash layout) and viewed with the paged shapes:
+    equal element for element, but not contiguous (as ``measure.py`` runs v1)."""
+    keys = key_cache.permute(0, 3, 1, 2, 4).contiguous()  # [blocks, bs, kvh, D // x, x]
+    values = value_cache.permute(0, 3, 1, 2).contiguous()  # [blocks, bs, kvh, D]
+    return keys.permute(0, 2, 3, 1, 4), values.permute(0, 2, 3, 1)
+
+
+def at_offset(cache, offset=1):
+    """A contiguous copy of ``cache`` that starts ``offset`` elements into a larger tensor (a
+    view that is not 16-byte aligned)."""
+    flat = torch.full((cache.numel() + offset,), NAN, dtype=cache.dtype)
+    view = flat[offset:].view(cache.shape)
+    view.copy_(cache)
+    return view
+
+
+def cache_views(key_cache, value_cache):
+    """(name, key view, value view): caches the ops must read and write through as they are."""
+    keys_tm, values_tm = token_major(key_cache, value_cache)
+    return [
+        ("token-major (strided) caches", keys_tm, values_tm),
+        ("a contiguous key cache beside a strided value cache", key_cache.clone(), values_tm),
+        ("caches starting 1 element into a larger tensor", at_offset(key_cache),
+         at_offset(value_cache)),
+    ]
+
+
 def describe_len(seq_len: int, block_size: int) -> str:
     if seq_len == 1:
         return "seq_len 1: one token"
@@ -524,6 +552,20 @@ def test_reshape_and_cache_writes_the_x_split_layout(dtype, block_size):
     check_written(key_cache, value_cache, key, value, slots.long(), k_before, v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_reshape_and_cache_writes_through_strided_and_offset_views(dtype):
+    # The caches may be views (of a larger tensor, or in another memory order): the writes go
+    # through the view, to the same elements as for a contiguous cache.
+    key, value, key_cache, value_cache, slots = _slot_case(dtype, 8, seed=21)
+    for what, k_view, v_view in cache_views(key_cache, value_cache):
+        k_before, v_before = k_view.clone(), v_view.clone()
+        try:
+            lab.reshape_and_cache(key, value, k_view, v_view, slots)
+            check_written(k_view, v_view, key, value, slots, k_before, v_before)
+        except Exception as e:
+            raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reshape_and_cache_flash_round_trip(dtype):
     block_size, num_blocks, kvh, head = 16, 7, 2, 64
@@ -856,6 +898,26 @@ def test_v1_ignores_nan_in_stale_slots_and_padding(dtype):
         junk="nan",
     )
     batch.check(batch.run_v1(), f"v1 over a cache whose unused slots hold NaN ({dtype})")
+
+
+def test_v1_when_every_context_fills_its_blocks():
+    # No position to mask: equal contexts of whole blocks (the grids always mix lengths).
+    batch = Batch(seed=32, seq_lens=[32, 32, 32], num_heads=(8, 2), head_size=64,
+                  block_size=16, dtype=torch.float32, alibi=False)
+    batch.check(batch.run_v1(), "v1, three contexts of exactly two full blocks")
+
+
+def test_v1_reads_strided_and_offset_caches():
+    # As measure.py runs it over token-major memory: v1 must not assume a contiguous cache.
+    batch = Batch(seed=31, seq_lens=[5, 40], num_heads=(8, 2), head_size=64, block_size=16,
+                  dtype=torch.float32, alibi=False)
+    for what, k_view, v_view in cache_views(batch.key_cache, batch.value_cache):
+        batch.key_cache, batch.value_cache = k_view, v_view
+        try:
+            out = batch.run_v1()
+        except Exception as e:
+            raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
+        batch.check(out, f"v1 over {what}")
 
 
 def _units_off(out, want, dtype):
@@ -1662,6 +1724,8 @@ def test_fp8_bad_scales_and_dtype_mixups_are_refused_before_writing(bad):
     slots = torch.tensor([4, 5])
     query, out = torch.randn(1, 2, 16), torch.full((1, 2, 16), 7.0)
     tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    v2_bufs = (torch.full((1, 2, 1), 7.0), torch.full((1, 2, 1), 7.0),
+               torch.full((1, 2, 1, 16), 7.0))
     before = bytes_of(key_cache).clone(), bytes_of(value_cache).clone()
     calls = {
         f"k_scale={bad}": lambda: lab.reshape_and_cache(key, value, key_cache, value_cache,
@@ -1675,6 +1739,15 @@ def test_fp8_bad_scales_and_dtype_mixups_are_refused_before_writing(bad):
         f"v1 with k_scale={bad}": lambda: lab.paged_attention_v1(
             out, query, key_cache, value_cache, 1, 0.25, tables, lens, 4, 4, None, "fp8",
             bad, 1.0),
+        f"v1 with v_scale={bad}": lambda: lab.paged_attention_v1(
+            out, query, key_cache, value_cache, 1, 0.25, tables, lens, 4, 4, None, "fp8",
+            1.0, bad),
+        f"v2 with k_scale={bad}": lambda: lab.paged_attention_v2(
+            out, *v2_bufs, query, key_cache, value_cache, 1, 0.25, tables, lens, 4, 4, None,
+            "fp8", bad, 1.0),
+        f"v2 with v_scale={bad}": lambda: lab.paged_attention_v2(
+            out, *v2_bufs, query, key_cache, value_cache, 1, 0.25, tables, lens, 4, 4, None,
+            "fp8", 1.0, bad),
         "v1 on an fp8 cache with kv_cache_dtype='auto'": lambda: lab.paged_attention_v1(
             out, query, key_cache, value_cache, 1, 0.25, tables, lens, 4, 4),
     }
@@ -1685,3 +1758,42 @@ def test_fp8_bad_scales_and_dtype_mixups_are_refused_before_writing(bad):
         assert torch.equal(bytes_of(value_cache), before[1]), f"{what}: wrote the value cache"
         assert (f32_k == 0).all() and (f32_v == 0).all(), f"{what}: wrote the float32 cache"
         assert (out == 7.0).all(), f"{what}: wrote out"
+        assert all((b == 7.0).all() for b in v2_bufs), f"{what}: wrote v2's buffers"
+
+
+def test_fp8_scales_default_to_one():
+    """Upstream's layers start with k_scale = v_scale = 1.0: left out, the scales are 1."""
+    g = torch.Generator().manual_seed(5)
+    kvh, head, bs = 2, 32, 8
+    key = torch.randn(4, kvh, head, generator=g) * 3
+    value = torch.randn(4, kvh, head, generator=g) * 3
+    slots = torch.tensor([3, 12, -1, 30])
+    default, explicit = _fp8_caches(5, kvh, head, bs), _fp8_caches(5, kvh, head, bs)
+    lab.reshape_and_cache(key, value, *default, slots, "fp8")
+    lab.reshape_and_cache(key, value, *explicit, slots, "fp8", 1.0, 1.0)
+    for name, got, want in zip(("key", "value"), default, explicit):
+        assert torch.equal(bytes_of(got), bytes_of(want)), (
+            f"reshape_and_cache(..., 'fp8') without scales: the {name} cache differs from "
+            f"scale 1.0 (the default of k_scale and v_scale is 1.0)")
+    args, _ = _fp8_batch([7, 20], torch.float32, seed=6)
+    for version in ("v1", "v2"):
+        outs = []
+        for scales in ((), (1.0, 1.0)):
+            out = torch.full_like(args[0], NAN)
+            if version == "v1":
+                lab.paged_attention_v1(out, *args[:-2], *scales)
+            else:
+                shape = (2, args[0].shape[1], 1)
+                lab.paged_attention_v2(out, torch.full(shape, NAN), torch.full(shape, NAN),
+                                       torch.full((*shape, args[0].shape[2]), NAN),
+                                       *args[:-2], *scales)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (
+            f"{version} on an fp8 cache without scales differs from k_scale = v_scale = 1.0 "
+            f"(their default)")
+
+
+def test_fp8_cache_x_is_16():
+    """One byte per element: a 16-byte vector of the fp8 key cache holds 16 of them."""
+    assert lab.kv_cache_x(E4M3) == 16, (
+        "kv_cache_x(torch.float8_e4m3fn) must be 16 (16 bytes of 1-byte elements)")
