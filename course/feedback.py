@@ -600,6 +600,6 @@ def write_task_list(tr, labs: list[Lab], state: _State) -> None:
         section = readme_section(lab, first.number)
         read = f"README.md:{section[0]} ({section[1]})" if section else "the lab's README"
         tr.write_line(
-            f"Start with task {first.number}: {first.what}. It is explained in {read}; "
+            f"Start with task {first.number}: {first.what.rstrip('.')}. It is explained in {read}; "
             f"stuck? python -m course hint {lab.id} {first.number}"
         )
