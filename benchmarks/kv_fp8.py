@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engine_vs_plain import environment  # noqa: E402
 from mini_vllm.llm import LLM, kv_block_bytes  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
@@ -50,23 +49,6 @@ SMOLLM2_PROMPTS = [
     "Once upon a time, in a small village,", "The main ingredients of bread are",
     "Photosynthesis is the process by which",
 ]
-
-
-def environment(threads: int) -> dict:
-    def run(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {
-        "device": "cpu",
-        "cpu": platform.processor() or platform.machine(),
-        "torch_threads": threads,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_revision": run(["git", "rev-parse", "HEAD"]) or "unknown",
-    }
 
 
 class LogitTap:
