@@ -28,7 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from mini_vllm.attention.reference import _check_qkv, compute_dtype, repeat_kv
+# Given helpers (complete; read them in mini_vllm/attention/online_softmax.py): the input checks
+# and the cut into blocks (_prepare), and one block's scores and values (_block_scores).
+from mini_vllm.attention.online_softmax import _block_scores, _prepare  # noqa: F401
 
 __all__ = [
     "SoftmaxState",
@@ -204,48 +206,3 @@ def split_kv_attention(
     raise NotImplementedError(
         "lab 01-02, task 6: implement split_kv_attention (hint: python -m course hint 01-02 6)"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# complete helpers
-
-
-def _blocks(boundaries: Sequence[int], kv_len: int) -> list[tuple[int, int]]:
-    """``[(0, b0), (b0, b1), ..., (b_last, kv_len)]``; ValueError unless sorted within bounds."""
-    cuts = [int(b) for b in boundaries]
-    if any(b < 0 or b > kv_len for b in cuts) or cuts != sorted(cuts):
-        raise ValueError(f"boundaries must be sorted within [0, {kv_len}], got {cuts}")
-    edges = [0, *cuts, kv_len]
-    return list(zip(edges[:-1], edges[1:]))
-
-
-def _prepare(query, key, value, boundaries, alibi_slopes):
-    """Lab 01's input checks, then the blocks ``[(start, end), ...]`` the keys are cut into."""
-    _check_qkv(query, key, value, alibi_slopes)
-    return _blocks(boundaries, key.shape[0])
-
-
-def _block_scores(query, key, value, start, end, scale, alibi_slopes, causal):
-    """Scores ``[H, q_len, end - start]`` of every query against keys ``start .. end - 1`` and
-    their values ``[H, end - start, D]``, in the compute dtype (float32, float64 for float64).
-
-    The scores are columns ``start:end`` of lab 01's ``attention_scores`` (same scale, ALiBi bias
-    from absolute positions, ``-inf`` after each query's position), computed from those keys
-    alone: a block never needs the other keys.
-    """
-    q_len, num_heads, head_size = query.shape
-    kv_len = key.shape[0]
-    dtype = compute_dtype(query.dtype)
-    if scale is None:
-        scale = head_size**-0.5
-    k = repeat_kv(key[start:end], num_heads).to(dtype)
-    scores = scale * torch.einsum("qhd,khd->hqk", query.to(dtype), k)
-    query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
-    key_pos = torch.arange(start, end, device=query.device)
-    if alibi_slopes is not None:
-        distance = (key_pos[None, :] - query_pos[:, None]).to(dtype)
-        scores = scores + alibi_slopes.to(query.device, dtype)[:, None, None] * distance
-    if causal:
-        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
-    values = repeat_kv(value[start:end], num_heads).to(dtype).transpose(0, 1)
-    return scores, values
