@@ -49,6 +49,16 @@ BUGS = [
         requires="oracle",
     ),
     PlantedBug(
+        name="softmax-without-subtracting-the-max",
+        description="step 2 takes exp(logit) instead of exp(logit - max): the same probabilities "
+        "for moderate logits, but exp overflows to inf near 600 and vanishes near -600 (task "
+        "2's own test; v2's merge also goes wrong, its sums no longer match its maxes)",
+        file=CORE,
+        find="const float e = expf(logits[i] - max_logit);",
+        replace="const float e = expf(logits[i]);",
+        requires="oracle",
+    ),
+    PlantedBug(
         name="gqa-kv-head-modulo",
         description="query head h reads KV head h % num_kv_heads instead of h / group_size "
         "(the same for MHA, wrong for grouped-query attention)",

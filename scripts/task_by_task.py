@@ -9,7 +9,9 @@ in a scratch copy of the repository (the checkout is never touched):
 For k = 0, 1, ..., N it replaces the bodies of tasks 1..k in starter.py by the reference's
 functions (looked up by qualified name in solution.py's objects; a private method the reference
 class has and the starter's lacks is added with the first task of that class), runs the lab's
-tests against that starter and prints the passing count. Exit status 1 when some task adds no
+tests against that starter and prints the passing count. In a CUDA lab (starter.cu) it takes the
+body of each task's function from the reference kernels in mini_vllm/csrc and marks the task
+done (`#define LAB_TASK_N_DONE 1`). Exit status 1 when some task adds no
 passing test, or when a filled-in starter fails to import.
 """
 
@@ -19,6 +21,7 @@ import argparse
 import ast
 import builtins
 import inspect
+import re
 import shutil
 import sys
 import tempfile
@@ -32,7 +35,9 @@ from course.integrity import copy_ignore  # noqa: E402
 from course.labs import Lab, discover, select  # noqa: E402
 from course.loader import load_module  # noqa: E402
 from course.runner import run_lab  # noqa: E402
-from course.tasks import open_tasks  # noqa: E402
+from course.tasks import Task, open_tasks  # noqa: E402
+
+CSRC_DIR = REPO_ROOT / "mini_vllm" / "csrc"
 
 
 def _reference_function(solution, qualname: str):
@@ -144,6 +149,44 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
+def _cuda_body(source: str, name: str) -> tuple[int, int] | None:
+    """(start, end) of the braces of function `name`'s definition in CUDA `source`: the first
+    `name(` not preceded by template arguments (a call reads `name<...>(`), then its body."""
+    m = re.search(rf"\b{re.escape(name)}\(", source)
+    if m is None:
+        return None
+    depth, i = 0, m.end() - 1
+    while True:  # past the parameter list
+        depth += {"(": 1, ")": -1}.get(source[i], 0)
+        i += 1
+        if depth == 0:
+            break
+    start = source.index("{", i)
+    depth, i = 0, start
+    while True:
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        i += 1
+        if depth == 0:
+            return start, i
+
+
+def fill_cuda(source: str, tasks: list[Task]) -> str:
+    """starter.cu with each of `tasks` written (its function's body from the reference kernels
+    in mini_vllm/csrc) and marked done."""
+    references = [p.read_text(encoding="utf-8") for p in sorted(CSRC_DIR.glob("*.cu*"))]
+    for task in tasks:
+        name = task.functions[0][0]
+        body = next((ref[slice(*span)] for ref in references
+                     if (span := _cuda_body(ref, name)) is not None), None)
+        if body is None:
+            raise LookupError(f"no reference definition of {name} in {CSRC_DIR}")
+        start, end = _cuda_body(source, name)
+        source = source[:start] + body + source[end:]
+        source = re.sub(rf"^(#define LAB_TASK_{task.number}_DONE\s+)0\b", r"\g<1>1", source,
+                        flags=re.M)
+    return source
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lab", help="lab id, e.g. 02-01")
@@ -152,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     tasks = open_tasks(lab)
     solution = load_module(lab.path, "solution", lab.id)
     starter = load_module(lab.path, "starter", lab.id)
-    original = (lab.path / "starter.py").read_text(encoding="utf-8")
+    cuda = (lab.path / "starter.cu").is_file()
+    student_file = "starter.cu" if cuda else "starter.py"
+    original = (lab.path / student_file).read_text(encoding="utf-8")
     rows, ok = [], True
     with tempfile.TemporaryDirectory(prefix="task-by-task-") as tmp:
         copy = Path(tmp) / "repo"
@@ -160,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         lab_copy = Lab(copy / lab.path.relative_to(REPO_ROOT))
         previous = -1
         for k in range(len(tasks) + 1):
-            names = [name for t in tasks[:k] for name, _ in t.functions]
-            (lab_copy.path / "starter.py").write_text(fill(original, solution, names, starter))
+            if cuda:
+                text = fill_cuda(original, tasks[:k])
+            else:
+                names = [name for t in tasks[:k] for name, _ in t.functions]
+                text = fill(original, solution, names, starter)
+            (lab_copy.path / student_file).write_text(text)
             run = run_lab(lab_copy, "starter", root=copy)
             label = "untouched" if k == 0 else f"task {tasks[k - 1].number}"
             broken = run.broken or any("CANNOT LOAD" in t["message"] for t in run.tests)

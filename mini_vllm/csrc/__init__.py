@@ -51,6 +51,7 @@ KERNEL_SOURCES = (
     "paged_attention_v2.cu",
     "paged_attention_gqa.cu",
     "cache_kernels.cu",
+    "attention_probes.cu",  # lab 02-06's test probes (steps 1 and 2 alone)
 )
 HEADERS = (
     "kernel_params.h",
@@ -59,6 +60,7 @@ HEADERS = (
     "dispatch.cuh",
     "attention_core.cuh",
     "partition_reduce.cuh",
+    "attention_probes.cuh",
 )
 BINDINGS = "bindings.cpp"
 OPS_NAME = "mini_vllm_ops"

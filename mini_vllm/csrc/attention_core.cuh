@@ -196,6 +196,37 @@ __device__ void accumulate_values(const PagedAttentionParams& p, const Attention
   }
 }
 
+// The work of the thread block that attends for query head `head` of sequence `seq` (of
+// seq_len tokens) over the KV blocks [first_block, end_block) of its block table.
+template <int BLOCK_SIZE>
+__device__ AttentionWork make_work(const PagedAttentionParams& p, int seq, int head, int seq_len,
+                                   int first_block, int end_block) {
+  AttentionWork w;
+  w.seq = seq;
+  w.head = head;
+  w.kv_head = head / (p.num_heads / p.num_kv_heads);
+  w.seq_len = seq_len;
+  w.first_block = first_block;
+  w.end_block = end_block;
+  w.start_token = first_block * BLOCK_SIZE;
+  w.num_tokens = min(end_block * BLOCK_SIZE, seq_len) - w.start_token;
+  w.block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
+  w.alibi_slope = p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[head];
+  return w;
+}
+
+// The query row of (seq, head), scaled once, into shared memory (every thread group reads all
+// of it). Every thread of the block must call it; it ends with the barrier that publishes it.
+template <typename T, int HEAD_SIZE, int NUM_THREADS>
+__device__ void stage_query(const PagedAttentionParams& p, int seq, int head, float* q_smem) {
+  const T* q = static_cast<const T*>(p.query) + seq * p.q_stride +
+               static_cast<int64_t>(head) * HEAD_SIZE;
+  for (int i = threadIdx.x; i < HEAD_SIZE; i += NUM_THREADS) {
+    q_smem[i] = to_float(q[i]) * p.scale;
+  }
+  __syncthreads();
+}
+
 // Attention of query head `head` of sequence `seq` over the KV blocks [first_block, end_block)
 // of its block table. Writes the normalised output row (HEAD_SIZE elements) to `out` and, when
 // `max_logit_out` is not null, the range's max logit and sum of exp(logit - max) (for v2).
@@ -211,25 +242,9 @@ __device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, 
   MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
   MINI_VLLM_DYNAMIC_SHARED(float, logits);  // attention_smem_bytes(...) bytes
 
-  AttentionWork w;
-  w.seq = seq;
-  w.head = head;
-  w.kv_head = head / (p.num_heads / p.num_kv_heads);
-  w.seq_len = seq_len;
-  w.first_block = first_block;
-  w.end_block = end_block;
-  w.start_token = first_block * BLOCK_SIZE;
-  w.num_tokens = min(end_block * BLOCK_SIZE, seq_len) - w.start_token;
-  w.block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
-  w.alibi_slope = p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[head];
-
-  // The query, scaled once, in shared memory: every thread group reads all of it.
-  const T* q = static_cast<const T*>(p.query) + seq * p.q_stride +
-               static_cast<int64_t>(head) * HEAD_SIZE;
-  for (int i = threadIdx.x; i < HEAD_SIZE; i += NUM_THREADS) {
-    q_smem[i] = to_float(q[i]) * p.scale;
-  }
-  __syncthreads();
+  const AttentionWork w =
+      make_work<BLOCK_SIZE>(p, seq, head, seq_len, first_block, end_block);
+  stage_query<T, HEAD_SIZE, NUM_THREADS>(p, seq, head, q_smem);
 
   const float my_max = qk_logits<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, q_smem, logits);
   const SoftmaxStats stats =

@@ -4,8 +4,9 @@
 // checks here are the last line of defence that keeps a kernel inside its buffers.
 //
 // Built by torch.utils.cpp_extension (see mini_vllm/csrc/__init__.py). With
-// MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_v1/v2, which is what the
-// lab 02-06 starter build (bindings + the student's starter.cu) provides.
+// MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_v1/v2 and the probes of their
+// steps 1 and 2, which is what the lab 02-06 starter build (bindings + starter.cu) provides.
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -314,6 +315,60 @@ void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tens
 
 #endif  // MINI_VLLM_ATTENTION_ONLY
 
+// Lab 02-06's probes (attention_probes.cuh): step 1 or step 2 of the decode kernels alone.
+// mini_vllm/csrc/probes.py checks the inputs first; these checks only keep the probes in bounds.
+void qk_logits_probe(torch::Tensor& logits, torch::Tensor& range_max, const torch::Tensor& query,
+                     const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                     int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                     const std::optional<torch::Tensor>& alibi_slopes, int64_t range_tokens) {
+  torch::Tensor unused_out = torch::empty_like(query, at::MemoryFormat::Contiguous);
+  const PagedAttentionParams p =
+      attention_params(unused_out, query, key_cache, value_cache, num_kv_heads, scale,
+                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes);
+  const int64_t padded = (max_seq_len + block_size - 1) / block_size * block_size;
+  const int64_t ranges = (padded + range_tokens - 1) / std::max<int64_t>(range_tokens, 1);
+  check_on(logits, query, "logits");
+  check_on(range_max, query, "range_max");
+  TORCH_CHECK(range_tokens >= block_size && range_tokens % block_size == 0,
+              "range_tokens must be a positive multiple of block_size");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
+                  logits.dim() == 3 && logits.size(0) == p.num_seqs &&
+                  logits.size(1) == p.num_heads && logits.size(2) >= padded,
+              "logits must be contiguous float32 [num_seqs, num_heads, >= ", padded, "]");
+  TORCH_CHECK(range_max.scalar_type() == torch::kFloat32 && range_max.is_contiguous() &&
+                  range_max.dim() == 3 && range_max.size(0) == p.num_seqs &&
+                  range_max.size(1) == p.num_heads && range_max.size(2) == ranges,
+              "range_max must be contiguous float32 [num_seqs, num_heads, ", ranges, "]");
+  const mini_vllm::QkLogitsProbe probe{logits.data_ptr<float>(), logits.size(2),
+                                       range_max.data_ptr<float>(), static_cast<int>(ranges),
+                                       static_cast<int>(range_tokens)};
+  const c10::cuda::CUDAGuard guard(query.device());
+  raise_if_error(mini_vllm::launch_qk_logits_probe(p, probe, c10::cuda::getCurrentCUDAStream()),
+                 "qk_logits_probe");
+}
+
+void softmax_probe(torch::Tensor& rows, const torch::Tensor& lengths, torch::Tensor& stats) {
+  TORCH_CHECK(rows.is_cuda(), "rows must be a CUDA tensor");
+  check_on(lengths, rows, "lengths");
+  check_on(stats, rows, "stats");
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() && rows.dim() == 2,
+              "rows must be contiguous float32 [num_rows, width]");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt32 && lengths.is_contiguous() &&
+                  lengths.dim() == 1 && lengths.size(0) == rows.size(0),
+              "lengths must be contiguous int32 [num_rows]");
+  TORCH_CHECK(stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
+                  stats.dim() == 3 && stats.size(0) == rows.size(0) &&
+                  stats.size(1) == mini_vllm::kProbeThreads && stats.size(2) == 2,
+              "stats must be contiguous float32 [num_rows, ", mini_vllm::kProbeThreads, ", 2]");
+  const mini_vllm::SoftmaxProbe probe{rows.data_ptr<float>(), lengths.data_ptr<int>(),
+                                      stats.data_ptr<float>(), static_cast<int>(rows.size(0)),
+                                      static_cast<int>(rows.size(1))};
+  const c10::cuda::CUDAGuard guard(rows.device());
+  raise_if_error(mini_vllm::launch_softmax_probe(probe, c10::cuda::getCurrentCUDAStream()),
+                 "softmax_probe");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -328,6 +383,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
         py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none());
+  m.def("qk_logits_probe", &qk_logits_probe, py::arg("logits"), py::arg("range_max"),
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
+        py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
+        py::arg("max_seq_len"), py::arg("alibi_slopes"), py::arg("range_tokens"));
+  m.def("softmax_probe", &softmax_probe, py::arg("rows"), py::arg("lengths"), py::arg("stats"));
 #ifndef MINI_VLLM_ATTENTION_ONLY
   m.def("paged_attention_gqa", &partitioned_attention<mini_vllm::launch_paged_attention_gqa>,
         py::arg("out"), py::arg("exp_sums"), py::arg("max_logits"), py::arg("tmp_out"),

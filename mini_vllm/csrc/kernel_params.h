@@ -94,10 +94,37 @@ struct ReshapeAndCacheParams {
   int64_t value_stride;
 };
 
+// Lab 02-06's probes (attention_probes.cuh): one step of the decode kernels run alone, so that
+// its tests check each task before the next is written. Not on the decode path.
+//   logits     fp32 [num_seqs, num_heads, logits_stride]: step 1's logits at their token positions
+//   range_max  fp32 [num_seqs, num_heads, num_ranges]: the max of each range's valid logits
+struct QkLogitsProbe {
+  float* logits;
+  int64_t logits_stride;
+  float* range_max;
+  int num_ranges;
+  int range_tokens;  // tokens per thread block (a multiple of block_size), like a v2 partition
+};
+
+//   rows     fp32 [num_rows, width]: step 2 runs on row r's first lengths[r] entries, in place
+//   lengths  int32 [num_rows]
+//   stats    fp32 [num_rows, kProbeThreads, 2]: the (max, sum) each thread of row r's block got
+constexpr int kProbeThreads = 128;  // as the decode kernels: the steps assume 4 warps
+struct SoftmaxProbe {
+  float* rows;
+  const int* lengths;
+  float* stats;
+  int num_rows;
+  int width;
+};
+
 Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream);
 Status launch_paged_attention_v2(const PagedAttentionParams& p, cudaStream_t stream);
 Status launch_paged_attention_gqa(const PagedAttentionParams& p, cudaStream_t stream);
 Status launch_reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream);
+Status launch_qk_logits_probe(const PagedAttentionParams& p, const QkLogitsProbe& probe,
+                              cudaStream_t stream);
+Status launch_softmax_probe(const SoftmaxProbe& probe, cudaStream_t stream);
 
 // key_cache_ptrs / value_cache_ptrs: device arrays of num_layers base addresses;
 // block_mapping: device int64 [num_pairs, 2] of (src, dst) block numbers.

@@ -45,17 +45,18 @@ class EmulatedOps:
 
     def _attention(self, op, out, query, key_cache, value_cache, num_kv_heads, scale,
                    block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                   partition_buffers=None, partition_size=0) -> None:
+                   partition_buffers=None, partition_size=0, probe=None) -> None:
         dtype = _DTYPE[query.dtype]
         variant = Variant((dtype,), (query.shape[2],), (int(block_size),))
         buffers = {
-            "out": Arg(out, writable=True),
             "query": Arg(query),
             "key_cache": Arg(key_cache),
             "value_cache": Arg(value_cache),
             "block_tables": Arg(block_tables),
             "seq_lens": Arg(seq_lens),
         }
+        if out is not None:
+            buffers["out"] = Arg(out, writable=True)
         if alibi_slopes is not None:
             buffers["alibi_slopes"] = Arg(alibi_slopes)
         scalars = {
@@ -79,6 +80,9 @@ class EmulatedOps:
             buffers["tmp_out"] = Arg(tmp_out, writable=True)
             scalars["max_num_partitions"] = exp_sums.shape[2]
             scalars["partition_size"] = int(partition_size)
+        if probe is not None:  # (writable buffers, scalars) of a probe
+            buffers.update({name: Arg(t, writable=True) for name, t in probe[0].items()})
+            scalars.update(probe[1])
         self._run(variant, op, buffers, scalars)
 
     def paged_attention_v1(self, out, query, key_cache, value_cache, num_kv_heads, scale,
@@ -100,6 +104,25 @@ class EmulatedOps:
         self._attention("paged_attention_gqa", out, query, key_cache, value_cache, num_kv_heads,
                         scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
                         (exp_sums, max_logits, tmp_out), partition_size)
+
+    # ---- lab 02-06's probes: steps 1 and 2 of the decode kernels alone ----------------------
+
+    def qk_logits_probe(self, logits, range_max, query, key_cache, value_cache, num_kv_heads,
+                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                        range_tokens) -> None:
+        probe = ({"logits": logits, "range_max": range_max},
+                 {"logits_stride": logits.shape[2], "num_ranges": range_max.shape[2],
+                  "range_tokens": int(range_tokens)})
+        self._attention("qk_logits_probe", None, query, key_cache, value_cache, num_kv_heads,
+                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                        probe=probe)
+
+    def softmax_probe(self, rows, lengths, stats) -> None:
+        self._run(self._CACHE_VARIANT, "softmax_probe", {
+            "rows": Arg(rows, writable=True),
+            "lengths": Arg(lengths),
+            "stats": Arg(stats, writable=True),
+        }, {"num_rows": rows.shape[0], "width": rows.shape[1]})
 
     # ---- cache kernels -----------------------------------------------------------------------
 

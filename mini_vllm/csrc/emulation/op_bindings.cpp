@@ -2,8 +2,8 @@
 // (kernel_params.h) called, status out. The Python side (EmulatedOps in __init__.py) has already
 // checked the inputs exactly as the CUDA ops do, and computed the sizes and strides.
 //
-// With MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_v1/v2, which is what the
-// lab 02-06 starter build (the student's starter.cu) provides.
+// With MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_v1/v2 and the probes of their
+// steps 1 and 2, which is what the lab 02-06 starter build (the student's starter.cu) provides.
 #include <cstdint>
 #include <vector>
 
@@ -24,7 +24,7 @@ void finish(const Status& status) {
 
 PagedAttentionParams attention_params(const Request& req) {
   PagedAttentionParams p{};
-  p.out = req.buffer("out");
+  if (req.has("out")) p.out = req.buffer("out");  // the step-1 probe writes no output row
   p.query = req.buffer("query");
   p.key_cache = req.buffer("key_cache");
   p.value_cache = req.buffer("value_cache");
@@ -61,6 +61,26 @@ MINI_VLLM_EMU_OP(paged_attention_v1) {
 
 MINI_VLLM_EMU_OP(paged_attention_v2) {
   finish(mini_vllm::launch_paged_attention_v2(attention_params(req), nullptr));
+}
+
+MINI_VLLM_EMU_OP(qk_logits_probe) {
+  mini_vllm::QkLogitsProbe probe{};
+  probe.logits = static_cast<float*>(req.buffer("logits"));
+  probe.logits_stride = req.integer("logits_stride");
+  probe.range_max = static_cast<float*>(req.buffer("range_max"));
+  probe.num_ranges = static_cast<int>(req.integer("num_ranges"));
+  probe.range_tokens = static_cast<int>(req.integer("range_tokens"));
+  finish(mini_vllm::launch_qk_logits_probe(attention_params(req), probe, nullptr));
+}
+
+MINI_VLLM_EMU_OP(softmax_probe) {
+  mini_vllm::SoftmaxProbe probe{};
+  probe.rows = static_cast<float*>(req.buffer("rows"));
+  probe.lengths = static_cast<const int*>(req.buffer("lengths"));
+  probe.stats = static_cast<float*>(req.buffer("stats"));
+  probe.num_rows = static_cast<int>(req.integer("num_rows"));
+  probe.width = static_cast<int>(req.integer("width"));
+  finish(mini_vllm::launch_softmax_probe(probe, nullptr));
 }
 
 #ifndef MINI_VLLM_ATTENTION_ONLY

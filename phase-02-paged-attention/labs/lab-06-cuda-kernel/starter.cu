@@ -21,7 +21,7 @@ namespace mini_vllm {
 
 constexpr int kThreads = 128;  // 4 warps per thread block
 
-// What one thread block works on (filled in by attend_blocks below).
+// What one thread block works on (filled in by make_work below).
 struct AttentionWork {
   int seq;
   int head;
@@ -96,17 +96,11 @@ __device__ void accumulate_values(const PagedAttentionParams& p, const Attention
   // TODO(lab 02-06, task 3): the weighted sum of the values; then set LAB_TASK_3_DONE to 1.
 }
 
-// Given: the skeleton that ties tasks 1-3 together for one (head, sequence, block range).
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
-__device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, int seq_len,
-                              int first_block, int end_block, T* __restrict__ out,
-                              float* max_logit_out, float* exp_sum_out) {
-  constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
-  MINI_VLLM_SHARED(float, q_smem, [HEAD_SIZE]);  // __shared__ float q_smem[HEAD_SIZE];
-  MINI_VLLM_SHARED(float, red_max, [NUM_WARPS]);
-  MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
-  MINI_VLLM_DYNAMIC_SHARED(float, logits);  // extern __shared__ float logits[];
-
+// Given: the AttentionWork of the thread block that attends for query head `head` of sequence
+// `seq` over the KV blocks [first_block, end_block) of its block table.
+template <int BLOCK_SIZE>
+__device__ AttentionWork make_work(const PagedAttentionParams& p, int seq, int head, int seq_len,
+                                   int first_block, int end_block) {
   AttentionWork w;
   w.seq = seq;
   w.head = head;
@@ -118,13 +112,34 @@ __device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, 
   w.num_tokens = min(end_block * BLOCK_SIZE, seq_len) - w.start_token;
   w.block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
   w.alibi_slope = p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[head];
+  return w;
+}
 
+// Given: the query row, times the scale, as fp32 in q_smem; ends with the barrier that
+// publishes it.
+template <typename T, int HEAD_SIZE, int NUM_THREADS>
+__device__ void stage_query(const PagedAttentionParams& p, int seq, int head, float* q_smem) {
   const T* q = static_cast<const T*>(p.query) + seq * p.q_stride +
                static_cast<int64_t>(head) * HEAD_SIZE;
   for (int i = threadIdx.x; i < HEAD_SIZE; i += NUM_THREADS) {
     q_smem[i] = to_float(q[i]) * p.scale;
   }
   __syncthreads();
+}
+
+// Given: the skeleton that ties tasks 1-3 together for one (head, sequence, block range).
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, int seq_len,
+                              int first_block, int end_block, T* __restrict__ out,
+                              float* max_logit_out, float* exp_sum_out) {
+  constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
+  MINI_VLLM_SHARED(float, q_smem, [HEAD_SIZE]);  // __shared__ float q_smem[HEAD_SIZE];
+  MINI_VLLM_SHARED(float, red_max, [NUM_WARPS]);
+  MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
+  MINI_VLLM_DYNAMIC_SHARED(float, logits);  // extern __shared__ float logits[];
+
+  const AttentionWork w = make_work<BLOCK_SIZE>(p, seq, head, seq_len, first_block, end_block);
+  stage_query<T, HEAD_SIZE, NUM_THREADS>(p, seq, head, q_smem);
 
   const float my_max = qk_logits<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, q_smem, logits);
   const SoftmaxStats stats =
@@ -198,16 +213,24 @@ __global__ void __launch_bounds__(NUM_THREADS)
 
 // ---- launchers (given) ------------------------------------------------------------------------
 
-// The first task a kernel needs that is not marked done, as the message the tests show.
-inline const char* missing_task(bool needs_reduce) {
-  if (!LAB_TASK_1_DONE)
+// The message the tests show for task `task` while it is not marked done (nullptr once it is).
+inline const char* task_todo(int task) {
+  if (task == 1 && !LAB_TASK_1_DONE)
     return "lab 02-06, task 1: write qk_logits in starter.cu, then set LAB_TASK_1_DONE to 1 (hint: python -m course hint 02-06 1)";
-  if (!LAB_TASK_2_DONE)
+  if (task == 2 && !LAB_TASK_2_DONE)
     return "lab 02-06, task 2: write softmax_in_place in starter.cu, then set LAB_TASK_2_DONE to 1 (hint: python -m course hint 02-06 2)";
-  if (!LAB_TASK_3_DONE)
+  if (task == 3 && !LAB_TASK_3_DONE)
     return "lab 02-06, task 3: write accumulate_values in starter.cu, then set LAB_TASK_3_DONE to 1 (hint: python -m course hint 02-06 3)";
-  if (needs_reduce && !LAB_TASK_4_DONE)
+  if (task == 4 && !LAB_TASK_4_DONE)
     return "lab 02-06, task 4: write partition_reduce_kernel in starter.cu, then set LAB_TASK_4_DONE to 1 (hint: python -m course hint 02-06 4)";
+  return nullptr;
+}
+
+// The first of tasks 1..last_task that a kernel needs and is not marked done.
+inline const char* missing_task(int last_task) {
+  for (int task = 1; task <= last_task; ++task) {
+    if (const char* todo = task_todo(task)) return todo;
+  }
   return nullptr;
 }
 
@@ -254,7 +277,7 @@ Status launch_v2(const PagedAttentionParams& p, cudaStream_t stream) {
 }
 
 Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream) {
-  if (const char* todo = missing_task(false)) return not_implemented(todo);
+  if (const char* todo = missing_task(3)) return not_implemented(todo);
   if (p.num_seqs == 0) return ok();
   return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
     return launch_v1<typename decltype(t)::type, decltype(h)::value, decltype(b)::value>(p,
@@ -263,12 +286,32 @@ Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t str
 }
 
 Status launch_paged_attention_v2(const PagedAttentionParams& p, cudaStream_t stream) {
-  if (const char* todo = missing_task(true)) return not_implemented(todo);
+  if (const char* todo = missing_task(4)) return not_implemented(todo);
   if (p.num_seqs == 0) return ok();
   return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
     return launch_v2<typename decltype(t)::type, decltype(h)::value, decltype(b)::value>(p,
                                                                                        stream);
   });
+}
+
+}  // namespace mini_vllm
+
+// The probes the tests use to check tasks 1 and 2 alone, before the rest of the kernel exists:
+// each runs one of your steps and copies out its result. Included here, after your steps,
+// because the probe kernels call the qk_logits and softmax_in_place defined above.
+#include "attention_probes.cuh"
+
+namespace mini_vllm {
+
+Status launch_qk_logits_probe(const PagedAttentionParams& p, const QkLogitsProbe& probe,
+                              cudaStream_t stream) {
+  if (const char* todo = task_todo(1)) return not_implemented(todo);
+  return run_qk_logits_probe(p, probe, stream);
+}
+
+Status launch_softmax_probe(const SoftmaxProbe& probe, cudaStream_t stream) {
+  if (const char* todo = task_todo(2)) return not_implemented(todo);
+  return run_softmax_probe(probe, stream);
 }
 
 }  // namespace mini_vllm

@@ -25,6 +25,7 @@ import torch
 
 from mini_vllm.csrc import CSRC_DIR, build_extension, emulation_build, resolve_backend
 from mini_vllm.csrc.ops import PARTITION_SIZE, check_attention_inputs
+from mini_vllm.csrc.probes import check_qk_logits_probe, check_softmax_probe
 
 __all__ = [
     "PARTITION_SIZE",
@@ -32,6 +33,8 @@ __all__ = [
     "kernel_sources",
     "paged_attention_v1",
     "paged_attention_v2",
+    "qk_logits_probe",
+    "softmax_probe",
 ]
 
 LAB_DIR = Path(__file__).resolve().parent
@@ -52,7 +55,7 @@ def build(verbose: bool = False, backend: str | None = None):
             _built[backend] = build_extension(
                 EXTENSION_NAME,
                 [STARTER_CU, CSRC_DIR / "bindings.cpp"],
-                defines=["MINI_VLLM_ATTENTION_ONLY"],  # bind only v1 and v2
+                defines=["MINI_VLLM_ATTENTION_ONLY"],  # bind only v1, v2 and the probes
                 verbose=verbose,
             )
         else:
@@ -64,11 +67,11 @@ def build(verbose: bool = False, backend: str | None = None):
     return _built[backend]
 
 
-def _check_tasks_done(needs_reduce: bool) -> None:
-    """Raise the launchers' NotImplementedError for the first task starter.cu does not mark
-    done, before anything is compiled (the message is the one starter.cu itself returns)."""
+def _check_tasks_done(tasks: tuple[int, ...]) -> None:
+    """Raise the launchers' NotImplementedError for the first of `tasks` that starter.cu does
+    not mark done, before anything is compiled (the message is the one starter.cu returns)."""
     text = STARTER_CU.read_text(encoding="utf-8")
-    for task in (1, 2, 3, 4) if needs_reduce else (1, 2, 3):
+    for task in tasks:
         done = re.search(rf"^#define LAB_TASK_{task}_DONE\s+(\d+)", text, re.M)
         if done and done.group(1) == "0":
             said = re.search(rf'"(lab 02-06, task {task}: [^"]*)"', text)
@@ -103,7 +106,7 @@ def paged_attention_v1(
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, backend=backend)
-    _check_tasks_done(needs_reduce=False)
+    _check_tasks_done((1, 2, 3))
     build(backend=backend).paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads,
                                               scale, block_tables, seq_lens, block_size,
                                               max_seq_len, alibi_slopes)
@@ -130,8 +133,44 @@ def paged_attention_v2(
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
-    _check_tasks_done(needs_reduce=True)
+    _check_tasks_done((1, 2, 3, 4))
     build(backend=backend).paged_attention_v2(out, exp_sums, max_logits, tmp_out, query,
                                               key_cache, value_cache, num_kv_heads, scale,
                                               block_tables, seq_lens, block_size, max_seq_len,
                                               alibi_slopes)
+
+
+def qk_logits_probe(
+    logits: torch.Tensor,
+    range_max: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    range_tokens: int = 0,
+    backend: str | None = None,
+) -> None:
+    """Your task 1 alone, for the tests (``mini_vllm/csrc/attention_probes.cuh``): every slot's
+    logit to ``logits``, each range's max valid logit to ``range_max``."""
+    backend, tokens = check_qk_logits_probe(
+        logits, range_max, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+        block_size, max_seq_len, alibi_slopes, range_tokens, backend)
+    _check_tasks_done((1,))
+    build(backend=backend).qk_logits_probe(logits, range_max, query, key_cache, value_cache,
+                                           num_kv_heads, scale, block_tables, seq_lens,
+                                           block_size, max_seq_len, alibi_slopes, tokens)
+
+
+def softmax_probe(rows: torch.Tensor, lengths: torch.Tensor, stats: torch.Tensor,
+                  backend: str | None = None) -> None:
+    """Your task 2 alone, for the tests: the softmax numerators of each row's first
+    ``lengths[r]`` entries in place, and the (max, sum) each thread got in ``stats``."""
+    backend = check_softmax_probe(rows, lengths, stats, backend)
+    _check_tasks_done((2,))
+    build(backend=backend).softmax_probe(rows, lengths, stats)

@@ -645,6 +645,156 @@ def test_reference_copy_and_swap_blocks_match_the_oracle():
     check_copy_and_swap_blocks(KERNEL_BACKEND)
 
 
+# ------------------------------------------------------------------------------------------
+# Tasks 1 and 2 alone: probes that run one step of the kernel and copy out its result
+# (mini_vllm/csrc/attention_probes.cuh), so each task is checked before the next is written
+# ------------------------------------------------------------------------------------------
+
+# The probes' cases: the emulation grid's first three (GQA + ALiBi fp16, bf16 block 32, fp32
+# block 8 with ALiBi and one KV head) cover every dtype, block size and the ALiBi term.
+PROBE_GRID = [pytest.param(*case, id=f"{case[0]}-d{case[1]}-b{case[2]}".replace("torch.", ""))
+              for case in EMU_GRID[:3]]
+PROBE_LENS = [1, 9, 33, 100, 161, 300]  # one token, partial last blocks, several 64-token ranges
+
+
+def run_probe(name: str, outputs: list[int], *args, **kwargs) -> list[torch.Tensor]:
+    """Call the lab's probe `name` and return the arguments at `outputs` (which it writes)."""
+    if ON_GPU:  # in the worker process, on CPU copies, as run_kernel does
+        where = f"lab:{lab.impl}:{Path(lab.source_path).parent}"
+        return gpu_worker().call(
+            "mini_vllm.csrc.isolation", "run_on_gpu", where, name, outputs,
+            *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], backend="cuda",
+            **kwargs)
+    getattr(lab, name)(*args, backend=KERNEL_BACKEND, **kwargs)
+    return [args[i] for i in outputs]
+
+
+def expected_logits(b: dict) -> torch.Tensor:
+    """[num_seqs, num_heads, slots] in float64: q . k_t * scale + ALiBi for every token t of a
+    sequence (from the clean caches), 0 for the slots of its last block past its end, NaN for
+    the slots of blocks it does not have (the probe does not write them)."""
+    query, kc = b["query"].double().cpu(), b["key_cache"].double().cpu()
+    num_seqs, num_heads, head_size = query.shape
+    bs, group = b["block_size"], num_heads // b["num_kv_heads"]
+    width = -(-b["max_seq_len"] // bs) * bs
+    out = torch.full((num_seqs, num_heads, width), float("nan"), dtype=torch.float64)
+    for s, n in enumerate(b["seq_lens"].tolist()):
+        blocks = b["block_tables"][s, : -(-n // bs)].long().cpu()
+        # [kv_heads, tokens, head_size] from [blocks, kv_heads, head_size / x, block, x]
+        keys = kc[blocks].permute(1, 0, 3, 2, 4).reshape(kc.shape[1], -1, head_size)[:, :n]
+        for h in range(num_heads):
+            q = query[s, h].float().double() * b["scale"]
+            logits = keys[h // group] @ q
+            if b["alibi_slopes"] is not None:
+                logits += float(b["alibi_slopes"][h]) * (torch.arange(n) - (n - 1))
+            out[s, h, : blocks.numel() * bs] = 0.0
+            out[s, h, :n] = logits
+    return out
+
+
+def check_task1(b: dict, range_tokens: int, what: str) -> None:
+    from mini_vllm.csrc.probes import probe_shapes
+
+    num_seqs, num_heads, _ = b["query"].shape
+    width, ranges = probe_shapes(b["max_seq_len"], b["block_size"], range_tokens)
+    logits = torch.full((num_seqs, num_heads, width), float("nan"), device=DEVICE)
+    range_max = torch.full((num_seqs, num_heads, ranges), float("nan"), device=DEVICE)
+    logits, range_max = run_probe(
+        "qk_logits_probe", [0, 1], logits, range_max, b["query"], b["poisoned_k"],
+        b["poisoned_v"], b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"],
+        b["block_size"], b["max_seq_len"], b["alibi_slopes"], range_tokens=range_tokens)
+    expected = expected_logits(b)
+    assert_close(logits.cpu(), expected, dtype=torch.float32, dims=("sequence", "head", "slot"),
+                 msg=f"lab 02-06, task 1 ({what}): the logits qk_logits stored (slot t of a "
+                     "sequence's blocks: q . k_t + ALiBi for t < seq_len, 0 after; NaN: never "
+                     "stored)")
+    tokens = range_tokens or width
+    valid = expected.nan_to_num(nan=-float("inf"))
+    for s, n in enumerate(b["seq_lens"].tolist()):
+        valid[s, :, n:] = -float("inf")
+    want = torch.full((num_seqs, num_heads, ranges), float("nan"), dtype=torch.float64)
+    for r in range(ranges):
+        part = valid[:, :, r * tokens : (r + 1) * tokens]
+        if part.numel():
+            best = part.max(dim=2).values
+            want[:, :, r] = torch.where(best > -float("inf"), best, float("nan"))
+    assert_close(range_max.cpu(), want, dtype=torch.float32, dims=("sequence", "head", "range"),
+                 msg=f"lab 02-06, task 1 ({what}): the max of the valid logits the threads "
+                     "returned, over the thread block (NaN: a range the kernel never runs)")
+
+
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("dtype, head_size, block_size, num_heads, use_alibi", PROBE_GRID)
+def test_task1_logits_over_a_whole_context(dtype, head_size, block_size, num_heads, use_alibi):
+    """Task 1 alone, as v1 runs it: one thread block per (head, sequence) over all its blocks."""
+    require(KERNEL_BACKEND)
+    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=block_size, dtype=dtype,
+                   use_alibi=use_alibi, lens=PROBE_LENS, device=DEVICE)
+    check_task1(b, 0, "one range per sequence, as v1")
+
+
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("dtype, head_size, block_size, num_heads, use_alibi", PROBE_GRID)
+def test_task1_logits_of_ranges_that_start_mid_sequence(dtype, head_size, block_size, num_heads,
+                                                         use_alibi):
+    """Task 1 alone, as v2 runs it, with ranges of 64 tokens: logits[i] is token start_token + i,
+    and each range's max covers its own tokens only."""
+    require(KERNEL_BACKEND)
+    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=block_size, dtype=dtype,
+                   use_alibi=use_alibi, lens=PROBE_LENS, device=DEVICE, seed=1)
+    check_task1(b, 64, "ranges of 64 tokens, as v2's partitions")
+
+
+SOFTMAX_LENS = [1, 2, 31, 32, 33, 127, 128, 129, 300, 512, 700]
+SOFTMAX_WIDTH = 704
+
+
+def softmax_rows(offsets: list[float], filler: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits (values in [-8, 8] plus each row's offset) of SOFTMAX_LENS lengths; past
+    a row's length every entry is `filler`, which the softmax must neither read nor write."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.full((len(SOFTMAX_LENS), SOFTMAX_WIDTH), filler)
+    for r, n in enumerate(SOFTMAX_LENS):
+        rows[r, :n] = torch.rand(n, generator=gen) * 16 - 8 + offsets[r % len(offsets)]
+    return rows, torch.tensor(SOFTMAX_LENS, dtype=torch.int32)
+
+
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("offsets, filler", [
+    pytest.param([0.0], 1e4, id="filler-above-the-max"),
+    pytest.param([-600.0, 600.0], float("nan"), id="large-logits-nan-filler"),
+])
+def test_task2_softmax_in_place(offsets, filler):
+    """Task 2 alone: exp(logit - max) over each row's first num_tokens entries, the max and the
+    sum returned to every thread, and nothing past num_tokens read or written. Logits near
+    -600 or 600 overflow or vanish unless the max is subtracted first."""
+    from mini_vllm.csrc.probes import PROBE_THREADS
+
+    require(KERNEL_BACKEND)
+    rows, lengths = softmax_rows(offsets, filler)
+    stats = torch.full((rows.shape[0], PROBE_THREADS, 2), float("nan"))
+    before = rows.clone()
+    got, got_stats = run_probe("softmax_probe", [0, 2], rows.to(DEVICE), lengths.to(DEVICE),
+                               stats.to(DEVICE))
+    got, got_stats = got.cpu(), got_stats.cpu()
+    x = before.double()
+    expected = x.clone()
+    want_stats = torch.empty(rows.shape[0], PROBE_THREADS, 2, dtype=torch.float64)
+    for r, n in enumerate(SOFTMAX_LENS):
+        m = x[r, :n].max()
+        expected[r, :n] = (x[r, :n] - m).exp()
+        want_stats[r, :, 0] = m
+        want_stats[r, :, 1] = expected[r, :n].sum()
+    assert_close(got, expected, dtype=torch.float32, dims=("row", "entry"),
+                 msg="lab 02-06, task 2: logits[0, num_tokens) must become exp(logit - max); "
+                     "the entries past num_tokens must be left as they are")
+    assert_close(got_stats, want_stats, dtype=torch.float32, dims=("row", "thread", "stat"),
+                 msg="lab 02-06, task 2: every thread must get the block's (max, sum of exp)")
+
+
 def grid_params():
     if ON_GPU:
         return [
