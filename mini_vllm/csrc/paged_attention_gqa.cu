@@ -650,6 +650,10 @@ Status launch_gqa(const PagedAttentionParams& p, cudaStream_t stream) {
 // arrays of this kernel no longer fit (ptxas spills kilobytes at block size 32), and fp32 decode
 // is not what this kernel is for. Not instantiating it also keeps the build shorter.
 Status launch_paged_attention_gqa(const PagedAttentionParams& p, cudaStream_t stream) {
+  const Status cache = refuse_fp8_cache(
+      p.kv_cache_dtype, "the GQA-aware kernel reads a cache in the model's dtype only; decode an "
+                        "fp8 cache with paged_attention_v1 or paged_attention_v2");
+  if (cache.code != StatusCode::kOk) return cache;
   if (p.num_seqs == 0) return ok();
   const Status partitions = check_gqa_partitions(p);
   if (partitions.code != StatusCode::kOk) return partitions;
