@@ -236,17 +236,18 @@ void partitioned_v2(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& 
 
 #ifndef MINI_VLLM_ATTENTION_ONLY
 
-// The GQA-aware kernel reads caches in the model's dtype only (its launcher refuses fp8).
+// The GQA-aware kernel: v2's arguments, then partition_size, then the cache dtype and scales.
 void partitioned_gqa(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& max_logits,
                      torch::Tensor& tmp_out, const torch::Tensor& query,
                      const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                      int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
                      const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                     const std::optional<torch::Tensor>& alibi_slopes, int64_t partition_size) {
+                     const std::optional<torch::Tensor>& alibi_slopes, int64_t partition_size,
+                     const std::string& kv_cache_dtype, double k_scale, double v_scale) {
   partitioned_attention<mini_vllm::launch_paged_attention_gqa>(
       out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, partition_size,
-      cache_dtype_of("auto", 1.0, 1.0));
+      cache_dtype_of(kv_cache_dtype, k_scale, v_scale));
 }
 
 
@@ -451,7 +452,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
         py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none(),
-        py::arg("partition_size") = 0);
+        py::arg("partition_size") = 0, py::arg("kv_cache_dtype") = "auto",
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("reshape_and_cache", &reshape_and_cache, py::arg("key"), py::arg("value"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
         py::arg("kv_cache_dtype") = "auto", py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);

@@ -171,8 +171,8 @@ Status dispatch_attention_kv(DType dtype, KVCacheDType kv_cache_dtype, int head_
                             });
 }
 
-// The kernels that read a cache in the model's dtype only (the GQA-aware kernel, the probes, the
-// lab's starter.cu) refuse an fp8 cache with this.
+// The kernels that read a cache in the model's dtype only (the probes, the lab's starter.cu)
+// refuse an fp8 cache with this.
 inline Status refuse_fp8_cache(KVCacheDType kv_cache_dtype, const char* what) {
   return kv_cache_dtype == KVCacheDType::kAuto ? ok() : unsupported(what);
 }

@@ -398,8 +398,8 @@ def paged_attention_gqa(
     ``gqa_partition_size`` for this shape and GPU, within the width of the given buffers (buffers
     sized for v2 allow 512 only; size them with ``gqa_num_partitions`` to let it choose).
 
-    It reads a cache in the model's dtype only: an fp8 cache (``kv_cache_dtype="fp8"``) is
-    refused with ValueError before anything is written (``paged_decode`` takes v1 or v2 for it).
+    An fp8 cache (``kv_cache_dtype="fp8"``) is read as in v1 and v2, by the kernel's scalar
+    path (the tensor-core path reads model-dtype caches only).
 
     upstream: none (this course's kernel; upstream's grid re-reads K/V once per query head)
     """
@@ -407,9 +407,6 @@ def paged_attention_gqa(
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, (exp_sums, max_logits, tmp_out), backend,
                                      **_kv_args(kv_cache_dtype, k_scale, v_scale))
-    if is_fp8(kv_cache_dtype):
-        raise ValueError("paged_attention_gqa reads a cache in the model's dtype only; decode an "
-                         "fp8 cache with paged_attention_v1 or paged_attention_v2")
     if partition_size is None:
         partition_size = PARTITION_SIZE
         if query.dtype != torch.float32:  # fp32 runs v2, whose partitions are 512 tokens
@@ -422,10 +419,10 @@ def paged_attention_gqa(
         raise ValueError(f"partition_size must be 64, 128, 256 or 512 (512 for float32, which "
                          f"runs v2), got {partition_size!r}")
     check_partition_buffers(out, exp_sums, max_logits, tmp_out, max_seq_len, partition_size)
-    _csrc.load_ops(backend=backend).paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query,
-                                                  key_cache, value_cache, num_kv_heads, scale,
-                                                  block_tables, seq_lens, block_size,
-                                                  max_seq_len, alibi_slopes, partition_size)
+    _csrc.load_ops(backend=backend).paged_attention_gqa(
+        out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+        block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, partition_size,
+        *_kv_call(kv_cache_dtype, k_scale, v_scale))
 
 
 def reshape_and_cache(
@@ -647,7 +644,6 @@ def paged_decode(
 ) -> str:
     """Decode attention as the engine runs it on a GPU: v1, v2 or the GQA-aware kernel, chosen by
     ``choose_decode_kernel``; writes ``out`` (v1's contract) and returns the kernel's name.
-    An fp8 cache is decoded by v1 or v2 (the GQA-aware kernel reads model-dtype caches only).
 
     The kernels are looked up in this module at call time, so an engine composed with a student's
     lab 02-06 (``python -m course engine``) runs the student's v1 and v2; the GQA-aware kernel
@@ -664,8 +660,7 @@ def paged_decode(
     kernel = choose_decode_kernel(
         max_seq_len, num_seqs, num_heads, num_kv_heads, head_size, block_size, query.dtype,
         device_smem_optin(query.device, backend),
-        gqa=me.paged_attention_v2 is _REFERENCE["paged_attention_v2"] and not is_fp8(
-            kv_cache_dtype),
+        gqa=me.paged_attention_v2 is _REFERENCE["paged_attention_v2"],
     )
     args = (query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
             block_size, max_seq_len, alibi_slopes)
@@ -689,7 +684,7 @@ def paged_decode(
     tmp_out = torch.empty(num_seqs, num_heads, parts, head_size, dtype=query.dtype,
                           device=query.device)
     if kernel == "gqa":
-        me.paged_attention_gqa(out, exp_sums, max_logits, tmp_out, *args, backend=backend,
+        me.paged_attention_gqa(out, exp_sums, max_logits, tmp_out, *args, **kv, backend=backend,
                                partition_size=partition)
     else:
         me.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *args, **kv, backend=backend)

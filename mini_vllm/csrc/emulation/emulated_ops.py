@@ -114,10 +114,12 @@ class EmulatedOps:
 
     def paged_attention_gqa(self, out, exp_sums, max_logits, tmp_out, query, key_cache,
                             value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                            max_seq_len, alibi_slopes=None, partition_size=0) -> None:
+                            max_seq_len, alibi_slopes=None, partition_size=0,
+                            kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0) -> None:
         self._attention("paged_attention_gqa", out, query, key_cache, value_cache, num_kv_heads,
                         scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                        (exp_sums, max_logits, tmp_out), partition_size)
+                        (exp_sums, max_logits, tmp_out), partition_size,
+                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
 
     # ---- lab 02-06's probes: steps 1 and 2 of the decode kernels alone ----------------------
 

@@ -814,29 +814,62 @@ def test_reference_fp8_ops_reject_bad_input_before_writing(op, case):
 
 
 @pytest.mark.starter_ok
-def test_the_gqa_kernel_refuses_an_fp8_cache_and_decode_takes_v1_or_v2():
-    """The GQA-aware kernel reads model-dtype caches only: it refuses fp8 before writing, and
-    paged_decode (the engine's choice) decodes an fp8 cache with v1 or v2."""
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("dtype, head_size, block_size, num_heads, partition_size", [
+    pytest.param(torch.float16, 128, 8, (16, 2), 64, id="fp16-d128-b8-group8-p64"),
+    pytest.param(torch.bfloat16, 80, 32, (12, 1), 512, id="bf16-d80-b32-group12-p512"),
+])
+def test_reference_gqa_kernel_on_an_fp8_cache_matches_the_oracle(dtype, head_size, block_size,
+                                                                 num_heads, partition_size):
+    """The GQA-aware kernel reads an fp8 cache as v1 and v2 do (its scalar path): the oracle's
+    result on the same cache and scales, groups larger than one thread block's 8 heads and
+    partitions smaller than v2's included."""
+    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle_v1
     from mini_vllm.csrc import ops
 
-    b = fp8_batch(torch.float16, 64, 16, (8, 2), False)
-    out = torch.full_like(b["query"], 7.0)
-    args = (b["query"], b["key_cache"], b["value_cache"], b["num_kv_heads"], b["scale"],
-            b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"], None, "fp8",
-            K_SCALE, V_SCALE)
-    with pytest.raises(ValueError, match="fp8"):
-        ops.paged_attention_gqa(out, *partition_buffers(b), *args, backend="emulation")
-    assert (out == 7.0).all()
-    # The same shape with a model-dtype cache would take the GQA-aware kernel.
-    assert ops.choose_decode_kernel(600, 4, 8, 2, 64, 16, torch.float16, 48 * 1024) == "gqa"
-    require("emulation")
-    kernel = ops.paged_decode(out, *args[:10], kv_cache_dtype="fp8", k_scale=K_SCALE,
-                              v_scale=V_SCALE, backend="emulation")
-    assert kernel in ("v1", "v2")
-    want = torch.empty_like(out)
-    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle_v1
+    require(KERNEL_BACKEND)
+    b = fp8_batch(dtype, head_size, block_size, num_heads, True)
+    dev = "cuda" if KERNEL_BACKEND == "cuda" else "cpu"
+    on = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+    want = torch.empty_like(b["query"])
+    common = (b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"], b["block_size"],
+              b["max_seq_len"], b["alibi_slopes"], "fp8", K_SCALE, V_SCALE)
+    oracle_v1(want, b["query"], b["key_cache"], b["value_cache"], *common)
+    num_seqs, nh, hs = b["query"].shape
+    parts = ops.gqa_num_partitions(b["max_seq_len"], partition_size)
+    bufs = (torch.empty(num_seqs, nh, parts, device=dev), torch.empty(num_seqs, nh, parts,
+                                                                       device=dev),
+            torch.empty(num_seqs, nh, parts, hs, dtype=dtype, device=dev))
+    out = torch.full_like(on["query"], float("nan"))
+    ops.paged_attention_gqa(out, *bufs, on["query"], on["poisoned_k"], on["poisoned_v"],
+                            *[on[k] for k in ("num_kv_heads", "scale", "block_tables",
+                                              "seq_lens", "block_size", "max_seq_len",
+                                              "alibi_slopes")],
+                            "fp8", K_SCALE, V_SCALE, backend=KERNEL_BACKEND,
+                            partition_size=partition_size)
+    assert_close(out.cpu(), want, msg="GQA-aware kernel on an fp8 cache")
 
-    oracle_v1(want, *args)
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@pytest.mark.emulation
+def test_paged_decode_passes_the_fp8_cache_to_the_kernel_it_chooses():
+    """paged_decode (the engine's decode on a GPU) hands kv_cache_dtype and the scales to the
+    kernel it chooses: here the GQA-aware one."""
+    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle_v1
+    from mini_vllm.csrc import ops
+
+    require("emulation")
+    b = fp8_batch(torch.float16, 64, 16, (8, 2), False)
+    args = (b["query"], b["key_cache"], b["value_cache"], b["num_kv_heads"], b["scale"],
+            b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"], None)
+    out = torch.full_like(b["query"], float("nan"))
+    kernel = ops.paged_decode(out, *args, kv_cache_dtype="fp8", k_scale=K_SCALE,
+                              v_scale=V_SCALE, backend="emulation")
+    assert kernel == "gqa"
+    want = torch.empty_like(out)
+    oracle_v1(want, *args, "fp8", K_SCALE, V_SCALE)
     assert_close(out, want, msg=f"paged_decode ({kernel}) on an fp8 cache")
 
 
