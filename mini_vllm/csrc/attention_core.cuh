@@ -92,7 +92,7 @@ __device__ float qk_logits(const PagedAttentionParams& p, const AttentionWork& w
     const int64_t physical = w.block_table[block];
     // Chunk c of this token's key starts at key_cache[physical, kv_head, c, token_in_block, 0].
     const CacheT* k = key_cache + physical * p.kv_block_stride + w.kv_head * p.kv_head_stride +
-                 token_in_block * X + lane_in_group * VEC;
+                      token_in_block * X + lane_in_group * VEC;
     float dot = 0.f;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {

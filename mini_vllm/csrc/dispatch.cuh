@@ -9,11 +9,11 @@
 //   MINI_VLLM_HEAD_SIZES   default 64, 80, 96, 112, 128, 256
 //   MINI_VLLM_BLOCK_SIZES  default 8, 16, 32
 //   MINI_VLLM_KV_CACHE_DTYPES  KVCacheDType values, default 0, 1 (auto: the model's dtype; fp8)
-// (0 alone means none, except for the cache dtypes, where 0 is kAuto.) The decode kernels are
-// built for an fp8 cache with each model dtype, which doubles their instantiations, as upstream. The CPU emulation builds one combination per executable; defining
-// MINI_VLLM_COMPILE_CHECK keeps every dtype (and both cache dtypes) with head size 128 and block
-// size 16, which is what
-// the compile tests use to stay fast on a small machine.
+// (0 alone means none; for the cache dtypes 0 is kAuto and -1 alone means none.) The decode
+// kernels are built for an fp8 cache with each model dtype, which doubles their instantiations,
+// as upstream's are. The CPU emulation builds one combination per executable; defining
+// MINI_VLLM_COMPILE_CHECK keeps every dtype and both cache dtypes with head size 128 and block
+// size 16, which is what the compile tests use to stay fast on a small machine.
 #pragma once
 
 #include <initializer_list>
