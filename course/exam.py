@@ -16,6 +16,7 @@ Run it with ``python -m course engine --exam``; this module holds the cases and 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
 import time
@@ -39,15 +40,18 @@ TINY = ModelConfig(
     intermediate_size=64,
     max_position_embeddings=1024,
 )
+# The fp8 case's twin of TINY: head size 16, because an fp8 cache packs 16 one-byte elements into
+# each 16-byte vector of its key layout (x = 16), which a head of 8 cannot fill.
+TINY_FP8 = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128)
 EOS = 63  # the exam tokenizer's end-of-sequence id
 SWEEP_SEED = 20261122  # the graded sweep's configurations are fixed by this seed
 GRADED_SWEEP = 8  # configurations of the randomized sweep in a graded exam
 
 
-def tiny_model(seed: int = 1) -> LlamaForCausalLM:
+def tiny_model(seed: int = 1, config: ModelConfig = TINY) -> LlamaForCausalLM:
     """The exam's model: random weights with a large scale, so that logits are well separated."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(TINY)
+    model = LlamaForCausalLM(config)
     init_weights(model, seed=seed, std=0.5)
     return model.eval().requires_grad_(False)
 
@@ -82,13 +86,15 @@ def reference_completion(
     *,
     eos_token_id: int | None,
     max_model_len: int,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
 ) -> Completion:
     """What the engine must produce for one request (``params.n == 1``), with no cache at all.
 
     Same rules as the engine: stop tokens (and EOS unless ``ignore_eos``) are banned until
     ``min_tokens`` outputs exist; a seeded sampled request draws from its own generator seeded
     with ``params.seed``; the stop checks run in the scheduler's order (the length cap first, then
-    EOS, then ``stop_token_ids``).
+    EOS, then ``stop_token_ids``). With ``kv_scales`` (an fp8 cache's per-layer scales), keys and
+    values are rounded through e4m3 as that cache stores them.
     """
     ids = list(prompt)
     out: list[int] = []
@@ -100,7 +106,7 @@ def reference_completion(
     if eos_token_id is not None and not params.ignore_eos:
         stops.append(eos_token_id)
     while True:
-        logits = model.forward_reference(torch.tensor(ids))[-1:]
+        logits = model.forward_reference(torch.tensor(ids), kv_scales)[-1:]
         banned = stops if len(out) < params.min_tokens else []
         meta = SamplingMetadata.from_params(
             [params], generators={0: generator} if generator else {}, banned_token_ids=[banned]
@@ -160,6 +166,7 @@ class Exam:
 
     def __init__(self, reference_stats: dict[str, list[dict]] | None = None) -> None:
         self.model = tiny_model()
+        self._fp8_model: LlamaForCausalLM | None = None
         self._oracle: dict[tuple, Completion] = {}
         self.reference_stats = reference_stats
         self._cpu_free: dict[int, int] = {}
@@ -171,27 +178,42 @@ class Exam:
 
     def export(self) -> dict:
         """The oracle's completions, as JSON (so another process need not recompute them)."""
-        return {"oracle": [[list(k[0]), k[1], k[2], v.token_ids, v.finish_reason]
+        return {"oracle": [[list(k[0]), k[1], k[2], k[3] and [list(s) for s in k[3]],
+                            v.token_ids, v.finish_reason]
                            for k, v in self._oracle.items()]}
 
     def preload(self, data: dict) -> None:
-        for prompt, params, max_model_len, tokens, reason in data.get("oracle", []):
-            self._oracle[(tuple(prompt), params, max_model_len)] = Completion(tokens, reason)
+        for prompt, params, max_model_len, scales, tokens, reason in data.get("oracle", []):
+            key = (tuple(prompt), params, max_model_len,
+                   tuple(tuple(s) for s in scales) if scales else None)
+            self._oracle[key] = Completion(tokens, reason)
 
     def llm(self, **config):
         from mini_vllm.llm import LLM
 
         config.setdefault("max_model_len", TINY.max_position_embeddings)
-        llm = LLM(self.model, tokenizer=IdTokenizer(), **config)
+        llm = LLM(self.model_for(config.get("kv_cache_dtype", "auto") != "auto"),
+                  tokenizer=IdTokenizer(), **config)
         swap = llm.engine.scheduler.swap_space
         self._cpu_free[id(llm)] = swap.get_num_free_blocks() if swap is not None else 0
         return llm
 
-    def expected(self, prompt: Sequence[int], params: SamplingParams, max_model_len: int):
-        key = (tuple(prompt), repr(params), max_model_len)
+    def model_for(self, fp8: bool) -> LlamaForCausalLM:
+        """The exam model, or for an fp8 cache its twin with head size 16 (TINY_FP8)."""
+        if not fp8:
+            return self.model
+        if self._fp8_model is None:
+            self._fp8_model = tiny_model(config=TINY_FP8)
+        return self._fp8_model
+
+    def expected(self, prompt: Sequence[int], params: SamplingParams, max_model_len: int,
+                 kv_scales: tuple[tuple[float, float], ...] | None = None):
+        key = (tuple(prompt), repr(params), max_model_len, kv_scales)
         if key not in self._oracle:
             self._oracle[key] = reference_completion(
-                self.model, prompt, params, eos_token_id=EOS, max_model_len=max_model_len
+                self.model_for(kv_scales is not None), prompt, params, eos_token_id=EOS,
+                max_model_len=max_model_len,
+                kv_scales=kv_scales,
             )
         return self._oracle[key]
 
@@ -203,6 +225,7 @@ class Exam:
         run.outputs = llm.generate(prompts, params_list, use_tqdm=False)
         run.stats = llm.last_stats
         max_model_len = llm.engine.scheduler.max_model_len
+        kv_scales = _fp8_scales(llm)
         for i, (prompt, p, out) in enumerate(zip(prompts, params_list, run.outputs)):
             for j, comp in enumerate(out.outputs):
                 child = p
@@ -210,7 +233,7 @@ class Exam:
                     child = SamplingParams(**{**p.__dict__, "n": 1})
                     if p.seed is not None:
                         child.seed = p.seed + j
-                want = self.expected(prompt, child, max_model_len)
+                want = self.expected(prompt, child, max_model_len, kv_scales)
                 _compare(i if p.n == 1 else f"{i}.{j}", prompt, comp, want)
         held = run.stats.kv_blocks_in_use
         if held:
@@ -238,6 +261,15 @@ class Exam:
                         "right)"
                     )
         return run
+
+
+def _fp8_scales(llm) -> tuple[tuple[float, float], ...] | None:
+    """The per-layer (k_scale, v_scale) of an engine with an fp8 KV cache (None otherwise)."""
+    from mini_vllm.attention.fp8 import is_fp8
+
+    if not is_fp8(llm.config.kv_cache_dtype):
+        return None
+    return tuple(tuple(s) for s in llm.engine.model_runner.kv_scales)
 
 
 def _compare(index, prompt: list[int], got, want: Completion) -> None:
@@ -442,6 +474,25 @@ def case_long_context(exam: Exam) -> None:
     expect(run.stats.num_steps >= 8, "decode steps over the long context")
 
 
+# Per-layer (k_scale, v_scale) of the fp8 case: about what calibration picks for the exam's fp8
+# model on the case's prompts (amax of its keys over 200, of its values over 100, as upstream).
+FP8_KV_SCALES = ((0.07, 0.12), (0.07, 0.13))
+
+
+def case_fp8_kv_cache(exam: Exam) -> None:
+    """An fp8 (e4m3) KV cache with given scales (lab 02-04, task 7): keys and values are quantized
+    as they are written and dequantized as decode and chunked prefill read them, so every token
+    equals the no-cache oracle run on keys and values rounded through e4m3. The 40-token prompt
+    is prefilled in chunks (a budget of 24 tokens), so chunks read earlier chunks' fp8 blocks."""
+    rng = random.Random(13)
+    prompts = _prompts(rng, [23, 9, 40, 17])
+    llm = exam.llm(block_size=8, num_gpu_blocks=64, max_num_batched_tokens=24,
+                   kv_cache_dtype="fp8", kv_scales=list(FP8_KV_SCALES))
+    key_cache = llm.engine.model_runner.kv_caches[0][0]
+    expect(key_cache.dtype == torch.float8_e4m3fn, f"an fp8 cache (got {key_cache.dtype})")
+    exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12))
+
+
 def _block_size_case(block_size: int) -> Callable[[Exam], None]:
     def case(exam: Exam) -> None:
         rng = random.Random(100 + block_size)
@@ -528,6 +579,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("stop-tokens-min-tokens", case_stop_tokens_and_min_tokens),
         Case("several-generate-calls", case_several_generate_calls),
         Case("long-context-v2", case_long_context),
+        Case("fp8-kv-cache", case_fp8_kv_cache),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)

@@ -221,9 +221,21 @@ class LlamaAttention(nn.Module):
         out = backend(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
-    def forward_reference(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """No-cache path: ``x[batch, seq, hidden]``, plain causal attention over the sequence."""
+    def forward_reference(self, positions: torch.Tensor, x: torch.Tensor,
+                          kv_scale: tuple[float, float] | None = None) -> torch.Tensor:
+        """No-cache path: ``x[batch, seq, hidden]``, plain causal attention over the sequence.
+
+        ``kv_scale = (k_scale, v_scale)``: keys and values are first rounded through e4m3 with
+        those scales, as an fp8 KV cache stores them (the engine writes a step's keys and values
+        before it attends, so every position reads the rounded values).
+        """
         q, k, v = self._qkv(positions, x)  # [B, T, H, D]
+        if kv_scale is not None:
+            from mini_vllm.attention.fp8 import scaled_fp8_dequant, scaled_fp8_quant
+
+            k_scale, v_scale = kv_scale
+            k = scaled_fp8_dequant(scaled_fp8_quant(k, k_scale), k_scale, k.dtype)
+            v = scaled_fp8_dequant(scaled_fp8_quant(v, v_scale), v_scale, v.dtype)
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
@@ -250,8 +262,9 @@ class LlamaDecoderLayer(nn.Module):
                                backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_reference(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.forward_reference(positions, self.input_layernorm(x))
+    def forward_reference(self, positions: torch.Tensor, x: torch.Tensor,
+                          kv_scale: tuple[float, float] | None = None) -> torch.Tensor:
+        x = x + self.self_attn.forward_reference(positions, self.input_layernorm(x), kv_scale)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -318,18 +331,26 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden_states)
         return logits if logits.dtype == torch.float64 else logits.float()
 
-    def forward_reference(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_reference(
+        self, input_ids: torch.Tensor,
+        kv_scales: Sequence[tuple[float, float]] | None = None,
+    ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` (or ``[seq, vocab]`` for 1-D input), no cache at all.
 
         Every position attends to all earlier positions of its own row; nothing is reused between
         calls. Slow for generation (quadratic recomputation) and therefore obviously correct.
+        ``kv_scales`` (one ``(k_scale, v_scale)`` per layer): what an engine with an fp8 KV cache
+        and those scales computes, keys and values rounded through e4m3.
         """
+        if kv_scales is not None and len(kv_scales) != len(self.model.layers):
+            raise ValueError(f"kv_scales needs one (k_scale, v_scale) pair per layer "
+                             f"({len(self.model.layers)}), got {len(kv_scales)}")
         squeeze = input_ids.dim() == 1
         ids = input_ids.unsqueeze(0) if squeeze else input_ids
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         x = self.model.embed_tokens(ids)
-        for layer in self.model.layers:
-            x = layer.forward_reference(positions, x)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_reference(positions, x, kv_scales[i] if kv_scales else None)
         logits = self.compute_logits(self.model.norm(x))
         return logits[0] if squeeze else logits
 

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from course.feedback import choose_threads, default_cache_dir, tensor_summary
 from course.hints import check_hints, render_hint
@@ -275,6 +276,22 @@ def test_hint_and_measure_commands():
     out = measure.stdout
     assert "Predict, then measure" in out and "reference" in out and "deque.remove" in out
     assert "not written yet: lab 02-01, task 3" in out  # the untouched starter
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the machine without a GPU")
+def test_measuring_the_cuda_lab_without_a_gpu_asks_the_questions_and_says_why_it_stops():
+    measure = subprocess.run(
+        [sys.executable, "-m", "course", "measure", "02-06", "--quick"],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1",
+                 LAB_IMPL="starter"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert measure.returncode == 2
+    assert "Predict, then measure" in measure.stdout and "Colab" in measure.stdout
+    assert "needs a CUDA GPU" in measure.stderr and "Traceback" not in measure.stderr
 
 
 def test_measure_with_several_metrics_gets_a_table_and_a_panel_each(tmp_path):

@@ -43,9 +43,10 @@ def greedy(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def fake_quant_reference(model, prompts, scales):
+def fake_quant_reference(model, prompts, scales, run=None):
     """Greedy continuations by full recomputation (no cache) with every layer's keys and values
-    rounded through e4m3 with its scales, written here: what an fp8 cache must give."""
+    rounded through e4m3 with its scales, written here: what an fp8 cache must give. ``run``
+    (a function of the model) replaces the greedy continuations."""
     def quantized(attn, k_scale, v_scale):
         real = attn._qkv
 
@@ -62,6 +63,8 @@ def fake_quant_reference(model, prompts, scales):
     try:
         for layer, (ks, vs) in zip(layers, scales):
             layer.self_attn._qkv = quantized(layer.self_attn, ks, vs)
+        if run is not None:
+            return run(model)
         return [greedy_reference(model, p, MAX_TOKENS) for p in prompts]
     finally:
         for layer in layers:
@@ -79,6 +82,17 @@ def test_fp8_engine_equals_the_reference_on_quantized_kv(model):
     assert runner.kv_caches[0][0].shape[-1] == 16  # x = 16 for one-byte elements
     assert greedy(llm, prompts) == fake_quant_reference(model, prompts, SCALES)
     assert "KV cache dtype: fp8 (float8_e4m3fn" in llm.last_stats.summary()
+
+
+def test_the_no_cache_reference_with_kv_scales_is_the_fake_quantized_model(model):
+    """forward_reference(ids, kv_scales), the engine exam's fp8 oracle, equals the model whose
+    keys and values this file rounds through e4m3 itself; wrong scale counts are refused."""
+    ids = torch.tensor(make_prompts()[0])
+    want = fake_quant_reference(model, [], SCALES, run=lambda m: m.forward_reference(ids))
+    assert torch.equal(model.forward_reference(ids, SCALES), want)
+    assert not torch.equal(model.forward_reference(ids), want)
+    with pytest.raises(ValueError, match="one \\(k_scale, v_scale\\) pair per layer"):
+        model.forward_reference(ids, SCALES[:1])
 
 
 def test_fp8_engine_with_calibrated_scales_starts_like_the_unquantized_one(model):

@@ -337,6 +337,37 @@ def test_the_emulation_backend_rejects_tensors_off_the_cpu(version):
 
 
 @pytest.mark.starter_ok
+def test_the_probes_reject_bad_input_before_anything_is_written():
+    """The task 1 and 2 probes check their inputs as the kernels' ops do (given code). CPU
+    tensors and the emulation backend: each call fails its checks before anything is built."""
+    emu = "emulation"
+    a = cpu_batch()
+    common = [a[k] for k in ("query", "key_cache", "value_cache", "num_kv_heads", "scale",
+                             "block_tables", "seq_lens", "block_size", "max_seq_len")]
+    logits, range_max = torch.zeros(2, 4, 32), torch.zeros(2, 4, 1)
+    with pytest.raises(ValueError, match="logits must be"):
+        lab.qk_logits_probe(torch.zeros(2, 4, 16), range_max, *common, backend=emu)
+    with pytest.raises(ValueError, match="range_max must be"):
+        lab.qk_logits_probe(logits, torch.zeros(2, 4, 2), *common, backend=emu)
+    with pytest.raises(ValueError, match="range_tokens"):
+        lab.qk_logits_probe(logits, range_max, *common, range_tokens=24, backend=emu)
+    with pytest.raises(ValueError, match="head_size"):  # the kernels' own checks come first
+        lab.qk_logits_probe(logits, range_max, torch.randn(2, 4, 72).half(), *common[1:],
+                            backend=emu)
+    assert not logits.any() and not range_max.any(), "a rejected probe must not write"
+    rows, stats = torch.ones(3, 40), torch.zeros(3, 128, 2)
+    for lengths, phrase in ((torch.tensor([1, 0, 5], dtype=torch.int32), "every length"),
+                            (torch.tensor([1, 41, 5], dtype=torch.int32), "every length"),
+                            (torch.tensor([1, 2, 5]), "lengths must be")):
+        with pytest.raises(ValueError, match=phrase):
+            lab.softmax_probe(rows, lengths, stats, backend=emu)
+    with pytest.raises(ValueError, match="stats must be"):
+        lab.softmax_probe(rows, torch.ones(3, dtype=torch.int32), torch.zeros(3, 64, 2),
+                          backend=emu)
+    assert torch.equal(rows, torch.ones(3, 40)) and not stats.any()
+
+
+@pytest.mark.starter_ok
 def test_v2_rejects_partition_buffers_too_small_for_max_seq_len():
     a = cpu_batch(max_seq_len=600)  # needs 2 partitions of 512
     small = (torch.zeros(2, 4, 1), torch.zeros(2, 4, 1), torch.zeros(2, 4, 1, 64).half())
