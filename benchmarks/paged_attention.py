@@ -15,7 +15,14 @@ Bandwidth counts the bytes a decode step must read at least once (each KV head's
 every context token, the queries) plus the output; ``pct_of_copy_bandwidth`` compares it with
 the device-to-device copy bandwidth measured at the start (read + write bytes of a large copy).
 
+FP8 cache rows (``--kv-cache-dtype fp8``, or ``both`` for each shape twice): the caches hold
+e4m3 bytes with one scale per cache (x = 16), the mini_vllm kernels read them directly, and
+the bytes counted are one per K/V element, half of fp16's. The PyTorch baselines have no fp8
+read: the gathered-SDPA baseline dequantizes what it gathers (timed), FlexAttention reads a
+dequantized copy made before timing, so their rows measure a model-dtype read.
+
     python benchmarks/paged_attention.py                      # upstream's default shape
+    python benchmarks/paged_attention.py --kv-cache-dtype both   # fp16 and fp8 cache rows
     python benchmarks/paged_attention.py --sweep --json out.json
 
 Without a CUDA GPU it exits with status 2 and says so.
@@ -53,6 +60,7 @@ class Shape:
     head_size: int = 128
     block_size: int = 16
     dtype: str = "fp16"
+    kv_cache_dtype: str = "auto"  # "fp8": an e4m3 cache read with k_scale / v_scale
 
 
 def sweep_shapes(base: Shape) -> list[Shape]:
@@ -78,16 +86,29 @@ class Batch:
         dtype = DTYPES[s.dtype]
         gen = torch.Generator(device=device).manual_seed(seed)
         elem = torch.empty((), dtype=dtype).element_size()
-        x = 16 // elem
+        self.fp8 = s.kv_cache_dtype == "fp8"
+        kv_elem = 1 if self.fp8 else elem
+        x = 16 // kv_elem
         blocks_per_seq = -(-s.context_len // s.block_size)
         needed = s.num_seqs * blocks_per_seq
-        block_bytes = 2 * s.num_kv_heads * s.head_size * s.block_size * elem  # K and V
+        block_bytes = 2 * s.num_kv_heads * s.head_size * s.block_size * kv_elem  # K and V
         pool = max(needed, -(-4 * l2_bytes // block_bytes))
         self.num_blocks = pool
-        self.key_cache = torch.randn(pool, s.num_kv_heads, s.head_size // x, s.block_size, x,
-                                     generator=gen, device=device).to(dtype)
-        self.value_cache = torch.randn(pool, s.num_kv_heads, s.head_size, s.block_size,
-                                       generator=gen, device=device).to(dtype)
+        keys = torch.randn(pool, s.num_kv_heads, s.head_size // x, s.block_size, x,
+                           generator=gen, device=device)
+        values = torch.randn(pool, s.num_kv_heads, s.head_size, s.block_size, generator=gen,
+                             device=device)
+        if self.fp8:
+            # One scale per cache from its largest magnitude, as a calibration pass would.
+            self.k_scale = float(keys.abs().amax()) / 448.0
+            self.v_scale = float(values.abs().amax()) / 448.0
+            self.key_cache = (keys / self.k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            self.value_cache = (values / self.v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            self.kv_args: tuple = ("fp8", self.k_scale, self.v_scale)
+        else:
+            self.key_cache, self.value_cache = keys.to(dtype), values.to(dtype)
+            self.kv_args = ()
+        del keys, values
         perm = torch.randperm(pool, generator=gen, device=device)[:needed]
         self.block_tables = perm.view(s.num_seqs, blocks_per_seq).to(torch.int32)
         self.seq_lens = torch.full((s.num_seqs,), s.context_len, dtype=torch.int32, device=device)
@@ -101,21 +122,32 @@ class Batch:
         self.tmp_out = torch.empty(s.num_seqs, s.num_heads, parts, s.head_size, dtype=dtype,
                                    device=device)
         self.elem = elem
+        self.kv_elem = kv_elem
 
     def useful_bytes(self) -> int:
         """Bytes a decode step must move at least once: K and V of every context token of
-        every KV head, the queries, the output."""
+        every KV head (one byte per element for an fp8 cache), the queries, the output."""
         s = self.shape
-        kv = 2 * s.num_seqs * s.context_len * s.num_kv_heads * s.head_size * self.elem
+        kv = 2 * s.num_seqs * s.context_len * s.num_kv_heads * s.head_size * self.kv_elem
         return kv + 2 * self.query.numel() * self.elem
 
     def v1_args(self) -> tuple:
+        """v1's arguments; an fp8 cache adds ("fp8", k_scale, v_scale)."""
         return (self.out, self.query, self.key_cache, self.value_cache, self.shape.num_kv_heads,
                 self.scale, self.block_tables, self.seq_lens, self.shape.block_size,
-                self.shape.context_len, None)
+                self.shape.context_len, None, *self.kv_args)
 
     def v2_args(self) -> tuple:
         return (self.out, self.exp_sums, self.max_logits, self.tmp_out, *self.v1_args()[1:])
+
+    def gqa_args(self) -> tuple:
+        """The GQA-aware kernel's: v2's, then partition_size (0: 512 tokens), then the cache's."""
+        v2 = self.v2_args()
+        return (*v2[: len(v2) - len(self.kv_args)], 0, *self.kv_args)
+
+    def dequantized(self, t: torch.Tensor, scale: float) -> torch.Tensor:
+        """A cache tensor in the model's dtype (an fp8 one times its scale)."""
+        return (t.float() * scale).to(self.query.dtype) if self.fp8 else t
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,7 +165,7 @@ def mini_vllm_kernels() -> dict[str, KernelFactory]:
     return {
         "mini_vllm_v1": lambda b: (lambda: ops.paged_attention_v1(*b.v1_args())),
         "mini_vllm_v2": lambda b: (lambda: ops.paged_attention_v2(*b.v2_args())),
-        "mini_vllm_gqa": lambda b: (lambda: ops.paged_attention_gqa(*b.v2_args())),
+        "mini_vllm_gqa": lambda b: (lambda: ops.paged_attention_gqa(*b.gqa_args())),
     }
 
 
@@ -147,6 +179,8 @@ def gathered_kv(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     # [seqs, blk, kvh, D, B] -> [seqs, kvh, blk, B, D]
     v = b.value_cache[b.block_tables.long()].permute(0, 2, 1, 4, 3)
     v = v.reshape(n, s.num_kv_heads, -1, s.head_size)[:, :, : s.context_len]
+    if b.fp8:
+        return b.dequantized(k, b.k_scale), b.dequantized(v, b.v_scale)
     return k, v
 
 
@@ -173,6 +207,8 @@ def flex_paged(b: Batch) -> Callable[[], None]:
     k = b.key_cache.permute(1, 0, 3, 2, 4).reshape(1, s.num_kv_heads, pool_tokens, s.head_size)
     v = b.value_cache.permute(1, 0, 3, 2).reshape(1, s.num_kv_heads, pool_tokens, s.head_size)
     k, v = k.contiguous(), v.contiguous()
+    if b.fp8:  # FlexAttention has no fp8 read: it gets a dequantized copy
+        k, v = b.dequantized(k, b.k_scale), b.dequantized(v, b.v_scale)
     owner = torch.full((b.num_blocks,), -1, dtype=torch.int32, device=k.device)
     logical = torch.zeros(b.num_blocks, dtype=torch.int32, device=k.device)
     blocks_per_seq = b.block_tables.shape[1]
@@ -286,7 +322,7 @@ def bench(shapes: list[Shape], kernels: dict[str, KernelFactory], warmup: int, r
           f"copy bandwidth {copy_gbps:.0f} GB/s")
     records = []
     header = (f"{'kernel':22} {'seqs':>5} {'ctx':>6} {'q/kv':>7} {'d':>4} {'blk':>4} {'dtype':>5}"
-              f" {'us':>9} {'GB/s':>7} {'%copy':>6}  status")
+              f" {'kv':>4} {'us':>9} {'GB/s':>7} {'%copy':>6}  status")
     print(header)
     print("-" * len(header))
     for shape in shapes:
@@ -320,7 +356,8 @@ def bench(shapes: list[Shape], kernels: dict[str, KernelFactory], warmup: int, r
                     if rec["pct_of_copy_bandwidth"] is not None else f"{'-':>6}")
             print(f"{name:22} {shape.num_seqs:5} {shape.context_len:6} "
                   f"{f'{shape.num_heads}/{shape.num_kv_heads}':>7} {shape.head_size:4} "
-                  f"{shape.block_size:4} {shape.dtype:>5} {us_s} {gb_s} {pc_s}  {rec['status']}")
+                  f"{shape.block_size:4} {shape.dtype:>5} {shape.kv_cache_dtype:>4} {us_s} {gb_s} "
+                  f"{pc_s}  {rec['status']}")
         del b, expected
         torch.cuda.empty_cache()
     return {**env, "copy_bandwidth_gbps": round(copy_gbps, 1), "warmup": warmup, "reps": reps,
@@ -340,6 +377,8 @@ def main(argv: list[str] | None = None,
     p.add_argument("--head-size", type=int, default=Shape.head_size)
     p.add_argument("--block-size", type=int, default=Shape.block_size)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=Shape.dtype)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "both"], default="auto",
+                   help="the cache: the model's dtype, fp8 (e4m3), or both rows for each shape")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
@@ -351,6 +390,8 @@ def main(argv: list[str] | None = None,
     base = Shape(args.batch_size, args.context_len, args.num_heads, args.num_kv_heads,
                  args.head_size, args.block_size, args.dtype)
     shapes = sweep_shapes(base) if args.sweep else [base]
+    kv_dtypes = ["auto", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
+    shapes = [Shape(**{**asdict(sh), "kv_cache_dtype": kv}) for sh in shapes for kv in kv_dtypes]
     kernels: dict[str, KernelFactory] = {}
     if extra_kernels is not None:
         kernels.update(extra_kernels())

@@ -18,6 +18,7 @@ kernels): the lab's tests of that code are `starter_ok`, not graded, and count f
 from course.bugs import PlantedBug
 
 CORE = "mini_vllm/csrc/attention_core.cuh"
+COMMON = "mini_vllm/csrc/common.cuh"
 GQA = "mini_vllm/csrc/paged_attention_gqa.cu"
 
 BUGS = [
@@ -128,14 +129,14 @@ BUGS = [
         find="    const int64_t physical = w.block_table[block];\n"
         "    // Chunk c of this token's key starts at key_cache[physical, kv_head, c, "
         "token_in_block, 0].\n"
-        "    const T* k = key_cache + physical * p.kv_block_stride + w.kv_head * "
+        "    const CacheT* k = key_cache + physical * p.kv_block_stride + w.kv_head * "
         "p.kv_head_stride +\n"
-        "                 token_in_block * X + lane_in_group * VEC;",
+        "                      token_in_block * X + lane_in_group * VEC;",
         replace="    const int physical = w.block_table[block];\n"
         "    const int offset = physical * static_cast<int>(p.kv_block_stride) +\n"
         "                       w.kv_head * static_cast<int>(p.kv_head_stride) +\n"
         "                       token_in_block * X + lane_in_group * VEC;\n"
-        "    const T* k = key_cache + offset;",
+        "    const CacheT* k = key_cache + offset;",
         requires="asan",
     ),
     PlantedBug(
@@ -155,5 +156,26 @@ BUGS = [
         find="out[d] = from_float<T>(acc * inv_total);",
         replace="(void)acc;",
         requires="nvcc",
+    ),
+    # The FP8 cache (issue 19): reference-only code (the lab's starter.cu reads model-dtype caches
+    # only), rejected by the lab's starter_ok tests of the fp8 path.
+    PlantedBug(
+        name="fp8-scale-applied-on-write-not-on-read",
+        description="reshape_and_cache stores x / scale, but the decode kernels read the fp8 "
+        "bytes without multiplying them back by the scale",
+        file=COMMON,
+        find="    for (int i = 0; i < N; ++i) out[i] *= scale;",
+        replace="    for (int i = 0; i < N; ++i) out[i] *= 1.f;",
+        requires="oracle",
+        given=True,
+    ),
+    PlantedBug(
+        name="fp8-value-scale-used-for-keys",
+        description="the keys of an fp8 cache are dequantized with v_scale instead of k_scale",
+        file=CORE,
+        find="load_cache_as_float<CacheT, VEC>(k + c * BLOCK_SIZE * X, p.k_scale, kv);",
+        replace="load_cache_as_float<CacheT, VEC>(k + c * BLOCK_SIZE * X, p.v_scale, kv);",
+        requires="oracle",
+        given=True,
     ),
 ]

@@ -105,7 +105,8 @@ def sources_at(commit: str, dest: Path) -> Path:
 
 def compile_cubin(csrc: Path, arch: str, out: Path) -> str:
     cmd = [tool("nvcc"), "-std=c++17", f"-arch={arch}", "-cubin", "-lineinfo", "-Xptxas", "-v",
-           "-DMINI_VLLM_DTYPES=1", f"-DMINI_VLLM_HEAD_SIZES={HEAD_SIZE}",
+           "-DMINI_VLLM_DTYPES=1", "-DMINI_VLLM_KV_CACHE_DTYPES=0",  # the fp16 cache only
+           f"-DMINI_VLLM_HEAD_SIZES={HEAD_SIZE}",
            f"-DMINI_VLLM_BLOCK_SIZES={BLOCK_SIZE}", f"-I{csrc}",
            str(csrc / "paged_attention_gqa.cu"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

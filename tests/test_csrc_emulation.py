@@ -127,6 +127,39 @@ def test_half_and_bfloat16_conversions_are_bit_exact():
     assert h.view(torch.float16).isnan().all()
 
 
+def test_fp8_e4m3_conversions_match_torch():
+    """Every e4m3 bit pattern decodes as torch.float8_e4m3fn does, and floats encode as torch's
+    cast after the clamp to +-448 that the FP8 cache applies (the toolkit's __NV_SATFINITE):
+    round to nearest even at every tie between neighbours, subnormals, the 448 edge, values
+    far out of range, infinities; NaN stays NaN."""
+    torch.manual_seed(2)
+    all_bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    grid = all_bits.view(torch.float8_e4m3fn).float()
+    finite = grid[grid.isfinite()].unique()  # sorted, +-0 merged
+    mids = (finite[1:] + finite[:-1]) / 2  # exact ties (one bit past e4m3's mantissa)
+    near = torch.cat([mids, mids.nextafter(torch.tensor(float("inf"))),
+                      mids.nextafter(torch.tensor(-float("inf")))])
+    specials = torch.tensor([0.0, -0.0, 448.0, -448.0, 449.0, 463.9, 464.0, 479.0, 480.0, 500.0,
+                             1e4, 3e38, -3e38, float("inf"), -float("inf"), 2.0**-9, 2.0**-10,
+                             3 * 2.0**-11, 2.0**-6, 1e-30, -1e-30, 1e-45])
+    x = torch.cat([finite, near, specials, torch.randn(4000) * 50, torch.randn(2000) * 0.01,
+                   torch.randn(1000) * 1000])
+    fp8_bits = torch.zeros(len(x), dtype=torch.uint8)
+    from_fp8 = torch.zeros(256)
+    run("convert_fp8", **{"in": x, "fp8_bits_out": fp8_bits, "from_fp8_out": from_fp8,
+                          "n": len(x)})
+    assert torch.equal(from_fp8.isnan(), grid.isnan())
+    assert torch.equal(from_fp8.nan_to_num(), grid.nan_to_num())
+    assert torch.equal(from_fp8.signbit(), grid.signbit())  # -0.0 included
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (fp8_bits != want).nonzero().flatten()[:8].tolist()
+    assert not bad, [(x[i].item(), fp8_bits[i].item(), want[i].item()) for i in bad]
+    nan_in = torch.tensor([float("nan"), -float("nan")])
+    out = torch.zeros(2, dtype=torch.uint8)
+    run("convert_fp8", **{"in": nan_in, "fp8_bits_out": out, "from_fp8_out": from_fp8, "n": 2})
+    assert out.view(torch.float8_e4m3fn).float().isnan().all()
+
+
 @pytest.mark.parametrize("device, optin, fits", [("default", 48 * 1024, False),
                                                  ("t4", 64 * 1024, True),
                                                  ("a100", 163 * 1024, True),

@@ -18,6 +18,13 @@
 // The three steps are separate functions (qk_logits, softmax_in_place, accumulate_values); the
 // lab 02-06 starter.cu has the same skeleton with their bodies left to write.
 //
+// The cache's element type CacheT is the model's T, or __nv_fp8_e4m3 for an FP8 cache: then x is
+// 16 elements per chunk, and every loaded key (value) element is widened to fp32 and multiplied
+// by p.k_scale (p.v_scale) before any arithmetic, as upstream's scaled_convert does. CacheT is
+// the last template argument (defaulting to T) so that the probes and the lab's starter.cu,
+// which know only the model dtype, call the same steps unchanged.
+// upstream: csrc/attention/attention_kernels.cuh:82 @ v0.11.0 (KV_DTYPE)
+//
 // upstream: csrc/attention/attention_kernels.cuh:85 @ v0.11.0
 #pragma once
 
@@ -61,11 +68,11 @@ __host__ __device__ constexpr int attention_static_smem_bytes() {
 
 // Step 1: logits[t - start_token] = q . k_t (+ ALiBi) for every token slot t of the range; slots
 // past the end of the sequence get 0. Returns the max over this thread's valid logits.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename CacheT = T>
 __device__ float qk_logits(const PagedAttentionParams& p, const AttentionWork& w,
                            const float* q_smem, float* logits) {
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
-  constexpr int X = 16 / static_cast<int>(sizeof(T));          // elements per 16-byte chunk
+  constexpr int X = 16 / static_cast<int>(sizeof(CacheT));     // elements per 16-byte chunk
   constexpr int GROUP = const_max(kWarpSize / BLOCK_SIZE, 1);  // lanes per token
   constexpr int VEC = X / GROUP;                               // elements per lane per chunk
   constexpr int CHUNKS = HEAD_SIZE / X;                        // chunks per key
@@ -78,19 +85,21 @@ __device__ float qk_logits(const PagedAttentionParams& p, const AttentionWork& w
   const int lane = threadIdx.x % kWarpSize;
   const int token_in_block = lane / GROUP;  // the token this lane's group handles
   const int lane_in_group = lane % GROUP;
-  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const CacheT* key_cache = static_cast<const CacheT*>(p.key_cache);
 
   float my_max = -FLT_MAX;
   for (int block = w.first_block + warp; block < w.end_block; block += NUM_WARPS) {
     const int64_t physical = w.block_table[block];
     // Chunk c of this token's key starts at key_cache[physical, kv_head, c, token_in_block, 0].
-    const T* k = key_cache + physical * p.kv_block_stride + w.kv_head * p.kv_head_stride +
-                 token_in_block * X + lane_in_group * VEC;
+    const CacheT* k = key_cache + physical * p.kv_block_stride + w.kv_head * p.kv_head_stride +
+                      token_in_block * X + lane_in_group * VEC;
     float dot = 0.f;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       float kv[VEC];
-      load_as_float<T, VEC>(k + c * BLOCK_SIZE * X, kv);
+      // An fp8 key is dequantized element by element, before the dot product.
+      // upstream: csrc/attention/attention_kernels.cuh:282 @ v0.11.0
+      load_cache_as_float<CacheT, VEC>(k + c * BLOCK_SIZE * X, p.k_scale, kv);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) dot += q_smem[c * X + lane_in_group * VEC + e] * kv[e];
     }
@@ -129,11 +138,11 @@ __device__ SoftmaxStats softmax_in_place(float* logits, int num_tokens, float my
 
 // Step 3: out[d] = inv_sum * sum_t probs[t - start_token] * v_t[d] over the range's tokens.
 // `probs` (the step-2 numerators) is reused as scratch once every warp is done reading it.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename CacheT = T>
 __device__ void accumulate_values(const PagedAttentionParams& p, const AttentionWork& w,
                                   float* probs, float inv_sum, T* __restrict__ out) {
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
-  constexpr int X = 16 / static_cast<int>(sizeof(T));
+  constexpr int X = 16 / static_cast<int>(sizeof(CacheT));
   constexpr int V_VEC = const_min(X, BLOCK_SIZE);           // tokens per 16-byte value load
   constexpr int LANES_PER_ROW = BLOCK_SIZE / V_VEC;         // lanes covering one row of a block
   constexpr int ROWS_PER_PASS = kWarpSize / LANES_PER_ROW;  // rows a warp covers per load
@@ -143,7 +152,7 @@ __device__ void accumulate_values(const PagedAttentionParams& p, const Attention
   const int lane = threadIdx.x % kWarpSize;
   const int v_token = (lane % LANES_PER_ROW) * V_VEC;  // first token of this lane's slice
   const int v_row = lane / LANES_PER_ROW;
-  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const CacheT* value_cache = static_cast<const CacheT*>(p.value_cache);
 
   float acc[PASSES];
 #pragma unroll
@@ -151,7 +160,7 @@ __device__ void accumulate_values(const PagedAttentionParams& p, const Attention
 
   for (int block = w.first_block + warp; block < w.end_block; block += NUM_WARPS) {
     const int64_t physical = w.block_table[block];
-    const T* v = value_cache + physical * p.kv_block_stride + w.kv_head * p.kv_head_stride;
+    const CacheT* v = value_cache + physical * p.kv_block_stride + w.kv_head * p.kv_head_stride;
     const int token0 = block * BLOCK_SIZE + v_token;
     bool valid[V_VEC];
     float prob[V_VEC];
@@ -165,7 +174,8 @@ __device__ void accumulate_values(const PagedAttentionParams& p, const Attention
       const int row = v_row + r * ROWS_PER_PASS;
       if (row < HEAD_SIZE) {  // the last pass overhangs when HEAD_SIZE is not a multiple
         float vals[V_VEC];
-        load_as_float<T, V_VEC>(v + row * BLOCK_SIZE + v_token, vals);
+        // upstream: csrc/attention/attention_kernels.cuh:412 @ v0.11.0 (the values' scaled_convert)
+        load_cache_as_float<CacheT, V_VEC>(v + row * BLOCK_SIZE + v_token, p.v_scale, vals);
 #pragma unroll
         for (int e = 0; e < V_VEC; ++e) {
           // Select rather than multiply by 0: a slot past the end may hold NaN (NaN * 0 = NaN).
@@ -231,7 +241,7 @@ __device__ void stage_query(const PagedAttentionParams& p, int seq, int head, fl
 // of its block table. Writes the normalised output row (HEAD_SIZE elements) to `out` and, when
 // `max_logit_out` is not null, the range's max logit and sum of exp(logit - max) (for v2).
 // Every thread of the block must call it (it synchronises).
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename CacheT = T>
 __device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, int seq_len,
                               int first_block, int end_block, T* __restrict__ out,
                               float* max_logit_out, float* exp_sum_out) {
@@ -246,12 +256,13 @@ __device__ void attend_blocks(const PagedAttentionParams& p, int seq, int head, 
       make_work<BLOCK_SIZE>(p, seq, head, seq_len, first_block, end_block);
   stage_query<T, HEAD_SIZE, NUM_THREADS>(p, seq, head, q_smem);
 
-  const float my_max = qk_logits<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, q_smem, logits);
+  const float my_max =
+      qk_logits<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, CacheT>(p, w, q_smem, logits);
   const SoftmaxStats stats =
       softmax_in_place<NUM_THREADS>(logits, w.num_tokens, my_max, red_max, red_sum);
   // Normalising the output row once is the same as normalising every probability.
   const float inv_sum = stats.exp_sum > 0.f ? 1.f / stats.exp_sum : 0.f;
-  accumulate_values<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, logits, inv_sum, out);
+  accumulate_values<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, CacheT>(p, w, logits, inv_sum, out);
   if (threadIdx.x == 0 && max_logit_out != nullptr) {
     *max_logit_out = stats.max_logit;
     *exp_sum_out = stats.exp_sum;

@@ -91,6 +91,9 @@ Status launch_qk_logits_probe_for(const PagedAttentionParams& p, const QkLogitsP
 
 inline Status run_qk_logits_probe(const PagedAttentionParams& p, const QkLogitsProbe& probe,
                                   cudaStream_t stream) {
+  const Status cache = refuse_fp8_cache(
+      p.kv_cache_dtype, "the step-1 probe reads a cache in the model's dtype only (no fp8)");
+  if (cache.code != StatusCode::kOk) return cache;
   if (p.num_seqs == 0) return ok();
   return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
     return launch_qk_logits_probe_for<typename decltype(t)::type, decltype(h)::value,

@@ -7,7 +7,9 @@
 // MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_v1/v2 and the probes of their
 // steps 1 and 2, which is what the lab 02-06 starter build (bindings + starter.cu) provides.
 #include <algorithm>
+#include <cmath>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <c10/cuda/CUDAGuard.h>
@@ -19,6 +21,7 @@
 namespace {
 
 using mini_vllm::DType;
+using mini_vllm::KVCacheDType;
 using mini_vllm::PagedAttentionParams;
 using mini_vllm::Status;
 using mini_vllm::StatusCode;
@@ -49,6 +52,30 @@ DType dtype_of(const torch::Tensor& t) {
   return DType::kFloat32;  // not reached: TORCH_CHECK_TYPE throws
 }
 
+// The cache dtype by upstream's names ("auto", "fp8", "fp8_e4m3"; e5m2 is left out) and its
+// scales, which must be finite and > 0: the cache stores x / scale.
+struct CacheDType {
+  KVCacheDType kind;
+  float k_scale;
+  float v_scale;
+};
+
+CacheDType cache_dtype_of(const std::string& kv_cache_dtype, double k_scale, double v_scale) {
+  TORCH_CHECK_VALUE(kv_cache_dtype == "auto" || kv_cache_dtype == "fp8" ||
+                        kv_cache_dtype == "fp8_e4m3",
+                    "kv_cache_dtype must be auto, fp8 or fp8_e4m3, got ", kv_cache_dtype);
+  TORCH_CHECK_VALUE(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) &&
+                        v_scale > 0,
+                    "k_scale and v_scale must be finite and > 0, got ", k_scale, " and ", v_scale);
+  const KVCacheDType kind = kv_cache_dtype == "auto" ? KVCacheDType::kAuto : KVCacheDType::kFp8E4M3;
+  return {kind, static_cast<float>(k_scale), static_cast<float>(v_scale)};
+}
+
+// The element type a cache must have: the model's, or e4m3 for an fp8 cache.
+c10::ScalarType cache_scalar_type(const CacheDType& kv, const torch::Tensor& model) {
+  return kv.kind == KVCacheDType::kAuto ? model.scalar_type() : c10::ScalarType::Float8_e4m3fn;
+}
+
 void check_on(const torch::Tensor& t, const torch::Tensor& ref, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref.device(),
               ", got ", t.device());
@@ -66,8 +93,10 @@ PagedAttentionParams attention_params(torch::Tensor& out, const torch::Tensor& q
                                       double scale, const torch::Tensor& block_tables,
                                       const torch::Tensor& seq_lens, int64_t block_size,
                                       int64_t max_seq_len,
-                                      const std::optional<torch::Tensor>& alibi_slopes) {
+                                      const std::optional<torch::Tensor>& alibi_slopes,
+                                      const CacheDType& kv) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor");
+  const c10::ScalarType cache_type = cache_scalar_type(kv, query);
   const NamedTensor others[] = {{&out, "out"},
                                 {&key_cache, "key_cache"},
                                 {&value_cache, "value_cache"},
@@ -80,8 +109,7 @@ PagedAttentionParams attention_params(torch::Tensor& out, const torch::Tensor& q
                   out.is_contiguous(), "out must be a contiguous tensor like query");
   TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() &&
-                  key_cache.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == query.scalar_type() &&
+                  key_cache.scalar_type() == cache_type && value_cache.scalar_type() == cache_type &&
                   key_cache.size(3) == block_size && value_cache.size(3) == block_size &&
                   key_cache.size(2) * key_cache.size(4) == query.size(2) &&
                   key_cache.size(4) * key_cache.element_size() == 16 &&
@@ -118,6 +146,9 @@ PagedAttentionParams attention_params(torch::Tensor& out, const torch::Tensor& q
   p.block_tables = block_tables.data_ptr<int>();
   p.seq_lens = seq_lens.data_ptr<int>();
   p.dtype = dtype_of(query);
+  p.kv_cache_dtype = kv.kind;
+  p.k_scale = kv.k_scale;
+  p.v_scale = kv.v_scale;
   p.num_seqs = static_cast<int>(query.size(0));
   p.num_heads = static_cast<int>(query.size(1));
   p.num_kv_heads = static_cast<int>(num_kv_heads);
@@ -159,17 +190,18 @@ void paged_attention_v1(torch::Tensor& out, const torch::Tensor& query,
                         const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                         int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
                         const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                        const std::optional<torch::Tensor>& alibi_slopes) {
-  const PagedAttentionParams p =
-      attention_params(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
-                       seq_lens, block_size, max_seq_len, alibi_slopes);
+                        const std::optional<torch::Tensor>& alibi_slopes,
+                        const std::string& kv_cache_dtype, double k_scale, double v_scale) {
+  const PagedAttentionParams p = attention_params(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+      max_seq_len, alibi_slopes, cache_dtype_of(kv_cache_dtype, k_scale, v_scale));
   const c10::cuda::CUDAGuard guard(query.device());
   raise_if_error(mini_vllm::launch_paged_attention_v1(p, c10::cuda::getCurrentCUDAStream()),
                  "paged_attention_v1");
 }
 
 // v2 and the GQA-aware kernel share their signature (the GQA kernel adds `partition_size`, 0 for
-// 512 tokens); `launch` picks the kernel.
+// 512 tokens; v2 the cache dtype and scales); `launch` picks the kernel.
 template <Status (*launch)(const PagedAttentionParams&, cudaStream_t)>
 void partitioned_attention(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& max_logits,
                            torch::Tensor& tmp_out, const torch::Tensor& query,
@@ -177,10 +209,10 @@ void partitioned_attention(torch::Tensor& out, torch::Tensor& exp_sums, torch::T
                            int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
                            const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
                            const std::optional<torch::Tensor>& alibi_slopes,
-                           int64_t partition_size = 0) {
+                           int64_t partition_size, const CacheDType& kv) {
   PagedAttentionParams p =
       attention_params(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
-                       seq_lens, block_size, max_seq_len, alibi_slopes);
+                       seq_lens, block_size, max_seq_len, alibi_slopes, kv);
   add_partition_buffers(p, query, exp_sums, max_logits, tmp_out);
   TORCH_CHECK(partition_size >= 0 && partition_size <= mini_vllm::kPartitionSize,
               "partition_size must be 0 (512) or a power of two from 64 to 512");
@@ -194,18 +226,38 @@ void partitioned_v2(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& 
                     const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
                     const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                    const std::optional<torch::Tensor>& alibi_slopes) {
+                    const std::optional<torch::Tensor>& alibi_slopes,
+                    const std::string& kv_cache_dtype, double k_scale, double v_scale) {
   partitioned_attention<mini_vllm::launch_paged_attention_v2>(
       out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
-      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, 0);
+      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, 0,
+      cache_dtype_of(kv_cache_dtype, k_scale, v_scale));
 }
 
 #ifndef MINI_VLLM_ATTENTION_ONLY
 
+// The GQA-aware kernel: v2's arguments, then partition_size, then the cache dtype and scales.
+void partitioned_gqa(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& max_logits,
+                     torch::Tensor& tmp_out, const torch::Tensor& query,
+                     const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                     int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                     const std::optional<torch::Tensor>& alibi_slopes, int64_t partition_size,
+                     const std::string& kv_cache_dtype, double k_scale, double v_scale) {
+  partitioned_attention<mini_vllm::launch_paged_attention_gqa>(
+      out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, partition_size,
+      cache_dtype_of(kv_cache_dtype, k_scale, v_scale));
+}
+
+
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
                        torch::Tensor& key_cache, torch::Tensor& value_cache,
-                       const torch::Tensor& slot_mapping) {
+                       const torch::Tensor& slot_mapping, const std::string& kv_cache_dtype,
+                       double k_scale, double v_scale) {
   TORCH_CHECK(key.is_cuda(), "key must be a CUDA tensor");
+  const CacheDType kv = cache_dtype_of(kv_cache_dtype, k_scale, v_scale);
+  const c10::ScalarType cache_type = cache_scalar_type(kv, key);
   const NamedTensor others[] = {{&value, "value"},
                                 {&key_cache, "key_cache"},
                                 {&value_cache, "value_cache"},
@@ -216,8 +268,8 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
                   value.stride(1) == value.size(2),
               "key and value must be [num_tokens, num_kv_heads, head_size] with contiguous rows");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 5 &&
-                  value_cache.dim() == 4 && key_cache.scalar_type() == key.scalar_type() &&
-                  value_cache.scalar_type() == key.scalar_type() &&
+                  value_cache.dim() == 4 && key_cache.scalar_type() == cache_type &&
+                  value_cache.scalar_type() == cache_type &&
                   value.scalar_type() == key.scalar_type() && key_cache.size(1) == key.size(1) &&
                   key_cache.size(2) * key_cache.size(4) == key.size(2) &&
                   key_cache.size(4) * key_cache.element_size() == 16 &&
@@ -235,6 +287,9 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
   p.value_cache = value_cache.data_ptr();
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
   p.dtype = dtype_of(key);
+  p.kv_cache_dtype = kv.kind;
+  p.k_scale = kv.k_scale;
+  p.v_scale = kv.v_scale;
   p.num_tokens = static_cast<int>(slot_mapping.size(0));  // the real tokens; key may be longer
   p.num_kv_heads = static_cast<int>(key.size(1));
   p.head_size = static_cast<int>(key.size(2));
@@ -325,7 +380,8 @@ void qk_logits_probe(torch::Tensor& logits, torch::Tensor& range_max, const torc
   torch::Tensor unused_out = torch::empty_like(query, at::MemoryFormat::Contiguous);
   const PagedAttentionParams p =
       attention_params(unused_out, query, key_cache, value_cache, num_kv_heads, scale,
-                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes);
+                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                       cache_dtype_of("auto", 1.0, 1.0));
   const int64_t padded = (max_seq_len + block_size - 1) / block_size * block_size;
   const int64_t ranges = (padded + range_tokens - 1) / std::max<int64_t>(range_tokens, 1);
   check_on(logits, query, "logits");
@@ -377,26 +433,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_v1", &paged_attention_v1, py::arg("out"), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
-        py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none());
+        py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none(),
+        py::arg("kv_cache_dtype") = "auto", py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("paged_attention_v2", &partitioned_v2,
         py::arg("out"), py::arg("exp_sums"), py::arg("max_logits"), py::arg("tmp_out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
-        py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none());
+        py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none(),
+        py::arg("kv_cache_dtype") = "auto", py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("qk_logits_probe", &qk_logits_probe, py::arg("logits"), py::arg("range_max"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
         py::arg("max_seq_len"), py::arg("alibi_slopes"), py::arg("range_tokens"));
   m.def("softmax_probe", &softmax_probe, py::arg("rows"), py::arg("lengths"), py::arg("stats"));
 #ifndef MINI_VLLM_ATTENTION_ONLY
-  m.def("paged_attention_gqa", &partitioned_attention<mini_vllm::launch_paged_attention_gqa>,
+  m.def("paged_attention_gqa", &partitioned_gqa,
         py::arg("out"), py::arg("exp_sums"), py::arg("max_logits"), py::arg("tmp_out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"),
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
         py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none(),
-        py::arg("partition_size") = 0);
+        py::arg("partition_size") = 0, py::arg("kv_cache_dtype") = "auto",
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("reshape_and_cache", &reshape_and_cache, py::arg("key"), py::arg("value"),
-        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("kv_cache_dtype") = "auto", py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("copy_blocks", &copy_blocks, py::arg("key_caches"), py::arg("value_caches"),
         py::arg("block_mapping"));
   m.def("swap_blocks", &swap_blocks, py::arg("src"), py::arg("dst"), py::arg("block_mapping"));

@@ -13,10 +13,13 @@ namespace mini_vllm {
 
 // One thread block per token; its threads walk the token's num_kv_heads * head_size elements.
 // Element d of head h goes to key_cache[block, h, d / x, offset, d % x] (16-byte chunks of a key
-// are interleaved across the block's tokens) and to value_cache[block, h, d, offset].
-template <typename T>
+// are interleaved across the block's tokens) and to value_cache[block, h, d, offset]. T is the
+// model's dtype; CacheT the cache's (T, or __nv_fp8_e4m3: then x = 16 and each element is stored
+// quantized with its scale, key / k_scale and value / v_scale).
+// upstream: csrc/cache_kernels.cu:260 @ v0.11.0 (the fp8 write)
+template <typename T, typename CacheT>
 __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
-  constexpr int X = 16 / static_cast<int>(sizeof(T));
+  constexpr int X = 16 / static_cast<int>(sizeof(CacheT));
   const int64_t token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token];
   // A negative slot marks a padding token. A slot past the cache cannot be written safely; the
@@ -27,8 +30,8 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
 
   const T* key = static_cast<const T*>(p.key) + token * p.key_stride;
   const T* value = static_cast<const T*>(p.value) + token * p.value_stride;
-  T* key_cache = static_cast<T*>(p.key_cache);
-  T* value_cache = static_cast<T*>(p.value_cache);
+  CacheT* key_cache = static_cast<CacheT*>(p.key_cache);
+  CacheT* value_cache = static_cast<CacheT*>(p.value_cache);
   const int64_t head_elems = static_cast<int64_t>(p.head_size) * p.block_size;  // per (block, head)
 
   const int n = p.num_kv_heads * p.head_size;
@@ -37,8 +40,9 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
     const int d = i % p.head_size;
     const int64_t head_base = (block * p.num_kv_heads + h) * head_elems;
     key_cache[head_base + (static_cast<int64_t>(d / X) * p.block_size + offset) * X + d % X] =
-        key[i];
-    value_cache[head_base + static_cast<int64_t>(d) * p.block_size + offset] = value[i];
+        to_cache<CacheT>(key[i], p.k_scale);
+    value_cache[head_base + static_cast<int64_t>(d) * p.block_size + offset] =
+        to_cache<CacheT>(value[i], p.v_scale);
   }
 }
 
@@ -47,9 +51,11 @@ Status launch_reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t str
   const int threads = const_min(p.num_kv_heads * p.head_size, 512);
   return dispatch_dtype(p.dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
-    const auto kernel = reshape_and_cache_kernel<T>;
-    MINI_VLLM_LAUNCH(kernel, p.num_tokens, threads, 0, stream)(p);
-    return cuda_status(cudaGetLastError());
+    return dispatch_cache_type<T>(p.kv_cache_dtype, [&](auto cache_tag) {
+      const auto kernel = reshape_and_cache_kernel<T, typename decltype(cache_tag)::type>;
+      MINI_VLLM_LAUNCH(kernel, p.num_tokens, threads, 0, stream)(p);
+      return cuda_status(cudaGetLastError());
+    });
   });
 }
 

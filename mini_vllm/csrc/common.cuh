@@ -4,9 +4,11 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "kernel_params.h"
 #include "portable.cuh"
@@ -25,6 +27,7 @@ __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
@@ -35,6 +38,24 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+// The FP8 KV cache's element type (upstream stores uint8_t and picks the conversion with its
+// KV_DTYPE template argument; the type itself says it here).
+template <typename CacheT>
+constexpr bool kIsFp8 = std::is_same<CacheT, __nv_fp8_e4m3>::value;
+
+// What a new key or value element is stored as in a cache of CacheT: the element itself, or
+// e4m3(v / scale), saturated to +-448 by the conversion (NaN stays NaN).
+// upstream: csrc/quantization/fp8/nvidia/quant_utils.cuh:496 @ v0.11.0
+template <typename CacheT, typename T>
+__device__ __forceinline__ CacheT to_cache(T v, float scale) {
+  if constexpr (kIsFp8<CacheT>) {
+    return CacheT(to_float(v) / scale);
+  } else {
+    static_assert(std::is_same<CacheT, T>::value, "a non-fp8 cache holds the model's dtype");
+    return v;
+  }
 }
 
 // ---- vector loads ---------------------------------------------------------------------------
@@ -60,6 +81,20 @@ __device__ __forceinline__ void load_as_float(const T* ptr, float (&out)[N]) {
   const T* elems = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_float(elems[i]);
+}
+
+// Loads N consecutive cache elements (one vector load) as the values they stand for: a model-dtype
+// cache's as they are, an fp8 cache's widened to fp32 and multiplied by the layer's scale
+// (k_scale for keys, v_scale for values).
+// upstream: csrc/quantization/fp8/nvidia/quant_utils.cuh:419 @ v0.11.0
+template <typename CacheT, int N>
+__device__ __forceinline__ void load_cache_as_float(const CacheT* ptr, float scale,
+                                                    float (&out)[N]) {
+  load_as_float<CacheT, N>(ptr, out);
+  if constexpr (kIsFp8<CacheT>) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] *= scale;
+  }
 }
 
 // N consecutive floats from 16-byte aligned memory (shared memory, in the kernels), in 16-byte

@@ -12,8 +12,17 @@
 
 namespace mini_vllm {
 
-// Element types the kernels are built for. The KV cache always has the query's dtype (no fp8).
+// Element types the kernels are built for (the model's: query, output, new keys and values).
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// What the KV cache holds. kAuto: the model's dtype, read as it is. kFp8E4M3: one e4m3 byte per
+// element (__nv_fp8_e4m3, x = 16 per 16-byte chunk), standing for byte * scale with one float
+// scale per layer for keys and one for values (k_scale, v_scale); written as
+// e4m3(saturate(x / scale)). Upstream's e5m2 (kFp8E5M2 = 2) is left out, and upstream passes the
+// scales as pointers to device floats (a captured CUDA graph then sees new values); here they are
+// plain floats set for each call.
+// upstream: csrc/attention/dtype_fp8.cuh:14 @ v0.11.0
+enum class KVCacheDType : int { kAuto = 0, kFp8E4M3 = 1 };
 
 // Tokens per v2 partition; every supported block size divides it. The GQA-aware kernel may use
 // smaller partitions (a power of two from kMinPartitionSize, chosen by its caller from the shape
@@ -39,6 +48,8 @@ inline Status cuda_status(cudaError_t err) {
 //   query, out        [num_seqs, num_heads, head_size]       (query may have a row stride)
 //   key_cache         [num_blocks, num_kv_heads, head_size / x, block_size, x]
 //   value_cache       [num_blocks, num_kv_heads, head_size, block_size]
+//                     (elements of the model's dtype, or e4m3 bytes with kv_cache_dtype kFp8E4M3;
+//                     x = 16 / element size: 4 for fp32, 8 for fp16/bf16, 16 for fp8)
 //   block_tables      int32 [num_seqs, max_num_blocks_per_seq]
 //   seq_lens          int32 [num_seqs]
 //   alibi_slopes      fp32 [num_heads] or nullptr
@@ -58,7 +69,10 @@ struct PagedAttentionParams {
   float* exp_sums;
   float* max_logits;
   void* tmp_out;
-  DType dtype;
+  DType dtype;                  // of query, out and tmp_out
+  KVCacheDType kv_cache_dtype;  // of key_cache and value_cache
+  float k_scale;  // fp8 cache: a key element reads as byte * k_scale (ignored with kAuto)
+  float v_scale;  // fp8 cache: a value element reads as byte * v_scale (ignored with kAuto)
   int num_seqs;
   int num_heads;
   int num_kv_heads;
@@ -77,6 +91,8 @@ struct PagedAttentionParams {
 // Writes the new tokens' keys and values into their cache slots.
 //   key, value    [>= num_tokens, num_kv_heads, head_size] (row stride key_stride / value_stride;
 //                 rows past num_tokens, a padded batch's, are not read)
+//   key_cache, value_cache  as for PagedAttentionParams; with kFp8E4M3 each element is stored as
+//                 e4m3(key / k_scale) (value / v_scale), saturated to +-448
 //   slot_mapping  int64 [num_tokens]; a negative slot marks padding and is skipped
 struct ReshapeAndCacheParams {
   const void* key;
@@ -84,7 +100,10 @@ struct ReshapeAndCacheParams {
   void* key_cache;
   void* value_cache;
   const int64_t* slot_mapping;
-  DType dtype;
+  DType dtype;  // of key and value
+  KVCacheDType kv_cache_dtype;
+  float k_scale;  // fp8 cache only: the cache stores key / k_scale
+  float v_scale;  // fp8 cache only: the cache stores value / v_scale
   int num_tokens;
   int num_kv_heads;
   int head_size;

@@ -17,6 +17,8 @@ import torch
 # Through the package, not `from ... import load_ops`: a test (or a user) that replaces
 # mini_vllm.csrc.load_ops is then obeyed here too.
 import mini_vllm.csrc as _csrc
+from mini_vllm.attention.fp8 import is_fp8
+from mini_vllm.attention.paged_checks import check_cache_dtype
 
 __all__ = [
     "PARTITION_SIZE",
@@ -90,6 +92,19 @@ def _require_device(tensors: dict[str, torch.Tensor], ref: str, backend: str | N
     return backend
 
 
+def _kv_args(kv_cache_dtype: str, k_scale, v_scale) -> dict:
+    return {"kv_cache_dtype": kv_cache_dtype, "k_scale": k_scale, "v_scale": v_scale}
+
+
+def _kv_call(kv_cache_dtype: str, k_scale, v_scale) -> tuple:
+    """The cache-dtype arguments as the extension takes them (already checked): nothing for a
+    cache in the model's dtype, so an extension built before the fp8 path still runs it;
+    ("fp8", k_scale, v_scale) as floats for an fp8 cache."""
+    if not is_fp8(kv_cache_dtype):
+        return ()
+    return ("fp8", float(k_scale), float(v_scale))
+
+
 def check_attention_inputs(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -103,10 +118,15 @@ def check_attention_inputs(
     alibi_slopes: torch.Tensor | None,
     partition_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     backend: str | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> str:
     """Raise ValueError unless the decode inputs fit the kernels; never writes anything.
 
-    ``partition_buffers`` are v2's (exp_sums, max_logits, tmp_out). Devices are checked last
+    ``partition_buffers`` are v2's (exp_sums, max_logits, tmp_out). The caches hold the query's
+    dtype (``kv_cache_dtype="auto"``) or float8_e4m3fn (``"fp8"``, x = 16), and the scales must
+    be finite and > 0 either way, as the PyTorch ops check. Devices are checked last
     (against ``backend``'s device), so that every other check also runs on a machine without a
     GPU. Returns the resolved backend.
 
@@ -139,15 +159,13 @@ def check_attention_inputs(
     if out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape "
                          f"{tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}")
-    x = _x(query.dtype)
+    check_cache_dtype(query.dtype, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+    x = _x(key_cache.dtype)
     num_blocks = key_cache.shape[0] if key_cache.dim() == 5 else -1
     want_k = (num_blocks, num_kv_heads, head_size // x, block_size, x)
     want_v = (num_blocks, num_kv_heads, head_size, block_size)
     for name, cache, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache,
                                                                   want_v)):
-        if cache.dtype != query.dtype:
-            raise ValueError(f"{name} is {cache.dtype} but query is {query.dtype}; the cache "
-                             "must have the query's dtype")
         if tuple(cache.shape) != want:
             raise ValueError(f"{name} must have shape {want} for these inputs, got "
                              f"{tuple(cache.shape)}")
@@ -291,20 +309,26 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
     backend: str | None = None,
 ) -> None:
     """Decode attention over the paged cache, one thread block per (head, sequence).
 
-    Same contract as ``mini_vllm.attention.paged_attn.paged_attention_v1``; writes ``out``.
+    Same contract as ``mini_vllm.attention.paged_attn.paged_attention_v1``, the fp8 cache
+    included (``kv_cache_dtype="fp8"``: float8_e4m3fn caches read as ``stored * k_scale`` and
+    ``stored * v_scale``); writes ``out``.
 
     upstream: vllm/_custom_ops.py:39 @ v0.11.0
     """
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
-                                     alibi_slopes, backend=backend)
-    _csrc.load_ops(backend=backend).paged_attention_v1(out, query, key_cache, value_cache,
-                                                 num_kv_heads, scale, block_tables, seq_lens,
-                                                 block_size, max_seq_len, alibi_slopes)
+                                     alibi_slopes, backend=backend,
+                                     **_kv_args(kv_cache_dtype, k_scale, v_scale))
+    _csrc.load_ops(backend=backend).paged_attention_v1(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, max_seq_len, alibi_slopes, *_kv_call(kv_cache_dtype, k_scale, v_scale))
 
 
 def paged_attention_v2(
@@ -322,22 +346,27 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
     backend: str | None = None,
 ) -> None:
     """Partitioned decode attention (512-token partitions, then a merge); writes ``out``.
 
-    Same contract as ``mini_vllm.attention.paged_attn.paged_attention_v2``. Only the partitions
-    that hold tokens are written in ``exp_sums``, ``max_logits`` and ``tmp_out``.
+    Same contract as ``mini_vllm.attention.paged_attn.paged_attention_v2`` (the fp8 cache
+    included, as in ``paged_attention_v1``). Only the partitions that hold tokens are written in
+    ``exp_sums``, ``max_logits`` and ``tmp_out``.
 
     upstream: vllm/_custom_ops.py:68 @ v0.11.0
     """
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
-                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
-    _csrc.load_ops(backend=backend).paged_attention_v2(out, exp_sums, max_logits, tmp_out, query,
-                                                 key_cache, value_cache, num_kv_heads, scale,
-                                                 block_tables, seq_lens, block_size, max_seq_len,
-                                                 alibi_slopes)
+                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend,
+                                     **_kv_args(kv_cache_dtype, k_scale, v_scale))
+    _csrc.load_ops(backend=backend).paged_attention_v2(
+        out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+        block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+        *_kv_call(kv_cache_dtype, k_scale, v_scale))
 
 
 def paged_attention_gqa(
@@ -355,6 +384,9 @@ def paged_attention_gqa(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
     backend: str | None = None,
     partition_size: int | None = None,
 ) -> None:
@@ -366,11 +398,15 @@ def paged_attention_gqa(
     ``gqa_partition_size`` for this shape and GPU, within the width of the given buffers (buffers
     sized for v2 allow 512 only; size them with ``gqa_num_partitions`` to let it choose).
 
+    An fp8 cache (``kv_cache_dtype="fp8"``) is read as in v1 and v2, by the kernel's scalar
+    path (the tensor-core path reads model-dtype caches only).
+
     upstream: none (this course's kernel; upstream's grid re-reads K/V once per query head)
     """
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
-                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
+                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend,
+                                     **_kv_args(kv_cache_dtype, k_scale, v_scale))
     if partition_size is None:
         partition_size = PARTITION_SIZE
         if query.dtype != torch.float32:  # fp32 runs v2, whose partitions are 512 tokens
@@ -383,10 +419,10 @@ def paged_attention_gqa(
         raise ValueError(f"partition_size must be 64, 128, 256 or 512 (512 for float32, which "
                          f"runs v2), got {partition_size!r}")
     check_partition_buffers(out, exp_sums, max_logits, tmp_out, max_seq_len, partition_size)
-    _csrc.load_ops(backend=backend).paged_attention_gqa(out, exp_sums, max_logits, tmp_out, query,
-                                                  key_cache, value_cache, num_kv_heads, scale,
-                                                  block_tables, seq_lens, block_size,
-                                                  max_seq_len, alibi_slopes, partition_size)
+    _csrc.load_ops(backend=backend).paged_attention_gqa(
+        out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+        block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, partition_size,
+        *_kv_call(kv_cache_dtype, k_scale, v_scale))
 
 
 def reshape_and_cache(
@@ -395,12 +431,18 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
     backend: str | None = None,
 ) -> None:
     """Write token ``i``'s key and value into cache slot ``slot_mapping[i]`` (negative: skip).
 
     As upstream (and the PyTorch op), the slot mapping's length is the number of real tokens:
     ``key`` and ``value`` may be longer (a padded batch), and their rows past it are ignored.
+    ``kv_cache_dtype="fp8"``: the caches are float8_e4m3fn (x = 16) and store
+    ``e4m3(clamp(key / k_scale, -448, 448))`` (values with ``v_scale``), byte for byte what
+    ``mini_vllm.attention.cache_ops.reshape_and_cache`` stores.
 
     upstream: vllm/_custom_ops.py:1590 @ v0.11.0
     """
@@ -415,17 +457,19 @@ def reshape_and_cache(
         if t.stride(2) != 1 or t.stride(1) != head_size:
             raise ValueError(f"{name}'s rows must be contiguous [num_kv_heads, head_size] blocks; "
                              f"pass {name}.contiguous()")
-    x = _x(key.dtype)
+    check_cache_dtype(key.dtype, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+    x = _x(key_cache.dtype)
     if head_size % x:
-        raise ValueError(f"head_size {head_size} must be a multiple of x={x} for {key.dtype}")
+        raise ValueError(f"head_size {head_size} must be a multiple of x={x} for "
+                         f"{key_cache.dtype}")
     num_blocks = key_cache.shape[0] if key_cache.dim() == 5 else -1
     block_size = key_cache.shape[3] if key_cache.dim() == 5 else -1
     want_k = (num_blocks, num_kv_heads, head_size // x, block_size, x)
     want_v = (num_blocks, num_kv_heads, head_size, block_size)
     for name, cache, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache,
                                                                   want_v)):
-        if cache.dtype != key.dtype or tuple(cache.shape) != want or not cache.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {key.dtype} tensor of shape {want}, "
+        if tuple(cache.shape) != want or not cache.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {cache.dtype} tensor of shape {want}, "
                              f"got {cache.dtype} {tuple(cache.shape)}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > num_tokens or (
         slot_mapping.dtype not in (torch.int32, torch.int64)
@@ -437,7 +481,8 @@ def reshape_and_cache(
                                "value_cache": value_cache, "slot_mapping": slot_mapping}, "key",
                               backend)
     slots = slot_mapping.to(torch.int64).contiguous()  # a new tensor when it converts
-    _csrc.load_ops(backend=backend).reshape_and_cache(key, value, key_cache, value_cache, slots)
+    _csrc.load_ops(backend=backend).reshape_and_cache(
+        key, value, key_cache, value_cache, slots, *_kv_call(kv_cache_dtype, k_scale, v_scale))
 
 
 def _check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> torch.Tensor:
@@ -592,6 +637,9 @@ def paged_decode(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
     backend: str | None = None,
 ) -> str:
     """Decode attention as the engine runs it on a GPU: v1, v2 or the GQA-aware kernel, chosen by
@@ -616,9 +664,11 @@ def paged_decode(
     )
     args = (query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
             block_size, max_seq_len, alibi_slopes)
+    # Passed only for an fp8 cache, so that a student's v1/v2 (lab 02-06) keep their own API.
+    kv = _kv_args(kv_cache_dtype, k_scale, v_scale) if is_fp8(kv_cache_dtype) else {}
     if kernel == "v1":
         try:
-            me.paged_attention_v1(out, *args, backend=backend)
+            me.paged_attention_v1(out, *args, **kv, backend=backend)
             return kernel
         except ValueError as exc:
             if "use paged_attention_v2" not in str(exc):
@@ -634,10 +684,10 @@ def paged_decode(
     tmp_out = torch.empty(num_seqs, num_heads, parts, head_size, dtype=query.dtype,
                           device=query.device)
     if kernel == "gqa":
-        me.paged_attention_gqa(out, exp_sums, max_logits, tmp_out, *args, backend=backend,
+        me.paged_attention_gqa(out, exp_sums, max_logits, tmp_out, *args, **kv, backend=backend,
                                partition_size=partition)
     else:
-        me.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *args, backend=backend)
+        me.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *args, **kv, backend=backend)
     return kernel
 
 

@@ -19,6 +19,10 @@
 //     32-token tile are K_tile [32 x D] * Q^T [D x 8], the output is V^T [D x T] * P^T [T x 8].
 // The launcher takes the tensor-core kernel for fp16, and bf16 on sm_80 and later, when a
 // chunk holds 4 or more query heads; the scalar kernel otherwise.
+// An FP8 (e4m3) cache is read by the scalar kernel only (templated on the cache element type as
+// attention_core.cuh: each key element times k_scale, each value element times v_scale); the
+// tensor-core kernel's fragments hold the model dtype, and converting fp8 tiles for them is left
+// out.
 #include <mma.h>
 
 #include "common.cuh"
@@ -41,11 +45,11 @@ constexpr int gqa_min_blocks_per_sm() {
   return HEAD_SIZE < 256 || BLOCK_SIZE == 8 ? 4 : 2;
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, typename CacheT, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE, BLOCK_SIZE>()))
     paged_attention_gqa_kernel(const PagedAttentionParams p) {
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
-  constexpr int X = 16 / static_cast<int>(sizeof(T));
+  constexpr int X = 16 / static_cast<int>(sizeof(CacheT));  // 16 for an fp8 cache
   constexpr int GROUP = const_max(kWarpSize / BLOCK_SIZE, 1);  // lanes per token (keys)
   constexpr int VEC = X / GROUP;
   constexpr int CHUNKS = HEAD_SIZE / X;
@@ -76,8 +80,8 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
   const int num_tokens = min(end_block * BLOCK_SIZE, seq_len) - start_token;
 
   const T* query = static_cast<const T*>(p.query);
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const CacheT* key_cache = static_cast<const CacheT*>(p.key_cache);
+  const CacheT* value_cache = static_cast<const CacheT*>(p.value_cache);
   const int* block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
 
   MINI_VLLM_SHARED(float, q_smem, [kMaxGroup][HEAD_SIZE]);
@@ -112,15 +116,15 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
 
   for (int block = first_block + warp; block < end_block; block += NUM_WARPS) {
     const int64_t physical = block_table[block];
-    const T* k = key_cache + physical * p.kv_block_stride + kv_head * p.kv_head_stride +
-                 token_in_block * X + lane_in_group * VEC;
+    const CacheT* k = key_cache + physical * p.kv_block_stride + kv_head * p.kv_head_stride +
+                      token_in_block * X + lane_in_group * VEC;
     float dot[kMaxGroup];
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) dot[g] = 0.f;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       float kv[VEC];
-      load_as_float<T, VEC>(k + c * BLOCK_SIZE * X, kv);
+      load_cache_as_float<CacheT, VEC>(k + c * BLOCK_SIZE * X, p.k_scale, kv);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < num_q) {
@@ -208,14 +212,14 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
   const int full_end = min(end_block, seq_len / BLOCK_SIZE);  // [first_block, full_end): full
   for (int block = first_block; block < end_block; ++block) {
     const int64_t physical = block_table[block];
-    const T* v = value_cache + physical * p.kv_block_stride + kv_head * p.kv_head_stride;
+    const CacheT* v = value_cache + physical * p.kv_block_stride + kv_head * p.kv_head_stride;
     float vals[PASSES][V_VEC];
 #pragma unroll
     for (int r = 0; r < PASSES; ++r) {
       const int local_row = lane / LANES_PER_ROW + r * ROWS_PER_PASS;
       const int row = first_row + local_row;
       if (local_row < ROWS_PER_WARP && row < HEAD_SIZE) {
-        load_as_float<T, V_VEC>(v + row * BLOCK_SIZE + v_token, vals[r]);
+        load_cache_as_float<CacheT, V_VEC>(v + row * BLOCK_SIZE + v_token, p.v_scale, vals[r]);
       } else {
 #pragma unroll
         for (int e = 0; e < V_VEC; ++e) vals[r][e] = 0.f;
@@ -633,13 +637,13 @@ inline Status check_gqa_partitions(const PagedAttentionParams& p) {
   return ok();
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+template <typename T, typename CacheT, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_gqa(const PagedAttentionParams& p, cudaStream_t stream) {
   const int group_size = p.num_heads / p.num_kv_heads;
   const int chunks_per_kv_head = div_round_up(group_size, kMaxGroup);
   const int parts_needed = div_round_up(p.max_seq_len, partition_size_of(p));
   const dim3 grid(p.num_kv_heads * chunks_per_kv_head, p.num_seqs, parts_needed);
-  const auto kernel = paged_attention_gqa_kernel<T, HEAD_SIZE, BLOCK_SIZE, kGqaThreads>;
+  const auto kernel = paged_attention_gqa_kernel<T, CacheT, HEAD_SIZE, BLOCK_SIZE, kGqaThreads>;
   MINI_VLLM_LAUNCH(kernel, grid, kGqaThreads, 0, stream)(p);
   const Status status = cuda_status(cudaGetLastError());
   if (status.code != StatusCode::kOk) return status;
@@ -653,25 +657,29 @@ Status launch_paged_attention_gqa(const PagedAttentionParams& p, cudaStream_t st
   if (p.num_seqs == 0) return ok();
   const Status partitions = check_gqa_partitions(p);
   if (partitions.code != StatusCode::kOk) return partitions;
-  return dispatch_attention(p.dtype, p.head_size, p.block_size,
-                            [&](auto type_tag, auto head_tag, auto block_tag) {
-                              using T = typename decltype(type_tag)::type;
-                              if constexpr (std::is_same_v<T, float>) {
-                                PagedAttentionParams v2 = p;
-                                v2.partition_size = 0;  // v2's partitions are always 512 tokens
-                                return launch_paged_attention_v2(v2, stream);
-                              } else {
-                                constexpr int H = decltype(head_tag)::value;
-                                constexpr int B = decltype(block_tag)::value;
-                                bool tc = false, launched = false;
-                                Status status = use_tensor_cores<T>(p, &tc);
-                                if (status.code == StatusCode::kOk && tc) {
-                                  status = launch_gqa_tc<T, H, B>(p, stream, &launched);
-                                }
-                                if (status.code != StatusCode::kOk || launched) return status;
-                                return launch_gqa<T, H, B>(p, stream);
-                              }
-                            });
+  return dispatch_attention_kv(
+      p.dtype, p.kv_cache_dtype, p.head_size, p.block_size,
+      [&](auto type_tag, auto cache_tag, auto head_tag, auto block_tag) -> Status {
+        using T = typename decltype(type_tag)::type;
+        using CacheT = typename decltype(cache_tag)::type;
+        constexpr int H = decltype(head_tag)::value;
+        constexpr int B = decltype(block_tag)::value;
+        if constexpr (std::is_same_v<T, float>) {
+          PagedAttentionParams v2 = p;
+          v2.partition_size = 0;  // v2's partitions are always 512 tokens
+          return launch_paged_attention_v2(v2, stream);
+        } else if constexpr (kIsFp8<CacheT>) {
+          return launch_gqa<T, CacheT, H, B>(p, stream);  // the scalar kernel (see the top)
+        } else {
+          bool tc = false, launched = false;
+          Status status = use_tensor_cores<T>(p, &tc);
+          if (status.code == StatusCode::kOk && tc) {
+            status = launch_gqa_tc<T, H, B>(p, stream, &launched);
+          }
+          if (status.code != StatusCode::kOk || launched) return status;
+          return launch_gqa<T, T, H, B>(p, stream);
+        }
+      });
 }
 
 }  // namespace mini_vllm

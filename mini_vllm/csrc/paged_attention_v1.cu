@@ -11,20 +11,21 @@ namespace mini_vllm {
 
 constexpr int kV1Threads = 128;
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+// T: the model's dtype (query, output); CacheT: the cache's elements (T, or __nv_fp8_e4m3).
+template <typename T, typename CacheT, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __global__ void __launch_bounds__(NUM_THREADS)
     paged_attention_v1_kernel(const PagedAttentionParams p) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int seq_len = clamped_seq_len(p, seq);
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(seq) * p.num_heads + head) * HEAD_SIZE;
-  attend_blocks<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(
+  attend_blocks<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, CacheT>(
       p, seq, head, seq_len, 0, div_round_up(seq_len, BLOCK_SIZE), out, nullptr, nullptr);
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+template <typename T, typename CacheT, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
-  const auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kV1Threads>;
+  const auto kernel = paged_attention_v1_kernel<T, CacheT, HEAD_SIZE, BLOCK_SIZE, kV1Threads>;
   const int slots = div_round_up(p.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE;
   const int smem = attention_smem_bytes<HEAD_SIZE, kV1Threads>(slots);
   const int static_smem = attention_static_smem_bytes<HEAD_SIZE, kV1Threads>();
@@ -53,12 +54,12 @@ Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
 
 Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream) {
   if (p.num_seqs == 0) return ok();  // an empty grid is not a valid launch
-  return dispatch_attention(p.dtype, p.head_size, p.block_size,
-                            [&](auto type_tag, auto head_tag, auto block_tag) {
-                              using T = typename decltype(type_tag)::type;
-                              return launch_v1<T, decltype(head_tag)::value,
-                                               decltype(block_tag)::value>(p, stream);
-                            });
+  return dispatch_attention_kv(
+      p.dtype, p.kv_cache_dtype, p.head_size, p.block_size,
+      [&](auto type_tag, auto cache_tag, auto head_tag, auto block_tag) {
+        return launch_v1<typename decltype(type_tag)::type, typename decltype(cache_tag)::type,
+                          decltype(head_tag)::value, decltype(block_tag)::value>(p, stream);
+      });
 }
 
 }  // namespace mini_vllm

@@ -2,6 +2,7 @@
 // behaviour, right and wrong. Each op reads its inputs from the request (see driver.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 #include <mma.h>
 
@@ -158,6 +159,17 @@ __global__ void convert(const float* in, unsigned short* half_bits, unsigned sho
   }
 }
 
+// fp32 -> e4m3 bits through __nv_fp8_e4m3's constructor (saturating, as the FP8 cache writes),
+// and every e4m3 bit pattern back to fp32.
+__global__ void convert_fp8(const float* in, unsigned char* fp8_bits, float* from_fp8, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) fp8_bits[i] = __nv_fp8_e4m3(in[i]).__x;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    __nv_fp8_e4m3 v;
+    v.__x = static_cast<__nv_fp8_storage_t>(i);
+    from_fp8[i] = static_cast<float>(v);
+  }
+}
+
 // ---- tensor cores (nvcuda::wmma) ------------------------------------------------------------------
 
 // One warp: D = A * B + C for an M x K half matrix A (row-major), a K x N half matrix B (col-major,
@@ -246,6 +258,14 @@ MINI_VLLM_EMU_OP(convert) {
       static_cast<const unsigned short*>(req.buffer("all_bits")),
       static_cast<float*>(req.buffer("from_half")), static_cast<float*>(req.buffer("from_bf16")),
       static_cast<int>(req.integer("n")));
+  status(cudaGetLastError());
+}
+
+MINI_VLLM_EMU_OP(convert_fp8) {
+  MINI_VLLM_LAUNCH(convert_fp8, 1, 64, 0, nullptr)(
+      static_cast<const float*>(req.buffer("in")),
+      static_cast<unsigned char*>(req.buffer("fp8_bits")),
+      static_cast<float*>(req.buffer("from_fp8")), static_cast<int>(req.integer("n")));
   status(cudaGetLastError());
 }
 

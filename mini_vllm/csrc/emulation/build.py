@@ -49,6 +49,8 @@ _RUNTIME_DEFINES = {"plain": [], "asan": ["-DMINI_VLLM_EMU_ASAN"], "race": ["-DM
 _LINK_FLAGS = {"plain": [], "asan": ["-fsanitize=address,undefined"], "race": ["-fsanitize=thread"]}
 _RUNTIME_SOURCES = ("runtime.cpp", "driver.cpp")
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+# KVCacheDType in kernel_params.h: "auto" is a cache in the model's dtype, "fp8" an e4m3 one.
+KV_CACHE_DTYPE_CODES = {"auto": 0, "fp8": 1}
 
 
 class EmulationBuildError(RuntimeError):
@@ -62,22 +64,27 @@ class Variant:
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     head_sizes: tuple[int, ...] = ()
     block_sizes: tuple[int, ...] = ()
+    # The caches' element types (KV_CACHE_DTYPE_CODES): an attention call builds only its own.
+    kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8")
 
     def defines(self) -> list[str]:
-        def as_list(values) -> str:
-            return ",".join(str(v) for v in values) or "0"
+        def as_list(values, none: str = "0") -> str:
+            return ",".join(str(v) for v in values) or none
 
+        kv = as_list((KV_CACHE_DTYPE_CODES[k] for k in self.kv_cache_dtypes), none="-1")
         return [
             f"-DMINI_VLLM_DTYPES={as_list(DTYPE_CODES[d] for d in self.dtypes)}",
             f"-DMINI_VLLM_HEAD_SIZES={as_list(self.head_sizes)}",
             f"-DMINI_VLLM_BLOCK_SIZES={as_list(self.block_sizes)}",
+            f"-DMINI_VLLM_KV_CACHE_DTYPES={kv}",
         ]
 
     def tag(self) -> str:
         dt = "-".join(d.replace("float", "f") for d in self.dtypes) or "none"
         hs = "-".join(map(str, self.head_sizes)) or "none"
         bs = "-".join(map(str, self.block_sizes)) or "none"
-        return f"{dt}_d{hs}_b{bs}"
+        kv = "-".join(self.kv_cache_dtypes) or "none"
+        return f"{dt}_d{hs}_b{bs}_kv{kv}"
 
 
 def compiler() -> str | None:

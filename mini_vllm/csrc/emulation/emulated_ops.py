@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from mini_vllm.csrc.emulation.build import Build, Variant
+from mini_vllm.csrc.emulation.build import KV_CACHE_DTYPE_CODES, Build, Variant
 from mini_vllm.csrc.emulation.run import Arg, run_op
 
 _DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def _kv_cache_dtype(name: str) -> str:
+    """The emulation's name of a checked ``kv_cache_dtype`` ("fp8_e4m3" is "fp8")."""
+    return "auto" if name == "auto" else "fp8"
 PARTITION_SIZE = 512
 
 
@@ -45,9 +50,11 @@ class EmulatedOps:
 
     def _attention(self, op, out, query, key_cache, value_cache, num_kv_heads, scale,
                    block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                   partition_buffers=None, partition_size=0, probe=None) -> None:
+                   partition_buffers=None, partition_size=0, probe=None,
+                   kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0) -> None:
         dtype = _DTYPE[query.dtype]
-        variant = Variant((dtype,), (query.shape[2],), (int(block_size),))
+        kv = _kv_cache_dtype(kv_cache_dtype)
+        variant = Variant((dtype,), (query.shape[2],), (int(block_size),), (kv,))
         buffers = {
             "query": Arg(query),
             "key_cache": Arg(key_cache),
@@ -72,6 +79,9 @@ class EmulatedOps:
             "kv_block_stride": key_cache.stride(0),
             "kv_head_stride": key_cache.stride(1),
             "scale": float(scale),
+            "kv_cache_dtype": KV_CACHE_DTYPE_CODES[kv],
+            "k_scale": float(k_scale),
+            "v_scale": float(v_scale),
         }
         if partition_buffers is not None:
             exp_sums, max_logits, tmp_out = partition_buffers
@@ -87,23 +97,29 @@ class EmulatedOps:
 
     def paged_attention_v1(self, out, query, key_cache, value_cache, num_kv_heads, scale,
                            block_tables, seq_lens, block_size, max_seq_len,
-                           alibi_slopes=None) -> None:
+                           alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0,
+                           v_scale=1.0) -> None:
         self._attention("paged_attention_v1", out, query, key_cache, value_cache, num_kv_heads,
-                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes)
+                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
 
     def paged_attention_v2(self, out, exp_sums, max_logits, tmp_out, query, key_cache,
                            value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                           max_seq_len, alibi_slopes=None) -> None:
+                           max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0,
+                           v_scale=1.0) -> None:
         self._attention("paged_attention_v2", out, query, key_cache, value_cache, num_kv_heads,
                         scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                        (exp_sums, max_logits, tmp_out))
+                        (exp_sums, max_logits, tmp_out), kv_cache_dtype=kv_cache_dtype,
+                        k_scale=k_scale, v_scale=v_scale)
 
     def paged_attention_gqa(self, out, exp_sums, max_logits, tmp_out, query, key_cache,
                             value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                            max_seq_len, alibi_slopes=None, partition_size=0) -> None:
+                            max_seq_len, alibi_slopes=None, partition_size=0,
+                            kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0) -> None:
         self._attention("paged_attention_gqa", out, query, key_cache, value_cache, num_kv_heads,
                         scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                        (exp_sums, max_logits, tmp_out), partition_size)
+                        (exp_sums, max_logits, tmp_out), partition_size,
+                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
 
     # ---- lab 02-06's probes: steps 1 and 2 of the decode kernels alone ----------------------
 
@@ -128,7 +144,9 @@ class EmulatedOps:
 
     _CACHE_VARIANT = Variant()  # every dtype, no attention instantiation
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping,
+                          kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0) -> None:
+        kv = _kv_cache_dtype(kv_cache_dtype)
         self._run(self._CACHE_VARIANT, "reshape_and_cache", {
             "key": Arg(key),
             "value": Arg(value),
@@ -144,6 +162,9 @@ class EmulatedOps:
             "num_blocks": key_cache.shape[0],
             "key_stride": key.stride(0),
             "value_stride": value.stride(0),
+            "kv_cache_dtype": KV_CACHE_DTYPE_CODES[kv],
+            "k_scale": float(k_scale),
+            "v_scale": float(v_scale),
         })
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:

@@ -14,12 +14,25 @@
 namespace {
 
 using mini_vllm::DType;
+using mini_vllm::KVCacheDType;
 using mini_vllm::PagedAttentionParams;
 using mini_vllm::Status;
 using mini_vllm_emu::Request;
 
 void finish(const Status& status) {
   mini_vllm_emu::report_status(static_cast<int>(status.code), status.message);
+}
+
+// The cache dtype and its scales; a request without them has a cache in the model's dtype.
+template <typename Params>
+void cache_dtype(const Request& req, Params& p) {
+  p.kv_cache_dtype = KVCacheDType::kAuto;
+  p.k_scale = p.v_scale = 1.f;
+  if (req.scalars.count("kv_cache_dtype")) {
+    p.kv_cache_dtype = static_cast<KVCacheDType>(req.integer("kv_cache_dtype"));
+    p.k_scale = static_cast<float>(req.real("k_scale"));
+    p.v_scale = static_cast<float>(req.real("v_scale"));
+  }
 }
 
 PagedAttentionParams attention_params(const Request& req) {
@@ -38,6 +51,7 @@ PagedAttentionParams attention_params(const Request& req) {
     p.max_num_partitions = static_cast<int>(req.integer("max_num_partitions"));
   }
   p.dtype = static_cast<DType>(req.integer("dtype"));
+  cache_dtype(req, p);
   p.num_seqs = static_cast<int>(req.integer("num_seqs"));
   p.num_heads = static_cast<int>(req.integer("num_heads"));
   p.num_kv_heads = static_cast<int>(req.integer("num_kv_heads"));
@@ -97,6 +111,7 @@ MINI_VLLM_EMU_OP(reshape_and_cache) {
   p.value_cache = req.buffer("value_cache");
   p.slot_mapping = static_cast<const int64_t*>(req.buffer("slot_mapping"));
   p.dtype = static_cast<DType>(req.integer("dtype"));
+  cache_dtype(req, p);
   p.num_tokens = static_cast<int>(req.integer("num_tokens"));
   p.num_kv_heads = static_cast<int>(req.integer("num_kv_heads"));
   p.head_size = static_cast<int>(req.integer("head_size"));

@@ -62,7 +62,9 @@ __host__ __device__ constexpr int attention_static_smem_bytes() {
 // valid logit or the max. Read each key element once per thread block, in 16-byte vector loads
 // (load_as_float). No barrier is needed inside: task 2's first reduction is the barrier.
 // How to split the tokens among warps and lanes: `python -m course hint 02-06 1`.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+// (CacheT, the cache's element type, is always T here: reading an fp8 cache is the reference's
+// extension, mini_vllm/csrc/attention_core.cuh. Write your code with T.)
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename CacheT = T>
 __device__ float qk_logits(const PagedAttentionParams& p, const AttentionWork& w,
                            const float* q_smem, float* logits) {
   // TODO(lab 02-06, task 1): compute the logits; then set LAB_TASK_1_DONE to 1.
@@ -90,7 +92,7 @@ __device__ SoftmaxStats softmax_in_place(float* logits, int num_tokens, float my
 // reuse as scratch (attention_smem_bytes above is its size) once no thread reads it any
 // more; the barrier that guarantees that is yours too.
 // How to split the rows among lanes and add the warps' parts: `python -m course hint 02-06 3`.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename CacheT = T>
 __device__ void accumulate_values(const PagedAttentionParams& p, const AttentionWork& w,
                                   float* probs, float inv_sum, T* __restrict__ out) {
   // TODO(lab 02-06, task 3): the weighted sum of the values; then set LAB_TASK_3_DONE to 1.
@@ -234,6 +236,10 @@ inline const char* missing_task(int last_task) {
   return nullptr;
 }
 
+constexpr const char* kNoFp8 =
+    "lab 02-06's kernels read a KV cache in the model's dtype only (unsupported: an fp8 cache); "
+    "use mini_vllm.csrc.ops for the fp8 path";
+
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
   const auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
@@ -278,6 +284,9 @@ Status launch_v2(const PagedAttentionParams& p, cudaStream_t stream) {
 
 Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream) {
   if (const char* todo = missing_task(3)) return not_implemented(todo);
+  // Your kernels read a cache in the model's dtype; the fp8 cache is the reference's.
+  const Status cache = refuse_fp8_cache(p.kv_cache_dtype, kNoFp8);
+  if (cache.code != StatusCode::kOk) return cache;
   if (p.num_seqs == 0) return ok();
   return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
     return launch_v1<typename decltype(t)::type, decltype(h)::value, decltype(b)::value>(p,
@@ -287,6 +296,9 @@ Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t str
 
 Status launch_paged_attention_v2(const PagedAttentionParams& p, cudaStream_t stream) {
   if (const char* todo = missing_task(4)) return not_implemented(todo);
+  // Your kernels read a cache in the model's dtype; the fp8 cache is the reference's.
+  const Status cache = refuse_fp8_cache(p.kv_cache_dtype, kNoFp8);
+  if (cache.code != StatusCode::kOk) return cache;
   if (p.num_seqs == 0) return ok();
   return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
     return launch_v2<typename decltype(t)::type, decltype(h)::value, decltype(b)::value>(p,

@@ -83,6 +83,14 @@ def _check_tasks_done(tasks: tuple[int, ...]) -> None:
             raise error
 
 
+def _refuse_fp8(kv_cache_dtype: str) -> None:
+    """The lab's kernels read a cache in the model's dtype; the fp8 cache is the reference's."""
+    if kv_cache_dtype != "auto":
+        raise ValueError("lab 02-06's kernels read a KV cache in the model's dtype only "
+                         f"(unsupported: kv_cache_dtype={kv_cache_dtype!r}); the fp8 path is "
+                         "the reference's, in mini_vllm.csrc.ops")
+
+
 def kernel_sources() -> list[Path]:
     """The CUDA translation units this implementation is built from (no torch headers)."""
     return [LAB_DIR / "starter.cu"]
@@ -100,12 +108,20 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
     backend: str | None = None,
 ) -> None:
-    """Your v1 kernel (tasks 1-3): decode attention over the paged cache, written to ``out``."""
+    """Your v1 kernel (tasks 1-3): decode attention over the paged cache, written to ``out``.
+
+    The caches hold the model's dtype: an fp8 cache (``kv_cache_dtype="fp8"``) is the
+    reference's path (``mini_vllm.csrc.ops``) and is refused here."""
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
-                                     alibi_slopes, backend=backend)
+                                     alibi_slopes, backend=backend, kv_cache_dtype=kv_cache_dtype,
+                                     k_scale=k_scale, v_scale=v_scale)
+    _refuse_fp8(kv_cache_dtype)
     _check_tasks_done((1, 2, 3))
     build(backend=backend).paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads,
                                               scale, block_tables, seq_lens, block_size,
@@ -127,12 +143,19 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
     backend: str | None = None,
 ) -> None:
-    """Your v2 kernels (tasks 1-4): partitioned attention, then the merge, written to ``out``."""
+    """Your v2 kernels (tasks 1-4): partitioned attention, then the merge, written to ``out``.
+    Caches in the model's dtype only, as ``paged_attention_v1``."""
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
-                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend)
+                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend,
+                                     kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                                     v_scale=v_scale)
+    _refuse_fp8(kv_cache_dtype)
     _check_tasks_done((1, 2, 3, 4))
     build(backend=backend).paged_attention_v2(out, exp_sums, max_logits, tmp_out, query,
                                               key_cache, value_cache, num_kv_heads, scale,

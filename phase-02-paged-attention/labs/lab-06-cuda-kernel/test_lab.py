@@ -677,6 +677,234 @@ def test_reference_copy_and_swap_blocks_match_the_oracle():
 
 
 # ------------------------------------------------------------------------------------------
+# The reference's FP8 (e4m3) KV cache: reshape_and_cache quantizes with k_scale / v_scale, v1 and
+# v2 dequantize on read. Given code (the student's kernels read model-dtype caches only).
+# ------------------------------------------------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+# Different enough that a kernel using one scale for the other is far off; the caches' bytes
+# span e4m3's range (normals and subnormals).
+K_SCALE, V_SCALE = 0.02, 0.004
+FP8_CASES = [  # (dtype, head_size, block_size, (num_heads, num_kv_heads), ALiBi)
+    pytest.param(torch.float16, 128, 16, (8, 2), True, id="fp16-d128-b16-gqa-alibi"),
+    pytest.param(torch.bfloat16, 64, 32, (4, 4), False, id="bf16-d64-b32"),
+    pytest.param(torch.float32, 80, 8, (6, 1), True, id="fp32-d80-b8-mqa-alibi"),
+]
+
+
+def fp8_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an fp8 cache stores for x, by the test's own one-liner (not mini_vllm's)."""
+    return (x.float() / scale).clamp(-448, 448).to(E4M3)
+
+
+def fp8_batch(dtype, head_size, block_size, num_heads, use_alibi) -> dict:
+    """make_batch's batch (block tables, lengths, query) with fp8 caches in place of its caches:
+    random keys (values) quantized with K_SCALE (V_SCALE) in the fp8 layout (x = 16), and in the
+    kernel's copies the unused slots of last blocks hold NaN (byte 0x7f)."""
+    b = make_batch(num_heads=num_heads, head_size=head_size, block_size=block_size, dtype=dtype,
+                   use_alibi=use_alibi, device="cpu", num_seqs=4, max_len=600)
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, nkv = b["key_cache"].shape[:2]
+    keys = torch.randn(num_blocks, nkv, head_size // 16, block_size, 16, generator=gen) * 3
+    values = torch.rand(num_blocks, nkv, head_size, block_size, generator=gen) * 2 - 1
+    b["key_cache"], b["value_cache"] = fp8_quant(keys, K_SCALE), fp8_quant(values, V_SCALE)
+    b["poisoned_k"], b["poisoned_v"] = b["key_cache"].clone(), b["value_cache"].clone()
+    for s, n in enumerate(b["seq_lens"].tolist()):
+        if n % block_size:
+            last = int(b["block_tables"][s, (n - 1) // block_size])
+            b["poisoned_k"].view(torch.uint8)[last, :, :, n % block_size:, :] = 0x7F
+            b["poisoned_v"].view(torch.uint8)[last, :, :, n % block_size:] = 0x7F
+    return b
+
+
+def run_fp8(version: str, b: dict, backend: str = KERNEL_BACKEND) -> torch.Tensor:
+    """The reference v1 or v2 (mini_vllm.csrc.ops) on b's poisoned fp8 caches."""
+    from mini_vllm.csrc import ops
+
+    dev = "cuda" if backend == "cuda" else "cpu"
+    on = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+    out = torch.full_like(on["query"], float("nan"))
+    args = (on["query"], on["poisoned_k"], on["poisoned_v"], on["num_kv_heads"], on["scale"],
+            on["block_tables"], on["seq_lens"], on["block_size"], on["max_seq_len"],
+            on["alibi_slopes"], "fp8", K_SCALE, V_SCALE)
+    if version == "v1":
+        ops.paged_attention_v1(out, *args, backend=backend)
+    else:
+        ops.paged_attention_v2(out, *partition_buffers(on), *args, backend=backend)
+    return out.cpu()
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype, head_size, block_size, num_heads, use_alibi", FP8_CASES)
+def test_reference_kernels_on_an_fp8_cache_match_the_oracle(version, dtype, head_size,
+                                                            block_size, num_heads, use_alibi):
+    """v1 and v2 read an fp8 cache as stored * k_scale (keys) and stored * v_scale (values):
+    the result is lab 02-04's PyTorch oracle on the same fp8 cache and scales, to fp32
+    rounding; the NaN bytes in unused slots never reach it."""
+    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle_v1
+
+    require(KERNEL_BACKEND)
+    b = fp8_batch(dtype, head_size, block_size, num_heads, use_alibi)
+    want = torch.empty_like(b["query"])
+    oracle_v1(want, b["query"], b["key_cache"], b["value_cache"], b["num_kv_heads"], b["scale"],
+              b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"],
+              b["alibi_slopes"], "fp8", K_SCALE, V_SCALE)
+    assert_close(run_fp8(version, b), want, msg=f"{version} on an fp8 cache")
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reference_reshape_and_cache_writes_the_oracles_fp8_bytes(dtype):
+    """reshape_and_cache into an fp8 cache stores e4m3(clamp(x / scale, -448, 448)) in the
+    x = 16 layout: byte for byte the oracle's, saturation, padding slots and NaN included;
+    slots it does not write keep their bytes."""
+    from mini_vllm.attention import cache_ops
+    from mini_vllm.csrc import ops
+
+    require(KERNEL_BACKEND)
+    dev = "cuda" if KERNEL_BACKEND == "cuda" else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, nkv, hs, bs, num_blocks = 29, 2, 64, 16, 5
+    key = (torch.randn(num_tokens + 3, nkv, hs, generator=gen) * 4).to(dtype)
+    value = (torch.randn(num_tokens + 3, nkv, hs, generator=gen) * 0.5).to(dtype)
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, float("nan"), 0.0]).to(dtype)  # saturates, NaN
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens]
+    slots[::4] = -1  # padding tokens
+    noise = torch.randint(0, 126, (num_blocks * nkv * hs * bs,), generator=gen, dtype=torch.uint8)
+    kc = noise.clone().view(torch.float8_e4m3fn).view(num_blocks, nkv, hs // 16, bs, 16)
+    vc = noise.flip(0).view(torch.float8_e4m3fn).view(num_blocks, nkv, hs, bs)
+    ek, ev = kc.clone(), vc.clone()
+    cache_ops.reshape_and_cache(key, value, ek, ev, slots, "fp8", K_SCALE, V_SCALE)
+    got_k, got_v = kc.to(dev), vc.to(dev)
+    ops.reshape_and_cache(key.to(dev), value.to(dev), got_k, got_v, slots.to(dev), "fp8",
+                          K_SCALE, V_SCALE, backend=KERNEL_BACKEND)
+    for name, got, want in (("key_cache", got_k, ek), ("value_cache", got_v, ev)):
+        assert_close(got.cpu().view(torch.uint8), want.view(torch.uint8), atol=0, rtol=0,
+                     msg=f"fp8 {name} bytes")
+    assert not torch.equal(ek.view(torch.uint8), noise.view(ek.shape)), "nothing was written"
+
+
+FP8_BAD = {
+    "k_scale zero": dict(k_scale=0.0),
+    "v_scale negative": dict(v_scale=-0.5),
+    "k_scale nan": dict(k_scale=float("nan")),
+    "v_scale inf": dict(v_scale=float("inf")),
+    "fp8 cache named auto": dict(kv_cache_dtype="auto"),
+    "fp8 cache with x = 8": dict(key_layout_x=8),
+    "model-dtype cache named fp8": dict(model_cache=True),
+}
+
+
+@pytest.mark.starter_ok
+@pytest.mark.parametrize("op", ["v1", "v2", "reshape_and_cache"])
+@pytest.mark.parametrize("case", sorted(FP8_BAD))
+def test_reference_fp8_ops_reject_bad_input_before_writing(op, case):
+    """A scale that is zero, negative or not finite, an fp8 cache without kv_cache_dtype="fp8"
+    (or the reverse), an fp8 key cache in the x = 8 layout: ValueError, nothing written."""
+    from mini_vllm.csrc import ops
+
+    bad = dict(FP8_BAD[case])
+    kv = dict(kv_cache_dtype=bad.pop("kv_cache_dtype", "fp8"), k_scale=bad.pop("k_scale", 0.1),
+              v_scale=bad.pop("v_scale", 0.1))
+    x = bad.pop("key_layout_x", 16)
+    nb, nkv, hs, bs = 4, 2, 64, 16
+    dtype = torch.float16
+    if bad.pop("model_cache", False):
+        kc, vc = torch.zeros(nb, nkv, hs // 8, bs, 8, dtype=dtype), torch.zeros(nb, nkv, hs, bs,
+                                                                                dtype=dtype)
+    else:
+        kc = torch.zeros(nb, nkv, hs // x, bs, x).to(E4M3)
+        vc = torch.zeros(nb, nkv, hs, bs).to(E4M3)
+    before = (kc.clone(), vc.clone())
+    with pytest.raises(ValueError):
+        if op == "reshape_and_cache":
+            key = torch.ones(3, nkv, hs, dtype=dtype)
+            ops.reshape_and_cache(key, key.clone(), kc, vc, torch.tensor([0, 1, 2]), **kv,
+                                  backend="emulation")
+        else:
+            q = torch.ones(2, 4, hs, dtype=dtype)
+            out = torch.full_like(q, 7.0)
+            args = (q, kc, vc, nkv, 0.125, torch.zeros(2, 2, dtype=torch.int32),
+                    torch.tensor([3, 20], dtype=torch.int32), bs, 20)
+            if op == "v1":
+                ops.paged_attention_v1(out, *args, **kv, backend="emulation")
+            else:
+                bufs = (torch.zeros(2, 4, 1), torch.zeros(2, 4, 1), torch.zeros(2, 4, 1, hs,
+                                                                                dtype=dtype))
+                ops.paged_attention_v2(out, *bufs, *args, **kv, backend="emulation")
+            assert (out == 7.0).all()
+    assert torch.equal(kc.view(torch.uint8) if kc.dtype == E4M3 else kc,
+                       before[0].view(torch.uint8) if kc.dtype == E4M3 else before[0])
+    assert torch.equal(vc.view(torch.uint8) if vc.dtype == E4M3 else vc,
+                       before[1].view(torch.uint8) if vc.dtype == E4M3 else before[1])
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@WHERE
+@pytest.mark.parametrize("dtype, head_size, block_size, num_heads, partition_size", [
+    pytest.param(torch.float16, 128, 8, (16, 2), 64, id="fp16-d128-b8-group8-p64"),
+    pytest.param(torch.bfloat16, 80, 32, (12, 1), 512, id="bf16-d80-b32-group12-p512"),
+])
+def test_reference_gqa_kernel_on_an_fp8_cache_matches_the_oracle(dtype, head_size, block_size,
+                                                                 num_heads, partition_size):
+    """The GQA-aware kernel reads an fp8 cache as v1 and v2 do (its scalar path): the oracle's
+    result on the same cache and scales, groups larger than one thread block's 8 heads and
+    partitions smaller than v2's included."""
+    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle_v1
+    from mini_vllm.csrc import ops
+
+    require(KERNEL_BACKEND)
+    b = fp8_batch(dtype, head_size, block_size, num_heads, True)
+    dev = "cuda" if KERNEL_BACKEND == "cuda" else "cpu"
+    on = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+    want = torch.empty_like(b["query"])
+    common = (b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"], b["block_size"],
+              b["max_seq_len"], b["alibi_slopes"], "fp8", K_SCALE, V_SCALE)
+    oracle_v1(want, b["query"], b["key_cache"], b["value_cache"], *common)
+    num_seqs, nh, hs = b["query"].shape
+    parts = ops.gqa_num_partitions(b["max_seq_len"], partition_size)
+    bufs = (torch.empty(num_seqs, nh, parts, device=dev), torch.empty(num_seqs, nh, parts,
+                                                                       device=dev),
+            torch.empty(num_seqs, nh, parts, hs, dtype=dtype, device=dev))
+    out = torch.full_like(on["query"], float("nan"))
+    ops.paged_attention_gqa(out, *bufs, on["query"], on["poisoned_k"], on["poisoned_v"],
+                            *[on[k] for k in ("num_kv_heads", "scale", "block_tables",
+                                              "seq_lens", "block_size", "max_seq_len",
+                                              "alibi_slopes")],
+                            "fp8", K_SCALE, V_SCALE, backend=KERNEL_BACKEND,
+                            partition_size=partition_size)
+    assert_close(out.cpu(), want, msg="GQA-aware kernel on an fp8 cache")
+
+
+@pytest.mark.starter_ok
+@pytest.mark.oracle
+@pytest.mark.emulation
+def test_paged_decode_passes_the_fp8_cache_to_the_kernel_it_chooses():
+    """paged_decode (the engine's decode on a GPU) hands kv_cache_dtype and the scales to the
+    kernel it chooses: here the GQA-aware one."""
+    from mini_vllm.attention.paged_attn import paged_attention_v1 as oracle_v1
+    from mini_vllm.csrc import ops
+
+    require("emulation")
+    b = fp8_batch(torch.float16, 64, 16, (8, 2), False)
+    args = (b["query"], b["key_cache"], b["value_cache"], b["num_kv_heads"], b["scale"],
+            b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"], None)
+    out = torch.full_like(b["query"], float("nan"))
+    kernel = ops.paged_decode(out, *args, kv_cache_dtype="fp8", k_scale=K_SCALE,
+                              v_scale=V_SCALE, backend="emulation")
+    assert kernel == "gqa"
+    want = torch.empty_like(out)
+    oracle_v1(want, *args, "fp8", K_SCALE, V_SCALE)
+    assert_close(out, want, msg=f"paged_decode ({kernel}) on an fp8 cache")
+
+
+# ------------------------------------------------------------------------------------------
 # Tasks 1 and 2 alone: probes that run one step of the kernel and copy out its result
 # (mini_vllm/csrc/attention_probes.cuh), so each task is checked before the next is written
 # ------------------------------------------------------------------------------------------
