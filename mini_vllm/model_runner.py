@@ -137,8 +137,10 @@ class PagedAttentionBackend:
     ``kv_scales`` (one pair per layer, in the order of ``kv_caches``), or, where that is
     ``None``, is computed once from the first K/V the layer sees (the first step's tokens):
     ``amax(|k|) / K_SCALE_CONSTANT`` and ``amax(|v|) / V_SCALE_CONSTANT``, as upstream's
-    ``calc_kv_scales``. The CUDA kernels have no fp8 path yet, so an fp8 cache always runs the
-    PyTorch ops; chunked-prefill attention reads a dequantized copy of the prefill blocks.
+    ``calc_kv_scales``. An fp8 cache runs the PyTorch ops, on a GPU too: the CUDA kernels read
+    one (``mini_vllm.csrc.ops``, checked in the CPU emulation), but this backend does not call
+    them for it yet, since that path could not be run on a GPU here. Chunked-prefill attention
+    reads a dequantized copy of the prefill blocks.
 
     upstream: vllm/attention/ops/chunked_prefill_paged_decode.py:227 @ v0.11.0
     """
