@@ -137,10 +137,9 @@ class PagedAttentionBackend:
     ``kv_scales`` (one pair per layer, in the order of ``kv_caches``), or, where that is
     ``None``, is computed once from the first K/V the layer sees (the first step's tokens):
     ``amax(|k|) / K_SCALE_CONSTANT`` and ``amax(|v|) / V_SCALE_CONSTANT``, as upstream's
-    ``calc_kv_scales``. An fp8 cache runs the PyTorch ops, on a GPU too: the CUDA kernels read
-    one (``mini_vllm.csrc.ops``, checked in the CPU emulation), but this backend does not call
-    them for it yet, since that path could not be run on a GPU here. Chunked-prefill attention
-    reads a dequantized copy of the prefill blocks.
+    ``calc_kv_scales``. With the CUDA ops, the cache write and the decodes run the kernels' fp8
+    path (``mini_vllm.csrc.ops``); chunked-prefill attention, which has no kernel, reads a
+    dequantized copy of the prefill blocks in either case.
 
     upstream: vllm/attention/ops/chunked_prefill_paged_decode.py:227 @ v0.11.0
     """
@@ -156,7 +155,7 @@ class PagedAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.fp8 = is_fp8(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
-        self.cuda_ops = None if self.fp8 else cuda_ops
+        self.cuda_ops = cuda_ops
         # Which layer a key cache belongs to: the model hands the backend caches, not indices.
         self._layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(kv_caches or [])}
         n = len(self._layer_of)
@@ -221,14 +220,29 @@ class PagedAttentionBackend:
         """The same step on an fp8 cache: quantize on write, dequantize on read."""
         k_scale, v_scale = self._scales(key, value, key_cache)
         fp8 = (self.kv_cache_dtype, k_scale, v_scale)
-        cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, *fp8)
+        ops = self.cuda_ops
+        if ops is not None:
+            ops.reshape_and_cache(key, value, key_cache, value_cache,
+                                  meta.slot_mapping.to(key.device), *fp8)
+        else:
+            cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                                        *fp8)
         nd, nt = meta.num_decodes, meta.num_decode_tokens
         out = query.new_empty(query.shape) if meta.num_prefills else None
-        if nd:
+        if nd and ops is not None:
+            decoded = torch.empty_like(query[:nt])
+            ops.paged_decode(  # v1, v2 or the GQA kernel's scalar path, each reading fp8
+                decoded, query[:nt].contiguous(), key_cache, value_cache, self.num_kv_heads,
+                scale, meta.block_tables[:nd].to(query.device),
+                meta.seq_lens[:nd].to(query.device), key_cache.shape[3],
+                meta.max_decode_seq_len, None, *fp8,
+            )
+        elif nd:
             decoded = paged_attn.forward_decode(
                 query[:nt], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                 meta.max_decode_seq_len, self.num_kv_heads, scale, None, *fp8,
             )
+        if nd:
             if out is None:
                 return decoded
             out[:nt] = decoded

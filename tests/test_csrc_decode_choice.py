@@ -177,6 +177,55 @@ def test_paged_decode_runs_a_students_v2_rather_than_the_gqa_kernel(monkeypatch)
     assert calls == ["emulation"]
 
 
+@pytest.mark.emulation
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_engine_with_the_kernels_generates_what_it_does_with_the_pytorch_ops(
+        kv_cache_dtype, monkeypatch):
+    """The engine's GPU path on a CPU: the kernels in the emulation stand where a GPU's would
+    (mini_vllm.model_runner._load_cuda_ops), so the cache writes and the decodes go through
+    ops.reshape_and_cache and ops.paged_decode (the fp8 path included) while chunked prefill
+    stays in PyTorch; the tokens equal those of the PyTorch ops, which the engine tests compare
+    with the no-cache oracle (tests/engine)."""
+    from mini_vllm import model_runner
+    from mini_vllm.csrc.emulation import flavor_supported
+    from mini_vllm.llm import LLM
+    from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+    from mini_vllm.sampling_params import SamplingParams
+
+    reason = flavor_supported("plain")
+    if reason:
+        pytest.skip(reason)
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
+                      max_position_embeddings=256)  # head size 64, one the kernels are built for
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, seed=3, std=0.5)
+    model = model.eval().requires_grad_(False)
+    prompts = [[(7 * i + 3 * j) % 60 + 1 for j in range(n)] for i, n in enumerate((5, 21, 12))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    config = dict(block_size=16, num_gpu_blocks=16, max_num_batched_tokens=16,
+                  kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype == "fp8":
+        config["kv_scales"] = (0.02, 0.02)
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = tokens(LLM(model, use_cuda_ops=False, **config))
+    calls = []
+    real_decode = ops.paged_decode
+
+    def counted_decode(*args, **kwargs):
+        calls.append(real_decode(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(ops, "paged_decode", counted_decode)
+    monkeypatch.setattr(model_runner, "_load_cuda_ops", lambda device: ops)
+    assert tokens(LLM(model, **config)) == want
+    assert calls and set(calls) <= {"v1", "v2", "gqa"}, calls
+
+
 def test_the_engine_backend_decodes_through_paged_decode():
     """PagedAttentionBackend (mini_vllm.model_runner) hands GPU decodes to ops.paged_decode."""
     import inspect
