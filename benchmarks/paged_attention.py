@@ -12,8 +12,11 @@ events, with the L2 cache flushed (a write over a buffer twice its size) before 
 median is reported. The physical block pool is at least four times the L2 size and every
 sequence's block table is a random draw of distinct blocks, so K/V come from HBM as in serving.
 Bandwidth counts the bytes a decode step must read at least once (each KV head's K and V of
-every context token, the queries) plus the output; ``pct_of_copy_bandwidth`` compares it with
-the device-to-device copy bandwidth measured at the start (read + write bytes of a large copy).
+every context token, the queries) plus the output; ``pct_of_read_bandwidth`` compares it with
+the read-only bandwidth measured at the start (a sum over a buffer of 8 x L2: a decode kernel
+reads and hardly writes, so this is its ceiling), ``pct_of_copy_bandwidth`` with the
+device-to-device copy bandwidth (read + write bytes of a large copy). A shape or kernel that runs
+out of GPU memory is reported as "skipped: out of memory" and the sweep goes on.
 
 FP8 cache rows (``--kv-cache-dtype fp8``, or ``both`` for each shape twice): the caches hold
 e4m3 bytes with one scale per cache (x = 16), the mini_vllm kernels read them directly, and
@@ -310,57 +313,99 @@ def environment() -> dict:
     }
 
 
-def bench(shapes: list[Shape], kernels: dict[str, KernelFactory], warmup: int, reps: int,
-          only: set[str] | None) -> dict:
+def read_bandwidth_gbps(l2_bytes: int, flush: torch.Tensor, reps: int = 20,
+                        device: str = "cuda", timer=None) -> float:
+    """Read-only bandwidth: the bytes of a buffer of 8 x L2 over the time of a sum that reads it
+    once. A decode kernel reads K/V and writes almost nothing, so this, not the copy, is its
+    ceiling (a copy's writes share the memory bus with its reads)."""
+    n = max(8 * l2_bytes, 256 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    total = torch.empty((), dtype=torch.float32, device=device)
+    us = (timer or time_gpu)(lambda: torch.sum(src, out=total), flush, 3, reps)
+    return src.numel() * 4 / (us * 1e-6) / 1e9
+
+
+SKIPPED_OOM = "skipped: out of memory"
+
+
+def bench_shape(shape: Shape, kernels: dict[str, KernelFactory], only: set[str] | None,
+                l2: int, flush: torch.Tensor, warmup: int, reps: int, roofs: dict[str, float],
+                device: str = "cuda", timer=None) -> list[dict]:
+    """One record per kernel at `shape`: its time, GB/s and share of each roof in `roofs`
+    (name -> GB/s), or why it has none. A shape whose inputs do not fit the device, or a kernel
+    that runs out of memory, is reported as skipped and the sweep goes on."""
     from course.numerics import assert_close
 
+    names = [name for name in kernels if not only or name in only]
+
+    def record(name: str) -> dict:
+        return {"kernel": name, **asdict(shape), "us": None, "gbps": None,
+                **{f"pct_of_{roof}_bandwidth": None for roof in roofs}, "status": "ok"}
+
+    try:
+        b = Batch(shape, device, l2)
+        expected = expected_output(b)
+    except torch.cuda.OutOfMemoryError as exc:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        why = f"{SKIPPED_OOM} for the inputs ({str(exc).splitlines()[0][:80]})"
+        return [{**record(name), "status": why} for name in names]
+    records = []
+    for name in names:
+        rec = record(name)
+        try:
+            fn = kernels[name](b)
+            b.out.fill_(float("nan"))
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            assert_close(b.out, expected, msg=name)
+            us = (timer or time_gpu)(fn, flush, warmup, reps)
+            gbps = b.useful_bytes() / (us * 1e-6) / 1e9
+            rec.update(us=round(us, 2), gbps=round(gbps, 1))
+            rec.update({f"pct_of_{roof}_bandwidth": round(100 * gbps / roof_gbps, 1)
+                        for roof, roof_gbps in roofs.items()})
+        except NotImplementedError as exc:
+            rec["status"] = f"not implemented: {exc}"
+        except AssertionError as exc:
+            rec["status"] = "WRONG: " + str(exc).splitlines()[0]
+        except torch.cuda.OutOfMemoryError as exc:
+            rec["status"] = f"{SKIPPED_OOM} ({str(exc).splitlines()[0][:80]})"
+        except Exception as exc:  # a baseline this PyTorch cannot run, an unsupported size
+            rec["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        if device == "cuda" and rec["status"].startswith(SKIPPED_OOM):
+            torch.cuda.empty_cache()
+        records.append(rec)
+    return records
+
+
+def bench(shapes: list[Shape], kernels: dict[str, KernelFactory], warmup: int, reps: int,
+          only: set[str] | None) -> dict:
     env = environment()
     l2 = env["l2_bytes"]
     flush = torch.empty(2 * l2 // 4 + 1, dtype=torch.float32, device="cuda")
-    copy_gbps = copy_bandwidth_gbps(l2, flush)
+    roofs = {"read": read_bandwidth_gbps(l2, flush), "copy": copy_bandwidth_gbps(l2, flush)}
     print(f"{env['device']}  driver {env['driver']}  torch {env['torch']}  "
-          f"copy bandwidth {copy_gbps:.0f} GB/s")
+          f"read bandwidth {roofs['read']:.0f} GB/s  copy bandwidth {roofs['copy']:.0f} GB/s")
     records = []
     header = (f"{'kernel':22} {'seqs':>5} {'ctx':>6} {'q/kv':>7} {'d':>4} {'blk':>4} {'dtype':>5}"
-              f" {'kv':>4} {'us':>9} {'GB/s':>7} {'%copy':>6}  status")
+              f" {'kv':>4} {'us':>9} {'GB/s':>7} {'%read':>6} {'%copy':>6}  status")
     print(header)
     print("-" * len(header))
     for shape in shapes:
-        b = Batch(shape, "cuda", l2)
-        expected = expected_output(b)
-        for name, make in kernels.items():
-            if only and name not in only:
-                continue
-            rec = {"kernel": name, **asdict(shape), "us": None, "gbps": None,
-                   "pct_of_copy_bandwidth": None, "status": "ok"}
-            try:
-                fn = make(b)
-                b.out.fill_(float("nan"))
-                fn()
-                torch.cuda.synchronize()
-                assert_close(b.out, expected, msg=name)
-                us = time_gpu(fn, flush, warmup, reps)
-                gbps = b.useful_bytes() / (us * 1e-6) / 1e9
-                rec.update(us=round(us, 2), gbps=round(gbps, 1),
-                           pct_of_copy_bandwidth=round(100 * gbps / copy_gbps, 1))
-            except NotImplementedError as exc:
-                rec["status"] = f"not implemented: {exc}"
-            except AssertionError as exc:
-                rec["status"] = "WRONG: " + str(exc).splitlines()[0]
-            except Exception as exc:  # a baseline this PyTorch cannot run, an unsupported size
-                rec["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        for rec in bench_shape(shape, kernels, only, l2, flush, warmup, reps, roofs):
             records.append(rec)
-            us_s = f"{rec['us']:9.1f}" if rec["us"] is not None else f"{'-':>9}"
-            gb_s = f"{rec['gbps']:7.0f}" if rec["gbps"] is not None else f"{'-':>7}"
-            pc_s = (f"{rec['pct_of_copy_bandwidth']:6.1f}"
-                    if rec["pct_of_copy_bandwidth"] is not None else f"{'-':>6}")
-            print(f"{name:22} {shape.num_seqs:5} {shape.context_len:6} "
+            cells = [f"{rec['us']:9.1f}" if rec["us"] is not None else f"{'-':>9}",
+                     f"{rec['gbps']:7.0f}" if rec["gbps"] is not None else f"{'-':>7}"]
+            cells += [f"{rec[k]:6.1f}" if rec[k] is not None else f"{'-':>6}"
+                      for k in ("pct_of_read_bandwidth", "pct_of_copy_bandwidth")]
+            print(f"{rec['kernel']:22} {shape.num_seqs:5} {shape.context_len:6} "
                   f"{f'{shape.num_heads}/{shape.num_kv_heads}':>7} {shape.head_size:4} "
-                  f"{shape.block_size:4} {shape.dtype:>5} {shape.kv_cache_dtype:>4} {us_s} {gb_s} "
-                  f"{pc_s}  {rec['status']}")
-        del b, expected
+                  f"{shape.block_size:4} {shape.dtype:>5} {shape.kv_cache_dtype:>4} "
+                  f"{' '.join(cells)}  {rec['status']}")
         torch.cuda.empty_cache()
-    return {**env, "copy_bandwidth_gbps": round(copy_gbps, 1), "warmup": warmup, "reps": reps,
+    return {**env, "read_bandwidth_gbps": round(roofs["read"], 1),
+            "copy_bandwidth_gbps": round(roofs["copy"], 1), "warmup": warmup, "reps": reps,
             "records": records}
 
 

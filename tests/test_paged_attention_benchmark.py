@@ -1,0 +1,84 @@
+"""benchmarks/paged_attention.py's bookkeeping, on a CPU: every shape stays inside the error
+handling, so a point that runs out of GPU memory is reported as skipped and the sweep goes on.
+(The timings themselves need a GPU; here a stand-in timer returns a fixed time.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    name = "paged_attention_benchmark"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, REPO_ROOT / "benchmarks" / "paged_attention.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+SHAPE = dict(num_seqs=2, context_len=40, num_heads=4, num_kv_heads=2, head_size=64,
+             block_size=16, dtype="fp32")
+
+
+def fixed_timer(fn, flush, warmup, reps):
+    fn()
+    return 10.0  # µs
+
+
+def out_of_memory(batch):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+
+def test_a_kernel_out_of_memory_is_skipped_and_the_others_are_measured(bench):
+    shape = bench.Shape(**SHAPE)
+    kernels = {"too-big": out_of_memory, "sdpa_gathered": bench.sdpa_gathered}
+    roofs = {"read": 100.0, "copy": 50.0}
+    records = bench.bench_shape(shape, kernels, None, 1 << 16, torch.empty(1), 0, 1, roofs,
+                                device="cpu", timer=fixed_timer)
+    by_name = {r["kernel"]: r for r in records}
+    assert by_name["too-big"]["status"].startswith("skipped: out of memory")
+    assert by_name["too-big"]["us"] is None and by_name["too-big"]["gbps"] is None
+    ok = by_name["sdpa_gathered"]
+    assert ok["status"] == "ok" and ok["us"] == 10.0
+    batch = bench.Batch(shape, "cpu", 1 << 16)
+    gbps = batch.useful_bytes() / 10e-6 / 1e9
+    assert ok["gbps"] == round(gbps, 1)
+    assert ok["pct_of_read_bandwidth"] == round(100 * gbps / 100.0, 1)
+    assert ok["pct_of_copy_bandwidth"] == round(100 * gbps / 50.0, 1)
+
+
+def test_a_shape_whose_inputs_do_not_fit_is_skipped_for_every_kernel(bench, monkeypatch):
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 120.00 GiB")
+
+    monkeypatch.setattr(bench, "Batch", no_room)
+    kernels = {"v1": out_of_memory, "v2": out_of_memory, "sdpa_gathered": out_of_memory}
+    records = bench.bench_shape(bench.Shape(**SHAPE), kernels, {"v1", "sdpa_gathered"},
+                                1 << 16, torch.empty(1), 0, 1, {"copy": 50.0}, device="cpu",
+                                timer=fixed_timer)
+    assert [r["kernel"] for r in records] == ["v1", "sdpa_gathered"]  # `only` is respected
+    for r in records:
+        assert r["status"].startswith("skipped: out of memory for the inputs"), r
+        assert r["num_seqs"] == 2 and r["pct_of_copy_bandwidth"] is None
+
+
+def test_a_wrong_kernel_is_reported_not_timed(bench):
+    def wrong(batch):
+        def run():
+            batch.out.zero_()
+        return run
+
+    records = bench.bench_shape(bench.Shape(**SHAPE), {"wrong": wrong}, None, 1 << 16,
+                                torch.empty(1), 0, 1, {"copy": 50.0}, device="cpu",
+                                timer=lambda *a: pytest.fail("a wrong kernel was timed"))
+    assert records[0]["status"].startswith("WRONG: wrong")
