@@ -26,7 +26,8 @@ dequantized copy made before timing, so their rows measure a model-dtype read.
 
     python benchmarks/paged_attention.py                      # upstream's default shape
     python benchmarks/paged_attention.py --kv-cache-dtype both   # fp16 and fp8 cache rows
-    python benchmarks/paged_attention.py --sweep --json out.json
+    python benchmarks/paged_attention.py --sweep --json out.json   # + out.roofline.png
+    python benchmarks/paged_attention.py --roofline out.json       # redraw it, no GPU needed
 
 Without a CUDA GPU it exits with status 2 and says so.
 """
@@ -64,6 +65,21 @@ class Shape:
     block_size: int = 16
     dtype: str = "fp16"
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 cache read with k_scale / v_scale
+
+
+def useful_bytes(s: Shape) -> int:
+    """Bytes a decode step must move at least once: K and V of every context token of every KV
+    head (one byte per element for an fp8 cache), the queries, the output."""
+    elem = torch.empty((), dtype=DTYPES[s.dtype]).element_size()
+    kv_elem = 1 if s.kv_cache_dtype == "fp8" else elem
+    kv = 2 * s.num_seqs * s.context_len * s.num_kv_heads * s.head_size * kv_elem
+    return kv + 2 * s.num_seqs * s.num_heads * s.head_size * elem
+
+
+def useful_flops(s: Shape) -> int:
+    """Floating-point operations of a decode step: q . k and p * v for every query head and
+    context token, a multiply and an add per element of each (the softmax is negligible)."""
+    return 2 * 2 * s.num_seqs * s.num_heads * s.context_len * s.head_size
 
 
 def sweep_shapes(base: Shape) -> list[Shape]:
@@ -128,11 +144,7 @@ class Batch:
         self.kv_elem = kv_elem
 
     def useful_bytes(self) -> int:
-        """Bytes a decode step must move at least once: K and V of every context token of
-        every KV head (one byte per element for an fp8 cache), the queries, the output."""
-        s = self.shape
-        kv = 2 * s.num_seqs * s.context_len * s.num_kv_heads * s.head_size * self.kv_elem
-        return kv + 2 * self.query.numel() * self.elem
+        return useful_bytes(self.shape)
 
     def v1_args(self) -> tuple:
         """v1's arguments; an fp8 cache adds ("fp8", k_scale, v_scale)."""
@@ -325,6 +337,21 @@ def read_bandwidth_gbps(l2_bytes: int, flush: torch.Tensor, reps: int = 20,
     return src.numel() * 4 / (us * 1e-6) / 1e9
 
 
+def matmul_tflops(dtype: torch.dtype, reps: int = 20) -> float:
+    """Measured compute ceiling: TFLOP/s of a large square matmul (fp16: the tensor cores; fp32
+    with TF32 off: the CUDA cores' FMA, what v1/v2 compute with)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(dtype)
+    b = torch.randn(n, n, device="cuda").to(dtype)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        us = time_gpu(lambda: torch.mm(a, b), torch.empty(1, device="cuda"), 3, reps)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
 SKIPPED_OOM = "skipped: out of memory"
 
 
@@ -404,9 +431,67 @@ def bench(shapes: list[Shape], kernels: dict[str, KernelFactory], warmup: int, r
                   f"{shape.block_size:4} {shape.dtype:>5} {shape.kv_cache_dtype:>4} "
                   f"{' '.join(cells)}  {rec['status']}")
         torch.cuda.empty_cache()
+    compute = {"fp32": matmul_tflops(torch.float32), "fp16": matmul_tflops(torch.float16)}
     return {**env, "read_bandwidth_gbps": round(roofs["read"], 1),
-            "copy_bandwidth_gbps": round(roofs["copy"], 1), "warmup": warmup, "reps": reps,
-            "records": records}
+            "copy_bandwidth_gbps": round(roofs["copy"], 1),
+            "matmul_tflops": {k: round(v, 1) for k, v in compute.items()},
+            "warmup": warmup, "reps": reps, "records": records}
+
+
+# ------------------------------------------------------------------------------------------
+# The roofline: each kernel's achieved FLOP/s against its arithmetic intensity and the roofs
+# ------------------------------------------------------------------------------------------
+
+
+def roofline_path(json_path: str | Path) -> Path:
+    return Path(json_path).with_suffix(".roofline.png")
+
+
+def roofline_points(results: dict) -> list[dict]:
+    """One point per measured record: intensity (FLOPs per byte that must be moved) and the
+    achieved GFLOP/s, with the kernel and the shape it ran."""
+    fields = set(Shape.__dataclass_fields__)
+    points = []
+    for rec in results["records"]:
+        if rec.get("us") is None:
+            continue
+        shape = Shape(**{k: v for k, v in rec.items() if k in fields})
+        points.append({"kernel": rec["kernel"], "shape": shape,
+                       "intensity": useful_flops(shape) / useful_bytes(shape),
+                       "gflops": useful_flops(shape) / (rec["us"] * 1e-6) / 1e9})
+    return points
+
+
+def draw_roofline(results: dict, path: str | Path) -> Path:
+    """The roofline of a results file: the read-bandwidth roof (measured), each measured matmul
+    ceiling, and a point per kernel and shape. Decode attention sits far left (about one FLOP
+    per byte per query head sharing a KV head), so the bandwidth roof is the one that binds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = roofline_points(results)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    xs = [0.1, 1000.0]
+    bw = results["read_bandwidth_gbps"]  # GB/s x FLOP/byte = GFLOP/s
+    ax.plot(xs, [bw * x for x in xs], "k-", lw=1, label=f"read bandwidth {bw:.0f} GB/s")
+    for name, tflops in (results.get("matmul_tflops") or {}).items():
+        ax.axhline(tflops * 1000, ls="--", lw=1, label=f"{name} matmul {tflops:.0f} TFLOP/s")
+    for kernel in sorted({p["kernel"] for p in points}):
+        mine = [p for p in points if p["kernel"] == kernel]
+        ax.scatter([p["intensity"] for p in mine], [p["gflops"] for p in mine], s=18,
+                   label=kernel)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte a decode step must move)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title(f"Paged decode attention on {results.get('device', '?')}")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
 
 
 def main(argv: list[str] | None = None,
@@ -426,7 +511,14 @@ def main(argv: list[str] | None = None,
                    help="the cache: the model's dtype, fp8 (e4m3), or both rows for each shape")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--roofline", metavar="JSON",
+                   help="only draw the roofline of an existing results file (no GPU needed)")
     args = p.parse_args(argv)
+
+    if args.roofline:
+        results = json.loads(Path(args.roofline).read_text(encoding="utf-8"))
+        print(f"wrote {draw_roofline(results, roofline_path(args.roofline))}")
+        return 0
 
     if not torch.cuda.is_available():
         print("paged_attention benchmark: needs a CUDA GPU (torch.cuda.is_available() is False)."
@@ -445,7 +537,8 @@ def main(argv: list[str] | None = None,
     results = bench(shapes, kernels, args.warmup, args.reps, set(args.kernels or ()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        plot = draw_roofline(results, roofline_path(args.json))
+        print(f"wrote {args.json} and {plot}")
     return 0
 
 

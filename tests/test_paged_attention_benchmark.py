@@ -82,3 +82,29 @@ def test_a_wrong_kernel_is_reported_not_timed(bench):
                                 torch.empty(1), 0, 1, {"copy": 50.0}, device="cpu",
                                 timer=lambda *a: pytest.fail("a wrong kernel was timed"))
     assert records[0]["status"].startswith("WRONG: wrong")
+
+
+def test_the_roofline_places_each_kernel_by_its_intensity_and_is_drawn_next_to_the_json(
+        bench, tmp_path):
+    import json
+
+    shape = bench.Shape(**SHAPE)
+    records = bench.bench_shape(shape, {"sdpa_gathered": bench.sdpa_gathered,
+                                        "too-big": out_of_memory},
+                                None, 1 << 16, torch.empty(1), 0, 1, {"read": 100.0},
+                                device="cpu", timer=fixed_timer)
+    results = {"device": "a CPU (stand-in timings)", "read_bandwidth_gbps": 100.0,
+               "matmul_tflops": {"fp32": 50.0, "fp16": 700.0}, "records": records}
+    (point,) = bench.roofline_points(results)  # the skipped kernel has no point
+    # 2 sequences x 4 heads x 40 tokens x 64: q.k and p.v, a multiply and an add each.
+    flops = 4 * 2 * 4 * 40 * 64
+    # K and V of 2 KV heads (fp32) for every token, plus the queries and the output.
+    moved = 2 * 2 * 40 * 2 * 64 * 4 + 2 * 2 * 4 * 64 * 4
+    assert point["kernel"] == "sdpa_gathered"
+    assert point["intensity"] == pytest.approx(flops / moved)
+    assert point["gflops"] == pytest.approx(flops / 10e-6 / 1e9)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results, default=str))
+    assert bench.main(["--roofline", str(path)]) == 0  # no GPU needed to redraw it
+    png = tmp_path / "results.roofline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
