@@ -37,6 +37,22 @@ def chosen_impl() -> str:
     return value
 
 
+def load_script(name: str, path: Path) -> ModuleType:
+    """The Python file `path`, which belongs to no package (a benchmark script, a lab's starter
+    loaded by a tool), as module `name`; loaded once per process, then taken from sys.modules."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before exec: dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def module_name(lab_id: str, impl: str) -> str:
     """Unique per lab and implementation, so that many labs' files coexist in one process."""
     return f"course_labs.lab_{lab_id.replace('-', '_')}.{impl}"

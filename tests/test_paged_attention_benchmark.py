@@ -4,26 +4,19 @@ handling, so a point that runs out of GPU memory is reported as skipped and the 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from course.loader import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    name = "paged_attention_benchmark"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, REPO_ROOT / "benchmarks" / "paged_attention.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script("paged_attention_benchmark", REPO_ROOT / "benchmarks" / "paged_attention.py")
 
 
 SHAPE = dict(num_seqs=2, context_len=40, num_heads=4, num_kv_heads=2, head_size=64,

@@ -11,7 +11,6 @@ Needs a CUDA GPU; without one it says so and exits with status 2.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,17 +18,11 @@ LAB_DIR = Path(__file__).resolve().parent
 REPO_ROOT = LAB_DIR.parents[2]
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def student_kernels() -> dict:
     """The starter build's raw v1 / v2 (no Python checks inside the timed region)."""
-    starter = _load("lab_02_06_starter_bench", LAB_DIR / "starter.py")
+    from course.loader import load_script
+
+    starter = load_script("lab_02_06_starter_bench", LAB_DIR / "starter.py")
     mod = starter.build(backend="cuda")
     return {
         "student_v1": lambda b: (lambda: mod.paged_attention_v1(*b.v1_args())),
@@ -40,7 +33,10 @@ def student_kernels() -> dict:
 def main(argv: list[str] | None = None) -> int:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    bench = _load("paged_attention_benchmark", REPO_ROOT / "benchmarks" / "paged_attention.py")
+    from course.loader import load_script
+
+    bench = load_script("paged_attention_benchmark",
+                        REPO_ROOT / "benchmarks" / "paged_attention.py")
     return bench.main(argv, extra_kernels=student_kernels)
 
 

@@ -15,8 +15,6 @@ first.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
@@ -32,14 +30,10 @@ WARMUP, REPS = 5, 20
 
 def _benchmark():
     """benchmarks/paged_attention.py, the lab benchmark's engine (Batch, time_gpu)."""
-    name = "paged_attention_benchmark"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, REPO_ROOT / "benchmarks" / "paged_attention.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    from course.loader import load_script
+
+    return load_script("paged_attention_benchmark",
+                       REPO_ROOT / "benchmarks" / "paged_attention.py")
 
 
 def sizes(quick: bool) -> list[int]:
