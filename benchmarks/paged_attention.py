@@ -464,8 +464,9 @@ def roofline_points(results: dict) -> list[dict]:
 
 def draw_roofline(results: dict, path: str | Path) -> Path:
     """The roofline of a results file: the read-bandwidth roof (measured), each measured matmul
-    ceiling, and a point per kernel and shape. Decode attention sits far left (about one FLOP
-    per byte per query head sharing a KV head), so the bandwidth roof is the one that binds."""
+    ceiling, and a point per kernel and shape. Decode attention sits far left (2 / element size
+    FLOPs per byte for each query head that shares a KV head: one per head in fp16), so the
+    bandwidth roof is the one that binds."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -32,8 +32,8 @@ def check_qk_logits_probe(logits, range_max, query, key_cache, value_cache, num_
                           block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
                           range_tokens, backend=None) -> tuple[str, int]:
     """Check the step-1 probe's inputs; return (backend, the range's tokens)."""
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device) if (
-        isinstance(query, torch.Tensor)) else query
+    # The kernels' own checks want an output like the query; the probe writes none.
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, backend=backend)
