@@ -2,9 +2,9 @@
 
 Kernels: mini_vllm's CUDA v1, v2 and GQA-aware kernels (``mini_vllm/csrc``), PyTorch's
 scaled_dot_product_attention over K/V gathered into contiguous tensors (the gather is timed: it
-is what a framework without a paged kernel pays), FlexAttention over the same physical pool with
-a block mask (when this PyTorch has it), and any extra kernels a caller passes (the lab's
-bench.py adds the student's).
+is what a framework without a paged kernel pays), FlexAttention over the same physical pool
+through PyTorch's paged-attention helper, one cache block per KV tile (when this PyTorch has
+them), and any extra kernels a caller passes (the lab's bench.py adds the student's).
 
 Method: every kernel's output is first checked against mini_vllm.attention's PyTorch v1 (a
 kernel that is wrong is reported, not timed). Then each kernel is warmed up and timed with CUDA
@@ -212,11 +212,18 @@ def sdpa_gathered(b: Batch) -> Callable[[], None]:
 
 
 def flex_paged(b: Batch) -> Callable[[], None]:
-    """FlexAttention over the physical pool in its own layout [1, kvh, blocks*B, D], with a
-    block mask that lets query row s see only the pool slots of sequence s's blocks."""
+    """FlexAttention reading the physical pool through PyTorch's own paged-attention helper
+    (``torch.nn.attention.experimental._paged_attention.PagedAttention``): the pool in
+    FlexAttention's layout ``[1, kv_heads, blocks * B, D]``, a page table equal to the block
+    tables, and a block mask whose KV tile is one cache block (``page_size = block_size``). Each
+    sequence is its own batch row with its one query token, so it reads exactly its own blocks,
+    as the paged kernels do (a 128-token tile over randomly placed 16-token blocks would read,
+    and compute, tiles made mostly of other sequences' blocks)."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     s = b.shape
+    dev = b.query.device
     pool_tokens = b.num_blocks * s.block_size
     # Layout conversion (not timed): FlexAttention reads [batch, kv_heads, tokens, head_size].
     k = b.key_cache.permute(1, 0, 3, 2, 4).reshape(1, s.num_kv_heads, pool_tokens, s.head_size)
@@ -224,29 +231,29 @@ def flex_paged(b: Batch) -> Callable[[], None]:
     k, v = k.contiguous(), v.contiguous()
     if b.fp8:  # FlexAttention has no fp8 read: it gets a dequantized copy
         k, v = b.dequantized(k, b.k_scale), b.dequantized(v, b.v_scale)
-    owner = torch.full((b.num_blocks,), -1, dtype=torch.int32, device=k.device)
-    logical = torch.zeros(b.num_blocks, dtype=torch.int32, device=k.device)
-    blocks_per_seq = b.block_tables.shape[1]
-    owner[b.block_tables.flatten().long()] = torch.arange(
-        s.num_seqs, device=k.device, dtype=torch.int32).repeat_interleave(blocks_per_seq)
-    logical[b.block_tables.flatten().long()] = torch.arange(
-        blocks_per_seq, device=k.device, dtype=torch.int32).repeat(s.num_seqs)
+    tables = b.block_tables.long()
+    cols = tables.shape[1]
+    paged = PagedAttention(b.num_blocks, s.block_size, s.num_seqs, device=str(dev))
+    # The helper's own allocator (reserve) would choose other pages: give it the batch's tables.
+    paged.page_table[:, :cols] = tables
+    paged.physical_to_logical[torch.arange(s.num_seqs, device=dev)[:, None], tables] = (
+        torch.arange(cols, device=dev))
+    paged.capacity[:] = cols * s.block_size
     seq_lens = b.seq_lens
 
-    def mask_mod(_b, _h, q_idx, kv_idx):
-        blk = kv_idx // s.block_size
-        pos = logical[blk] * s.block_size + kv_idx % s.block_size
-        return (owner[blk] == q_idx) & (pos < seq_lens[q_idx])
+    def in_context(batch, _head, _q, kv):  # a logical position inside the sequence
+        return kv < seq_lens[batch]
 
-    # One query row per sequence; padded to FlexAttention's 128-row tiles by the mask helper.
-    mask = create_block_mask(mask_mod, None, None, s.num_seqs, pool_tokens,
-                             device=str(k.device), BLOCK_SIZE=(128, s.block_size * 8))
-    compiled = torch.compile(flex_attention, dynamic=False)
-    q = b.query.transpose(0, 1).unsqueeze(0)  # [1, heads, seqs, D]
+    logical = create_block_mask(in_context, s.num_seqs, None, 1, cols * s.block_size,
+                                device=str(dev), BLOCK_SIZE=(128, s.block_size))
+    mask = paged.convert_logical_block_mask(logical, kv_len=seq_lens)
+    # Compiled on a GPU (its Triton decoding kernel); eager elsewhere, which checks the setup.
+    attend = torch.compile(flex_attention, dynamic=False) if dev.type == "cuda" else flex_attention
+    q = b.query.unsqueeze(2)  # [seqs, heads, 1, D]
 
     def run() -> None:
-        o = compiled(q, k, v, block_mask=mask, scale=b.scale, enable_gqa=True)
-        b.out.copy_(o.squeeze(0).transpose(0, 1))
+        o = attend(q, k, v, block_mask=mask, scale=b.scale, enable_gqa=True)
+        b.out.copy_(o.squeeze(2))
 
     return run
 
@@ -254,6 +261,7 @@ def flex_paged(b: Batch) -> Callable[[], None]:
 def torch_kernels() -> dict[str, KernelFactory]:
     kernels: dict[str, KernelFactory] = {"torch_sdpa_gathered": sdpa_gathered}
     try:
+        import torch.nn.attention.experimental._paged_attention  # noqa: F401
         import torch.nn.attention.flex_attention  # noqa: F401
     except ImportError:
         pass

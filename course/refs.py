@@ -22,6 +22,7 @@ SCANNED = (
     "mini_vllm/**/*.cu",
     "mini_vllm/**/*.cuh",
     "mini_vllm/**/*.cpp",
+    "mini_vllm/**/*.c",
     "phase-*/**/README.md",
     "phase-*/README.md",
     "phase-*/labs/*/hints.toml",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mini_vllm.attention import cache_ops, paged_attn
+from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
 from mini_vllm.attention.chunked_prefill import chunked_prefill_attention
 from mini_vllm.attention.fp8 import (
     K_SCALE_CONSTANT,
@@ -103,6 +103,23 @@ class RunnerStats:
     model_seconds: list[float] = field(default_factory=list)
 
 
+# The lab 02-04 pieces whose work the compiled CPU kernels do, as the reference defines them. Held
+# in a tuple, which composition does not rebind: when a student's piece (or a test's stand-in)
+# replaces one of these names, the engine runs that piece instead of the kernels.
+_KERNEL_REPLACES = tuple(
+    (module, name, getattr(module, name))
+    for module, names in ((cache_ops, ("reshape_and_cache",)),
+                          (paged_attn, ("forward_decode", "paged_attention_v1",
+                                        "paged_attention_v2", "paged_attention_v2_reduce",
+                                        "use_v1")))
+    for name in names
+)
+
+
+def _reference_pieces_in_place() -> bool:
+    return all(getattr(module, name) is ref for module, name, ref in _KERNEL_REPLACES)
+
+
 def _prefill_part(meta: AttentionMetadata) -> AttentionMetadata:
     """The metadata of the prefill sequences only (they follow the decodes in the batch)."""
     d, t = meta.num_decodes, meta.num_decode_tokens
@@ -131,7 +148,9 @@ class PagedAttentionBackend:
     chunked-prefill attention for the prefill chunks (the batch is decodes-first).
 
     Uses the CUDA kernels of ``mini_vllm.csrc`` when the cache is on a GPU and they are built;
-    the PyTorch ops of ``mini_vllm.attention`` otherwise (they compute the same thing).
+    on a CPU with an fp32 cache, the compiled CPU kernels (``mini_vllm.attention.cpu_kernels``)
+    while lab 02-04's reference pieces are the ones in place; the PyTorch ops of
+    ``mini_vllm.attention`` otherwise (all three compute the same thing).
 
     FP8 cache (``kv_cache_dtype="fp8"``): each layer's ``(k_scale, v_scale)`` comes from
     ``kv_scales`` (one pair per layer, in the order of ``kv_caches``), or, where that is
@@ -156,6 +175,11 @@ class PagedAttentionBackend:
         self.fp8 = is_fp8(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.cuda_ops = cuda_ops
+        self.cpu_kernels = (
+            cpu_kernels.load()
+            if cuda_ops is None and not self.fp8 and kv_caches
+            and cpu_kernels.supports(kv_caches[0][0].dtype, *kv_caches[0]) else None
+        )
         # Which layer a key cache belongs to: the model hands the backend caches, not indices.
         self._layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(kv_caches or [])}
         n = len(self._layer_of)
@@ -179,6 +203,10 @@ class PagedAttentionBackend:
     def __call__(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
         if self.fp8:
             return self._forward_fp8(query, key, value, key_cache, value_cache, meta, scale)
+        if (self.cpu_kernels is not None and query.dtype == torch.float32
+                and _reference_pieces_in_place()):
+            return self._forward_cpu_kernels(query, key, value, key_cache, value_cache, meta,
+                                             scale)
         ops = self.cuda_ops
         if ops is not None and hasattr(ops, "reshape_and_cache"):
             ops.reshape_and_cache(key, value, key_cache, value_cache,
@@ -214,6 +242,26 @@ class PagedAttentionBackend:
             out[nt:] = chunked_prefill_attention(
                 query[nt:], key_cache, value_cache, _prefill_part(meta), scale
             )
+        return out
+
+    def _forward_cpu_kernels(self, query, key, value, key_cache, value_cache, meta, scale):
+        """The same step through the compiled CPU kernels (the prefill chunks still through
+        chunked-prefill attention, which reads the cache the kernel has just written)."""
+        cpu_kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        nd, nt = meta.num_decodes, meta.num_decode_tokens
+
+        def decode(q: torch.Tensor) -> torch.Tensor:
+            return cpu_kernels.paged_decode(q, key_cache, value_cache, meta.block_tables[:nd],
+                                            meta.seq_lens[:nd], self.num_kv_heads, scale)
+
+        if not meta.num_prefills:
+            return decode(query)
+        if not nd:
+            return chunked_prefill_attention(query, key_cache, value_cache, meta, scale)
+        out = torch.empty_like(query)
+        out[:nt] = decode(query[:nt])
+        out[nt:] = chunked_prefill_attention(
+            query[nt:], key_cache, value_cache, _prefill_part(meta), scale)
         return out
 
     def _forward_fp8(self, query, key, value, key_cache, value_cache, meta, scale):

@@ -101,3 +101,17 @@ def test_the_roofline_places_each_kernel_by_its_intensity_and_is_drawn_next_to_t
     assert bench.main(["--roofline", str(path)]) == 0  # no GPU needed to redraw it
     png = tmp_path / "results.roofline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("shape", [
+    dict(SHAPE, num_seqs=3),  # 40 tokens: the last block is partly filled
+    dict(SHAPE, num_seqs=2, context_len=33, num_heads=8, num_kv_heads=1, head_size=32),
+])
+def test_the_flexattention_baseline_reads_each_sequence_through_its_own_block_table(bench, shape):
+    """The FlexAttention row (PyTorch's paged-attention helper, one cache block per KV tile) is
+    checked against the oracle like every kernel; on a CPU it runs eagerly."""
+    pytest.importorskip("torch.nn.attention.experimental._paged_attention")
+    records = bench.bench_shape(bench.Shape(**shape), {"flex": bench.flex_paged}, None,
+                                1 << 16, torch.empty(1), 0, 1, {"read": 100.0}, device="cpu",
+                                timer=fixed_timer)
+    assert records[0]["status"] == "ok", records[0]["status"]

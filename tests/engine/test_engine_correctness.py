@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from mini_vllm.attention import cpu_kernels
 from mini_vllm.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
 
@@ -26,9 +27,36 @@ CASES = {
 }
 
 
+PATHS = ["pytorch-ops, block 4", "pytorch-ops, block 16", "cpu-kernels, block 16"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """The engine's two CPU attention paths: lab 02-04's PyTorch ops (what an engine of a
+    student's pieces runs) and the compiled kernels (the default while the reference pieces are
+    in place, for block size 16 only)."""
+    if request.param.startswith("pytorch-ops"):
+        monkeypatch.setenv("MINI_VLLM_CPU_KERNELS", "0")
+    elif cpu_kernels.load() is None:
+        pytest.skip("no C compiler here: the engine uses the PyTorch ops")
+    return request.param
+
+
+def engine_config(case: str, path: str) -> dict:
+    """``CASES[case]`` with blocks of the path's size (about as many slots in all)."""
+    config = dict(CASES[case])
+    if path.endswith("block 16") and config["block_size"] == 4:
+        # (+1: the null block, which never holds tokens, is a quarter of the space at 16)
+        config.update(block_size=16, num_gpu_blocks=config["num_gpu_blocks"] // 4 + 1)
+    return config
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_engine_equals_full_recomputation(case, tiny_model, prompts, reference_outputs):
-    llm = LLM(tiny_model, **CASES[case])
+def test_greedy_engine_equals_full_recomputation(case, path, tiny_model, prompts,
+                                                 reference_outputs):
+    llm = LLM(tiny_model, **engine_config(case, path))
+    uses_kernels = llm.engine.model_runner.attn_backend.cpu_kernels is not None
+    assert uses_kernels == path.startswith("cpu-kernels")
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outputs]
     for i, (g, want) in enumerate(zip(got, reference_outputs)):
@@ -38,7 +66,7 @@ def test_greedy_engine_equals_full_recomputation(case, tiny_model, prompts, refe
     assert stats.num_generated_tokens == len(prompts) * GREEDY.max_tokens
     assert stats.kv_blocks_in_use == 0, "every block must be free once all requests finished"
     longest = max(len(p) for p in prompts)
-    if CASES[case]["max_num_batched_tokens"] < longest:
+    if engine_config(case, path)["max_num_batched_tokens"] < longest:
         # Chunked prefill happened: the longest prompt cannot fit in one step.
         assert stats.num_steps > GREEDY.max_tokens
     if case.startswith("preempt"):

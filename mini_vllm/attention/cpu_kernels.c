@@ -1,0 +1,204 @@
+/* The engine's CPU hot path in C: the paged cache write and PagedAttention decode, fp32.
+ *
+ * Same contract as lab 02-04's PyTorch ops (mini_vllm/attention/cache_ops.py and paged_attn.py)
+ * and the same layouts: key_cache [num_blocks, num_kv_heads, head_size / 4, block_size, 4] (x = 4
+ * floats = 16 bytes), value_cache [num_blocks, num_kv_heads, head_size, block_size]. What differs
+ * is how the cache is read: the PyTorch op gathers each sequence's context into a contiguous copy
+ * and multiplies that; here each (sequence, query head) walks its block table and reads every
+ * block where it lies, as lab 02-06's CUDA kernel does, so nothing is copied or allocated.
+ *
+ * Both functions check every input before they write anything and return an MV_* code (0: done);
+ * `*bad` then names the offending row (token or sequence). Python turns a code into ValueError.
+ *
+ * upstream: csrc/cpu/attention.cpp:256 @ v0.11.0 (the same loop nest, also for block size 16
+ * only: logits a block at a time, the softmax over the row, then the values accumulated per head
+ * element across the block's 16 lanes and summed once at the end)
+ * upstream: csrc/cpu/cache.cpp:42 @ v0.11.0 (the write)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { MV_OK = 0, MV_BAD_SEQ_LEN = 1, MV_BAD_BLOCK = 2, MV_BAD_SLOT = 3, MV_NO_MEMORY = 4 };
+enum { X = 4, BS = 16 };        /* the decode's layout: fp32 (x = 4) and block size 16 */
+#define MV_MAX_HEAD_SIZE 256    /* the query's lane pairs live on the stack */
+
+/* key[t, h, d] -> key_cache[b, h, d / x, o, d % x] and value[t, h, d] -> value_cache[b, h, d, o]
+ * for slot = b * block_size + o = slots[t] >= 0; a negative slot is a padding token, skipped.
+ * key and value are [num_tokens, num_kv_heads, head_size] with heads and dims contiguous; their
+ * token strides may be longer (slices of a fused QKV projection's output). */
+int mv_reshape_and_cache_f32(const float *key, int64_t key_token_stride, const float *value,
+                             int64_t value_token_stride, float *key_cache, float *value_cache,
+                             const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
+                             int64_t head_size, int64_t block_size, int64_t num_slots,
+                             int64_t *bad) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] >= num_slots) {
+      *bad = t;
+      return MV_BAD_SLOT;
+    }
+  }
+  const int64_t head_elems = head_size * block_size; /* one KV head of one block */
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const float *k = key + t * key_token_stride + h * head_size;
+      const float *v = value + t * value_token_stride + h * head_size;
+      float *kc = key_cache + (block * num_kv_heads + h) * head_elems + offset * X;
+      float *vc = value_cache + (block * num_kv_heads + h) * head_elems + offset;
+      for (int64_t d = 0; d < head_size; ++d) {
+        kc[(d / X) * block_size * X + d % X] = k[d];
+        vc[d * block_size] = v[d];
+      }
+    }
+  }
+  return MV_OK;
+}
+
+/* exp(v) for v <= 0 (a logit minus its row's maximum), in plain arithmetic so that the softmax
+ * loop vectorizes (a call to expf does not): v = k ln 2 + r with |r| <= ln(2) / 2, exp(r) by
+ * Cephes' degree-6 polynomial (relative error about 1e-7, as expf's), times 2^k written into
+ * the exponent bits. Below -87 the result is 0 (expf's would be a subnormal, far below what a
+ * softmax weight can add to a sum near 1); NaN stays NaN. */
+static inline float exp_nonpositive(float v) {
+  const float clamped = v < -87.0f ? -87.0f : v;
+  /* Adding 1.5 * 2^23 rounds to an integer held in the low mantissa bits: k, and its bits. */
+  const float shifted = clamped * 1.44269504088896341f + 12582912.0f;
+  const float k = shifted - 12582912.0f;
+  int32_t k_bits;
+  memcpy(&k_bits, &shifted, sizeof k_bits);
+  const int32_t two_k_bits = (k_bits - 0x4B400000 + 127) << 23;
+  const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f; /* ln 2 in two parts */
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  float two_k;
+  memcpy(&two_k, &two_k_bits, sizeof two_k);
+  return v < -87.0f ? 0.0f : e * two_k;
+}
+
+/* GCC/Clang vectors of 8 floats (one AVX register, or two SSE ones), so that the accumulators
+ * stay in registers: a key block's chunk (16 tokens x 4 lanes) is 8 of them, a value block's row
+ * (16 tokens) 2. v8u loads from any float address. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
+/* Decode one (sequence, query head): oh = softmax(scale * K qh) V over the first len tokens of
+ * the blocks `table` names, from KV head kv_head. logits has room for len rounded up to BS. */
+static void decode_head(float *restrict oh, const float *restrict qh,
+                        const float *restrict key_cache, const float *restrict value_cache,
+                        const int32_t *restrict table, int64_t len, int64_t kv_head,
+                        int64_t num_kv_heads, int64_t head_size, float scale,
+                        float *restrict logits) {
+  const int64_t head_elems = head_size * BS, chunks = head_size / X;
+  const int64_t used = (len + BS - 1) / BS, full = len / BS, tail = len - full * BS;
+  if (len == 0) {
+    memset(oh, 0, sizeof(float) * head_size);
+    return;
+  }
+  v8 q_pairs[MV_MAX_HEAD_SIZE / X]; /* chunk c of the query twice: it meets two tokens' lanes */
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float *qc = qh + X * c;
+    q_pairs[c] = (v8){qc[0], qc[1], qc[2], qc[3], qc[0], qc[1], qc[2], qc[3]};
+  }
+  float row_max = -INFINITY;
+  for (int64_t j = 0; j < used; ++j) {
+    const float *kb = key_cache + ((int64_t)table[j] * num_kv_heads + kv_head) * head_elems;
+    /* The next block lies elsewhere in the cache: ask for it while this one is summed. */
+    const float *next = j + 1 < used
+        ? key_cache + ((int64_t)table[j + 1] * num_kv_heads + kv_head) * head_elems : kb;
+    v8 acc[BS / 2] = {0}; /* acc[r]: token 2r's lanes (0-3) and token 2r + 1's (4-7) */
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int line = 0; line < 4; ++line) __builtin_prefetch(next + BS * X * c + 16 * line);
+      for (int r = 0; r < BS / 2; ++r) acc[r] += q_pairs[c] * *(const v8u *)(kb + BS * X * c + 8 * r);
+    }
+    const int64_t n = j < full ? BS : tail; /* the last block's slots past len are stale */
+    for (int64_t t = 0; t < n; ++t) {
+      const v8 a = acc[t / 2];
+      const int o = X * (int)(t % 2);
+      const float logit = scale * ((a[o] + a[o + 1]) + (a[o + 2] + a[o + 3]));
+      logits[j * BS + t] = logit;
+      if (logit > row_max) row_max = logit;
+    }
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < len; ++t) logits[t] = exp_nonpositive(logits[t] - row_max);
+  for (int64_t t = 0; t < len; ++t) total += logits[t];
+  /* Values, four head elements at a time (8 accumulators, each 8 of a dim's 16 token lanes),
+   * over the full blocks; the real tokens of a last, partial block are added one by one. */
+  for (int64_t d0 = 0; d0 < head_size; d0 += 4) {
+    v8 acc[8] = {0};
+    for (int64_t j = 0; j < full; ++j) {
+      const float *vb = value_cache
+          + ((int64_t)table[j] * num_kv_heads + kv_head) * head_elems + d0 * BS;
+      if (j + 1 < full) {
+        const float *next = value_cache
+            + ((int64_t)table[j + 1] * num_kv_heads + kv_head) * head_elems + d0 * BS;
+        for (int line = 0; line < 4; ++line) __builtin_prefetch(next + 16 * line);
+      }
+      const v8 w0 = *(const v8u *)(logits + j * BS), w1 = *(const v8u *)(logits + j * BS + 8);
+      for (int dd = 0; dd < 4; ++dd) {
+        acc[2 * dd] += w0 * *(const v8u *)(vb + BS * dd);
+        acc[2 * dd + 1] += w1 * *(const v8u *)(vb + BS * dd + 8);
+      }
+    }
+    for (int dd = 0; dd < 4; ++dd) {
+      const v8 a = acc[2 * dd] + acc[2 * dd + 1];
+      float sum = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+      if (tail) {
+        const float *vb = value_cache
+            + ((int64_t)table[full] * num_kv_heads + kv_head) * head_elems + (d0 + dd) * BS;
+        for (int64_t t = 0; t < tail; ++t) sum += logits[full * BS + t] * vb[t];
+      }
+      oh[d0 + dd] = sum / total;
+    }
+  }
+}
+
+/* out[s, h] = softmax_t(scale * q[s, h] . k_t) v_t over the seq_lens[s] tokens of sequence s,
+ * read through block_tables[s] (row stride table_cols) from KV head h / (num_heads /
+ * num_kv_heads). Block size 16, fp32, head_size a multiple of 4 up to MV_MAX_HEAD_SIZE (Python
+ * checks these). Only tokens below seq_len are read, so a stale slot, even NaN, never reaches
+ * the output. A sequence of length 0 gets zeros. q and out: contiguous [num_seqs, num_heads,
+ * head_size]. */
+int mv_paged_decode_f32(float *out, const float *q, const float *key_cache,
+                        const float *value_cache, const int32_t *block_tables, int64_t table_cols,
+                        const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_size, int64_t num_blocks, float scale,
+                        int64_t *bad) {
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = seq_lens[s];
+    if (len < 0 || len > table_cols * BS) {
+      *bad = s;
+      return MV_BAD_SEQ_LEN;
+    }
+    for (int64_t j = 0; j * BS < len; ++j) {
+      const int64_t b = block_tables[s * table_cols + j];
+      if (b < 0 || b >= num_blocks) {
+        *bad = s;
+        return MV_BAD_BLOCK;
+      }
+    }
+    if (len > longest) longest = len;
+  }
+  float *logits = malloc(sizeof(float) * ((longest + BS - 1) / BS * BS + 1));
+  if (!logits) return MV_NO_MEMORY;
+  const int64_t group = num_heads / num_kv_heads;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const int64_t at = (s * num_heads + h) * head_size;
+      decode_head(out + at, q + at, key_cache, value_cache, block_tables + s * table_cols,
+                  seq_lens[s], h / group, num_kv_heads, head_size, scale, logits);
+    }
+  }
+  free(logits);
+  return MV_OK;
+}

@@ -1,0 +1,242 @@
+"""The engine's compiled CPU path: the paged cache write and decode attention in C, fp32.
+
+Lab 02-04's PyTorch ops are the engine's reference pieces: every PyTorch operation of a decode
+step is a separate call that allocates its result, and the op gathers each sequence's context
+into a contiguous copy before it can multiply it. On a CPU with a small model that overhead, not
+arithmetic, is most of a decode step. ``cpu_kernels.c`` does the same two jobs in one call each,
+reading every block where it lies (as lab 02-06's CUDA kernel does on a GPU, and as upstream's
+CPU backend does), which is what keeps the engine near a plain contiguous-cache loop
+(``benchmarks/engine_vs_plain.py``).
+
+The C file is compiled once, on first use, with the system C compiler (``$CC`` or ``cc``) into
+``$MINI_VLLM_CACHE`` (default ``~/.cache/mini_vllm``), keyed by a hash of the source, the flags
+and the CPU (it is built for the CPU it runs on).
+Without a compiler, or with ``MINI_VLLM_CPU_KERNELS=0``, :func:`load` returns ``None`` and the
+engine runs the PyTorch ops; nothing else changes. The engine also uses the PyTorch ops whenever a
+student's own piece stands in for the reference one (``course engine --mine``), so that it is the
+student's code that runs.
+
+upstream: csrc/cpu/attention.cpp:256 @ v0.11.0 (the decode)
+upstream: csrc/cpu/cache.cpp:42 @ v0.11.0 (the cache write)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# -march=native: this CPU's vector width (the cache key includes the CPU, see _build).
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+BLOCK_SIZE = 16  # the decode's one block size, as upstream's CPU kernel (BS in cpu_kernels.c)
+MAX_HEAD_SIZE = 256  # MV_MAX_HEAD_SIZE
+_ERRORS = {
+    1: "seq_lens[{bad}] is negative or longer than its block table row holds",
+    2: "block_tables row {bad} names a block outside the cache",
+    3: "slot_mapping[{bad}] is beyond the cache (num_blocks * block_size slots)",
+    4: "out of memory for the decode's logits",
+}
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_lib: object = None  # None: not tried yet; False: unavailable
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and features: ``-march=native`` code is only reused on the same CPU."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return platform.machine() + platform.processor()
+    return "\n".join(line for line in info.splitlines()
+                     if line.startswith(("model name", "flags", "Features", "CPU part")))
+
+
+def _build(cc: str) -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode()
+                            + _cpu_identity().encode()).hexdigest()
+    cache = Path(os.environ.get("MINI_VLLM_CACHE", Path.home() / ".cache" / "mini_vllm"))
+    target = cache / f"cpu_kernels-{digest[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name and rename: processes building at once never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        try:
+            subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                           capture_output=True, text=True, timeout=120)
+        except subprocess.CalledProcessError:  # a compiler without -march=native: the baseline
+            subprocess.run([cc, *(f for f in FLAGS if f != "-march=native"), "-o", tmp,
+                            str(SOURCE), "-lm"], check=True, capture_output=True, text=True,
+                           timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; ``None`` where they cannot be (with a warning
+    saying why, once) or are turned off with ``MINI_VLLM_CPU_KERNELS=0``.
+
+    upstream: none (vLLM compiles its CPU kernels when its wheel is built, not at run time)
+    """
+    global _lib
+    if os.environ.get("MINI_VLLM_CPU_KERNELS", "1") == "0":
+        return None
+    if _lib is None:
+        cc = _compiler()
+        try:
+            if cc is None:
+                raise OSError("no C compiler (set CC, or install cc)")
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            warnings.warn(f"mini_vllm: the compiled CPU kernels are unavailable ({detail}); "
+                          "the engine uses the PyTorch ops, which give the same tokens, slower",
+                          RuntimeWarning, stacklevel=2)
+            _lib = False
+        else:
+            lib.mv_reshape_and_cache_f32.argtypes = [
+                _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                ctypes.POINTER(_i64)]
+            lib.mv_paged_decode_f32.argtypes = [
+                _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
+                ctypes.c_float, ctypes.POINTER(_i64)]
+            _lib = lib
+    return _lib or None
+
+
+def supports(query_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the kernels serve these caches: contiguous fp32 on the CPU (``x`` = 4), block
+    size 16, a head size up to 256 (what the engine allocates for an fp32 model by default).
+
+    upstream: none (vLLM's CPU build serves every cache it allocates with its own kernels)
+    """
+    return (query_dtype == torch.float32 and key_cache.dtype == torch.float32
+            and value_cache.dtype == torch.float32 and key_cache.device.type == "cpu"
+            and key_cache.dim() == 5 and key_cache.shape[3:] == (BLOCK_SIZE, 4)
+            and key_cache.shape[2] * 4 <= MAX_HEAD_SIZE
+            and key_cache.is_contiguous() and value_cache.is_contiguous())
+
+
+def _library() -> ctypes.CDLL:
+    if _lib:
+        return _lib  # type: ignore[return-value]
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the compiled CPU kernels are not available here (see load())")
+    return lib
+
+
+def _check(code: int, bad: ctypes.c_int64) -> None:
+    if code:
+        raise ValueError(_ERRORS.get(code, "error {bad}").format(bad=bad.value))
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t [tokens, heads, dims]`` as the C code reads it: heads and dims contiguous."""
+    if t.dim() != 3 or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a 3-D float32 CPU tensor, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        t = t.contiguous()
+    return t
+
+
+def _check_caches(key_cache, value_cache, num_kv_heads: int, head_size: int, what: str) -> int:
+    """The caches' number of blocks, after checking them against the kernels' layout."""
+    num_blocks = key_cache.shape[0] if key_cache.dim() == 5 else -1
+    if (not supports(torch.float32, key_cache, value_cache) or head_size % 4
+            or key_cache.shape != (num_blocks, num_kv_heads, head_size // 4, BLOCK_SIZE, 4)
+            or value_cache.shape != (num_blocks, num_kv_heads, head_size, BLOCK_SIZE)):
+        raise ValueError(
+            f"{what}: the kernels take contiguous fp32 CPU caches [num_blocks, {num_kv_heads}, "
+            f"{head_size // 4}, {BLOCK_SIZE}, 4] and [num_blocks, {num_kv_heads}, {head_size}, "
+            f"{BLOCK_SIZE}] (head_size a multiple of 4, at most {MAX_HEAD_SIZE}); got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)} of {key_cache.dtype}; "
+            "use the PyTorch ops of mini_vllm.attention for anything else")
+    return num_blocks
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache_ops.reshape_and_cache`` for fp32 caches (``kv_cache_dtype="auto"``), in C.
+
+    Checks the shapes and every slot's range before writing. Unlike the lab's op it does not
+    look for two tokens sharing a slot: the engine's slots are distinct by construction (one per
+    token position, in blocks the block pool gives one request at a time).
+
+    upstream: csrc/cpu/cache.cpp:42 @ v0.11.0
+    """
+    lib = _library()
+    key, value = _rows(key, "key"), _rows(value, "value")
+    num_tokens, kv_heads, head_size = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    num_blocks = _check_caches(key_cache, value_cache, kv_heads, head_size, "reshape_and_cache")
+    slots = slot_mapping
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    if slots.dim() != 1 or slots.shape[0] > num_tokens:
+        raise ValueError(f"slot_mapping must be 1-D with at most {num_tokens} entries, got "
+                         f"shape {tuple(slots.shape)}")
+    bad = _i64(-1)
+    _check(lib.mv_reshape_and_cache_f32(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
+        value_cache.data_ptr(), slots.data_ptr(), slots.shape[0], kv_heads, head_size,
+        BLOCK_SIZE, num_blocks * BLOCK_SIZE, ctypes.byref(bad)), bad)
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
+                 scale: float) -> torch.Tensor:
+    """``paged_attn.forward_decode`` (no ALiBi) for fp32 caches, in C; returns the output.
+
+    Checks every used block id and length before computing; table columns past a sequence's
+    end are never read.
+
+    upstream: csrc/cpu/attention.cpp:256 @ v0.11.0
+    """
+    lib = _library()
+    query = _rows(query, "query")
+    num_seqs, num_heads, head_size = query.shape
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads="
+                         f"{num_kv_heads}")
+    num_blocks = _check_caches(key_cache, value_cache, num_kv_heads, head_size, "paged_decode")
+    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2
+            or block_tables.shape[0] < num_seqs or seq_lens.dtype != torch.int32
+            or seq_lens.shape != (num_seqs,)):
+        raise ValueError(f"block_tables must be int32 [>= {num_seqs}, cols] and seq_lens int32 "
+                         f"[{num_seqs}]; got {block_tables.dtype} {tuple(block_tables.shape)} "
+                         f"and {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    query = query.contiguous()
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(query)
+    bad = _i64(-1)
+    _check(lib.mv_paged_decode_f32(
+        out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_seqs,
+        num_heads, num_kv_heads, head_size, num_blocks, scale, ctypes.byref(bad)), bad)
+    return out
+
+
+if __name__ == "__main__":  # python -m mini_vllm.attention.cpu_kernels: build and say where
+    lib = load()
+    print(f"compiled CPU kernels: {lib._name if lib else 'unavailable'}", file=sys.stderr)

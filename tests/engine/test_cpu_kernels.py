@@ -1,0 +1,241 @@
+"""The compiled CPU kernels (``mini_vllm.attention.cpu_kernels``) against lab 02-04's PyTorch ops,
+and the engine's choice between them.
+
+The kernels are the engine's CPU path while the reference pieces are in place, so they must
+compute what the lab's ops compute (same tolerance as any two fp32 summation orders), refuse what
+the ops refuse without writing, and step aside whenever another piece (a student's, a test's)
+stands where the reference one was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
+from mini_vllm.llm import LLM
+from mini_vllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
+                                reason="no C compiler here: the engine uses the PyTorch ops")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+def paged_batch(num_seqs, num_heads, num_kv_heads, head_size, block_size, seed=0, cols=6):
+    """Random caches, a query, and block tables whose padding columns name blocks that do not
+    exist; every slot no sequence owns holds NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = 4
+    num_blocks = 1 + num_seqs * cols
+    key_cache = torch.full((num_blocks, num_kv_heads, head_size // x, block_size, x), float("nan"))
+    value_cache = torch.full((num_blocks, num_kv_heads, head_size, block_size), float("nan"))
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = torch.full((num_seqs, cols), 10**6, dtype=torch.int32)
+    lens = []
+    for s in range(num_seqs):
+        # Lengths that end inside a block, on a block boundary, and at one token.
+        length = [1, block_size, cols * block_size, 2 * block_size + 3][s % 4] if s < 4 else \
+            int(torch.randint(1, cols * block_size + 1, (1,), generator=g))
+        used = -(-length // block_size)
+        tables[s, :used] = perm[s * cols: s * cols + used].to(torch.int32)
+        for j in range(used):
+            n = min(block_size, length - j * block_size)
+            b = int(tables[s, j])
+            key_cache[b, :, :, :n] = torch.randn(num_kv_heads, head_size // x, n, x, generator=g)
+            value_cache[b, :, :, :n] = torch.randn(num_kv_heads, head_size, n, generator=g)
+        lens.append(length)
+    query = torch.randn(num_seqs, num_heads, head_size, generator=g)
+    return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("num_seqs, num_heads, num_kv_heads, head_size", [
+    (1, 4, 2, 32),     # the shipped model's shape
+    (7, 8, 2, 64),     # groups of 4
+    (5, 12, 12, 128),  # no GQA, a large head
+    (4, 4, 1, 256),    # the largest head the kernel takes
+    (6, 9, 3, 16),     # the smallest head, groups of 3
+])
+@pytest.mark.parametrize("scale", [0.125, 40.0])  # 40: most weights underflow to 0
+def test_decode_equals_the_pytorch_op(num_seqs, num_heads, num_kv_heads, head_size, scale):
+    query, kc, vc, tables, lens = paged_batch(num_seqs, num_heads, num_kv_heads, head_size, 16)
+    want = paged_attn.forward_decode(query, kc, vc, tables, lens, int(lens.max()), num_kv_heads,
+                                     scale)
+    got = cpu_kernels.paged_decode(query, kc, vc, tables, lens, num_kv_heads, scale)
+    assert torch.isfinite(got).all(), "a NaN in a slot past seq_len reached the output"
+    if scale < 1:
+        torch.testing.assert_close(got, want)
+    else:
+        # Logits in the hundreds: any two fp32 summation orders differ by more than the default
+        # tolerance. Against fp64, the kernel must be as accurate as the lab's op.
+        exact = dense_decode_fp64(query, kc, vc, tables, lens, num_kv_heads, scale)
+        kernel_error = (got.double() - exact).abs().max().item()
+        op_error = (want.double() - exact).abs().max().item()
+        assert kernel_error <= 2 * op_error + 1e-6, (kernel_error, op_error)
+
+
+def dense_decode_fp64(query, key_cache, value_cache, tables, lens, num_kv_heads, scale):
+    """The decode in float64 from each sequence's context read token by token: the oracle."""
+    num_seqs, num_heads, head_size = query.shape
+    block_size, group = value_cache.shape[-1], num_heads // num_kv_heads
+    out = torch.zeros(num_seqs, num_heads, head_size, dtype=torch.float64)
+    for s in range(num_seqs):
+        pos = torch.arange(int(lens[s]))
+        blocks = tables[s, pos // block_size].long()
+        keys = key_cache[blocks, :, :, pos % block_size, :].flatten(2).double()  # [T, kvh, D]
+        values = value_cache[blocks, :, :, pos % block_size].double()  # [T, kvh, D]
+        for h in range(num_heads):
+            logits = scale * keys[:, h // group] @ query[s, h].double()
+            out[s, h] = torch.softmax(logits, 0) @ values[:, h // group]
+    return out
+
+
+def test_decode_of_an_empty_sequence_is_zero():
+    query, kc, vc, tables, lens = paged_batch(3, 4, 2, 32, 16)
+    lens[1] = 0
+    got = cpu_kernels.paged_decode(query, kc, vc, tables, lens, 2, 0.2)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    want = paged_attn.forward_decode(query[::2].contiguous(), kc, vc, tables[::2].contiguous(),
+                                     lens[::2].contiguous(), int(lens.max()), 2, 0.2)
+    torch.testing.assert_close(got[::2], want)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("block", "names a block outside the cache"),
+    ("length", "longer than its block table row holds"),
+    ("negative length", "negative"),
+])
+def test_decode_refuses_a_bad_table_or_length(bad, message):
+    query, kc, vc, tables, lens = paged_batch(4, 4, 2, 32, 16)
+    if bad == "block":
+        tables[2, 0] = kc.shape[0]
+    elif bad == "length":
+        lens[3] = tables.shape[1] * 16 + 1
+    else:
+        lens[0] = -1
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.paged_decode(query, kc, vc, tables, lens, 2, 0.2)
+
+
+@pytest.mark.parametrize("layout", ["block size 8", "head size 512", "fp16"])
+def test_kernels_refuse_other_layouts_and_say_what_to_use(layout):
+    block_size = 8 if layout == "block size 8" else 16
+    head_size = 512 if layout == "head size 512" else 32
+    query, kc, vc, tables, lens = paged_batch(2, 4, 2, head_size, block_size)
+    if layout == "fp16":
+        query, kc, vc = query.half(), kc.half(), vc.half()
+    assert not cpu_kernels.supports(query.dtype, kc, vc)
+    with pytest.raises(ValueError, match="use the PyTorch ops"):
+        cpu_kernels.paged_decode(query.float(), kc, vc, tables, lens, 2, 0.1)
+
+
+def fused_kv(num_tokens, num_kv_heads, head_size, seed=1):
+    """Keys and values as slices of one fused projection output (token stride > heads x dims)."""
+    g = torch.Generator().manual_seed(seed)
+    width = num_kv_heads * head_size
+    fused = torch.randn(num_tokens, 3 * width, generator=g)
+    key = fused[:, width:2 * width].view(num_tokens, num_kv_heads, head_size)
+    value = fused[:, 2 * width:].view(num_tokens, num_kv_heads, head_size)
+    return key, value
+
+
+def test_cache_write_equals_the_pytorch_op():
+    num_blocks, kvh, head, block_size = 9, 2, 32, 16
+    key, value = fused_kv(12, kvh, head)
+    assert not key.is_contiguous()
+    slots = torch.randperm(num_blocks * block_size)[:12]
+    slots[3] = slots[7] = -1  # padding tokens: skipped
+    slots = slots[:10]  # the last two tokens have no slot at all (a padded batch)
+    caches = [(torch.randn(num_blocks, kvh, head // 4, block_size, 4),
+               torch.randn(num_blocks, kvh, head, block_size)) for _ in range(2)]
+    (want_k, want_v), (got_k, got_v) = caches
+    got_k.copy_(want_k), got_v.copy_(want_v)
+    cache_ops.reshape_and_cache(key, value, want_k, want_v, slots)
+    cpu_kernels.reshape_and_cache(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_cache_write_refuses_a_slot_beyond_the_cache_and_writes_nothing():
+    key, value = fused_kv(4, 2, 32)
+    kc, vc = torch.randn(3, 2, 8, 16, 4), torch.randn(3, 2, 32, 16)
+    before = kc.clone(), vc.clone()
+    slots = torch.tensor([0, 5, 3 * 16, 7])  # the third is one past the last slot
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] is beyond the cache"):
+        cpu_kernels.reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+# ---- the engine's choice ----------------------------------------------------------------------
+
+
+def counting(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def backend(llm):
+    return llm.engine.model_runner.attn_backend
+
+
+def run(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_engine_decodes_with_the_kernels_when_the_reference_pieces_are_in_place(
+        monkeypatch, tiny_model, prompts, reference_outputs):
+    kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
+    # Wrapping a module's function is replacing it, so the PyTorch op is only observed here.
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    assert backend(llm).cpu_kernels is not None
+    assert run(llm, prompts) == reference_outputs
+    assert kernel_calls
+
+
+@pytest.mark.parametrize("module, name", [
+    (paged_attn, "forward_decode"), (paged_attn, "paged_attention_v1"),
+    (cache_ops, "reshape_and_cache"),
+])
+def test_engine_runs_a_replaced_piece_not_the_kernels(monkeypatch, module, name, tiny_model,
+                                                      prompts, reference_outputs):
+    """A student's piece (here a stand-in wrapping the reference) must be what runs."""
+    kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
+    piece_calls = counting(monkeypatch, module, name)
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    assert run(llm, prompts) == reference_outputs
+    assert piece_calls and not kernel_calls
+
+
+def test_engine_with_another_block_size_uses_the_pytorch_ops(monkeypatch, tiny_model, prompts,
+                                                             reference_outputs):
+    kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
+    llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64)
+    assert backend(llm).cpu_kernels is None
+    assert run(llm, prompts) == reference_outputs
+    assert not kernel_calls
+
+
+def test_kernels_can_be_turned_off(monkeypatch, tiny_model, prompts, reference_outputs):
+    monkeypatch.setenv("MINI_VLLM_CPU_KERNELS", "0")
+    kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    assert backend(llm).cpu_kernels is None
+    assert run(llm, prompts) == reference_outputs
+    assert not kernel_calls
+
+
+def test_without_a_compiler_the_engine_warns_and_uses_the_pytorch_ops(
+        monkeypatch, tmp_path, tiny_model, prompts, reference_outputs):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)  # as in a fresh process
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setenv("MINI_VLLM_CACHE", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    assert backend(llm).cpu_kernels is None
+    assert run(llm, prompts) == reference_outputs
