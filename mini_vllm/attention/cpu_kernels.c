@@ -90,51 +90,63 @@ static inline float exp_nonpositive(float v) {
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 
-/* Decode one (sequence, query head): oh = softmax(scale * K qh) V over the first len tokens of
- * the blocks `table` names, from KV head kv_head. logits has room for len rounded up to BS. */
-static void decode_head(float *restrict oh, const float *restrict qh,
-                        const float *restrict key_cache, const float *restrict value_cache,
-                        const int32_t *restrict table, int64_t len, int64_t kv_head,
-                        int64_t num_kv_heads, int64_t head_size, float scale,
-                        float *restrict logits) {
+/* Decode G query heads that share one KV head (G = 1 or 2; GQA groups go two at a time, so
+ * each key and value vector loaded serves both): out[g] = softmax(scale * K q[g]) V over the
+ * first len tokens of the blocks `table` names. q and out point at the first of the G heads
+ * (consecutive, head_size apart); logits has G rows of `stride` floats (len rounded up to BS).
+ * Inlined with G a constant, so that the per-head loops unroll into registers. */
+static inline __attribute__((always_inline)) void decode_heads(
+    const int G, float *restrict out, const float *restrict q, const float *restrict key_cache,
+    const float *restrict value_cache, const int32_t *restrict table, int64_t len,
+    int64_t kv_head, int64_t num_kv_heads, int64_t head_size, float scale,
+    float *restrict logits, int64_t stride) {
   const int64_t head_elems = head_size * BS, chunks = head_size / X;
   const int64_t used = (len + BS - 1) / BS, full = len / BS, tail = len - full * BS;
   if (len == 0) {
-    memset(oh, 0, sizeof(float) * head_size);
+    memset(out, 0, sizeof(float) * head_size * G);
     return;
   }
-  v8 q_pairs[MV_MAX_HEAD_SIZE / X]; /* chunk c of the query twice: it meets two tokens' lanes */
-  for (int64_t c = 0; c < chunks; ++c) {
-    const float *qc = qh + X * c;
-    q_pairs[c] = (v8){qc[0], qc[1], qc[2], qc[3], qc[0], qc[1], qc[2], qc[3]};
-  }
-  float row_max = -INFINITY;
+  /* Chunk c of each query, twice: it meets two tokens' lanes at once. */
+  v8 q_pairs[2][MV_MAX_HEAD_SIZE / X];
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float *qc = q + g * head_size + X * c;
+      q_pairs[g][c] = (v8){qc[0], qc[1], qc[2], qc[3], qc[0], qc[1], qc[2], qc[3]};
+    }
+  float row_max[2] = {-INFINITY, -INFINITY};
   for (int64_t j = 0; j < used; ++j) {
     const float *kb = key_cache + ((int64_t)table[j] * num_kv_heads + kv_head) * head_elems;
     /* The next block lies elsewhere in the cache: ask for it while this one is summed. */
     const float *next = j + 1 < used
         ? key_cache + ((int64_t)table[j + 1] * num_kv_heads + kv_head) * head_elems : kb;
-    v8 acc[BS / 2] = {0}; /* acc[r]: token 2r's lanes (0-3) and token 2r + 1's (4-7) */
+    v8 acc[2][BS / 2] = {{0}}; /* acc[g][r]: token 2r's lanes (0-3), token 2r + 1's (4-7) */
     for (int64_t c = 0; c < chunks; ++c) {
       for (int line = 0; line < 4; ++line) __builtin_prefetch(next + BS * X * c + 16 * line);
-      for (int r = 0; r < BS / 2; ++r) acc[r] += q_pairs[c] * *(const v8u *)(kb + BS * X * c + 8 * r);
+      for (int r = 0; r < BS / 2; ++r) {
+        const v8 k = *(const v8u *)(kb + BS * X * c + 8 * r);
+        for (int g = 0; g < G; ++g) acc[g][r] += q_pairs[g][c] * k;
+      }
     }
     const int64_t n = j < full ? BS : tail; /* the last block's slots past len are stale */
-    for (int64_t t = 0; t < n; ++t) {
-      const v8 a = acc[t / 2];
-      const int o = X * (int)(t % 2);
-      const float logit = scale * ((a[o] + a[o + 1]) + (a[o + 2] + a[o + 3]));
-      logits[j * BS + t] = logit;
-      if (logit > row_max) row_max = logit;
-    }
+    for (int g = 0; g < G; ++g)
+      for (int64_t t = 0; t < n; ++t) {
+        const v8 a = acc[g][t / 2];
+        const int o = X * (int)(t % 2);
+        const float logit = scale * ((a[o] + a[o + 1]) + (a[o + 2] + a[o + 3]));
+        logits[g * stride + j * BS + t] = logit;
+        if (logit > row_max[g]) row_max[g] = logit;
+      }
   }
-  float total = 0.0f;
-  for (int64_t t = 0; t < len; ++t) logits[t] = exp_nonpositive(logits[t] - row_max);
-  for (int64_t t = 0; t < len; ++t) total += logits[t];
-  /* Values, four head elements at a time (8 accumulators, each 8 of a dim's 16 token lanes),
-   * over the full blocks; the real tokens of a last, partial block are added one by one. */
+  float total[2] = {0.0f, 0.0f};
+  for (int g = 0; g < G; ++g) {
+    float *row = logits + g * stride;
+    for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - row_max[g]);
+    for (int64_t t = 0; t < len; ++t) total[g] += row[t];
+  }
+  /* Values, four head elements at a time (per head, 8 accumulators: 8 of a dim's 16 token lanes
+   * each) over the full blocks; the real tokens of a last, partial block are added one by one. */
   for (int64_t d0 = 0; d0 < head_size; d0 += 4) {
-    v8 acc[8] = {0};
+    v8 acc[2][8] = {{0}};
     for (int64_t j = 0; j < full; ++j) {
       const float *vb = value_cache
           + ((int64_t)table[j] * num_kv_heads + kv_head) * head_elems + d0 * BS;
@@ -143,22 +155,30 @@ static void decode_head(float *restrict oh, const float *restrict qh,
             + ((int64_t)table[j + 1] * num_kv_heads + kv_head) * head_elems + d0 * BS;
         for (int line = 0; line < 4; ++line) __builtin_prefetch(next + 16 * line);
       }
-      const v8 w0 = *(const v8u *)(logits + j * BS), w1 = *(const v8u *)(logits + j * BS + 8);
+      v8 w0[2], w1[2];
+      for (int g = 0; g < G; ++g) {
+        w0[g] = *(const v8u *)(logits + g * stride + j * BS);
+        w1[g] = *(const v8u *)(logits + g * stride + j * BS + 8);
+      }
       for (int dd = 0; dd < 4; ++dd) {
-        acc[2 * dd] += w0 * *(const v8u *)(vb + BS * dd);
-        acc[2 * dd + 1] += w1 * *(const v8u *)(vb + BS * dd + 8);
+        const v8 v0 = *(const v8u *)(vb + BS * dd), v1 = *(const v8u *)(vb + BS * dd + 8);
+        for (int g = 0; g < G; ++g) {
+          acc[g][2 * dd] += w0[g] * v0;
+          acc[g][2 * dd + 1] += w1[g] * v1;
+        }
       }
     }
-    for (int dd = 0; dd < 4; ++dd) {
-      const v8 a = acc[2 * dd] + acc[2 * dd + 1];
-      float sum = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-      if (tail) {
-        const float *vb = value_cache
-            + ((int64_t)table[full] * num_kv_heads + kv_head) * head_elems + (d0 + dd) * BS;
-        for (int64_t t = 0; t < tail; ++t) sum += logits[full * BS + t] * vb[t];
+    for (int g = 0; g < G; ++g)
+      for (int dd = 0; dd < 4; ++dd) {
+        const v8 a = acc[g][2 * dd] + acc[g][2 * dd + 1];
+        float sum = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+        if (tail) {
+          const float *vb = value_cache
+              + ((int64_t)table[full] * num_kv_heads + kv_head) * head_elems + (d0 + dd) * BS;
+          for (int64_t t = 0; t < tail; ++t) sum += logits[g * stride + full * BS + t] * vb[t];
+        }
+        out[g * head_size + d0 + dd] = sum / total[g];
       }
-      oh[d0 + dd] = sum / total;
-    }
   }
 }
 
@@ -189,14 +209,24 @@ int mv_paged_decode_f32(float *out, const float *q, const float *key_cache,
     }
     if (len > longest) longest = len;
   }
-  float *logits = malloc(sizeof(float) * ((longest + BS - 1) / BS * BS + 1));
+  const int64_t stride = (longest + BS - 1) / BS * BS + 1; /* a logits row, and one spare */
+  float *logits = malloc(sizeof(float) * 2 * stride);
   if (!logits) return MV_NO_MEMORY;
   const int64_t group = num_heads / num_kv_heads;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const int64_t at = (s * num_heads + h) * head_size;
-      decode_head(out + at, q + at, key_cache, value_cache, block_tables + s * table_cols,
-                  seq_lens[s], h / group, num_kv_heads, head_size, scale, logits);
+    const int32_t *table = block_tables + s * table_cols;
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      int64_t g = 0;
+      for (; g + 2 <= group; g += 2) {
+        const int64_t at = (s * num_heads + kv * group + g) * head_size;
+        decode_heads(2, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
+                     num_kv_heads, head_size, scale, logits, stride);
+      }
+      if (g < group) {
+        const int64_t at = (s * num_heads + kv * group + g) * head_size;
+        decode_heads(1, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
+                     num_kv_heads, head_size, scale, logits, stride);
+      }
     }
   }
   free(logits);
