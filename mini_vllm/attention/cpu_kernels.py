@@ -76,13 +76,15 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        try:
-            subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
-                           capture_output=True, text=True, timeout=120)
-        except subprocess.CalledProcessError:  # a compiler without -march=native: the baseline
-            subprocess.run([cc, *(f for f in FLAGS if f != "-march=native"), "-o", tmp,
-                            str(SOURCE), "-lm"], check=True, capture_output=True, text=True,
-                           timeout=120)
+        # A compiler that does not know -march=native gets a second try without it.
+        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):
+            try:
+                subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                break
+            except subprocess.CalledProcessError:
+                if "-march=native" not in flags:
+                    raise
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -106,8 +108,9 @@ def load() -> ctypes.CDLL | None:
                 raise OSError("no C compiler (set CC, or install cc)")
             lib = ctypes.CDLL(str(_build(cc)))
         except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            warnings.warn(f"mini_vllm: the compiled CPU kernels are unavailable ({detail}); "
+            detail = (getattr(exc, "stderr", "") or str(exc)).strip().splitlines()[-1:]
+            warnings.warn(f"mini_vllm: the compiled CPU kernels are unavailable "
+                          f"({' '.join(detail) or type(exc).__name__}); "
                           "the engine uses the PyTorch ops, which give the same tokens, slower",
                           RuntimeWarning, stacklevel=2)
             _lib = False

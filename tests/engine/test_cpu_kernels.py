@@ -9,6 +9,8 @@ stands where the reference one was.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -230,12 +232,19 @@ def test_kernels_can_be_turned_off(monkeypatch, tiny_model, prompts, reference_o
     assert not kernel_calls
 
 
-def test_without_a_compiler_the_engine_warns_and_uses_the_pytorch_ops(
-        monkeypatch, tmp_path, tiny_model, prompts, reference_outputs):
+@pytest.mark.parametrize("compiler, message", [
+    (None, "no C compiler"),
+    (shutil.which("false"), "returned non-zero exit status"),  # a compiler that fails
+])
+def test_without_a_working_compiler_the_engine_warns_and_uses_the_pytorch_ops(
+        monkeypatch, tmp_path, compiler, message, tiny_model, prompts, reference_outputs):
+    if message.startswith("returned") and compiler is None:
+        pytest.skip("no `false` command here")
     monkeypatch.setattr(cpu_kernels, "_lib", None)  # as in a fresh process
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: compiler)
     monkeypatch.setenv("MINI_VLLM_CACHE", str(tmp_path))
-    with pytest.warns(RuntimeWarning, match="no C compiler"):
+    with pytest.warns(RuntimeWarning, match=message):
         llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
     assert backend(llm).cpu_kernels is None
     assert run(llm, prompts) == reference_outputs
+    assert not list(tmp_path.iterdir()), "a failed build left a file behind"
