@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.attention == "pytorch-ops":
-        os.environ["MINI_VLLM_CPU_KERNELS"] = "0"
+        os.environ["MINI_VLLM_DISABLE_CPU_KERNELS"] = "1"
 
     rows = []
     for batch in args.batches:

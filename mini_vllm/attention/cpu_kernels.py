@@ -11,10 +11,10 @@ CPU backend does), which is what keeps the engine near a plain contiguous-cache 
 The C file is compiled once, on first use, with the system C compiler (``$CC`` or ``cc``) into
 ``$MINI_VLLM_CACHE`` (default ``~/.cache/mini_vllm``), keyed by a hash of the source, the flags
 and the CPU (it is built for the CPU it runs on).
-Without a compiler, or with ``MINI_VLLM_CPU_KERNELS=0``, :func:`load` returns ``None`` and the
-engine runs the PyTorch ops; nothing else changes. The engine also uses the PyTorch ops whenever a
-student's own piece stands in for the reference one (``course engine --mine``), so that it is the
-student's code that runs.
+Without a compiler, or with ``MINI_VLLM_DISABLE_CPU_KERNELS=1``, :func:`load` returns ``None``
+and the engine runs the PyTorch ops; nothing else changes. The engine also runs the PyTorch ops
+whenever a student's own lab 02-04 piece stands in for the reference one (``python -m course
+engine``), so that it is the student's code that runs.
 
 upstream: csrc/cpu/attention.cpp:256 @ v0.11.0 (the decode)
 upstream: csrc/cpu/cache.cpp:42 @ v0.11.0 (the cache write)
@@ -67,7 +67,7 @@ def _cpu_identity() -> str:
 def _build(cc: str) -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode()
                             + _cpu_identity().encode()).hexdigest()
-    cache = Path(os.environ.get("MINI_VLLM_CACHE", Path.home() / ".cache" / "mini_vllm"))
+    cache = Path(os.environ.get("MINI_VLLM_CACHE") or Path.home() / ".cache" / "mini_vllm")
     target = cache / f"cpu_kernels-{digest[:16]}.so"
     if target.exists():
         return target
@@ -94,12 +94,12 @@ def _build(cc: str) -> Path:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; ``None`` where they cannot be (with a warning
-    saying why, once) or are turned off with ``MINI_VLLM_CPU_KERNELS=0``.
+    saying why, once) or are turned off with ``MINI_VLLM_DISABLE_CPU_KERNELS=1``.
 
     upstream: none (vLLM compiles its CPU kernels when its wheel is built, not at run time)
     """
     global _lib
-    if os.environ.get("MINI_VLLM_CPU_KERNELS", "1") == "0":
+    if os.environ.get("MINI_VLLM_DISABLE_CPU_KERNELS", "") not in ("", "0"):
         return None
     if _lib is None:
         cc = _compiler()

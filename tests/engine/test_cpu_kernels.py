@@ -224,7 +224,7 @@ def test_engine_with_another_block_size_uses_the_pytorch_ops(monkeypatch, tiny_m
 
 
 def test_kernels_can_be_turned_off(monkeypatch, tiny_model, prompts, reference_outputs):
-    monkeypatch.setenv("MINI_VLLM_CPU_KERNELS", "0")
+    monkeypatch.setenv("MINI_VLLM_DISABLE_CPU_KERNELS", "1")
     kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
     llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
     assert backend(llm).cpu_kernels is None

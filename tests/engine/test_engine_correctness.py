@@ -36,7 +36,7 @@ def path(request, monkeypatch):
     student's pieces runs) and the compiled kernels (the default while the reference pieces are
     in place, for block size 16 only)."""
     if request.param.startswith("pytorch-ops"):
-        monkeypatch.setenv("MINI_VLLM_CPU_KERNELS", "0")
+        monkeypatch.setenv("MINI_VLLM_DISABLE_CPU_KERNELS", "1")
     elif cpu_kernels.load() is None:
         pytest.skip("no C compiler here: the engine uses the PyTorch ops")
     return request.param
