@@ -103,21 +103,26 @@ class RunnerStats:
     model_seconds: list[float] = field(default_factory=list)
 
 
-# The lab 02-04 pieces whose work the compiled CPU kernels do, as the reference defines them. Held
-# in a tuple, which composition does not rebind: when a student's piece (or a test's stand-in)
-# replaces one of these names, the engine runs that piece instead of the kernels.
-_KERNEL_REPLACES = tuple(
-    (module, name, getattr(module, name))
-    for module, names in ((cache_ops, ("reshape_and_cache",)),
-                          (paged_attn, ("forward_decode", "paged_attention_v1",
-                                        "paged_attention_v2", "paged_attention_v2_reduce",
-                                        "use_v1")))
-    for name in names
+# The lab 02-04 pieces whose work the compiled CPU kernels do. When a student's piece (or a test's
+# stand-in) replaces one of these names, the engine runs that piece instead of the kernels.
+_KERNEL_REPLACES = (
+    (cache_ops, ("reshape_and_cache",)),
+    (paged_attn, ("forward_decode", "paged_attention_v1", "paged_attention_v2",
+                  "paged_attention_v2_reduce", "use_v1")),
 )
 
 
 def _reference_pieces_in_place() -> bool:
-    return all(getattr(module, name) is ref for module, name, ref in _KERNEL_REPLACES)
+    """Whether every piece above is the reference's: a function whose code is in the reference
+    module's own file. (Not an identity check against objects remembered at import: a copy of
+    this module imported after composition, as the exam's stand-in students make, would
+    remember the stand-ins' pieces as the reference.)"""
+    for module, names in _KERNEL_REPLACES:
+        for name in names:
+            code = getattr(getattr(module, name), "__code__", None)
+            if code is None or code.co_filename != module.__file__:
+                return False
+    return True
 
 
 def _prefill_part(meta: AttentionMetadata) -> AttentionMetadata:

@@ -9,11 +9,15 @@ stands where the reference one was.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from mini_vllm import model_runner
 from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
 from mini_vllm.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
@@ -212,6 +216,33 @@ def test_engine_runs_a_replaced_piece_not_the_kernels(monkeypatch, module, name,
     llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
     assert run(llm, prompts) == reference_outputs
     assert piece_calls and not kernel_calls
+
+
+def private_copy(module, folder: Path, monkeypatch):
+    """``module``'s source imported from another file, as the exam's stand-in students do."""
+    path = folder / f"{module.__name__.replace('.', '_')}_copy.py"
+    path.write_text(Path(module.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    copy = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, path.stem, copy)  # dataclasses look their module up
+    spec.loader.exec_module(copy)
+    return copy
+
+
+def test_a_piece_from_a_copy_of_the_reference_module_is_not_the_reference(
+        monkeypatch, tmp_path, tiny_model, prompts, reference_outputs):
+    """The exam's stand-in students run private copies of the reference modules (the same code
+    in another file, imported after composition): those are the student's pieces, so the engine
+    must run them and not the kernels, or a planted bug in them would go unseen."""
+    stand_in = private_copy(paged_attn, tmp_path, monkeypatch)
+    monkeypatch.setattr(paged_attn, "paged_attention_v2_reduce", stand_in.paged_attention_v2_reduce)
+    assert not model_runner._reference_pieces_in_place()
+    # The stand-ins' own copy of the runner's module, imported after the rebinding, agrees.
+    assert not private_copy(model_runner, tmp_path, monkeypatch)._reference_pieces_in_place()
+    kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    assert run(llm, prompts) == reference_outputs
+    assert not kernel_calls
 
 
 def test_engine_with_another_block_size_uses_the_pytorch_ops(monkeypatch, tiny_model, prompts,
