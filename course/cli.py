@@ -301,7 +301,13 @@ def cmd_check(args) -> int:
 
 def _check_engine_exam(args, labs: list[Lab]):
     """The engine exam part of `course check` (see course/exam_check.py)."""
-    from course.exam_check import CPU_LABS_EXCLUDED, exam_units, run_exam_checks
+    from course.exam_check import (
+        CPU_LABS_EXCLUDED,
+        compare_with_expected,
+        exam_units,
+        load_expected_rejections,
+        run_exam_checks,
+    )
 
     exam_labs = [lab.id for lab in labs if lab.engine_parts and lab.id not in CPU_LABS_EXCLUDED]
     if args.no_exam or not exam_labs:
@@ -311,7 +317,10 @@ def _check_engine_exam(args, labs: list[Lab]):
     progress = Progress(exam_units(bugs_of) if not args.no_bugs else 2, "engine exam")
     problems, results = run_exam_checks(_workers(args.jobs), bugs_of, progress)
     progress.close()
-    return problems, results
+    lost, notes = compare_with_expected(results, load_expected_rejections())
+    for note in notes:
+        print(f"  note: {note}")
+    return problems + lost, results
 
 
 def cmd_refs(args) -> int:

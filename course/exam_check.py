@@ -24,10 +24,12 @@ from course.bugs import PlantedBug, load_bugs
 from course.compose import engine_labs
 from course.engine import run_exam_job
 from course.exam import GRADED_SWEEP, cases
+from course.labs import REPO_ROOT
 from course.shadow import NotAnEnginePiece, shadow_tree
 
 CASE_TIMEOUT_S = 60.0
 CPU_LABS_EXCLUDED = ("02-06",)  # its pieces serve decode only on a GPU
+EXAM_REJECTED = REPO_ROOT / "planted_bugs" / "exam_rejected.txt"
 
 
 @dataclass
@@ -140,6 +142,42 @@ def run_exam_checks(jobs: int, lab_ids: list[str] | None = None,
     order = {(lab_id, bug.name): i for i, (lab_id, bug) in enumerate(engine_bugs(lab_ids))}
     results.sort(key=lambda r: order[(r.lab_id, r.bug.name)])
     return problems, results
+
+
+def load_expected_rejections(path: Path = EXAM_REJECTED) -> set[tuple[str, str]]:
+    """``(lab id, bug name)`` of every line ``PP-LL bug-name`` of ``path`` (``#`` comments)."""
+    if not path.is_file():
+        return set()
+    expected = set()
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 2:
+            raise ValueError(f"{path.name}:{number}: expected `PP-LL bug-name`, got {line!r}")
+        expected.add((words[0], words[1]))
+    return expected
+
+
+def compare_with_expected(results: list[ExamBugResult], expected: set[tuple[str, str]],
+                          listed_in: str = "planted_bugs/exam_rejected.txt"
+                          ) -> tuple[list[str], list[str]]:
+    """(violations, notes): listed bugs that ran and were not rejected; rejected bugs not listed.
+    Bugs that did not run (a check of some labs only) are not compared."""
+    ran = {(r.lab_id, r.bug.name): r for r in results}
+    problems = [
+        f"engine exam: planted bug {name!r} of lab {lab} is no longer rejected by the exam "
+        f"({ran[(lab, name)].status}; it is listed in {listed_in}): an engine change lets that "
+        "mistake through; find it, or take the bug off the list and say why"
+        for lab, name in sorted(expected) if (lab, name) in ran
+        and ran[(lab, name)].status != "rejected"
+    ]
+    notes = [
+        f"engine exam: planted bug {r.bug.name!r} of lab {r.lab_id} is now rejected by the "
+        f"exam: add `{r.lab_id} {r.bug.name}` to {listed_in}"
+        for r in results if r.status == "rejected" and (r.lab_id, r.bug.name) not in expected
+    ]
+    return problems, notes
 
 
 def exam_units(lab_ids: list[str] | None = None) -> int:

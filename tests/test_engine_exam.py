@@ -244,3 +244,34 @@ def test_workers_of_another_tree_run_side_by_side_in_threads(tmp_path):
         stop.set()
         spawner.join()
     assert [(r.exit_code, r.error) for r in results] == [(0, None)] * 3
+
+
+def test_the_bugs_the_exam_rejects_are_pinned_and_one_it_stops_rejecting_fails_the_check(
+        tmp_path):
+    """`course check` compares the exam's rejections with planted_bugs/exam_rejected.txt: a
+    listed bug the exam lets through is a violation (an engine change bypassing a student's
+    piece did that once), a newly rejected one a note."""
+    from course.bugs import PlantedBug
+    from course.exam_check import (
+        ExamBugResult,
+        compare_with_expected,
+        engine_bugs,
+        load_expected_rejections,
+    )
+
+    listed = load_expected_rejections()
+    assert listed and listed <= {(lab, bug.name) for lab, bug in engine_bugs()}
+
+    def result(lab: str, name: str, status: str) -> ExamBugResult:
+        return ExamBugResult(lab, PlantedBug(name, "", "x.py", "a", "b"), status)
+
+    results = [result("02-04", "kept", "rejected"), result("02-04", "lost", "not rejected"),
+               result("03-01", "new", "rejected")]
+    problems, notes = compare_with_expected(
+        results, {("02-04", "kept"), ("02-04", "lost"), ("03-02", "not-run")})
+    assert len(problems) == 1 and "'lost' of lab 02-04 is no longer rejected" in problems[0]
+    assert len(notes) == 1 and "add `03-01 new`" in notes[0]
+    malformed = tmp_path / "list.txt"
+    malformed.write_text("# a comment\n02-04\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"list.txt:2"):
+        load_expected_rejections(malformed)
