@@ -525,8 +525,15 @@ def main(argv: list[str] | None = None,
     args = p.parse_args(argv)
 
     if args.roofline:
-        results = json.loads(Path(args.roofline).read_text(encoding="utf-8"))
-        print(f"wrote {draw_roofline(results, roofline_path(args.roofline))}")
+        try:
+            results = json.loads(Path(args.roofline).read_text(encoding="utf-8"))
+            plot = draw_roofline(results, roofline_path(args.roofline))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"paged_attention benchmark: cannot draw the roofline of {args.roofline} "
+                  f"({type(exc).__name__}: {exc}); give a results file this benchmark wrote "
+                  "with --json", file=sys.stderr)
+            return 2
+        print(f"wrote {plot}")
         return 0
 
     if not torch.cuda.is_available():

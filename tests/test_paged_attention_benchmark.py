@@ -115,3 +115,14 @@ def test_the_flexattention_baseline_reads_each_sequence_through_its_own_block_ta
                                 1 << 16, torch.empty(1), 0, 1, {"read": 100.0}, device="cpu",
                                 timer=fixed_timer)
     assert records[0]["status"] == "ok", records[0]["status"]
+
+
+@pytest.mark.parametrize("content", [None, "not json", '{"records": []}'])
+def test_redrawing_from_a_missing_or_foreign_file_says_so_and_exits_2(bench, tmp_path, capsys,
+                                                                       content):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    assert bench.main(["--roofline", str(path)]) == 2
+    assert "cannot draw the roofline" in capsys.readouterr().err
+    assert not (tmp_path / "results.roofline.png").exists()
