@@ -129,8 +129,9 @@ def main() -> None:
         model = llm.model
         kernels = llm.engine.model_runner.attn_backend.cpu_kernels is not None
         if kernels != (args.attention == "cpu-kernels"):
-            raise SystemExit("the compiled CPU kernels are unavailable here (see the warning); "
-                             "measure with --attention pytorch-ops")
+            raise SystemExit("the engine is not using the compiled CPU kernels here (no working "
+                             "C compiler, see the warning above, or MINI_VLLM_DISABLE_CPU_KERNELS "
+                             "is set); measure with --attention pytorch-ops")
         rng = random.Random(args.seed + batch)
         vocab = min(model.config.vocab_size, 256)  # printable-ish ids for the byte model
         prompts = [[rng.randrange(32, vocab if vocab < 256 else 127)
