@@ -10,9 +10,9 @@ CPU backend does), which is what keeps the engine near a plain contiguous-cache 
 
 The C file is compiled once, on first use, with the system C compiler (``$CC`` or ``cc``) into
 ``$MINI_VLLM_CACHE`` (default ``~/.cache/mini_vllm``), keyed by a hash of the source, the flags
-and the CPU (it is built for the CPU it runs on).
-Without a compiler, or with ``MINI_VLLM_DISABLE_CPU_KERNELS=1``, :func:`load` returns ``None``
-and the engine runs the PyTorch ops; nothing else changes. The engine also runs the PyTorch ops
+and the CPU (it is built for the CPU it runs on). Without a working compiler, or with
+``MINI_VLLM_DISABLE_CPU_KERNELS=1``, :func:`load` returns ``None`` and the engine runs the
+PyTorch ops; nothing else changes. The engine also runs the PyTorch ops
 whenever a student's own lab 02-04 piece stands in for the reference one (``python -m course
 engine``), so that it is the student's code that runs.
 

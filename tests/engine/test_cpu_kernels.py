@@ -9,7 +9,6 @@ stands where the reference one was.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from course.loader import load_script
 from mini_vllm import model_runner
 from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
 from mini_vllm.llm import LLM
@@ -218,14 +218,12 @@ def test_engine_runs_a_replaced_piece_not_the_kernels(monkeypatch, module, name,
     assert piece_calls and not kernel_calls
 
 
-def private_copy(module, folder: Path, monkeypatch):
+def private_copy(module, folder: Path):
     """``module``'s source imported from another file, as the exam's stand-in students do."""
     path = folder / f"{module.__name__.replace('.', '_')}_copy.py"
     path.write_text(Path(module.__file__).read_text(encoding="utf-8"), encoding="utf-8")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    copy = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, path.stem, copy)  # dataclasses look their module up
-    spec.loader.exec_module(copy)
+    copy = load_script(path.stem, path)
+    del sys.modules[path.stem]  # the next call loads a fresh copy
     return copy
 
 
@@ -234,11 +232,11 @@ def test_a_piece_from_a_copy_of_the_reference_module_is_not_the_reference(
     """The exam's stand-in students run private copies of the reference modules (the same code
     in another file, imported after composition): those are the student's pieces, so the engine
     must run them and not the kernels, or a planted bug in them would go unseen."""
-    stand_in = private_copy(paged_attn, tmp_path, monkeypatch)
+    stand_in = private_copy(paged_attn, tmp_path)
     monkeypatch.setattr(paged_attn, "paged_attention_v2_reduce", stand_in.paged_attention_v2_reduce)
     assert not model_runner._reference_pieces_in_place()
     # The stand-ins' own copy of the runner's module, imported after the rebinding, agrees.
-    assert not private_copy(model_runner, tmp_path, monkeypatch)._reference_pieces_in_place()
+    assert not private_copy(model_runner, tmp_path)._reference_pieces_in_place()
     kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
     llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
     assert run(llm, prompts) == reference_outputs
