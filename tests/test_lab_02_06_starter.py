@@ -43,7 +43,8 @@ def _body(text: str, name: str) -> tuple[int, int]:
 def solved_starter() -> str:
     """starter.cu with each task's body taken from the reference and every task marked done."""
     text = (LAB / "starter.cu").read_text(encoding="utf-8")
-    sources = {"qk_logits": "attention_core.cuh", "softmax_in_place": "attention_core.cuh",
+    sources = {"paged_attention_naive_kernel": "paged_attention_naive.cu",
+               "qk_logits": "attention_core.cuh", "softmax_in_place": "attention_core.cuh",
                "accumulate_values": "attention_core.cuh",
                "partition_reduce_kernel": "partition_reduce.cuh"}
     for name, file in sources.items():
@@ -104,8 +105,8 @@ def run(module, version: str, b: dict, backend: str) -> torch.Tensor:
     args = [b[k] for k in ("query", "key_cache", "value_cache", "num_kv_heads", "scale",
                            "block_tables", "seq_lens", "block_size", "max_seq_len",
                            "alibi_slopes")]
-    if version == "v1":
-        module.paged_attention_v1(out, *args, backend=backend)
+    if version in ("naive", "v1"):
+        getattr(module, f"paged_attention_{version}")(out, *args, backend=backend)
     else:
         parts = -(-b["max_seq_len"] // 512)
         n, h, d = b["query"].shape
@@ -141,7 +142,7 @@ def test_the_starter_filled_with_the_reference_bodies_is_right(tmp_path, backend
     require({"emulation": "plain", "emulation-asan": "asan", "emulation-race": "race"}[backend])
     starter = load_starter(tmp_path, solved_starter())
     b = batch() if backend != "emulation-race" else batch(lens=(17, 600), heads=(2, 1))
-    for version in ("v1", "v2"):
+    for version in ("naive", "v1", "v2"):
         assert_close(run(starter, version, b, backend), expected(b),
                      msg=f"the solved starter's {version} ({backend})")
 

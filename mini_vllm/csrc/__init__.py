@@ -47,6 +47,7 @@ __all__ = [
 CSRC_DIR = Path(__file__).resolve().parent
 # One translation unit per kernel family, so a parallel build compiles them side by side.
 KERNEL_SOURCES = (
+    "paged_attention_naive.cu",  # lab 02-06's task 0: the baseline the others improve on
     "paged_attention_v1.cu",
     "paged_attention_v2.cu",
     "paged_attention_gqa.cu",

@@ -4,8 +4,8 @@
 // checks here are the last line of defence that keeps a kernel inside its buffers.
 //
 // Built by torch.utils.cpp_extension (see mini_vllm/csrc/__init__.py). With
-// MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_v1/v2 and the probes of their
-// steps 1 and 2, which is what the lab 02-06 starter build (bindings + starter.cu) provides.
+// MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_naive/v1/v2 and the probes of
+// their steps 1 and 2, which is what the lab 02-06 starter build (bindings + starter.cu) provides.
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -184,6 +184,19 @@ void add_partition_buffers(PagedAttentionParams& p, const torch::Tensor& query,
   p.max_logits = max_logits.data_ptr<float>();
   p.tmp_out = tmp_out.data_ptr();
   p.max_num_partitions = static_cast<int>(exp_sums.size(2));
+}
+
+void paged_attention_naive(torch::Tensor& out, const torch::Tensor& query,
+                           const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                           int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
+                           const torch::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                           const std::optional<torch::Tensor>& alibi_slopes) {
+  const PagedAttentionParams p = attention_params(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+      max_seq_len, alibi_slopes, cache_dtype_of("auto", 1.0, 1.0));
+  const c10::cuda::CUDAGuard guard(query.device());
+  raise_if_error(mini_vllm::launch_paged_attention_naive(p, c10::cuda::getCurrentCUDAStream()),
+                 "paged_attention_naive");
 }
 
 void paged_attention_v1(torch::Tensor& out, const torch::Tensor& query,
@@ -430,6 +443,10 @@ void softmax_probe(torch::Tensor& rows, const torch::Tensor& lengths, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "mini_vllm CUDA ops (paged attention and cache kernels)";
+  m.def("paged_attention_naive", &paged_attention_naive, py::arg("out"), py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"), py::arg("scale"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
+        py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none());
   m.def("paged_attention_v1", &paged_attention_v1, py::arg("out"), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),

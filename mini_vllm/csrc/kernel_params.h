@@ -137,6 +137,9 @@ struct SoftmaxProbe {
   int width;
 };
 
+// The naive kernel (lab 02-06's task 0): v1's grid, one thread per token or output row, scalar
+// loads. Refuses an fp8 cache and contexts whose logits exceed 48 KB of shared memory.
+Status launch_paged_attention_naive(const PagedAttentionParams& p, cudaStream_t stream);
 Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream);
 Status launch_paged_attention_v2(const PagedAttentionParams& p, cudaStream_t stream);
 Status launch_paged_attention_gqa(const PagedAttentionParams& p, cudaStream_t stream);

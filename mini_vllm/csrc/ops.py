@@ -26,6 +26,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_SIZES",
     "check_attention_inputs",
+    "check_naive_inputs",
     "check_partition_buffers",
     "choose_decode_kernel",
     "copy_blocks",
@@ -33,7 +34,9 @@ __all__ = [
     "device_smem_optin",
     "gqa_num_partitions",
     "gqa_partition_size",
+    "naive_max_seq_len",
     "paged_attention_gqa",
+    "paged_attention_naive",
     "paged_attention_v1",
     "paged_attention_v2",
     "paged_decode",
@@ -295,6 +298,59 @@ def check_partition_buffers(
                 f"(= ceil(max_seq_len / {partition_size})) as exp_sums; got {t.dtype} "
                 f"{tuple(t.shape)}"
             )
+
+
+def naive_max_seq_len(head_size: int) -> int:
+    """The longest context the naive kernel takes: its fp32 logits, beside its query row and
+    two 4-float scratch arrays, must fit the 48 KB of shared memory a block gets without opting
+    in (naive_max_seq_len in paged_attention_naive.cu)."""
+    return (48 * 1024 - 4 * head_size - 2 * 4 * 4) // 4
+
+
+def check_naive_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                       block_size, max_seq_len, alibi_slopes, backend=None) -> str:
+    """``check_attention_inputs`` for the naive kernel (a cache in the model's dtype) plus its
+    context limit; returns the backend. The reference and lab 02-06's starter both call it."""
+    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                     block_tables, seq_lens, block_size, max_seq_len,
+                                     alibi_slopes, backend=backend)
+    limit = naive_max_seq_len(query.shape[2])
+    if max_seq_len > limit:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} is too long for paged_attention_naive: its logits must "
+            f"fit in 48 KB of shared memory, at most {limit} tokens with head size "
+            f"{query.shape[2]}; use paged_attention_v1 or v2 for longer contexts")
+    return backend
+
+
+def paged_attention_naive(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """The naive decode kernel (lab 02-06's task 0): v1's contract for a cache in the model's
+    dtype, with contexts up to ``naive_max_seq_len(head_size)`` tokens; writes ``out``.
+
+    The baseline of the lab's timing table, not for serving: the engine never calls it.
+
+    upstream: none (the loop of tests/kernels/attention/test_attention.py:65 @ v0.11.0 as a
+    kernel)
+    """
+    backend = check_naive_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                 block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                                 backend=backend)
+    _csrc.load_ops(backend=backend).paged_attention_naive(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, max_seq_len, alibi_slopes)
 
 
 def paged_attention_v1(

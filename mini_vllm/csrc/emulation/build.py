@@ -181,7 +181,7 @@ class Build:
     as C++ with the flavour's instrumentation); ``bindings`` are the files that register ops
     with MINI_VLLM_EMU_OP (compiled without instrumentation; by default op_bindings.cpp, the
     mini_vllm ops; a test's own kernel file may register its ops itself and pass none);
-    ``attention_only`` binds only paged_attention_v1/v2 (all the lab starter provides);
+    ``attention_only`` binds only paged_attention_naive/v1/v2 (all the lab starter provides);
     ``own_files`` are the files whose lines error messages point at first (the student's
     starter.cu, or every csrc source for the reference).
     """

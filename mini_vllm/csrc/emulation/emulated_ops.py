@@ -95,6 +95,12 @@ class EmulatedOps:
             scalars.update(probe[1])
         self._run(variant, op, buffers, scalars)
 
+    def paged_attention_naive(self, out, query, key_cache, value_cache, num_kv_heads, scale,
+                              block_tables, seq_lens, block_size, max_seq_len,
+                              alibi_slopes=None) -> None:
+        self._attention("paged_attention_naive", out, query, key_cache, value_cache, num_kv_heads,
+                        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes)
+
     def paged_attention_v1(self, out, query, key_cache, value_cache, num_kv_heads, scale,
                            block_tables, seq_lens, block_size, max_seq_len,
                            alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0,

@@ -2,8 +2,8 @@
 // (kernel_params.h) called, status out. The Python side (EmulatedOps in __init__.py) has already
 // checked the inputs exactly as the CUDA ops do, and computed the sizes and strides.
 //
-// With MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_v1/v2 and the probes of their
-// steps 1 and 2, which is what the lab 02-06 starter build (the student's starter.cu) provides.
+// With MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_naive/v1/v2 and the probes
+// of their steps 1 and 2, which is what the lab 02-06 starter build (the student's starter.cu) provides.
 #include <cstdint>
 #include <vector>
 
@@ -68,6 +68,10 @@ PagedAttentionParams attention_params(const Request& req) {
 }
 
 }  // namespace
+
+MINI_VLLM_EMU_OP(paged_attention_naive) {
+  finish(mini_vllm::launch_paged_attention_naive(attention_params(req), nullptr));
+}
 
 MINI_VLLM_EMU_OP(paged_attention_v1) {
   finish(mini_vllm::launch_paged_attention_v1(attention_params(req), nullptr));

@@ -11,13 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from mini_vllm.csrc import CSRC_DIR, KERNEL_SOURCES, load_ops
-from mini_vllm.csrc.ops import PARTITION_SIZE, paged_attention_v1, paged_attention_v2
+from mini_vllm.csrc.ops import (
+    PARTITION_SIZE,
+    paged_attention_naive,
+    paged_attention_v1,
+    paged_attention_v2,
+)
 from mini_vllm.csrc.probes import qk_logits_probe, softmax_probe
 
 __all__ = [
     "PARTITION_SIZE",
     "build",
     "kernel_sources",
+    "paged_attention_naive",
     "paged_attention_v1",
     "paged_attention_v2",
     "qk_logits_probe",

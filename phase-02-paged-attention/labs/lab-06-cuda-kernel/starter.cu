@@ -1,7 +1,8 @@
 // Lab 02-06: PagedAttention in CUDA. This file is yours.
 //
-// It holds everything of paged attention v1 and v2 except the four pieces you write (tasks 1-4
-// in the README). The helpers it includes from mini_vllm/csrc/ are given: common.cuh (fp32
+// It holds everything of a naive decode kernel and of paged attention v1 and v2 except the five
+// pieces you write (tasks 0-4 in the README): first the naive kernel, whole, then v1 and v2 in
+// four steps. The helpers it includes from mini_vllm/csrc/ are given: common.cuh (fp32
 // conversions, load_as_float for 16-byte vector loads, group_sum / warp_max / block_max /
 // block_sum), dispatch.cuh (run-time sizes to template arguments), kernel_params.h (the inputs).
 // Like the reference kernels, this file includes no torch header, so plain nvcc compiles it.
@@ -12,6 +13,7 @@
 #include "common.cuh"
 #include "dispatch.cuh"
 
+#define LAB_TASK_0_DONE 0  // paged_attention_naive_kernel
 #define LAB_TASK_1_DONE 0  // qk_logits
 #define LAB_TASK_2_DONE 0  // softmax_in_place
 #define LAB_TASK_3_DONE 0  // accumulate_values
@@ -49,6 +51,63 @@ __host__ __device__ constexpr int attention_smem_bytes(int num_token_slots) {
 template <int HEAD_SIZE, int NUM_THREADS>
 __host__ __device__ constexpr int attention_static_smem_bytes() {
   return 4 * HEAD_SIZE + 2 * 4 * (NUM_THREADS / kWarpSize);
+}
+
+// Given: the query row, times the scale, as fp32 in q_smem; ends with the barrier that
+// publishes it.
+template <typename T, int HEAD_SIZE, int NUM_THREADS>
+__device__ void stage_query(const PagedAttentionParams& p, int seq, int head, float* q_smem) {
+  const T* q = static_cast<const T*>(p.query) + seq * p.q_stride +
+               static_cast<int64_t>(head) * HEAD_SIZE;
+  for (int i = threadIdx.x; i < HEAD_SIZE; i += NUM_THREADS) {
+    q_smem[i] = to_float(q[i]) * p.scale;
+  }
+  __syncthreads();
+}
+
+// Task 0. The naive kernel: one thread block of NUM_THREADS threads per (query head `head`,
+// sequence `seq`) computes out = softmax(q . K^T * scale + ALiBi) V over the sequence's first
+// seq_len tokens, the whole attention in one function, with no trick:
+//   1. thread i computes the logits of tokens i, i + NUM_THREADS, ..., each dot product alone,
+//      one scalar element at a time, into logits[t] (shared memory, one float per token), plus
+//      alibi_slope * (t - (seq_len - 1)), and keeps its max;
+//   2. block_max (common.cuh) over the threads' maxes; each thread turns its own logits into
+//      exp(logit - max) and adds them up; block_sum over the threads' sums;
+//   3. thread d computes out[d] = sum_t logits[t] * v_t[d] / sum for d = i, i + NUM_THREADS, ...
+//      (d < HEAD_SIZE), walking the blocks of the table, in fp32, written as T.
+// The cache layout: key element d of token t is
+// key_cache[block_table[t / BLOCK_SIZE], kv_head, d / X, t % BLOCK_SIZE, d % X] with X elements
+// per 16-byte chunk; value element d is value_cache[block_table[t / BLOCK_SIZE], kv_head, d,
+// t % BLOCK_SIZE]. The pointers below are already at kv_head; a block's offset is
+// physical * p.kv_block_stride, with `physical` read as int64_t. Read only tokens t < seq_len:
+// the unused slots of the last block may hold NaN. Everything given is set up below the TODO.
+// Hint: `python -m course hint 02-06 0`. (Tasks 1-4 then rebuild this as v1 and v2.)
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS)
+    paged_attention_naive_kernel(const PagedAttentionParams p) {
+  // ([[maybe_unused]] only silences the compiler until you use them.)
+  [[maybe_unused]] constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
+  [[maybe_unused]] constexpr int X = 16 / sizeof(T);  // elements per 16-byte chunk of a key
+  MINI_VLLM_SHARED(float, q_smem, [HEAD_SIZE]);
+  [[maybe_unused]] MINI_VLLM_SHARED(float, red_max, [NUM_WARPS]);
+  [[maybe_unused]] MINI_VLLM_SHARED(float, red_sum, [NUM_WARPS]);
+  [[maybe_unused]] MINI_VLLM_DYNAMIC_SHARED(float, logits);  // one float per token of the sequence
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  [[maybe_unused]] const int seq_len = clamped_seq_len(p, seq);
+  const int kv_head = head / (p.num_heads / p.num_kv_heads);
+  [[maybe_unused]] const int* block_table =
+      p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
+  [[maybe_unused]] const T* key_cache =
+      static_cast<const T*>(p.key_cache) + kv_head * p.kv_head_stride;
+  [[maybe_unused]] const T* value_cache =
+      static_cast<const T*>(p.value_cache) + kv_head * p.kv_head_stride;
+  [[maybe_unused]] T* out =
+      static_cast<T*>(p.out) + (static_cast<int64_t>(seq) * p.num_heads + head) * HEAD_SIZE;
+  [[maybe_unused]] const float alibi_slope =
+      p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[head];
+  stage_query<T, HEAD_SIZE, NUM_THREADS>(p, seq, head, q_smem);  // q * scale, then a barrier
+  // TODO(lab 02-06, task 0): the three steps above; then set LAB_TASK_0_DONE to 1.
 }
 
 // Task 1. For every token slot t of blocks [w.first_block, w.end_block), store
@@ -115,18 +174,6 @@ __device__ AttentionWork make_work(const PagedAttentionParams& p, int seq, int h
   w.block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
   w.alibi_slope = p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[head];
   return w;
-}
-
-// Given: the query row, times the scale, as fp32 in q_smem; ends with the barrier that
-// publishes it.
-template <typename T, int HEAD_SIZE, int NUM_THREADS>
-__device__ void stage_query(const PagedAttentionParams& p, int seq, int head, float* q_smem) {
-  const T* q = static_cast<const T*>(p.query) + seq * p.q_stride +
-               static_cast<int64_t>(head) * HEAD_SIZE;
-  for (int i = threadIdx.x; i < HEAD_SIZE; i += NUM_THREADS) {
-    q_smem[i] = to_float(q[i]) * p.scale;
-  }
-  __syncthreads();
 }
 
 // Given: the skeleton that ties tasks 1-3 together for one (head, sequence, block range).
@@ -217,6 +264,8 @@ __global__ void __launch_bounds__(NUM_THREADS)
 
 // The message the tests show for task `task` while it is not marked done (nullptr once it is).
 inline const char* task_todo(int task) {
+  if (task == 0 && !LAB_TASK_0_DONE)
+    return "lab 02-06, task 0: write paged_attention_naive_kernel in starter.cu, then set LAB_TASK_0_DONE to 1 (hint: python -m course hint 02-06 0)";
   if (task == 1 && !LAB_TASK_1_DONE)
     return "lab 02-06, task 1: write qk_logits in starter.cu, then set LAB_TASK_1_DONE to 1 (hint: python -m course hint 02-06 1)";
   if (task == 2 && !LAB_TASK_2_DONE)
@@ -239,6 +288,21 @@ inline const char* missing_task(int last_task) {
 constexpr const char* kNoFp8 =
     "lab 02-06's kernels read a KV cache in the model's dtype only (unsupported: an fp8 cache); "
     "use mini_vllm.csrc.ops for the fp8 path";
+
+// The naive kernel's logits must fit the 48 KB a block gets without opting in.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+Status launch_naive(const PagedAttentionParams& p, cudaStream_t stream) {
+  const int static_smem = attention_static_smem_bytes<HEAD_SIZE, kThreads>();
+  if (4 * p.max_seq_len + static_smem > 48 * 1024) {
+    return unsupported(
+        "max_seq_len is too long for paged_attention_naive (its logits must fit in 48 KB of "
+        "shared memory: about 12K tokens); use paged_attention_v1 or v2");
+  }
+  const auto kernel = paged_attention_naive_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
+  MINI_VLLM_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs), kThreads, 4 * p.max_seq_len,
+                   stream)(p);
+  return cuda_status(cudaGetLastError());
+}
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_v1(const PagedAttentionParams& p, cudaStream_t stream) {
@@ -280,6 +344,17 @@ Status launch_v2(const PagedAttentionParams& p, cudaStream_t stream) {
   MINI_VLLM_LAUNCH(reduce, dim3(p.num_heads, p.num_seqs), kThreads, sizeof(float) * parts,
                    stream)(p);
   return cuda_status(cudaGetLastError());
+}
+
+Status launch_paged_attention_naive(const PagedAttentionParams& p, cudaStream_t stream) {
+  if (const char* todo = task_todo(0)) return not_implemented(todo);
+  const Status cache = refuse_fp8_cache(p.kv_cache_dtype, kNoFp8);
+  if (cache.code != StatusCode::kOk) return cache;
+  if (p.num_seqs == 0) return ok();
+  return dispatch_attention(p.dtype, p.head_size, p.block_size, [&](auto t, auto h, auto b) {
+    return launch_naive<typename decltype(t)::type, decltype(h)::value, decltype(b)::value>(
+        p, stream);
+  });
 }
 
 Status launch_paged_attention_v1(const PagedAttentionParams& p, cudaStream_t stream) {

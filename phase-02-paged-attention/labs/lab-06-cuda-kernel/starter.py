@@ -1,6 +1,6 @@
 """Lab 02-06: PagedAttention in CUDA. This file builds and calls *your* kernels.
 
-There is nothing to write here: your work is in ``starter.cu`` (tasks 1-4 of the README). This
+There is nothing to write here: your work is in ``starter.cu`` (tasks 0-4 of the README). This
 module compiles ``starter.cu`` the first time an op is called, checks every call's inputs exactly
 as the reference does, and runs your kernels, on one of two backends (the ``backend`` argument,
 or ``$MINI_VLLM_KERNEL_BACKEND``; see ``mini_vllm.csrc.resolve_backend``):
@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 from mini_vllm.csrc import CSRC_DIR, build_extension, emulation_build, resolve_backend
-from mini_vllm.csrc.ops import PARTITION_SIZE, check_attention_inputs
+from mini_vllm.csrc.ops import PARTITION_SIZE, check_attention_inputs, check_naive_inputs
 from mini_vllm.csrc.probes import check_qk_logits_probe, check_softmax_probe
 
 __all__ = [
     "PARTITION_SIZE",
     "build",
     "kernel_sources",
+    "paged_attention_naive",
     "paged_attention_v1",
     "paged_attention_v2",
     "qk_logits_probe",
@@ -55,7 +56,7 @@ def build(verbose: bool = False, backend: str | None = None):
             _built[backend] = build_extension(
                 EXTENSION_NAME,
                 [STARTER_CU, CSRC_DIR / "bindings.cpp"],
-                defines=["MINI_VLLM_ATTENTION_ONLY"],  # bind only v1, v2 and the probes
+                defines=["MINI_VLLM_ATTENTION_ONLY"],  # bind only naive, v1, v2, the probes
                 verbose=verbose,
             )
         else:
@@ -94,6 +95,30 @@ def _refuse_fp8(kv_cache_dtype: str) -> None:
 def kernel_sources() -> list[Path]:
     """The CUDA translation units this implementation is built from (no torch headers)."""
     return [LAB_DIR / "starter.cu"]
+
+
+def paged_attention_naive(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """Your naive kernel (task 0): v1's contract, one thread per token or output row, for
+    contexts up to ``mini_vllm.csrc.ops.naive_max_seq_len(head_size)`` tokens."""
+    backend = check_naive_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables,
+                                 seq_lens, block_size, max_seq_len, alibi_slopes, backend=backend)
+    _check_tasks_done((0,))
+    build(backend=backend).paged_attention_naive(out, query, key_cache, value_cache,
+                                                 num_kv_heads, scale, block_tables, seq_lens,
+                                                 block_size, max_seq_len, alibi_slopes)
 
 
 def paged_attention_v1(

@@ -199,7 +199,7 @@ def gpu_worker():
 
 
 def run_kernel(version: str, b: dict, fn=None, backend: str = KERNEL_BACKEND) -> torch.Tensor:
-    """Run v1 or v2 (lab's, or `fn` with the v2 signature) on the poisoned caches."""
+    """Run naive, v1 or v2 (lab's, or `fn` with the v2 signature) on the poisoned caches."""
     out = torch.full_like(b["query"], float("nan"))
     common = (b["query"], b["poisoned_k"], b["poisoned_v"], b["num_kv_heads"], b["scale"],
               b["block_tables"], b["seq_lens"], b["block_size"], b["max_seq_len"],
@@ -212,7 +212,9 @@ def run_kernel(version: str, b: dict, fn=None, backend: str = KERNEL_BACKEND) ->
             "mini_vllm.csrc.isolation", "run_on_gpu", where, name, [0],
             *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], backend="cuda")
         return result.to(out.device)
-    if version == "v1":
+    if version == "naive":
+        lab.paged_attention_naive(out, *common, backend=backend)
+    elif version == "v1":
         (fn or lab.paged_attention_v1)(out, *common, backend=backend)
     else:
         (fn or lab.paged_attention_v2)(out, *partition_buffers(b), *common, backend=backend)
@@ -296,7 +298,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.starter_ok
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["naive", "v1", "v2"])
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_rejected_before_anything_is_written(version, case):
     overrides, phrase = BAD_INPUTS[case]
@@ -310,15 +312,15 @@ def test_bad_input_is_rejected_before_anything_is_written(version, case):
                            "alibi_slopes")]
     # backend="cuda": every check runs before anything is built, with or without a GPU.
     with pytest.raises(ValueError, match=phrase):
-        if version == "v1":
-            lab.paged_attention_v1(*args, backend="cuda")
+        if version in ("naive", "v1"):
+            getattr(lab, f"paged_attention_{version}")(*args, backend="cuda")
         else:
             lab.paged_attention_v2(args[0], *bufs, *args[1:], backend="cuda")
     assert torch.equal(a["out"], before), "a rejected call must not write out"
 
 
 @pytest.mark.starter_ok
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["naive", "v1", "v2"])
 def test_the_emulation_backend_rejects_tensors_off_the_cpu(version):
     a = cpu_batch(seq_lens=torch.empty(2, dtype=torch.int32, device="meta"))
     num_seqs, nh, hs = a["out"].shape
@@ -328,8 +330,8 @@ def test_the_emulation_backend_rejects_tensors_off_the_cpu(version):
                            "block_tables", "seq_lens", "block_size", "max_seq_len",
                            "alibi_slopes")]
     with pytest.raises(ValueError, match="seq_lens is on meta"):
-        if version == "v1":
-            lab.paged_attention_v1(*args, backend="emulation")
+        if version in ("naive", "v1"):
+            getattr(lab, f"paged_attention_{version}")(*args, backend="emulation")
         else:
             lab.paged_attention_v2(args[0], *bufs, *args[1:], backend="emulation")
     with pytest.raises(ValueError, match="must be one of"):
@@ -474,8 +476,8 @@ def test_attention_kernels_load_the_cache_with_vector_loads():
     for path, (code, output, ptx) in compiled_sources().items():
         assert code == 0, f"nvcc could not compile {Path(path).name}:\n{output[-4000:]}"
         for name, body in ptx_kernels(ptx).items():
-            if "paged_attention" not in name:
-                continue
+            if "paged_attention" not in name or "naive" in name:
+                continue  # the naive kernel (task 0) is the scalar-load baseline
             assert re.search(r"ld\.global(\.nc)?\.v[24]\.", body), (
                 f"lab 02-06: kernel {name} reads the cache without vector loads; load each "
                 "lane's slice of a 16-byte chunk with load_as_float (tasks 1 and 3)"
@@ -1054,29 +1056,25 @@ def test_task2_softmax_in_place(offsets, filler):
                  msg="lab 02-06, task 2: every thread must get the block's (max, sum of exp)")
 
 
-def grid_params():
+def grid_params(versions=("v1", "v2")):
     if ON_GPU:
         return [
             pytest.param(version, torch.float16, hs, bs, h, alibi, marks=pytest.mark.cuda,
                          id=f"{version}-heads{h[0]}-{h[1]}-d{hs}-b{bs}-"
                             f"{'alibi' if alibi else 'plain'}")
             for h in GRID_HEADS for hs in GRID_HEAD_SIZES for bs in GRID_BLOCK_SIZES
-            for alibi in (False, True) for version in ("v1", "v2")
+            for alibi in (False, True) for version in versions
         ]
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     return [
         pytest.param(version, dtype, hs, bs, h, alibi, marks=pytest.mark.emulation,
                      id=f"{version}-{names[dtype]}-heads{h[0]}-{h[1]}-d{hs}-b{bs}-"
                         f"{'alibi' if alibi else 'plain'}")
-        for dtype, hs, bs, h, alibi in EMU_GRID for version in ("v1", "v2")
+        for dtype, hs, bs, h, alibi in EMU_GRID for version in versions
     ]
 
 
-@pytest.mark.oracle
-@pytest.mark.parametrize("version, dtype, head_size, block_size, num_heads, use_alibi",
-                         grid_params())
-def test_kernel_matches_the_pytorch_oracle(version, dtype, head_size, block_size, num_heads,
-                                           use_alibi):
+def check_against_the_oracle(version, dtype, head_size, block_size, num_heads, use_alibi):
     require(KERNEL_BACKEND)
     kw = {} if ON_GPU else dict(num_seqs=EMU_NUM_SEQS, max_len=EMU_MAX_LEN)
     b = make_batch(num_heads=num_heads, head_size=head_size, block_size=block_size, dtype=dtype,
@@ -1086,8 +1084,47 @@ def test_kernel_matches_the_pytorch_oracle(version, dtype, head_size, block_size
 
 
 @pytest.mark.oracle
+@pytest.mark.parametrize("version, dtype, head_size, block_size, num_heads, use_alibi",
+                         grid_params(("naive",)))
+def test_task0_naive_kernel_matches_the_pytorch_oracle(version, dtype, head_size, block_size,
+                                                       num_heads, use_alibi):
+    check_against_the_oracle(version, dtype, head_size, block_size, num_heads, use_alibi)
+
+
+@pytest.mark.oracle
+@WHERE
+def test_task0_naive_kernel_up_to_its_shared_memory_limit_and_refuses_past_it():
+    """The naive kernel keeps one fp32 logit per token in the 48 KB of shared memory a block
+    gets without opting in: the longest context it takes must work, one token more is refused
+    before anything is written."""
+    from mini_vllm.csrc.ops import naive_max_seq_len
+
+    require(KERNEL_BACKEND)
+    limit = naive_max_seq_len(64)
+    b = make_batch(num_heads=(2, 1), head_size=64, block_size=16, lens=[300, limit])
+    assert_close(run_kernel("naive", b), expected_output(b),
+                 msg=f"the naive kernel at its limit, {limit} tokens")
+    b = make_batch(num_heads=(2, 1), head_size=64, block_size=16, lens=[limit + 1])
+    out = torch.zeros_like(b["query"])
+    with pytest.raises(ValueError, match="too long for paged_attention_naive"):
+        lab.paged_attention_naive(out, b["query"], b["key_cache"], b["value_cache"],
+                                  b["num_kv_heads"], b["scale"], b["block_tables"],
+                                  b["seq_lens"], b["block_size"], b["max_seq_len"],
+                                  backend=KERNEL_BACKEND)
+    assert not out.any(), "a refused call must not write out"
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("version, dtype, head_size, block_size, num_heads, use_alibi",
+                         grid_params())
+def test_kernel_matches_the_pytorch_oracle(version, dtype, head_size, block_size, num_heads,
+                                           use_alibi):
+    check_against_the_oracle(version, dtype, head_size, block_size, num_heads, use_alibi)
+
+
+@pytest.mark.oracle
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["naive", "v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_matches_the_oracle_in_every_dtype(version, dtype):
     b = make_batch(num_heads=(64, 8), head_size=128, block_size=16, dtype=dtype, use_alibi=True)
@@ -1096,7 +1133,7 @@ def test_kernel_matches_the_oracle_in_every_dtype(version, dtype):
 
 @pytest.mark.oracle
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["naive", "v1", "v2"])
 @pytest.mark.parametrize("head_size, block_size", [(96, 8), (112, 8), (80, 8), (256, 8)])
 def test_other_head_and_block_sizes(version, head_size, block_size):
     b = make_batch(num_heads=(8, 2), head_size=head_size, block_size=block_size, max_len=700)
@@ -1168,7 +1205,7 @@ def tight_batch(**kw) -> dict:
 
 @pytest.mark.asan
 @pytest.mark.emulation
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["naive", "v1", "v2"])
 def test_no_out_of_bounds_or_misaligned_access(version):
     require(ASAN)
     b = tight_batch(num_heads=(4, 2), head_size=128, block_size=16, use_alibi=True)
@@ -1236,7 +1273,7 @@ def small_batch(**kw) -> dict:
 
 @pytest.mark.race
 @pytest.mark.emulation
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["naive", "v1", "v2"])
 def test_no_data_race_between_threads(version):
     require(RACE)
     b = small_batch(num_heads=(2, 1), head_size=64, block_size=16, use_alibi=True)
