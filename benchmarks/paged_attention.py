@@ -1,8 +1,9 @@
 """Benchmark decode attention over the paged KV cache: µs, achieved GB/s, % of copy bandwidth.
 
-Kernels: mini_vllm's CUDA v1, v2 and GQA-aware kernels (``mini_vllm/csrc``), PyTorch's
-scaled_dot_product_attention over K/V gathered into contiguous tensors (the gather is timed: it
-is what a framework without a paged kernel pays), FlexAttention over the same physical pool
+Kernels: mini_vllm's CUDA naive (lab 02-06's task 0, contexts up to about 12K tokens), v1, v2
+and GQA-aware kernels (``mini_vllm/csrc``), PyTorch's scaled_dot_product_attention over K/V
+gathered into contiguous tensors (the gather is timed: it is what a framework without a paged
+kernel pays), FlexAttention over the same physical pool
 through PyTorch's paged-attention helper, one cache block per KV tile (when this PyTorch has
 them), and any extra kernels a caller passes (the lab's bench.py adds the student's).
 
@@ -152,6 +153,12 @@ class Batch:
                 self.scale, self.block_tables, self.seq_lens, self.shape.block_size,
                 self.shape.context_len, None, *self.kv_args)
 
+    def naive_args(self) -> tuple:
+        """The naive kernel's: v1's for a cache in the model's dtype (it reads no fp8 cache)."""
+        if self.fp8:
+            raise NotImplementedError("the naive kernel reads a cache in the model's dtype only")
+        return self.v1_args()[:11]
+
     def v2_args(self) -> tuple:
         return (self.out, self.exp_sums, self.max_logits, self.tmp_out, *self.v1_args()[1:])
 
@@ -172,12 +179,19 @@ class Batch:
 KernelFactory = Callable[[Batch], Callable[[], None]]
 
 
+def _bound(fn: Callable, args: tuple) -> Callable[[], None]:
+    """fn(*args) as a timed thunk; `args` is computed when the kernel is set up, so that a batch
+    the kernel cannot take (naive_args() on an fp8 cache) reports "not implemented" there."""
+    return lambda: fn(*args)
+
+
 def mini_vllm_kernels() -> dict[str, KernelFactory]:
     """The raw extension functions (no Python input checks inside the timed region)."""
     from mini_vllm.csrc import load_ops
 
     ops = load_ops(backend="cuda")  # timings are of the GPU kernels, whatever the default
     return {
+        "mini_vllm_naive": lambda b: _bound(ops.paged_attention_naive, b.naive_args()),
         "mini_vllm_v1": lambda b: (lambda: ops.paged_attention_v1(*b.v1_args())),
         "mini_vllm_v2": lambda b: (lambda: ops.paged_attention_v2(*b.v2_args())),
         "mini_vllm_gqa": lambda b: (lambda: ops.paged_attention_gqa(*b.gqa_args())),

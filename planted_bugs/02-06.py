@@ -20,8 +20,37 @@ from course.bugs import PlantedBug
 CORE = "mini_vllm/csrc/attention_core.cuh"
 COMMON = "mini_vllm/csrc/common.cuh"
 GQA = "mini_vllm/csrc/paged_attention_gqa.cu"
+NAIVE = "mini_vllm/csrc/paged_attention_naive.cu"
 
 BUGS = [
+    # Task 0, the naive kernel: the classic first-kernel mistakes.
+    PlantedBug(
+        name="naive-key-read-as-a-plain-row",
+        description="the naive kernel reads key element d at offset d, as if keys were stored "
+        "[head_size] per token, ignoring the x-split layout [head_size / x, block_size, x]",
+        file=NAIVE,
+        find="to_float(key[(d / X) * BLOCK_SIZE * X + d % X])",
+        replace="to_float(key[d])",
+        requires="oracle",
+    ),
+    PlantedBug(
+        name="naive-softmax-with-each-threads-own-max",
+        description="each thread subtracts the max of its own logits instead of the block's, "
+        "so the exponentials of different threads are on different scales",
+        file=NAIVE,
+        find="const float e = expf(logits[t] - max_logit);",
+        replace="const float e = expf(logits[t] - my_max);",
+        requires="oracle",
+    ),
+    PlantedBug(
+        name="naive-values-of-the-whole-last-block",
+        description="the value loop reads every slot of the last block, so the unused slots "
+        "(NaN in the tests) and logits past the sequence reach the output",
+        file=NAIVE,
+        find="const int tokens = min(BLOCK_SIZE, seq_len - start);",
+        replace="const int tokens = BLOCK_SIZE;",
+        requires="oracle",
+    ),
     PlantedBug(
         name="alibi-sign-flipped",
         description="the ALiBi bias uses (seq_len - 1 - t), rewarding distant tokens instead of "

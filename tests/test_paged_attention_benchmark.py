@@ -126,3 +126,18 @@ def test_redrawing_from_a_missing_or_foreign_file_says_so_and_exits_2(bench, tmp
     assert bench.main(["--roofline", str(path)]) == 2
     assert "cannot draw the roofline" in capsys.readouterr().err
     assert not (tmp_path / "results.roofline.png").exists()
+
+
+@pytest.mark.emulation
+def test_the_naive_kernels_row_is_checked_and_an_fp8_cache_is_not_implemented(bench):
+    """The naive kernel (lab 02-06's task 0) gets v1's arguments without the cache dtype; it
+    reads no fp8 cache, so that row says "not implemented" instead of failing the sweep. Run
+    here through the CPU emulation, so the row's output is checked against the oracle."""
+    from mini_vllm.csrc.ops import paged_attention_naive
+
+    kernels = {"naive": lambda b: bench._bound(paged_attention_naive, b.naive_args())}
+    for cache, status in (("auto", "ok"), ("fp8", "not implemented: the naive kernel reads")):
+        shape = bench.Shape(**{**SHAPE, "kv_cache_dtype": cache})
+        (record,) = bench.bench_shape(shape, kernels, None, 1 << 16, torch.empty(1), 0, 1,
+                                      {"copy": 50.0}, device="cpu", timer=fixed_timer)
+        assert record["status"].startswith(status), record

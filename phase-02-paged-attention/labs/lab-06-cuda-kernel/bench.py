@@ -3,8 +3,9 @@
     python phase-02-paged-attention/labs/lab-06-cuda-kernel/bench.py [--sweep] [--json PATH]
 
 It runs benchmarks/paged_attention.py (see its docstring for the method: correctness first,
-warm-up, L2 flushed, CUDA events, a block pool several times the L2 size) with two more kernels,
-``student_v1`` and ``student_v2``: your starter.cu, built as the tests build it. A task that is
+warm-up, L2 flushed, CUDA events, a block pool several times the L2 size) with three more
+kernels, ``student_naive``, ``student_v1`` and ``student_v2``: your starter.cu, built as the
+tests build it. A task that is
 not done yet shows as "not implemented"; a wrong result shows as WRONG and is not timed.
 Needs a CUDA GPU; without one it says so and exits with status 2.
 """
@@ -19,12 +20,15 @@ REPO_ROOT = LAB_DIR.parents[2]
 
 
 def student_kernels() -> dict:
-    """The starter build's raw v1 / v2 (no Python checks inside the timed region)."""
+    """The starter build's raw naive / v1 / v2 (no Python checks inside the timed region)."""
     from course.loader import load_script
 
     starter = load_script("lab_02_06_starter_bench", LAB_DIR / "starter.py")
+    bench = load_script("paged_attention_benchmark",
+                        REPO_ROOT / "benchmarks" / "paged_attention.py")
     mod = starter.build(backend="cuda")
     return {
+        "student_naive": lambda b: bench._bound(mod.paged_attention_naive, b.naive_args()),
         "student_v1": lambda b: (lambda: mod.paged_attention_v1(*b.v1_args())),
         "student_v2": lambda b: (lambda: mod.paged_attention_v2(*b.v2_args())),
     }

@@ -1,11 +1,11 @@
-"""Predict, then measure: your v1 and v2 kernels as one sequence's context grows (a CUDA GPU).
+"""Predict, then measure: your naive, v1 and v2 kernels as one sequence's context grows (a GPU).
 
-`python -m course measure 02-06 --plot v1_v2.png` times your starter.cu's v1 and v2 (and the
-reference kernels beside them) on one decode step of a single sequence: 64 query heads over 8 KV
-heads of 128, fp16, blocks of 16, the shape of upstream's benchmark at batch 1. The figure is the
-read bandwidth the kernel reaches: the bytes a decode step must read at least once (every K and V
-element of the context, once) over the kernel's time, with L2 flushed before every run
-(benchmarks/paged_attention.py's method: CUDA events, median of 20).
+`python -m course measure 02-06 --plot v1_v2.png` times your starter.cu's naive kernel, v1 and
+v2 (and the reference kernels beside them) on one decode step of a single sequence: 64 query
+heads over 8 KV heads of 128, fp16, blocks of 16, the shape of upstream's benchmark at batch 1.
+The figure is the read bandwidth the kernel reaches: the bytes a decode step must read at least
+once (every K and V element of the context, once) over the kernel's time, with L2 flushed before
+every run (benchmarks/paged_attention.py's method: CUDA events, median of 20).
 
 Timing needs a CUDA GPU. The CPU emulation runs your kernel thread by thread, which shows whether
 it is right, not how fast it would be; without a GPU the command prints the questions and says
@@ -46,11 +46,13 @@ def sizes(quick: bool) -> list[int]:
 
 
 def run(impl, context: int) -> dict[str, float | None]:
-    """GB/s of `impl`'s v1 and v2 at one sequence of `context` tokens. Each kernel is called
-    once through the lab's API first (an unwritten task raises NotImplementedError, a wrong
-    result raises AssertionError), then timed through the built ops alone, as bench.py does,
-    so that the Python checks stay out of the timing."""
+    """GB/s of `impl`'s naive kernel, v1 and v2 at one sequence of `context` tokens (None for a
+    kernel whose task is not written, and for the naive one past its shared-memory limit, about
+    12K tokens). Each kernel is called once through the lab's API first (an unwritten task
+    raises NotImplementedError, a wrong result raises AssertionError), then timed through the
+    built ops alone, as bench.py does, so that the Python checks stay out of the timing."""
     from course.numerics import assert_close
+    from mini_vllm.csrc.ops import naive_max_seq_len
 
     bench = _benchmark()
     props = torch.cuda.get_device_properties(0)
@@ -60,13 +62,21 @@ def run(impl, context: int) -> dict[str, float | None]:
     expected = bench.expected_output(batch)
     ops = impl.build(backend="cuda")
     kernels = {
+        "naive": (impl.paged_attention_naive, ops.paged_attention_naive, batch.naive_args),
         "v1": (impl.paged_attention_v1, ops.paged_attention_v1, batch.v1_args),
         "v2": (impl.paged_attention_v2, ops.paged_attention_v2, batch.v2_args),
     }
     results = {}
     for name, (checked, raw, args) in kernels.items():
+        if name == "naive" and context > naive_max_seq_len(batch.shape.head_size):
+            results[name] = None  # its logits do not fit in 48 KB of shared memory
+            continue
         batch.out.fill_(float("nan"))
-        checked(*args())
+        try:
+            checked(*args())
+        except NotImplementedError:
+            results[name] = None  # a task not written yet: its row says so, the others run
+            continue
         torch.cuda.synchronize()
         assert_close(batch.out, expected, msg=f"your {name} at context {context}")
         us = bench.time_gpu(lambda raw=raw, args=args: raw(*args()), flush, WARMUP, REPS)
