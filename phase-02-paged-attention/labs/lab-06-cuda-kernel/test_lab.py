@@ -465,7 +465,7 @@ def test_every_kernel_reads_and_writes_global_memory():
         for name, body in kernels.items():
             assert "st.global" in body, (
                 f"lab 02-06: kernel {name} in {Path(path).name} never stores to global memory, "
-                "so its output is never written: finish its TODO (tasks 1-4 in the README)"
+                "so its output is never written: finish its TODO (tasks 0-4 in the README)"
             )
             assert "ld.global" in body, f"kernel {name} in {Path(path).name} reads nothing"
 
