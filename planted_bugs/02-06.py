@@ -132,9 +132,9 @@ BUGS = [
         "the sequence, so in a partial last block some lanes of the warp shuffle and the others "
         "do not (undefined on a GPU: a hang or garbage)",
         file=GQA,
-        find="      if (g < num_q) {  // num_q is the same for the whole block: no divergence "
+        find="      if (g < w.num_q) {  // num_q is the same for the whole block: no divergence "
         "around shuffles",
-        replace="      if (g < num_q && valid) {",
+        replace="      if (g < w.num_q && valid) {",
         requires="oracle",
         given=True,
     ),

@@ -1,4 +1,5 @@
-"""Lab 02-06's starter.cu with its TODOs filled in, run in the CPU emulation.
+"""Lab 02-06's starter.cu (and its optional stretch_gqa.cu) with the TODOs filled in, run in the
+CPU emulation.
 
 Filled with the reference's own bodies, the starter must compute what the oracle computes, with
 no sanitizer report: that checks the code students are given (the skeleton, the launchers, the
@@ -153,6 +154,66 @@ def test_an_unfinished_task_is_reported_before_anything_is_built(tmp_path, monke
     monkeypatch.setattr(starter, "build", lambda *a, **k: pytest.fail("built an unfinished lab"))
     with pytest.raises(NotImplementedError, match="lab 02-06, task 3: write accumulate_values"):
         run(starter, "v1", batch(), "emulation")
+
+
+def solved_stretch(done: tuple[int, ...] = (1, 2)) -> str:
+    """stretch_gqa.cu with the reference's gqa_logits / gqa_values and tasks `done` marked."""
+    text = (LAB / "stretch_gqa.cu").read_text(encoding="utf-8")
+    ref = (CSRC / "paged_attention_gqa.cu").read_text(encoding="utf-8")
+    for name in ("gqa_logits", "gqa_values"):
+        rs, re_ = _body(ref, name)
+        ss, se = _body(text, name)
+        text = text[:ss] + ref[rs:re_] + text[se:]
+    for task in done:
+        text = text.replace(f"#define STRETCH_TASK_{task}_DONE 0",
+                            f"#define STRETCH_TASK_{task}_DONE 1")
+    return text
+
+
+def load_stretch(tmp_path: Path, cu_text: str):
+    """The lab's stretch.py, in a folder of its own next to `cu_text` as stretch_gqa.cu."""
+    folder = tmp_path / "lab-06-stretch"
+    folder.mkdir()
+    shutil.copy(LAB / "stretch.py", folder / "stretch.py")
+    (folder / "stretch_gqa.cu").write_text(cu_text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(f"lab_02_06_stretch_{uuid.uuid4().hex[:8]}",
+                                                  folder / "stretch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_stretch(module, b: dict, backend: str, partition_size: int = 512) -> torch.Tensor:
+    n, h, d = b["query"].shape
+    parts = -(-b["max_seq_len"] // partition_size)
+    bufs = (torch.full((n, h, parts), float("nan")), torch.full((n, h, parts), float("nan")),
+            torch.full((n, h, parts, d), float("nan"), dtype=b["query"].dtype))
+    out = torch.full_like(b["query"], float("nan"))
+    module.paged_attention_gqa(out, *bufs, *[b[k] for k in (
+        "query", "key_cache", "value_cache", "num_kv_heads", "scale", "block_tables", "seq_lens",
+        "block_size", "max_seq_len", "alibi_slopes")], backend=backend,
+        partition_size=partition_size)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["emulation", "emulation-asan", "emulation-race"])
+def test_the_stretch_filled_with_the_reference_bodies_is_right(tmp_path, backend):
+    require({"emulation": "plain", "emulation-asan": "asan", "emulation-race": "race"}[backend])
+    stretch = load_stretch(tmp_path, solved_stretch())
+    b = batch() if backend != "emulation-race" else batch(lens=(17, 600), heads=(4, 1))
+    assert_close(run_stretch(stretch, b, backend, 256), expected(b),
+                 msg=f"the solved stretch ({backend})")
+
+
+def test_an_unfinished_stretch_task_is_reported_before_anything_is_built(tmp_path, monkeypatch):
+    stretch = load_stretch(tmp_path, solved_stretch(done=(1,)))
+    assert stretch.stretch_started()
+    monkeypatch.setattr(stretch, "build", lambda *a, **k: pytest.fail("built an unfinished one"))
+    with pytest.raises(NotImplementedError, match="stretch task 2: write gqa_values"):
+        run_stretch(stretch, batch(), "emulation")
+    (tmp_path / "untouched").mkdir()
+    untouched = load_stretch(tmp_path / "untouched", (LAB / "stretch_gqa.cu").read_text())
+    assert not untouched.stretch_started()
 
 
 # ---- filled wrongly ------------------------------------------------------------------------------

@@ -178,13 +178,14 @@ def resolve_backend(backend: str | None = None) -> str:
 
 
 def emulation_build(name: str, sources: Sequence[str | Path], backend: str, *,
-                    attention_only: bool = False, own_files: Sequence[Path] = ()):
+                    attention_only: bool = False, gqa_only: bool = False,
+                    own_files: Sequence[Path] = ()):
     """The emulation build of `sources` for an emulation `backend` (see emulation/build.py)."""
     from mini_vllm.csrc.emulation import Build
 
     paths = tuple(Path(s) if Path(s).is_absolute() else CSRC_DIR / s for s in sources)
     return Build(name, paths, flavor=EMULATION_FLAVORS[backend], attention_only=attention_only,
-                 own_files=tuple(own_files) or paths)
+                 gqa_only=gqa_only, own_files=tuple(own_files) or paths)
 
 
 def load_ops(verbose: bool = False, backend: str | None = None):

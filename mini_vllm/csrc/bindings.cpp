@@ -5,7 +5,8 @@
 //
 // Built by torch.utils.cpp_extension (see mini_vllm/csrc/__init__.py). With
 // MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_naive/v1/v2 and the probes of
-// their steps 1 and 2, which is what the lab 02-06 starter build (bindings + starter.cu) provides.
+// their steps 1 and 2, which is what the lab 02-06 starter build (bindings + starter.cu) provides;
+// with MINI_VLLM_GQA_ONLY, only paged_attention_gqa (the lab's stretch build, stretch_gqa.cu).
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -186,6 +187,8 @@ void add_partition_buffers(PagedAttentionParams& p, const torch::Tensor& query,
   p.max_num_partitions = static_cast<int>(exp_sums.size(2));
 }
 
+#ifndef MINI_VLLM_GQA_ONLY  // lab 02-06's stretch build binds the GQA kernel only
+
 void paged_attention_naive(torch::Tensor& out, const torch::Tensor& query,
                            const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                            int64_t num_kv_heads, double scale, const torch::Tensor& block_tables,
@@ -213,6 +216,8 @@ void paged_attention_v1(torch::Tensor& out, const torch::Tensor& query,
                  "paged_attention_v1");
 }
 
+#endif  // MINI_VLLM_GQA_ONLY
+
 // v2 and the GQA-aware kernel share their signature (the GQA kernel adds `partition_size`, 0 for
 // 512 tokens; v2 the cache dtype and scales); `launch` picks the kernel.
 template <Status (*launch)(const PagedAttentionParams&, cudaStream_t)>
@@ -234,6 +239,7 @@ void partitioned_attention(torch::Tensor& out, torch::Tensor& exp_sums, torch::T
   raise_if_error(launch(p, c10::cuda::getCurrentCUDAStream()), "paged attention");
 }
 
+#ifndef MINI_VLLM_GQA_ONLY
 void partitioned_v2(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& max_logits,
                     torch::Tensor& tmp_out, const torch::Tensor& query,
                     const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -246,6 +252,8 @@ void partitioned_v2(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor& 
       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, 0,
       cache_dtype_of(kv_cache_dtype, k_scale, v_scale));
 }
+
+#endif  // MINI_VLLM_GQA_ONLY
 
 #ifndef MINI_VLLM_ATTENTION_ONLY
 
@@ -263,6 +271,8 @@ void partitioned_gqa(torch::Tensor& out, torch::Tensor& exp_sums, torch::Tensor&
       cache_dtype_of(kv_cache_dtype, k_scale, v_scale));
 }
 
+
+#ifndef MINI_VLLM_GQA_ONLY
 
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
                        torch::Tensor& key_cache, torch::Tensor& value_cache,
@@ -381,7 +391,10 @@ void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tens
                  "swap_blocks");
 }
 
+#endif  // MINI_VLLM_GQA_ONLY
 #endif  // MINI_VLLM_ATTENTION_ONLY
+
+#ifndef MINI_VLLM_GQA_ONLY
 
 // Lab 02-06's probes (attention_probes.cuh): step 1 or step 2 of the decode kernels alone.
 // mini_vllm/csrc/probes.py checks the inputs first; these checks only keep the probes in bounds.
@@ -438,11 +451,14 @@ void softmax_probe(torch::Tensor& rows, const torch::Tensor& lengths, torch::Ten
                  "softmax_probe");
 }
 
+#endif  // MINI_VLLM_GQA_ONLY
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "mini_vllm CUDA ops (paged attention and cache kernels)";
+#ifndef MINI_VLLM_GQA_ONLY
   m.def("paged_attention_naive", &paged_attention_naive, py::arg("out"), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
@@ -463,6 +479,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"),
         py::arg("max_seq_len"), py::arg("alibi_slopes"), py::arg("range_tokens"));
   m.def("softmax_probe", &softmax_probe, py::arg("rows"), py::arg("lengths"), py::arg("stats"));
+#endif  // MINI_VLLM_GQA_ONLY
 #ifndef MINI_VLLM_ATTENTION_ONLY
   m.def("paged_attention_gqa", &partitioned_gqa,
         py::arg("out"), py::arg("exp_sums"), py::arg("max_logits"), py::arg("tmp_out"),
@@ -471,11 +488,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_seq_len"), py::arg("alibi_slopes") = py::none(),
         py::arg("partition_size") = 0, py::arg("kv_cache_dtype") = "auto",
         py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+#ifndef MINI_VLLM_GQA_ONLY
   m.def("reshape_and_cache", &reshape_and_cache, py::arg("key"), py::arg("value"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
         py::arg("kv_cache_dtype") = "auto", py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("copy_blocks", &copy_blocks, py::arg("key_caches"), py::arg("value_caches"),
         py::arg("block_mapping"));
   m.def("swap_blocks", &swap_blocks, py::arg("src"), py::arg("dst"), py::arg("block_mapping"));
-#endif
+#endif  // MINI_VLLM_GQA_ONLY
+#endif  // MINI_VLLM_ATTENTION_ONLY
 }

@@ -26,6 +26,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_SIZES",
     "check_attention_inputs",
+    "check_gqa_inputs",
     "check_naive_inputs",
     "check_partition_buffers",
     "choose_decode_kernel",
@@ -425,6 +426,32 @@ def paged_attention_v2(
         *_kv_call(kv_cache_dtype, k_scale, v_scale))
 
 
+def check_gqa_inputs(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
+                     num_kv_heads, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+                     kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, backend=None,
+                     partition_size=None) -> tuple[str, int]:
+    """``paged_attention_gqa``'s checks; returns (backend, partition size), the size chosen by
+    ``gqa_partition_size`` when ``partition_size`` is None. Never writes anything. The reference
+    and lab 02-06's stretch starter both call it."""
+    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
+                                     block_tables, seq_lens, block_size, max_seq_len,
+                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend,
+                                     **_kv_args(kv_cache_dtype, k_scale, v_scale))
+    if partition_size is None:
+        partition_size = PARTITION_SIZE
+        if query.dtype != torch.float32:  # fp32 runs v2, whose partitions are 512 tokens
+            partition_size = gqa_partition_size(
+                query.shape[0], query.shape[1], num_kv_heads, max_seq_len,
+                device_sm_count(query.device, backend), max_num_partitions=exp_sums.shape[2])
+    elif partition_size not in (64, 128, 256, 512) or (
+        query.dtype == torch.float32 and partition_size != PARTITION_SIZE
+    ):
+        raise ValueError(f"partition_size must be 64, 128, 256 or 512 (512 for float32, which "
+                         f"runs v2), got {partition_size!r}")
+    check_partition_buffers(out, exp_sums, max_logits, tmp_out, max_seq_len, partition_size)
+    return backend, partition_size
+
+
 def paged_attention_gqa(
     out: torch.Tensor,
     exp_sums: torch.Tensor,
@@ -459,22 +486,10 @@ def paged_attention_gqa(
 
     upstream: none (this course's kernel; upstream's grid re-reads K/V once per query head)
     """
-    backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
-                                     block_tables, seq_lens, block_size, max_seq_len,
-                                     alibi_slopes, (exp_sums, max_logits, tmp_out), backend,
-                                     **_kv_args(kv_cache_dtype, k_scale, v_scale))
-    if partition_size is None:
-        partition_size = PARTITION_SIZE
-        if query.dtype != torch.float32:  # fp32 runs v2, whose partitions are 512 tokens
-            partition_size = gqa_partition_size(
-                query.shape[0], query.shape[1], num_kv_heads, max_seq_len,
-                device_sm_count(query.device, backend), max_num_partitions=exp_sums.shape[2])
-    elif partition_size not in (64, 128, 256, 512) or (
-        query.dtype == torch.float32 and partition_size != PARTITION_SIZE
-    ):
-        raise ValueError(f"partition_size must be 64, 128, 256 or 512 (512 for float32, which "
-                         f"runs v2), got {partition_size!r}")
-    check_partition_buffers(out, exp_sums, max_logits, tmp_out, max_seq_len, partition_size)
+    backend, partition_size = check_gqa_inputs(
+        out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
+        block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale,
+        v_scale, backend, partition_size)
     _csrc.load_ops(backend=backend).paged_attention_gqa(
         out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
         block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, partition_size,

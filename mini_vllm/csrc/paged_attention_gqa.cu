@@ -45,78 +45,46 @@ constexpr int gqa_min_blocks_per_sm() {
   return HEAD_SIZE < 256 || BLOCK_SIZE == 8 ? 4 : 2;
 }
 
+// What one thread block of the scalar kernel works on: query heads [head0, head0 + num_q) of
+// KV head kv_head, over the KV blocks [first_block, end_block) of sequence seq.
+struct GqaWork {
+  int kv_head;
+  int head0;
+  int num_q;        // query heads of this chunk, at most kMaxGroup
+  int seq;
+  int part;
+  int seq_len;
+  int first_block;
+  int end_block;
+  int start_token;  // first_block * BLOCK_SIZE: logits[g][i] is token start_token + i
+  int num_tokens;   // tokens of the range that exist
+  const int* block_table;
+};
+
+// Step 1: logits[g][t - start_token] = q_g . k_t + slope[g] * (t - (seq_len - 1)) for every
+// query head g < num_q and token slot t of the range (0 past the sequence's end), and each
+// thread's max of the valid ones in my_max[g]. Keys as in attention_core.cuh (a warp takes one
+// KV block, a thread group one token), but each key chunk, once loaded, serves every head.
 template <typename T, typename CacheT, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
-__global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE, BLOCK_SIZE>()))
-    paged_attention_gqa_kernel(const PagedAttentionParams p) {
+__device__ __forceinline__ void gqa_logits(const PagedAttentionParams& p, const GqaWork& w,
+                                           const float (*q_smem)[HEAD_SIZE], const float* slope,
+                                           float (*logits)[kPartitionSize], float* my_max) {
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
   constexpr int X = 16 / static_cast<int>(sizeof(CacheT));  // 16 for an fp8 cache
-  constexpr int GROUP = const_max(kWarpSize / BLOCK_SIZE, 1);  // lanes per token (keys)
+  constexpr int GROUP = const_max(kWarpSize / BLOCK_SIZE, 1);  // lanes per token
   constexpr int VEC = X / GROUP;
   constexpr int CHUNKS = HEAD_SIZE / X;
-  static_assert(BLOCK_SIZE <= kWarpSize && kWarpSize % BLOCK_SIZE == 0, "block size divides 32");
-  static_assert(VEC >= 1 && GROUP * VEC == X, "a thread group must load exactly one chunk");
-  static_assert(HEAD_SIZE % X == 0, "head size must be a whole number of 16-byte chunks");
-  static_assert(kMinPartitionSize % BLOCK_SIZE == 0, "partitions must hold whole blocks");
-
-  const int tid = threadIdx.x;
-  const int warp = tid / kWarpSize;
-  const int lane = tid % kWarpSize;
-
-  // Which KV head, and which chunk of its query heads, this thread block computes.
-  const int group_size = p.num_heads / p.num_kv_heads;
-  const int chunks_per_kv_head = div_round_up(group_size, kMaxGroup);
-  const int kv_head = blockIdx.x / chunks_per_kv_head;
-  const int head0 = kv_head * group_size + (blockIdx.x % chunks_per_kv_head) * kMaxGroup;
-  const int num_q = min(kMaxGroup, (kv_head + 1) * group_size - head0);  // heads in this chunk
-  const int seq = blockIdx.y;
-  const int part = blockIdx.z;
-
-  const int seq_len = clamped_seq_len(p, seq);
-  const int blocks_per_partition = partition_size_of(p) / BLOCK_SIZE;  // checked by the launcher
-  const int first_block = part * blocks_per_partition;
-  if (first_block * BLOCK_SIZE >= seq_len) return;
-  const int end_block = min(first_block + blocks_per_partition, div_round_up(seq_len, BLOCK_SIZE));
-  const int start_token = first_block * BLOCK_SIZE;
-  const int num_tokens = min(end_block * BLOCK_SIZE, seq_len) - start_token;
-
-  const T* query = static_cast<const T*>(p.query);
-  const CacheT* key_cache = static_cast<const CacheT*>(p.key_cache);
-  const CacheT* value_cache = static_cast<const CacheT*>(p.value_cache);
-  const int* block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_num_blocks_per_seq;
-
-  MINI_VLLM_SHARED(float, q_smem, [kMaxGroup][HEAD_SIZE]);
-  // float4 storage: the value loop reads probabilities in 16-byte loads.
-  MINI_VLLM_SHARED(float4, logits_storage, [kMaxGroup][kPartitionSize / 4]);
-  auto* logits = reinterpret_cast<float(*)[kPartitionSize]>(&logits_storage[0][0]);
-  MINI_VLLM_SHARED(float, red_max, [kMaxGroup][NUM_WARPS]);
-  MINI_VLLM_SHARED(float, red_sum, [kMaxGroup][NUM_WARPS]);
-
-  // Queries of the chunk (rows past num_q are zero and never used), scaled once.
-  for (int i = tid; i < kMaxGroup * HEAD_SIZE; i += NUM_THREADS) {
-    const int g = i / HEAD_SIZE;
-    const int d = i % HEAD_SIZE;
-    q_smem[g][d] = g < num_q ? to_float(query[seq * p.q_stride +
-                                              static_cast<int64_t>(head0 + g) * HEAD_SIZE + d]) *
-                                   p.scale
-                             : 0.f;
-  }
-  float slope[kMaxGroup];
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    slope[g] = (p.alibi_slopes != nullptr && g < num_q) ? p.alibi_slopes[head0 + g] : 0.f;
-  }
-  __syncthreads();
-
-  // ---- logits: each key chunk is loaded once and used for every query head of the chunk ----
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
   const int token_in_block = lane / GROUP;
   const int lane_in_group = lane % GROUP;
-  float my_max[kMaxGroup];
+  const CacheT* key_cache = static_cast<const CacheT*>(p.key_cache);
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) my_max[g] = -FLT_MAX;
 
-  for (int block = first_block + warp; block < end_block; block += NUM_WARPS) {
-    const int64_t physical = block_table[block];
-    const CacheT* k = key_cache + physical * p.kv_block_stride + kv_head * p.kv_head_stride +
+  for (int block = w.first_block + warp; block < w.end_block; block += NUM_WARPS) {
+    const int64_t physical = w.block_table[block];
+    const CacheT* k = key_cache + physical * p.kv_block_stride + w.kv_head * p.kv_head_stride +
                       token_in_block * X + lane_in_group * VEC;
     float dot[kMaxGroup];
 #pragma unroll
@@ -127,75 +95,49 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
       load_cache_as_float<CacheT, VEC>(k + c * BLOCK_SIZE * X, p.k_scale, kv);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
-        if (g < num_q) {
+        if (g < w.num_q) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) dot[g] += q_smem[g][c * X + lane_in_group * VEC + e] * kv[e];
         }
       }
     }
     const int token = block * BLOCK_SIZE + token_in_block;
-    const bool valid = token < seq_len;
+    const bool valid = token < w.seq_len;
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
-      if (g < num_q) {  // num_q is the same for the whole block: no divergence around shuffles
+      if (g < w.num_q) {  // num_q is the same for the whole block: no divergence around shuffles
         const float logit =
-            group_sum<GROUP>(dot[g]) + slope[g] * static_cast<float>(token - (seq_len - 1));
+            group_sum<GROUP>(dot[g]) + slope[g] * static_cast<float>(token - (w.seq_len - 1));
         if (lane_in_group == 0) {
-          logits[g][token - start_token] = valid ? logit : 0.f;
+          logits[g][token - w.start_token] = valid ? logit : 0.f;
           if (valid) my_max[g] = fmaxf(my_max[g], logit);
         }
       }
     }
   }
+}
 
-  // One max per query head. Each head has its own scratch row, so one barrier serves them all.
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    const float m = warp_max(my_max[g]);
-    if (lane == 0) red_max[g][warp] = m;
-  }
-  __syncthreads();
-  float max_logit[kMaxGroup];
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    max_logit[g] = red_max[g][0];
-#pragma unroll
-    for (int w = 1; w < NUM_WARPS; ++w) max_logit[g] = fmaxf(max_logit[g], red_max[g][w]);
-  }
-
-  // ---- softmax numerators and sums ------------------------------------------------------------
-  float exp_sum[kMaxGroup];
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    float s = 0.f;
-    if (g < num_q) {
-      for (int i = tid; i < num_tokens; i += NUM_THREADS) {
-        const float e = expf(logits[g][i] - max_logit[g]);
-        logits[g][i] = e;
-        s += e;
-      }
-    }
-    s = group_sum<kWarpSize>(s);
-    if (lane == 0) red_sum[g][warp] = s;
-  }
-  __syncthreads();  // publishes the sums and the exponentials
-  float inv_sum[kMaxGroup];
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    exp_sum[g] = 0.f;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) exp_sum[g] += red_sum[g][w];
-    inv_sum[g] = exp_sum[g] > 0.f ? 1.f / exp_sum[g] : 0.f;
-  }
-
-  // ---- values: warp w owns rows [w * ROWS_PER_WARP, (w + 1) * ROWS_PER_WARP) of the head ----
+// Step 3: for every query head g < num_q, row d of the range's output,
+//     sum_t probs[g][t - start_token] * v_t[d] * inv_sum[g],
+// written to tmp_out (partition `part`'s row of head head0 + g). Warp w owns rows
+// [w * ROWS_PER_WARP, (w + 1) * ROWS_PER_WARP), so no cross-warp sum is needed; each value
+// vector, once loaded, serves every head.
+template <typename T, typename CacheT, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__device__ __forceinline__ void gqa_values(const PagedAttentionParams& p, const GqaWork& w,
+                                           const float (*probs)[kPartitionSize],
+                                           const float* inv_sum) {
+  constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
+  constexpr int X = 16 / static_cast<int>(sizeof(CacheT));
   constexpr int V_VEC = const_min(X, BLOCK_SIZE);
   constexpr int LANES_PER_ROW = BLOCK_SIZE / V_VEC;
   constexpr int ROWS_PER_PASS = kWarpSize / LANES_PER_ROW;
   constexpr int ROWS_PER_WARP = div_round_up(HEAD_SIZE, NUM_WARPS);
   constexpr int PASSES = div_round_up(ROWS_PER_WARP, ROWS_PER_PASS);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
   const int v_token = (lane % LANES_PER_ROW) * V_VEC;
   const int first_row = warp * ROWS_PER_WARP;
+  const CacheT* value_cache = static_cast<const CacheT*>(p.value_cache);
 
   float acc[kMaxGroup][PASSES];
 #pragma unroll
@@ -209,10 +151,10 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
   // num_tokens slots. So the loop multiplies probabilities without a per-token test. Only the
   // values need care, and only in the sequence's last block when it is partial: its unused slots
   // may hold anything, NaN included (and NaN * 0 is NaN), so they are zeroed there.
-  const int full_end = min(end_block, seq_len / BLOCK_SIZE);  // [first_block, full_end): full
-  for (int block = first_block; block < end_block; ++block) {
-    const int64_t physical = block_table[block];
-    const CacheT* v = value_cache + physical * p.kv_block_stride + kv_head * p.kv_head_stride;
+  const int full_end = min(w.end_block, w.seq_len / BLOCK_SIZE);  // [first_block, full_end): full
+  for (int block = w.first_block; block < w.end_block; ++block) {
+    const int64_t physical = w.block_table[block];
+    const CacheT* v = value_cache + physical * p.kv_block_stride + w.kv_head * p.kv_head_stride;
     float vals[PASSES][V_VEC];
 #pragma unroll
     for (int r = 0; r < PASSES; ++r) {
@@ -230,15 +172,15 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
 #pragma unroll
       for (int r = 0; r < PASSES; ++r) {
 #pragma unroll
-        for (int e = 0; e < V_VEC; ++e) vals[r][e] = token0 + e < seq_len ? vals[r][e] : 0.f;
+        for (int e = 0; e < V_VEC; ++e) vals[r][e] = token0 + e < w.seq_len ? vals[r][e] : 0.f;
       }
     }
-    const int slot0 = token0 - start_token;  // a multiple of V_VEC: 16-byte aligned
+    const int slot0 = token0 - w.start_token;  // a multiple of V_VEC: 16-byte aligned
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
-      if (g < num_q) {
+      if (g < w.num_q) {
         float prob[V_VEC];
-        load_floats<V_VEC>(&logits[g][slot0], prob);
+        load_floats<V_VEC>(&probs[g][slot0], prob);
 #pragma unroll
         for (int r = 0; r < PASSES; ++r) {
 #pragma unroll
@@ -249,12 +191,12 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
   }
 
   // Lanes sharing a row hold sums over different token slices of it: add them, then write.
-  const int64_t out_row0 = static_cast<int64_t>(seq) * p.num_heads + head0;
+  const int64_t out_row0 = static_cast<int64_t>(w.seq) * p.num_heads + w.head0;
   T* tmp_out = static_cast<T*>(p.tmp_out);
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
-    if (g < num_q) {
-      const int64_t row_base = ((out_row0 + g) * p.max_num_partitions + part) * HEAD_SIZE;
+    if (g < w.num_q) {
+      const int64_t row_base = ((out_row0 + g) * p.max_num_partitions + w.part) * HEAD_SIZE;
 #pragma unroll
       for (int r = 0; r < PASSES; ++r) {
         const float total = group_sum<LANES_PER_ROW>(acc[g][r]);
@@ -264,8 +206,120 @@ __global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE,
           tmp_out[row_base + row] = from_float<T>(total * inv_sum[g]);
         }
       }
-      if (tid == 0) {
-        const int64_t idx = (out_row0 + g) * p.max_num_partitions + part;
+    }
+  }
+}
+
+// The scalar kernel: steps 1 (gqa_logits) and 3 (gqa_values) above, with the softmax between
+// them, for one (chunk of query heads of a KV head, sequence, partition).
+template <typename T, typename CacheT, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS, (gqa_min_blocks_per_sm<HEAD_SIZE, BLOCK_SIZE>()))
+    paged_attention_gqa_kernel(const PagedAttentionParams p) {
+  constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
+  constexpr int X = 16 / static_cast<int>(sizeof(CacheT));  // 16 for an fp8 cache
+  constexpr int GROUP = const_max(kWarpSize / BLOCK_SIZE, 1);  // lanes per token (keys)
+  static_assert(BLOCK_SIZE <= kWarpSize && kWarpSize % BLOCK_SIZE == 0, "block size divides 32");
+  static_assert(X / GROUP >= 1 && GROUP * (X / GROUP) == X, "a thread group loads one chunk");
+  static_assert(HEAD_SIZE % X == 0, "head size must be a whole number of 16-byte chunks");
+  static_assert(kMinPartitionSize % BLOCK_SIZE == 0, "partitions must hold whole blocks");
+
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+
+  // Which KV head, and which chunk of its query heads, this thread block computes.
+  GqaWork w;
+  const int group_size = p.num_heads / p.num_kv_heads;
+  const int chunks_per_kv_head = div_round_up(group_size, kMaxGroup);
+  w.kv_head = blockIdx.x / chunks_per_kv_head;
+  w.head0 = w.kv_head * group_size + (blockIdx.x % chunks_per_kv_head) * kMaxGroup;
+  w.num_q = min(kMaxGroup, (w.kv_head + 1) * group_size - w.head0);  // heads in this chunk
+  w.seq = blockIdx.y;
+  w.part = blockIdx.z;
+  w.seq_len = clamped_seq_len(p, w.seq);
+  const int blocks_per_partition = partition_size_of(p) / BLOCK_SIZE;  // checked by the launcher
+  w.first_block = w.part * blocks_per_partition;
+  if (w.first_block * BLOCK_SIZE >= w.seq_len) return;
+  w.end_block = min(w.first_block + blocks_per_partition, div_round_up(w.seq_len, BLOCK_SIZE));
+  w.start_token = w.first_block * BLOCK_SIZE;
+  w.num_tokens = min(w.end_block * BLOCK_SIZE, w.seq_len) - w.start_token;
+  w.block_table = p.block_tables + static_cast<int64_t>(w.seq) * p.max_num_blocks_per_seq;
+
+  MINI_VLLM_SHARED(float, q_smem, [kMaxGroup][HEAD_SIZE]);
+  // float4 storage: the value loop reads probabilities in 16-byte loads.
+  MINI_VLLM_SHARED(float4, logits_storage, [kMaxGroup][kPartitionSize / 4]);
+  auto* logits = reinterpret_cast<float(*)[kPartitionSize]>(&logits_storage[0][0]);
+  MINI_VLLM_SHARED(float, red_max, [kMaxGroup][NUM_WARPS]);
+  MINI_VLLM_SHARED(float, red_sum, [kMaxGroup][NUM_WARPS]);
+
+  // Queries of the chunk (rows past num_q are zero and never used), scaled once.
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = tid; i < kMaxGroup * HEAD_SIZE; i += NUM_THREADS) {
+    const int g = i / HEAD_SIZE;
+    const int d = i % HEAD_SIZE;
+    q_smem[g][d] = g < w.num_q ? to_float(query[w.seq * p.q_stride +
+                                                static_cast<int64_t>(w.head0 + g) * HEAD_SIZE +
+                                                d]) * p.scale
+                               : 0.f;
+  }
+  float slope[kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    slope[g] = (p.alibi_slopes != nullptr && g < w.num_q) ? p.alibi_slopes[w.head0 + g] : 0.f;
+  }
+  __syncthreads();
+
+  float my_max[kMaxGroup];
+  gqa_logits<T, CacheT, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, q_smem, slope, logits, my_max);
+
+  // One max per query head. Each head has its own scratch row, so one barrier serves them all.
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    const float m = warp_max(my_max[g]);
+    if (lane == 0) red_max[g][warp] = m;
+  }
+  __syncthreads();
+  float max_logit[kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    max_logit[g] = red_max[g][0];
+#pragma unroll
+    for (int i = 1; i < NUM_WARPS; ++i) max_logit[g] = fmaxf(max_logit[g], red_max[g][i]);
+  }
+
+  // Softmax numerators and sums.
+  float exp_sum[kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    float s = 0.f;
+    if (g < w.num_q) {
+      for (int i = tid; i < w.num_tokens; i += NUM_THREADS) {
+        const float e = expf(logits[g][i] - max_logit[g]);
+        logits[g][i] = e;
+        s += e;
+      }
+    }
+    s = group_sum<kWarpSize>(s);
+    if (lane == 0) red_sum[g][warp] = s;
+  }
+  __syncthreads();  // publishes the sums and the exponentials
+  float inv_sum[kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    exp_sum[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NUM_WARPS; ++i) exp_sum[g] += red_sum[g][i];
+    inv_sum[g] = exp_sum[g] > 0.f ? 1.f / exp_sum[g] : 0.f;
+  }
+
+  gqa_values<T, CacheT, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(p, w, logits, inv_sum);
+
+  if (tid == 0) {
+    const int64_t out_row0 = static_cast<int64_t>(w.seq) * p.num_heads + w.head0;
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g < w.num_q) {
+        const int64_t idx = (out_row0 + g) * p.max_num_partitions + w.part;
         p.max_logits[idx] = max_logit[g];
         p.exp_sums[idx] = exp_sum[g];
       }

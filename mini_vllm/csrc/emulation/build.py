@@ -181,7 +181,8 @@ class Build:
     as C++ with the flavour's instrumentation); ``bindings`` are the files that register ops
     with MINI_VLLM_EMU_OP (compiled without instrumentation; by default op_bindings.cpp, the
     mini_vllm ops; a test's own kernel file may register its ops itself and pass none);
-    ``attention_only`` binds only paged_attention_naive/v1/v2 (all the lab starter provides);
+    ``attention_only`` binds only paged_attention_naive/v1/v2 (all the lab starter provides),
+    ``gqa_only`` only paged_attention_gqa (the lab's stretch starter);
     ``own_files`` are the files whose lines error messages point at first (the student's
     starter.cu, or every csrc source for the reference).
     """
@@ -190,6 +191,7 @@ class Build:
     sources: tuple[Path, ...]
     flavor: str = "plain"
     attention_only: bool = False
+    gqa_only: bool = False
     bindings: tuple[Path, ...] = (EMULATION_DIR / "op_bindings.cpp",)
     own_files: tuple[Path, ...] = ()
 
@@ -199,6 +201,7 @@ class Build:
 
     def _flags(self) -> list[str]:
         defines = ["-DMINI_VLLM_ATTENTION_ONLY"] if self.attention_only else []
+        defines += ["-DMINI_VLLM_GQA_ONLY"] if self.gqa_only else []
         return [*_COMMON, f"-I{EMULATION_DIR / 'include'}", f"-I{EMULATION_DIR}", f"-I{CSRC_DIR}",
                 *defines]
 

@@ -3,7 +3,9 @@
 // checked the inputs exactly as the CUDA ops do, and computed the sizes and strides.
 //
 // With MINI_VLLM_ATTENTION_ONLY defined it binds only paged_attention_naive/v1/v2 and the probes
-// of their steps 1 and 2, which is what the lab 02-06 starter build (the student's starter.cu) provides.
+// of their steps 1 and 2, which is what the lab 02-06 starter build (the student's starter.cu)
+// provides; with MINI_VLLM_GQA_ONLY, only paged_attention_gqa (the lab's stretch build,
+// stretch_gqa.cu).
 #include <cstdint>
 #include <vector>
 
@@ -69,6 +71,8 @@ PagedAttentionParams attention_params(const Request& req) {
 
 }  // namespace
 
+#ifndef MINI_VLLM_GQA_ONLY  // lab 02-06's stretch build binds the GQA kernel only
+
 MINI_VLLM_EMU_OP(paged_attention_naive) {
   finish(mini_vllm::launch_paged_attention_naive(attention_params(req), nullptr));
 }
@@ -101,11 +105,15 @@ MINI_VLLM_EMU_OP(softmax_probe) {
   finish(mini_vllm::launch_softmax_probe(probe, nullptr));
 }
 
+#endif  // MINI_VLLM_GQA_ONLY
+
 #ifndef MINI_VLLM_ATTENTION_ONLY
 
 MINI_VLLM_EMU_OP(paged_attention_gqa) {
   finish(mini_vllm::launch_paged_attention_gqa(attention_params(req), nullptr));
 }
+
+#ifndef MINI_VLLM_GQA_ONLY
 
 MINI_VLLM_EMU_OP(reshape_and_cache) {
   mini_vllm::ReshapeAndCacheParams p{};
@@ -150,4 +158,5 @@ MINI_VLLM_EMU_OP(swap_blocks) {
       static_cast<cudaMemcpyKind>(req.integer("kind")), nullptr));
 }
 
+#endif  // MINI_VLLM_GQA_ONLY
 #endif  // MINI_VLLM_ATTENTION_ONLY
