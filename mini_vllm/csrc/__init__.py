@@ -61,6 +61,8 @@ HEADERS = (
     "dispatch.cuh",
     "attention_core.cuh",
     "partition_reduce.cuh",
+    "gqa_common.cuh",
+    "gqa_scalar_kernel.cuh",
     "attention_probes.cuh",
 )
 BINDINGS = "bindings.cpp"
