@@ -7,17 +7,20 @@ kernel pays), FlexAttention over the same physical pool
 through PyTorch's paged-attention helper, one cache block per KV tile (when this PyTorch has
 them), and any extra kernels a caller passes (the lab's bench.py adds the student's).
 
-Method: every kernel's output is first checked against mini_vllm.attention's PyTorch v1 (a
-kernel that is wrong is reported, not timed). Then each kernel is warmed up and timed with CUDA
-events, with the L2 cache flushed (a write over a buffer twice its size) before every run; the
-median is reported. The physical block pool is at least four times the L2 size and every
-sequence's block table is a random draw of distinct blocks, so K/V come from HBM as in serving.
-Bandwidth counts the bytes a decode step must read at least once (each KV head's K and V of
-every context token, the queries) plus the output; ``pct_of_read_bandwidth`` compares it with
-the read-only bandwidth measured at the start (a sum over a buffer of 8 x L2: a decode kernel
-reads and hardly writes, so this is its ceiling), ``pct_of_copy_bandwidth`` with the
-device-to-device copy bandwidth (read + write bytes of a large copy). A shape or kernel that runs
-out of GPU memory is reported as "skipped: out of memory" and the sweep goes on.
+Method: every kernel's output is first checked against mini_vllm.attention's PyTorch v1 (a kernel
+that is wrong is reported, not timed). Then each kernel is captured in a CUDA graph, so that one
+replay launches all of its work and no Python or launch overhead sits between the events (a kernel
+that cannot be captured is timed as it is called, and its record says "eager" under "timing"); it is
+warmed up and timed with CUDA events, with the L2 cache flushed (a write over a buffer twice its
+size, queued before the start event) before every run; the median is reported, and the output is
+checked again after the timed runs. The physical block pool is at least four times the L2 size and
+every sequence's block table is a random draw of distinct blocks, so K/V come from HBM as in
+serving. Bandwidth counts the bytes a decode step must read at least once (each KV head's K and V of
+every context token, the queries) plus the output; ``pct_of_read_bandwidth`` compares it with the
+read-only bandwidth measured at the start (a sum over a buffer of 8 x L2: a decode kernel reads and
+hardly writes, so this is its ceiling), ``pct_of_copy_bandwidth`` with the device-to-device copy
+bandwidth (read + write bytes of a large copy). A shape or kernel that runs out of GPU memory is
+reported as "skipped: out of memory" and the sweep goes on.
 
 FP8 cache rows (``--kv-cache-dtype fp8``, or ``both`` for each shape twice): the caches hold
 e4m3 bytes with one scale per cache (x = 16), the mini_vllm kernels read them directly, and
@@ -179,7 +182,7 @@ class Batch:
 KernelFactory = Callable[[Batch], Callable[[], None]]
 
 
-def _bound(fn: Callable, args: tuple) -> Callable[[], None]:
+def bound_call(fn: Callable, args: tuple) -> Callable[[], None]:
     """fn(*args) as a timed thunk; `args` is computed when the kernel is set up, so that a batch
     the kernel cannot take (naive_args() on an fp8 cache) reports "not implemented" there."""
     return lambda: fn(*args)
@@ -191,7 +194,7 @@ def mini_vllm_kernels() -> dict[str, KernelFactory]:
 
     ops = load_ops(backend="cuda")  # timings are of the GPU kernels, whatever the default
     return {
-        "mini_vllm_naive": lambda b: _bound(ops.paged_attention_naive, b.naive_args()),
+        "mini_vllm_naive": lambda b: bound_call(ops.paged_attention_naive, b.naive_args()),
         "mini_vllm_v1": lambda b: (lambda: ops.paged_attention_v1(*b.v1_args())),
         "mini_vllm_v2": lambda b: (lambda: ops.paged_attention_v2(*b.v2_args())),
         "mini_vllm_gqa": lambda b: (lambda: ops.paged_attention_gqa(*b.gqa_args())),
@@ -297,6 +300,26 @@ def expected_output(b: Batch) -> torch.Tensor:
     return out
 
 
+def capture_graph(fn: Callable[[], None]) -> Callable[[], None] | None:
+    """`fn`'s GPU work captured in a CUDA graph: the returned callable replays it with one launch.
+    None when it cannot be captured (it synchronizes, copies to the host, or this is no GPU): the
+    caller then times `fn` as it is. Warmed up on a side stream first, as capture requires."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 - any failure to capture means: time it eagerly
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return None
+    return graph.replay
+
+
 def time_gpu(fn: Callable[[], None], flush: torch.Tensor, warmup: int, reps: int) -> float:
     """Median µs of `fn` with CUDA events, L2 flushed before every run."""
     for _ in range(warmup):
@@ -388,7 +411,7 @@ def bench_shape(shape: Shape, kernels: dict[str, KernelFactory], only: set[str] 
     names = [name for name in kernels if not only or name in only]
 
     def record(name: str) -> dict:
-        return {"kernel": name, **asdict(shape), "us": None, "gbps": None,
+        return {"kernel": name, **asdict(shape), "us": None, "gbps": None, "timing": None,
                 **{f"pct_of_{roof}_bandwidth": None for roof in roofs}, "status": "ok"}
 
     try:
@@ -409,7 +432,13 @@ def bench_shape(shape: Shape, kernels: dict[str, KernelFactory], only: set[str] 
             if device == "cuda":
                 torch.cuda.synchronize()
             assert_close(b.out, expected, msg=name)
-            us = (timer or time_gpu)(fn, flush, warmup, reps)
+            graphed = capture_graph(fn) if device == "cuda" else None
+            rec["timing"] = "cuda graph" if graphed else "eager"
+            b.out.fill_(float("nan"))
+            us = (timer or time_gpu)(graphed or fn, flush, warmup, reps)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            assert_close(b.out, expected, msg=f"{name} after the timed runs")
             gbps = b.useful_bytes() / (us * 1e-6) / 1e9
             rec.update(us=round(us, 2), gbps=round(gbps, 1))
             rec.update({f"pct_of_{roof}_bandwidth": round(100 * gbps / roof_gbps, 1)

@@ -135,9 +135,29 @@ def test_the_naive_kernels_row_is_checked_and_an_fp8_cache_is_not_implemented(be
     here through the CPU emulation, so the row's output is checked against the oracle."""
     from mini_vllm.csrc.ops import paged_attention_naive
 
-    kernels = {"naive": lambda b: bench._bound(paged_attention_naive, b.naive_args())}
+    kernels = {"naive": lambda b: bench.bound_call(paged_attention_naive, b.naive_args())}
     for cache, status in (("auto", "ok"), ("fp8", "not implemented: the naive kernel reads")):
         shape = bench.Shape(**{**SHAPE, "kv_cache_dtype": cache})
         (record,) = bench.bench_shape(shape, kernels, None, 1 << 16, torch.empty(1), 0, 1,
                                       {"copy": 50.0}, device="cpu", timer=fixed_timer)
         assert record["status"].startswith(status), record
+
+
+def test_without_a_gpu_nothing_is_captured_and_the_output_is_checked_again_after_timing(bench):
+    """capture_graph gives None where it cannot capture (here: no GPU), and the record says the
+    kernel was timed eagerly. A kernel whose timed runs leave a wrong output (a graph that
+    replays nothing would) is reported WRONG, not timed."""
+    assert bench.capture_graph(lambda: None) is None or torch.cuda.is_available()
+    shape = bench.Shape(**SHAPE)
+    (ok,) = bench.bench_shape(shape, {"sdpa_gathered": bench.sdpa_gathered}, None, 1 << 16,
+                              torch.empty(1), 0, 1, {"copy": 50.0}, device="cpu",
+                              timer=fixed_timer)
+    assert ok["status"] == "ok" and ok["timing"] == "eager"
+
+    def timer_that_loses_the_output(fn, flush, warmup, reps):
+        return 10.0  # never runs fn: b.out keeps the NaN it was filled with before timing
+
+    (bad,) = bench.bench_shape(shape, {"sdpa_gathered": bench.sdpa_gathered}, None, 1 << 16,
+                               torch.empty(1), 0, 1, {"copy": 50.0}, device="cpu",
+                               timer=timer_that_loses_the_output)
+    assert bad["status"].startswith("WRONG: sdpa_gathered after the timed runs"), bad

@@ -28,7 +28,7 @@ def student_kernels() -> dict:
                         REPO_ROOT / "benchmarks" / "paged_attention.py")
     mod = starter.build(backend="cuda")
     return {
-        "student_naive": lambda b: bench._bound(mod.paged_attention_naive, b.naive_args()),
+        "student_naive": lambda b: bench.bound_call(mod.paged_attention_naive, b.naive_args()),
         "student_v1": lambda b: (lambda: mod.paged_attention_v1(*b.v1_args())),
         "student_v2": lambda b: (lambda: mod.paged_attention_v2(*b.v2_args())),
     }

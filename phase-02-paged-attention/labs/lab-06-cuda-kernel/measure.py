@@ -5,7 +5,8 @@ v2 (and the reference kernels beside them) on one decode step of a single sequen
 heads over 8 KV heads of 128, fp16, blocks of 16, the shape of upstream's benchmark at batch 1.
 The figure is the read bandwidth the kernel reaches: the bytes a decode step must read at least
 once (every K and V element of the context, once) over the kernel's time, with L2 flushed before
-every run (benchmarks/paged_attention.py's method: CUDA events, median of 20).
+every run (benchmarks/paged_attention.py's method: a CUDA graph per kernel, CUDA events, median
+of 20).
 
 Timing needs a CUDA GPU. The CPU emulation runs your kernel thread by thread, which shows whether
 it is right, not how fast it would be; without a GPU the command prints the questions and says
@@ -79,6 +80,7 @@ def run(impl, context: int) -> dict[str, float | None]:
             continue
         torch.cuda.synchronize()
         assert_close(batch.out, expected, msg=f"your {name} at context {context}")
-        us = bench.time_gpu(lambda raw=raw, args=args: raw(*args()), flush, WARMUP, REPS)
+        call = bench.bound_call(raw, args())
+        us = bench.time_gpu(bench.capture_graph(call) or call, flush, WARMUP, REPS)
         results[name] = batch.useful_bytes() / (us * 1e-6) / 1e9
     return results
