@@ -51,6 +51,7 @@ REVISIONS = [
     ("+ partition size from the shape", "f63c6ba", "adaptive"),
     ("+ tensor cores (wmma)", "baf706e", "adaptive"),
     ("+ tensor cores, tail out of the loop", "fba0a94", "adaptive"),
+    ("+ scalar loops as functions (the lab's stretch)", "1fb29a3", "adaptive"),
 ]
 ARCHS = {  # arch: (GPU, SMs, max threads/SM, max blocks/SM, shared memory/SM, reserved/block)
     "sm_90": ("H100 SXM", 132, 2048, 32, 228 * 1024, 1024),
