@@ -80,7 +80,7 @@ __device__ void stage_query(const PagedAttentionParams& p, int seq, int head, fl
 // per 16-byte chunk; value element d is value_cache[block_table[t / BLOCK_SIZE], kv_head, d,
 // t % BLOCK_SIZE]. The pointers below are already at kv_head; a block's offset is
 // physical * p.kv_block_stride, with `physical` read as int64_t. Read only tokens t < seq_len:
-// the unused slots of the last block may hold NaN. Everything given is set up below the TODO.
+// the unused slots of the last block may hold NaN. Everything given is set up above the TODO.
 // Hint: `python -m course hint 02-06 0`. (Tasks 1-4 then rebuild this as v1 and v2.)
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __global__ void __launch_bounds__(NUM_THREADS)
