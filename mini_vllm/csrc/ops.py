@@ -302,10 +302,10 @@ def check_partition_buffers(
 
 
 def naive_max_seq_len(head_size: int) -> int:
-    """The longest context the naive kernel takes: its fp32 logits, beside its query row and
-    two 4-float scratch arrays, must fit the 48 KB of shared memory a block gets without opting
-    in (naive_max_seq_len in paged_attention_naive.cu)."""
-    return (48 * 1024 - 4 * head_size - 2 * 4 * 4) // 4
+    """The longest context the naive kernel takes: its fp32 logits, beside its query row, two
+    4-float scratch arrays and 64 bytes for their alignment, must fit the 48 KB of shared memory
+    a block gets without opting in (naive_max_seq_len in paged_attention_naive.cu)."""
+    return (48 * 1024 - 4 * head_size - 2 * 4 * 4 - 64) // 4
 
 
 def check_naive_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,

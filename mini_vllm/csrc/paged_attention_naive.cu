@@ -84,10 +84,13 @@ __global__ void __launch_bounds__(NUM_THREADS)
   }
 }
 
-// The logits' shared memory must fit the 48 KB a block gets without opting in.
+// The logits' shared memory must fit the 48 KB a block gets without opting in, beside the static
+// arrays; kNaiveSmemSlack leaves room for the alignment the compiler may give them and the
+// dynamic buffer (ops.naive_max_seq_len computes the same limit for the Python check).
+constexpr int kNaiveSmemSlack = 64;
 template <int HEAD_SIZE, int NUM_THREADS>
 constexpr int naive_max_seq_len() {
-  return (48 * 1024 - attention_static_smem_bytes<HEAD_SIZE, NUM_THREADS>()) / 4;
+  return (48 * 1024 - attention_static_smem_bytes<HEAD_SIZE, NUM_THREADS>() - kNaiveSmemSlack) / 4;
 }
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>

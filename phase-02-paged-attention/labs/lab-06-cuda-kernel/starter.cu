@@ -289,11 +289,12 @@ constexpr const char* kNoFp8 =
     "lab 02-06's kernels read a KV cache in the model's dtype only (unsupported: an fp8 cache); "
     "use mini_vllm.csrc.ops for the fp8 path";
 
-// The naive kernel's logits must fit the 48 KB a block gets without opting in.
+// The naive kernel's logits must fit the 48 KB a block gets without opting in, beside its static
+// arrays and 64 bytes for their alignment (the limit of mini_vllm.csrc.ops.naive_max_seq_len).
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_naive(const PagedAttentionParams& p, cudaStream_t stream) {
   const int static_smem = attention_static_smem_bytes<HEAD_SIZE, kThreads>();
-  if (4 * p.max_seq_len + static_smem > 48 * 1024) {
+  if (4 * p.max_seq_len + static_smem + 64 > 48 * 1024) {
     return unsupported(
         "max_seq_len is too long for paged_attention_naive (its logits must fit in 48 KB of "
         "shared memory: about 12K tokens); use paged_attention_v1 or v2");
