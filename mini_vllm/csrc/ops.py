@@ -304,14 +304,20 @@ def check_partition_buffers(
 def naive_max_seq_len(head_size: int) -> int:
     """The longest context the naive kernel takes: its fp32 logits, beside its query row, two
     4-float scratch arrays and 64 bytes for their alignment, must fit the 48 KB of shared memory
-    a block gets without opting in (naive_max_seq_len in paged_attention_naive.cu)."""
+    a block gets without opting in (naive_max_seq_len in paged_attention_naive.cu).
+
+    upstream: none (upstream has no naive kernel)
+    """
     return (48 * 1024 - 4 * head_size - 2 * 4 * 4 - 64) // 4
 
 
 def check_naive_inputs(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                        block_size, max_seq_len, alibi_slopes, backend=None) -> str:
     """``check_attention_inputs`` for the naive kernel (a cache in the model's dtype) plus its
-    context limit; returns the backend. The reference and lab 02-06's starter both call it."""
+    context limit; returns the backend. The reference and lab 02-06's starter both call it.
+
+    upstream: none (upstream has no naive kernel)
+    """
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, backend=backend)
@@ -432,7 +438,10 @@ def check_gqa_inputs(out, exp_sums, max_logits, tmp_out, query, key_cache, value
                      partition_size=None) -> tuple[str, int]:
     """``paged_attention_gqa``'s checks; returns (backend, partition size), the size chosen by
     ``gqa_partition_size`` when ``partition_size`` is None. Never writes anything. The reference
-    and lab 02-06's stretch starter both call it."""
+    and lab 02-06's stretch starter both call it.
+
+    upstream: none (the GQA-aware kernel is this course's)
+    """
     backend = check_attention_inputs(out, query, key_cache, value_cache, num_kv_heads,
                                      block_tables, seq_lens, block_size, max_seq_len,
                                      alibi_slopes, (exp_sums, max_logits, tmp_out), backend,
