@@ -277,3 +277,21 @@ def test_the_worker_loads_the_lab_implementation_the_tests_load():
     starters = _resolve(f"lab:starter:{folder}", "paged_attention_v1")
     assert Path(starters.__code__.co_filename) == folder / "starter.py"
     assert _resolve(f"lab:solution:{folder}", "paged_attention_v1") is ops.paged_attention_v1
+
+
+def test_the_worker_loads_a_file_of_no_package_by_its_path():
+    """Lab 02-06's stretch tests name the student's stretch.py as ``file:<path>``; the worker
+    process loads that very file and runs the named function there."""
+    from pathlib import Path
+
+    from mini_vllm.csrc.isolation import IsolatedRunner, _resolve
+
+    folder = next(Path(__file__).resolve().parents[1].glob("phase-02-*/labs/lab-06-*"))
+    stretch = _resolve(f"file:{folder / 'stretch.py'}", "paged_attention_gqa")
+    assert Path(stretch.__code__.co_filename) == folder / "stretch.py"
+    started = _resolve(f"file:{folder / 'stretch.py'}", "stretch_started")()
+    runner = IsolatedRunner()
+    try:
+        assert runner.call(f"file:{folder / 'stretch.py'}", "stretch_started") is started
+    finally:
+        runner.close()

@@ -13,7 +13,8 @@ same error. ``IsolatedRunner`` keeps the kernel calls in a worker process with i
 
 Calls name their function as ``(module, name)`` (imported in the worker) or
 ``("lab:<impl>:" + folder, name)`` (the lab's starter or solution, loaded as the tests load it;
-``"lab:" + folder`` takes the one ``LAB_IMPL`` names). Tensors
+``"lab:" + folder`` takes the one ``LAB_IMPL`` names) or ``("file:" + path, name)`` (a Python
+file that belongs to no package, such as lab 02-06's ``stretch.py``). Tensors
 travel as CPU tensors (the worker moves them to the GPU and back, see ``run_on_gpu``).
 
 upstream: none (vLLM's tests run kernels in-process; this isolation is the course's)
@@ -51,6 +52,13 @@ def _resolve(where: str, name: str):
         folder = Path(folder_name)
         lab_id = folder.parents[1].name.split("-")[1] + "-" + folder.name.split("-")[1]
         module = load_module(folder, impl, lab_id)
+    elif where.startswith("file:"):
+        from pathlib import Path
+
+        from course.loader import load_script
+
+        path = Path(where[5:]).resolve()
+        module = load_script(f"isolated_{path.parent.name}_{path.stem}".replace("-", "_"), path)
     else:
         module = importlib.import_module(where)
     return getattr(module, name)

@@ -5,7 +5,8 @@ marks a stretch task done, and are skipped before that: the stretch is optional,
 one is not a failure. With ``LAB_IMPL=solution`` they run the reference,
 ``mini_vllm.csrc.ops.paged_attention_gqa``. The grader runs ``test_lab.py`` only.
 
-Kernels run on a GPU when there is one and in the CPU emulation otherwise (as ``test_lab.py``),
+Kernels run on a GPU when there is one, in test_lab.py's worker process (one kernel that breaks
+its CUDA context fails its own test only), and in the CPU emulation otherwise (as ``test_lab.py``),
 on the same poisoned batches: NaN in the unused slots of last blocks and block-table columns
 past a sequence's end that point far outside the cache.
 """
@@ -33,17 +34,25 @@ lab_tests = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lab_tests)  # make_batch, expected_output, require
 
 
-def kernel():
-    """The GQA-aware kernel under test: the reference, or the student's stretch build."""
+def kernel_module() -> str:
+    """Where the GQA-aware kernel under test lives, as the isolated GPU worker names it: the
+    reference's module, or the student's stretch.py (skipped until the stretch is started)."""
     if chosen_impl() == "solution":
-        from mini_vllm.csrc.ops import paged_attention_gqa
-
-        return paged_attention_gqa
+        return "mini_vllm.csrc.ops"
     stretch = load_script("lab_02_06_stretch", LAB_DIR / "stretch.py")
     if not stretch.stretch_started():
         pytest.skip("the stretch is optional: set STRETCH_TASK_1_DONE in stretch_gqa.cu to 1 "
                     "when you start it (README: Stretch)")
-    return stretch.paged_attention_gqa
+    return f"file:{LAB_DIR / 'stretch.py'}"
+
+
+def kernel():
+    where = kernel_module()
+    if where.startswith("file:"):
+        return load_script("lab_02_06_stretch", LAB_DIR / "stretch.py").paged_attention_gqa
+    from mini_vllm.csrc.ops import paged_attention_gqa
+
+    return paged_attention_gqa
 
 
 def run(b: dict, partition_size: int, backend: str = KERNEL_BACKEND) -> torch.Tensor:
@@ -57,12 +66,17 @@ def run(b: dict, partition_size: int, backend: str = KERNEL_BACKEND) -> torch.Te
     tmp_out = torch.full((num_seqs, num_heads, parts, head_size), float("nan"),
                          dtype=b["query"].dtype, device=dev)
     out = torch.full_like(b["query"], float("nan"))
-    kernel()(out, exp_sums, max_logits, tmp_out, b["query"], b["poisoned_k"], b["poisoned_v"],
-             b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"], b["block_size"],
-             b["max_seq_len"], b["alibi_slopes"], backend=backend,
-             partition_size=partition_size)
-    if backend == "cuda":
-        torch.cuda.synchronize()
+    args = (out, exp_sums, max_logits, tmp_out, b["query"], b["poisoned_k"], b["poisoned_v"],
+            b["num_kv_heads"], b["scale"], b["block_tables"], b["seq_lens"], b["block_size"],
+            b["max_seq_len"], b["alibi_slopes"])
+    if backend == "cuda":  # in test_lab's worker process: a kernel that breaks its CUDA
+        # context fails this test only
+        (result,) = lab_tests.gpu_worker().call(
+            "mini_vllm.csrc.isolation", "run_on_gpu", kernel_module(), "paged_attention_gqa",
+            [0], *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
+            backend="cuda", partition_size=partition_size)
+        return result.to(out.device)
+    kernel()(*args, backend=backend, partition_size=partition_size)
     return out
 
 
