@@ -9,9 +9,11 @@
 // (see launch_paged_attention_gqa).
 //
 // Two kernels, one contract:
-//   * paged_attention_gqa_kernel (scalar, fp32 FMAs): keys as in attention_core.cuh (a warp
-//     takes one KV block, a thread group one token); values: every warp walks all blocks of the
-//     partition but owns a quarter of the head's rows, so no cross-warp sum is needed.
+//   * paged_attention_gqa_kernel (scalar, fp32 FMAs; in gqa_scalar_kernel.cuh, around the two
+//     steps defined here, gqa_logits and gqa_values, which lab 02-06's stretch asks for): keys
+//     as in attention_core.cuh (a warp takes one KV block, a thread group one token); values:
+//     every warp walks all blocks of the partition but owns a quarter of the head's rows, so no
+//     cross-warp sum is needed.
 //   * paged_attention_gqa_tc_kernel (tensor cores, nvcuda::wmma): with G query heads per KV
 //     head, decode does 2 * G multiply-adds per K/V element it reads (one for q.k, one for p*v,
 //     per head): 16 at G = 8, which the FP32 units of an H100 cannot keep up with at full memory
