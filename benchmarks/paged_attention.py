@@ -406,7 +406,7 @@ def bench_shape(shape: Shape, kernels: dict[str, KernelFactory], only: set[str] 
     """One record per kernel at `shape`: its time, GB/s and share of each roof in `roofs`
     (name -> GB/s), or why it has none. A shape whose inputs do not fit the device, or a kernel
     that runs out of memory, is reported as skipped and the sweep goes on."""
-    from course.numerics import assert_close
+    from course.labs.numerics import assert_close
 
     names = [name for name in kernels if not only or name in only]
 

@@ -16,77 +16,12 @@ python -m course figures [--check]  draw the README figures (phase-*/figures/*.s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from course.labs import REPO_ROOT, Lab, discover, select
-from course.runner import LabRun, run_lab
-
-
-class Progress:
-    """One line per finished item; a live "running ..." line on a terminal."""
-
-    def __init__(self, total: int, verb: str):
-        self.total, self.done, self.verb = total, 0, verb
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-
-    def started(self, what: str) -> None:
-        if self.tty:
-            sys.stderr.write(f"\r\033[K  {self.verb} {what} ...")
-            sys.stderr.flush()
-
-    def finished(self, line: str) -> None:
-        self.done += 1
-        prefix = "\r\033[K" if self.tty else ""
-        sys.stderr.write(f"{prefix}  [{self.done}/{self.total}] {line}\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write(f"  finished in {time.perf_counter() - self.start:.0f} s\n\n")
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*map(str, r)) for r in rows]
-    return "\n".join(lines)
-
-
-def _workers(n: int | None) -> int:
-    return max(1, n or min(2, os.cpu_count() or 1))
-
-
-def run_labs(
-    labs: list[Lab],
-    impl: str,
-    jobs: int,
-    junit_dir: Path | None = None,
-    root: Path = REPO_ROOT,
-    env_for: dict[str, dict[str, str]] | None = None,
-) -> list[LabRun]:
-    progress = Progress(len(labs), f"running ({impl})")
-    runs: dict[str, LabRun] = {}
-    with ThreadPoolExecutor(_workers(jobs)) as pool:
-        futures = {}
-        for lab in labs:
-            junit = junit_dir / f"lab-{lab.id}.xml" if junit_dir else None
-            env = (env_for or {}).get(lab.id)
-            futures[pool.submit(run_lab, lab, impl, junit=junit, root=root, extra_env=env)] = lab
-            progress.started(lab.id)
-        for fut in as_completed(futures):
-            run = fut.result()
-            runs[run.lab.id] = run
-            progress.finished(
-                f"lab {run.lab.id} {run.lab.title}: {run.passed}/{run.total} passed "
-                f"({run.seconds:.0f} s)"
-            )
-    progress.close()
-    return [runs[lab.id] for lab in labs]
+from course.labs.catalog import REPO_ROOT, Lab, discover, select
+from course.labs.console import Progress, table, workers
 
 
 def cmd_list(args) -> int:
@@ -97,43 +32,9 @@ def cmd_list(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from course.engine import exam_row, record_lab_status
+    from course.student.dashboard import show_status
 
-    labs = select(discover(), args.labs)
-    runs = run_labs(labs, args.impl, args.jobs)
-    if args.impl == "starter":
-        record_lab_status(runs)
-    rows = []
-    for r in runs:
-        rows.append(
-            [
-                r.lab.phase,
-                r.lab.id,
-                r.lab.title,
-                f"{r.passed}/{r.total}",
-                r.status,
-                r.next_step[:70],
-            ]
-        )
-    exam = exam_row(runs, args.jobs) if args.impl == "starter" and not args.no_exam else None
-    if exam:
-        rows.append(exam)
-    print(table(["Phase", "Lab", "Title", "Tests", "Status", "Next step"], rows))
-    done = sum(r.status == "done" for r in runs)
-    print(f"\n{done} of {len(runs)} labs done ({args.impl}).", end=" ")
-    if args.impl == "starter" and done < len(runs):
-        print(
-            "Open the first unfinished lab's README, then run "
-            "`LAB_IMPL=starter pytest <lab folder> -q`."
-        )
-    else:
-        print()
-    broken = [r for r in runs if r.broken]
-    for r in broken:
-        print(
-            f"\nlab {r.lab.id}: the test run itself broke (exit {r.exit_code}):\n{r.output[-2000:]}"
-        )
-    return 1 if broken else 0
+    return show_status(select(discover(), args.labs), args.impl, args.jobs, args.no_exam)
 
 
 def cmd_grade(args) -> int:
@@ -160,7 +61,7 @@ def cmd_grade(args) -> int:
         )
     opts = Options(
         out=out,
-        jobs=_workers(args.jobs),
+        jobs=workers(args.jobs),
         impl=args.impl,
         test_timeout=args.test_timeout,
         lab_timeout=args.lab_timeout,
@@ -187,8 +88,8 @@ def cmd_grade(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from course.bugs import load_bugs
-    from course.integrity import (
+    from course.integrity.bugs import load_bugs
+    from course.integrity.checks import (
         GRADING_EXPECTATIONS,
         GRADING_FIXTURE,
         _cuda_available,
@@ -214,7 +115,7 @@ def cmd_check(args) -> int:
     bug_results: dict[str, list] = {lab.id: [None] * len(bug_lists[lab.id]) for lab in labs}
     # Every lab's own runs and every planted bug are independent units of work: run them all
     # through one pool so that both cores stay busy.
-    with ThreadPoolExecutor(_workers(args.jobs)) as pool:
+    with ThreadPoolExecutor(workers(args.jobs)) as pool:
         futures = {}
         for lab in labs:
             futures[pool.submit(check_lab, lab, bugs_required=not args.no_bugs)] = (lab, None)
@@ -286,7 +187,7 @@ def cmd_check(args) -> int:
     if not args.labs and not args.no_grading_path and GRADING_FIXTURE.is_dir():
         print("\nThe grading path: grading the fixture class (honest, cheating and hanging "
               "submissions) end to end ...", flush=True)
-        problems, facts = check_grading_path(jobs=_workers(args.jobs))
+        problems, facts = check_grading_path(jobs=workers(args.jobs))
         print(f"  {len(GRADING_EXPECTATIONS)} submissions graded in {facts['seconds']:g} s; "
               f"{'ok' if not problems else 'PROBLEMS'}")
         violations += [f"grading path: {p}" for p in problems]
@@ -300,8 +201,8 @@ def cmd_check(args) -> int:
 
 
 def _check_engine_exam(args, labs: list[Lab]):
-    """The engine exam part of `course check` (see course/exam_check.py)."""
-    from course.exam_check import (
+    """The engine exam part of `course check` (see course/integrity/exam_check.py)."""
+    from course.integrity.exam_check import (
         CPU_LABS_EXCLUDED,
         compare_with_expected,
         exam_units,
@@ -315,7 +216,7 @@ def _check_engine_exam(args, labs: list[Lab]):
     only = None if not args.labs else exam_labs
     bugs_of = [] if args.no_bugs else only
     progress = Progress(exam_units(bugs_of) if not args.no_bugs else 2, "engine exam")
-    problems, results = run_exam_checks(_workers(args.jobs), bugs_of, progress)
+    problems, results = run_exam_checks(workers(args.jobs), bugs_of, progress)
     progress.close()
     lost, notes = compare_with_expected(results, load_expected_rejections())
     for note in notes:
@@ -324,7 +225,7 @@ def _check_engine_exam(args, labs: list[Lab]):
 
 
 def cmd_refs(args) -> int:
-    from course.refs import check_against_source, check_consistency, load_map
+    from course.upstream.refs import check_against_source, check_consistency, load_map
 
     problems = check_consistency(REPO_ROOT)
     refs, _ = load_map(REPO_ROOT)
@@ -343,8 +244,8 @@ def cmd_refs(args) -> int:
 
 
 def _cmd_engine(args) -> int:
-    from course.engine import cmd_engine
-    from course.exam import GRADED_SWEEP
+    from course.engine.command import cmd_engine
+    from course.engine.exam import GRADED_SWEEP
 
     if args.sweep is None:
         args.sweep = GRADED_SWEEP
@@ -354,7 +255,7 @@ def _cmd_engine(args) -> int:
         return 2
     return cmd_engine(args)
 def cmd_hint(args) -> int:
-    from course.hints import render_hint
+    from course.student.hints import render_hint
 
     (lab,) = select(discover(), [args.lab])
     try:
@@ -366,7 +267,7 @@ def cmd_hint(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from course.measure import format_table, measure, plot, predict_questions
+    from course.student.measure import format_table, measure, plot, predict_questions
 
     (lab,) = select(discover(), [args.lab])
     questions = predict_questions(lab)
@@ -466,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "engine",
         help="your finished labs as one mini_vllm: generate, compare with the reference, exam",
-        description="Your finished labs' pieces put into mini_vllm. See course/engine.py.",
+        description="Your finished labs' pieces put into mini_vllm. See course/engine/command.py.",
     )
     p.add_argument("--labs", help="comma-separated lab ids whose pieces are yours, or 'all' "
                    "(default: every finished engine lab)")

@@ -6,7 +6,7 @@ Each is a mistake people make when they write attention for a serving engine;
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 _REF = "mini_vllm/attention/reference.py"
 

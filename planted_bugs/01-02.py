@@ -6,7 +6,7 @@ Each is a mistake people make when they first write an online softmax;
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 _OS = "mini_vllm/attention/online_softmax.py"
 

@@ -6,7 +6,7 @@ Each is a mistake people make when they first write a KV cache;
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 _SOL = "phase-01-attention/labs/lab-03-kv-cache/solution.py"
 

@@ -6,7 +6,7 @@ of the lab's invariants I1-I4); `python -m course check --lab 02-01` applies the
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 UTILS = "mini_vllm/kv_cache_utils.py"
 POOL = "mini_vllm/block_pool.py"

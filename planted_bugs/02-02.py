@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 SOLUTION = "phase-02-paged-attention/labs/lab-02-fragmentation/solution.py"
 

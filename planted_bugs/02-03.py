@@ -7,7 +7,7 @@ testing (`scripts/mutation_test.py 02-03`) or by a student's code that passed th
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 MANAGER = "mini_vllm/kv_cache_manager.py"
 UTILS = "mini_vllm/kv_cache_utils.py"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 PAGED = "mini_vllm/attention/paged_attn.py"
 CACHE = "mini_vllm/attention/cache_ops.py"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 _MGR = "mini_vllm/block_sharing.py"
 _POOL = "mini_vllm/block_pool.py"

@@ -1,7 +1,7 @@
 """Known-wrong edits to the reference that lab 02-06's tests must reject.
 
-Each names the tier of tests that must see it (`requires`, see course/bugs.py); all of them are
-checked on a machine without a GPU, where the kernels run in the CPU emulation:
+Each names the tier of tests that must see it (`requires`, see course/integrity/bugs.py); all of
+them are checked on a machine without a GPU, where the kernels run in the CPU emulation:
 
 * oracle: the output differs from the PyTorch oracle, or the emulation reports misused
   collectives (a GPU run of the same tests sees the first kind too);
@@ -15,7 +15,7 @@ checked on a machine without a GPU, where the kernels run in the CPU emulation:
 kernels): the lab's tests of that code are `starter_ok`, not graded, and count for it.
 """
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 CORE = "mini_vllm/csrc/attention_core.cuh"
 COMMON = "mini_vllm/csrc/common.cuh"

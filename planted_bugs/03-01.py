@@ -6,7 +6,7 @@ mistakes that mutation testing (mutation/03-01.toml) found the old tests let thr
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 FILE = "mini_vllm/scheduler.py"
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 META = "mini_vllm/attention/metadata.py"
 ATTN = "mini_vllm/attention/chunked_prefill.py"

@@ -5,7 +5,7 @@ tests)."""
 
 from __future__ import annotations
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 SWAP = "mini_vllm/swap.py"
 SCHED = "mini_vllm/scheduler.py"

@@ -1,6 +1,6 @@
 """Known-wrong edits of the engine step that the tests of lab 03-04 must reject."""
 
-from course.bugs import PlantedBug
+from course.integrity.bugs import PlantedBug
 
 BUGS = [
     PlantedBug(

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from course.site_check import CHROMIUM_ARGS, find_browser  # noqa: E402
+from course.site.check import CHROMIUM_ARGS, find_browser  # noqa: E402
 
 
 def free_port() -> int:

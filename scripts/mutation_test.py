@@ -44,9 +44,12 @@ import tomllib
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from course.integrity import copy_ignore  # noqa: E402
-from course.labs import discover, select  # noqa: E402
-from course.tasks import open_tasks  # noqa: E402
+from course.labs.catalog import (  # noqa: E402
+    copy_ignore,  # noqa: E402
+    discover,
+    select,
+)
+from course.labs.tasks import open_tasks  # noqa: E402
 
 CONFIG_DIR = REPO_ROOT / "mutation"
 DEFAULT_OUT = CONFIG_DIR / "results.json"
@@ -116,7 +119,7 @@ def run_lab(lab_id: str, max_children: int) -> dict:
                 f"pytest_add_cli_args_test_selection = {json.dumps([test_file])}\n"
             )
         env = dict(os.environ, LAB_IMPL="solution", HYPOTHESIS_PROFILE="ci", OMP_NUM_THREADS="1")
-        env["COURSE_MODULE_NAMES_FROM_PATHS"] = "1"  # lab-only code: see course/loader.py
+        env["COURSE_MODULE_NAMES_FROM_PATHS"] = "1"  # lab-only code: see course/labs/loader.py
         proc = _mutmut(
             copy,
             "run",

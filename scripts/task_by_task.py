@@ -31,11 +31,15 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from course.integrity import copy_ignore  # noqa: E402
-from course.labs import Lab, discover, select  # noqa: E402
-from course.loader import load_module  # noqa: E402
-from course.runner import run_lab  # noqa: E402
-from course.tasks import Task, open_tasks  # noqa: E402
+from course.labs.catalog import (  # noqa: E402
+    Lab,
+    copy_ignore,  # noqa: E402
+    discover,
+    select,
+)
+from course.labs.loader import load_module  # noqa: E402
+from course.labs.runner import run_lab  # noqa: E402
+from course.labs.tasks import Task, open_tasks  # noqa: E402
 
 CSRC_DIR = REPO_ROOT / "mini_vllm" / "csrc"
 

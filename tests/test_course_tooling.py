@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from course.api import compare
-from course.labs import REPO_ROOT
-from course.refs import check_against_source, check_consistency
+from course.integrity.api import compare
+from course.labs.catalog import REPO_ROOT
+from course.upstream.refs import check_against_source, check_consistency
 
 FIXTURE = Path(__file__).parent / "fixtures" / "demo_lab"
 LAB = "phase-09-demo/labs/lab-01-demo"

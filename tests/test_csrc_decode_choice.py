@@ -149,7 +149,7 @@ def _expected(b: dict) -> torch.Tensor:
     ((4, 4), [40, 700], "v2"),
 ])
 def test_paged_decode_runs_the_chosen_kernel_and_matches_pytorch(heads, lens, want):
-    from course.numerics import assert_close
+    from course.labs.numerics import assert_close
     from mini_vllm.csrc.emulation import flavor_supported
 
     if flavor_supported("plain"):
@@ -161,8 +161,9 @@ def test_paged_decode_runs_the_chosen_kernel_and_matches_pytorch(heads, lens, wa
 
 
 def test_paged_decode_runs_a_students_v2_rather_than_the_gqa_kernel(monkeypatch):
-    """Composed with a student's lab 02-06 (course.compose rebinds ops.paged_attention_v2), the
-    engine's decode runs the student's kernels, never the reference's GQA-aware kernel."""
+    """Composed with a student's lab 02-06 (course.engine.compose rebinds
+    ops.paged_attention_v2), the engine's decode runs the student's kernels, never the reference's
+    GQA-aware kernel."""
     calls = []
 
     def students_v2(out, *args, **kwargs):
@@ -267,31 +268,40 @@ def test_a_crashing_kernel_fails_one_call_and_the_next_call_gets_a_fresh_worker(
 
 
 def test_the_worker_loads_the_lab_implementation_the_tests_load():
-    """The lab's GPU tests name the student's kernel as ``lab:<impl>:<folder>``; the worker loads
-    that file, whatever LAB_IMPL says in its environment."""
+    """The lab's GPU tests hand the worker the loader of the implementation they test
+    (``lab.module_loader()``): the worker loads that file, whatever LAB_IMPL says there."""
+    import pickle
     from pathlib import Path
 
+    from course.labs.loader import load_lab
     from mini_vllm.csrc.isolation import _resolve
 
     folder = next(Path(__file__).resolve().parents[1].glob("phase-02-*/labs/lab-06-*"))
-    starters = _resolve(f"lab:starter:{folder}", "paged_attention_v1")
-    assert Path(starters.__code__.co_filename) == folder / "starter.py"
-    assert _resolve(f"lab:solution:{folder}", "paged_attention_v1") is ops.paged_attention_v1
+    for impl in ("starter", "solution"):
+        where = pickle.loads(pickle.dumps(load_lab(folder / "test_lab.py", impl).module_loader()))
+        kernel = _resolve(where, "paged_attention_v1")
+        if impl == "starter":
+            assert Path(kernel.__code__.co_filename) == folder / "starter.py"
+        else:
+            assert kernel is ops.paged_attention_v1
 
 
 def test_the_worker_loads_a_file_of_no_package_by_its_path():
-    """Lab 02-06's stretch tests name the student's stretch.py as ``file:<path>``; the worker
-    process loads that very file and runs the named function there."""
+    """Lab 02-06's stretch tests hand the worker a loader of the student's stretch.py (a file of
+    no package); the worker process loads that very file and runs the named function there."""
+    import functools
     from pathlib import Path
 
+    from course.labs.loader import load_script
     from mini_vllm.csrc.isolation import IsolatedRunner, _resolve
 
     folder = next(Path(__file__).resolve().parents[1].glob("phase-02-*/labs/lab-06-*"))
-    stretch = _resolve(f"file:{folder / 'stretch.py'}", "paged_attention_gqa")
+    where = functools.partial(load_script, "lab_02_06_stretch", folder / "stretch.py")
+    stretch = _resolve(where, "paged_attention_gqa")
     assert Path(stretch.__code__.co_filename) == folder / "stretch.py"
-    started = _resolve(f"file:{folder / 'stretch.py'}", "stretch_started")()
+    started = _resolve(where, "stretch_started")()
     runner = IsolatedRunner()
     try:
-        assert runner.call(f"file:{folder / 'stretch.py'}", "stretch_started") is started
+        assert runner.call(where, "stretch_started") is started
     finally:
         runner.close()

@@ -1,7 +1,7 @@
 """`python -m course engine`: the student's finished labs composed into mini_vllm, and the exam.
 
 The student is played by tests/fixtures/student/ (labs 02-01, 02-03, 02-04 and 03-01 written
-without reading the reference) and by stand-ins (course/shadow.py: private copies of the
+without reading the reference) and by stand-ins (course/integrity/shadow.py: private copies of the
 reference). Every engine runs in its own process, as the command runs it.
 """
 
@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from course.compose import unfinished_tasks
-from course.integrity import copy_ignore
-from course.labs import REPO_ROOT, Lab, discover
+from course.labs.catalog import REPO_ROOT, Lab, copy_ignore, discover
+from course.labs.tasks import unfinished_tasks
 
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "student"
 STUDENT_LABS = ("02-01", "02-03", "02-04", "03-01")
@@ -74,12 +73,12 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path):
     slow tests are marked passed in the cache (keyed by the files) to keep this test short."""
     root = _course_copy(tmp_path)
     cache = tmp_path / "cache"
-    from course.engine import _lab_key
+    from course.labs.results import lab_key
 
     status = cache / "mini_vllm-course" / "lab-status.json"
     status.parent.mkdir(parents=True)
     lab_0204 = Lab(root / LABS["02-04"].rel)
-    status.write_text(json.dumps({"02-04": {"key": _lab_key(lab_0204), "done": True,
+    status.write_text(json.dumps({"02-04": {"key": lab_key(lab_0204), "done": True,
                                             "passed": 1, "total": 1}}))
     proc = _run(root, "engine", "--max-tokens", "24", cache=cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -127,11 +126,11 @@ def test_a_hung_piece_is_a_timeout_not_a_hang(tmp_path):
 def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp_path):
     """Lab 03-01 a stand-in's, lab 03-03 the reference: in swap mode the engine runs the
     stand-in's scheduler with the reference's swap members on top."""
-    from course.shadow import shadow_tree
+    from course.integrity.shadow import shadow_tree
 
     root = shadow_tree(tmp_path / "tree")
     code = (
-        "from course.compose import compose\n"
+        "from course.engine.compose import compose\n"
         "c = compose(['03-01'])\n"
         "import mini_vllm.llm as llm, mini_vllm.scheduler as ref\n"
         "from mini_vllm_shadow_03_01.scheduler import Scheduler as Theirs\n"
@@ -162,7 +161,7 @@ def test_bad_requests_exit_2_and_change_nothing(tmp_path):
 
 
 def test_compose_twice_in_one_process_is_refused(tmp_path):
-    code = ("from course.compose import compose, CompositionError\n"
+    code = ("from course.engine.compose import compose, CompositionError\n"
             "compose([])\n"
             "try:\n    compose([])\nexcept CompositionError as e:\n    print('refused:', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
@@ -174,14 +173,15 @@ def test_compose_twice_in_one_process_is_refused(tmp_path):
 def test_the_notebook_switch_draws_the_students_pieces(tmp_path, phase):
     root = _course_copy(tmp_path)
     cache = tmp_path / "cache"
-    from course.engine import _lab_key
+    from course.labs.results import lab_key
 
     status = cache / "mini_vllm-course" / "lab-status.json"
     status.parent.mkdir(parents=True)
     status.write_text(json.dumps({
-        lab_id: {"key": _lab_key(Lab(root / LABS[lab_id].rel)), "done": True, "passed": 1,
+        lab_id: {"key": lab_key(Lab(root / LABS[lab_id].rel)), "done": True, "passed": 1,
                  "total": 1} for lab_id in STUDENT_LABS}))
-    code = (f"from course.compose import use_pieces\npieces = use_pieces(True, phase={phase!r})\n"
+    code = ("from course.engine.compose import use_pieces\n"
+            f"pieces = use_pieces(True, phase={phase!r})\n"
             "import mini_vllm.kv_cache_manager as m, mini_vllm.scheduler as s\n"
             "print(m.KVCacheManager.__module__, s.Scheduler.__module__)\n")
     env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(cache))
@@ -195,10 +195,10 @@ def test_the_notebook_switch_draws_the_students_pieces(tmp_path, phase):
 def test_the_exam_is_a_graded_unit_when_every_engine_lab_is_graded():
     from types import SimpleNamespace
 
-    from course.compose import engine_labs
-    from course.exam import GRADED_SWEEP, cases
-    from course.grading import CommandUnit, graded_units
-    from course.labs import exam_metadata
+    from course.engine.compose import engine_labs
+    from course.engine.exam import GRADED_SWEEP, cases
+    from course.grading.grader import CommandUnit, graded_units
+    from course.labs.catalog import exam_metadata
 
     every = SimpleNamespace(labs=discover(), manifest={})
     exam = [u for u in graded_units(every) if isinstance(u, CommandUnit)]
@@ -219,7 +219,7 @@ def test_workers_of_another_tree_run_side_by_side_in_threads(tmp_path):
     its object (a waitpid on its pid failed with ECHILD in CI)."""
     import threading
 
-    from course.engine import run_workers
+    from course.engine.command import run_workers
 
     worker = tmp_path / "tree" / "course" / "engine_worker.py"
     worker.parent.mkdir(parents=True)
@@ -251,8 +251,8 @@ def test_the_bugs_the_exam_rejects_are_pinned_and_one_it_stops_rejecting_fails_t
     """`course check` compares the exam's rejections with planted_bugs/exam_rejected.txt: a
     listed bug the exam lets through is a violation (an engine change bypassing a student's
     piece did that once), a newly rejected one a note."""
-    from course.bugs import PlantedBug
-    from course.exam_check import (
+    from course.integrity.bugs import PlantedBug
+    from course.integrity.exam_check import (
         ExamBugResult,
         compare_with_expected,
         engine_bugs,

@@ -1,4 +1,4 @@
-"""Tests of what a test run prints (course/feedback.py), the task list, hints and measure."""
+"""Tests of what a test run prints (course/labs/feedback.py), the task list, hints and measure."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from course.feedback import choose_threads, default_cache_dir, tensor_summary
-from course.hints import check_hints, render_hint
-from course.labs import REPO_ROOT, discover, select
-from course.tasks import open_tasks, readme_section, tasks_in_source
+from course.labs.catalog import REPO_ROOT, discover, select
+from course.labs.feedback import choose_threads, default_cache_dir, tensor_summary
+from course.labs.tasks import open_tasks, readme_section, tasks_in_source
+from course.student.hints import check_hints, render_hint
 
 LAB = "phase-09-demo/labs/lab-01-feedback"
 
@@ -68,7 +68,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from course.loader import load_lab
+from course.labs.loader import load_lab
 
 lab = load_lab(__file__)
 
@@ -208,7 +208,7 @@ def test_a_crash_in_the_lab_code_reached_from_several_tests_is_rendered_once(cou
 
 
 def test_a_measurement_may_return_several_named_values():
-    from course.measure import Series, _split_named
+    from course.student.measure import Series, _split_named
 
     mine = Series("yours", {1: {"v1": 1.0, "v2": None}, 2: {"v1": 2.0, "v2": None}})
     plain = Series("deque", {1: 5.0, 2: 6.0})
@@ -299,7 +299,7 @@ def test_measure_with_several_metrics_gets_a_table_and_a_panel_each(tmp_path):
     each metric gets its own table and plot panel, and an unwritten starter shows "-"."""
     import types
 
-    from course.measure import Series, format_table, panels, plot
+    from course.student.measure import Series, format_table, panels, plot
 
     module = types.SimpleNamespace(
         TITLE="t", X_LABEL="batch", Y_LABEL="y", METRICS={"a": "alpha (ms)", "b": "beta"}

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from course.numerics import assert_close
+from course.labs.numerics import assert_close
 from mini_vllm.attention import cache_ops, paged_attn
 from mini_vllm.attention.fp8 import (
     FP8_DTYPE,

@@ -15,9 +15,9 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from course.grading import published_tasks, read_commit, suspicious
-from course.integrity import GRADING_EXPECTATIONS, build_grading_fixture
-from course.labs import discover
+from course.grading.grader import published_tasks, read_commit, suspicious
+from course.integrity.checks import GRADING_EXPECTATIONS, build_grading_fixture
+from course.labs.catalog import discover
 
 SMALL_CLASS = ("honest", "exit-at-import", "report-plugin", "patch-tests", "copies", "symlink",
                "hang")
@@ -170,8 +170,8 @@ COMMAND_UNIT = r"""
 import json, sys, tempfile
 from pathlib import Path
 from course import sandbox
-from course.grading import CommandUnit, Instructor, RunContext, Submission
-from course.labs import discover
+from course.grading.grader import CommandUnit, Instructor, RunContext, Submission
+from course.labs.catalog import discover
 
 staging = Path(tempfile.mkdtemp())
 staging.chmod(0o711)

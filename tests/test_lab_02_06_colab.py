@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from course.labs import REPO_ROOT
+from course.labs.catalog import REPO_ROOT
 
 NOTEBOOK = REPO_ROOT / "phase-02-paged-attention/labs/lab-06-cuda-kernel/colab.ipynb"
 

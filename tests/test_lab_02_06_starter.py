@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from course.labs import REPO_ROOT
-from course.numerics import assert_close
+from course.labs.catalog import REPO_ROOT
+from course.labs.numerics import assert_close
 
 LAB = REPO_ROOT / "phase-02-paged-attention" / "labs" / "lab-06-cuda-kernel"
 CSRC = REPO_ROOT / "mini_vllm" / "csrc"

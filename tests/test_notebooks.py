@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from course.labs import REPO_ROOT
+from course.labs.catalog import REPO_ROOT
 
 NOTEBOOKS = sorted(REPO_ROOT.glob("phase-*/notebook.ipynb"))
 

@@ -1,13 +1,13 @@
 """Tests of two helpers the labs' tests and measurements use: assert_close's report of where a
-tensor is wrong (`dims=`), and course.measure.peak_tensor_bytes."""
+tensor is wrong (`dims=`), and course.student.measure.peak_tensor_bytes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from course.measure import peak_tensor_bytes
-from course.numerics import assert_close, where_wrong
+from course.labs.numerics import assert_close, where_wrong
+from course.student.measure import peak_tensor_bytes
 
 
 def test_assert_close_names_the_rows_and_heads_that_are_wrong():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course.loader import load_script
+from course.labs.loader import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

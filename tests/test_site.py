@@ -4,8 +4,8 @@ browser check run in .ci/run: `python -m course.site build` and `python -m cours
 
 from __future__ import annotations
 
-from course.labs import REPO_ROOT, discover
-from course.site import Rewriter, lab_code_leaks, plan, stage
+from course.labs.catalog import REPO_ROOT, discover
+from course.site.build import Rewriter, lab_code_leaks, plan, stage
 
 
 def test_every_phase_notebook_and_lab_is_a_page():

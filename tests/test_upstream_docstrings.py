@@ -11,7 +11,7 @@ import ast
 
 import pytest
 
-from course.labs import REPO_ROOT
+from course.labs.catalog import REPO_ROOT
 
 MODULES = sorted((REPO_ROOT / "mini_vllm").rglob("*.py"))
 

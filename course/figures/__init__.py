@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from course.labs import REPO_ROOT
+from course.labs.catalog import REPO_ROOT
 
 CREATOR = "mini_vllm course: python -m course figures"
 STYLE = {
@@ -83,8 +83,8 @@ def lab_module(lab_id: str, pieces=None):
     when ``YOURS`` and the lab is finished), else the lab's solution.py."""
     if pieces is not None:
         return pieces.module(lab_id)
-    from course.labs import discover
-    from course.loader import load_module
+    from course.labs.catalog import discover
+    from course.labs.loader import load_module
 
     lab = next((lab for lab in discover() if lab.id == lab_id), None)
     if lab is None:

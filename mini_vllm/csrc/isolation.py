@@ -11,11 +11,11 @@ same error. ``IsolatedRunner`` keeps the kernel calls in a worker process with i
   worker's context was discarded; the next call starts a fresh worker;
 * a worker that dies (a segmentation fault, ``os._exit``) raises ``KernelCrashed`` too.
 
-Calls name their function as ``(module, name)`` (imported in the worker) or
-``("lab:<impl>:" + folder, name)`` (the lab's starter or solution, loaded as the tests load it;
-``"lab:" + folder`` takes the one ``LAB_IMPL`` names) or ``("file:" + path, name)`` (a Python
-file that belongs to no package, such as lab 02-06's ``stretch.py``). Tensors
-travel as CPU tensors (the worker moves them to the GPU and back, see ``run_on_gpu``).
+Calls name their function as ``(where, name)``: ``where`` is a module name (imported in the
+worker) or a picklable callable that returns the module (for a lab's starter, which belongs to
+no package, the course passes its own loader, e.g. ``functools.partial(load_module, folder,
+impl, lab_id)``; this package never imports the course). Tensors travel as CPU tensors (the
+worker moves them to the GPU and back, see ``run_on_gpu``).
 
 upstream: none (vLLM's tests run kernels in-process; this isolation is the course's)
 """
@@ -26,6 +26,8 @@ import importlib
 import multiprocessing
 import os
 import traceback
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 __all__ = ["IsolatedRunner", "KernelCrashed", "run_on_gpu"]
@@ -40,27 +42,12 @@ class KernelCrashed(RuntimeError):
     worker."""
 
 
-def _resolve(where: str, name: str):
-    if where.startswith("lab:"):
-        from pathlib import Path
+# A module's name, or a picklable callable that loads the module in the worker.
+Where = str | Callable[[], ModuleType]
 
-        from course.loader import load_module
 
-        impl, _, folder_name = where[4:].partition(":")
-        if impl not in ("starter", "solution"):  # "lab:<folder>": the impl LAB_IMPL names
-            impl, folder_name = os.environ.get("LAB_IMPL", "solution"), where[4:]
-        folder = Path(folder_name)
-        lab_id = folder.parents[1].name.split("-")[1] + "-" + folder.name.split("-")[1]
-        module = load_module(folder, impl, lab_id)
-    elif where.startswith("file:"):
-        from pathlib import Path
-
-        from course.loader import load_script
-
-        path = Path(where[5:]).resolve()
-        module = load_script(f"isolated_{path.parent.name}_{path.stem}".replace("-", "_"), path)
-    else:
-        module = importlib.import_module(where)
+def _resolve(where: Where, name: str):
+    module = importlib.import_module(where) if isinstance(where, str) else where()
     return getattr(module, name)
 
 
@@ -117,7 +104,7 @@ class IsolatedRunner:
         self._proc = self._conn = None
         self.restarts += 1
 
-    def call(self, where: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, where: Where, name: str, *args: Any, **kwargs: Any) -> Any:
         """``name(*args, **kwargs)`` of module ``where``, run in the worker."""
         if self._proc is None or not self._proc.is_alive():
             self._start()
@@ -157,7 +144,7 @@ class IsolatedRunner:
             self._discard()
 
 
-def run_on_gpu(where: str, name: str, outputs: list[int], *args: Any, **kwargs: Any):
+def run_on_gpu(where: Where, name: str, outputs: list[int], *args: Any, **kwargs: Any):
     """In the worker: move tensor arguments to the GPU, call ``name``, synchronise, and return
     the arguments at positions ``outputs`` (written by the call) as CPU tensors."""
     import torch

@@ -771,6 +771,6 @@ def paged_decode(
     return kernel
 
 
-# The reference kernels, kept where course.compose's rebinding of module names does not reach
+# The reference kernels, kept where course.engine.compose's rebinding of module names does not reach
 # (it replaces names, not the contents of a dict): paged_decode compares with them.
 _REFERENCE = {"paged_attention_v2": paged_attention_v2}

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course.numerics import assert_close
+from course.labs.numerics import assert_close
 from mini_vllm.attention.metadata import build_attention_metadata
 from mini_vllm.model import ModelConfig
 from mini_vllm.model_runner import ModelRunner

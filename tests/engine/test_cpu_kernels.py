@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course.loader import load_script
+from course.labs.loader import load_script
 from mini_vllm import model_runner
 from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
 from mini_vllm.llm import LLM

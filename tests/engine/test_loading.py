@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course.numerics import assert_close
+from course.labs.numerics import assert_close
 from mini_vllm.hf_loader import config_from_hf, load_checkpoint
 from mini_vllm.llm import LLM
 from mini_vllm.sampling_params import SamplingParams

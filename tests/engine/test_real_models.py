@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from course.numerics import assert_close
+from course.labs.numerics import assert_close
 from mini_vllm.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.tokenizer import HFTokenizer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from course.measure import best_of
+from course.student.measure import best_of
 
 TITLE = "A prefill of n tokens against one decode step (8 heads of 64)"
 X_LABEL = "prompt tokens n"

@@ -21,8 +21,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course.loader import load_lab
-from course.numerics import assert_close
+from course.labs.loader import load_lab
+from course.labs.numerics import assert_close
 from mini_vllm.attention.reference import alibi_slopes as standard_alibi_slopes
 
 lab = load_lab(__file__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from course.measure import peak_tensor_bytes
+from course.student.measure import peak_tensor_bytes
 from mini_vllm.attention.reference import ref_attention
 
 TITLE = "Peak tensor memory, prefill of n tokens (2 heads of 16, float32)"

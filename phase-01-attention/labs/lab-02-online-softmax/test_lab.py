@@ -19,9 +19,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course.loader import load_lab
-from course.measure import peak_tensor_bytes
-from course.numerics import assert_close
+from course.labs.loader import load_lab
+from course.labs.numerics import assert_close
+from course.student.measure import peak_tensor_bytes
 from mini_vllm.attention.reference import ref_attention
 
 lab = load_lab(__file__)

@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from course.loader import load_lab
-from course.numerics import assert_close
+from course.labs.loader import load_lab
+from course.labs.numerics import assert_close
 from mini_vllm.attention.reference import alibi_slopes, ref_attention
 
 lab = load_lab(__file__)

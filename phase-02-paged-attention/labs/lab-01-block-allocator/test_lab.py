@@ -26,7 +26,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from course.loader import load_lab
+from course.labs.loader import load_lab
 
 lab = load_lab(__file__)
 

@@ -37,7 +37,7 @@ def run(impl, block_size: int) -> float:
 
 
 def _reference():
-    from course.loader import load_module
+    from course.labs.loader import load_module
 
     return load_module(Path(__file__).resolve().parent, "solution", "02-02")
 

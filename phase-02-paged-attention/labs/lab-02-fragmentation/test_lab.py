@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course.loader import load_lab
+from course.labs.loader import load_lab
 
 lab = load_lab(__file__)
 

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import mini_vllm.kv_cache_utils as kcu
-from course.loader import load_lab
+from course.labs.loader import load_lab
 
 lab = load_lab(__file__)
 

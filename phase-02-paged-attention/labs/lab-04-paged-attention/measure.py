@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from course.measure import best_of
+from course.student.measure import best_of
 
 TITLE = "One decode step: v1, v2, and v1 over token-major memory"
 X_LABEL = "context length (tokens per sequence)"

@@ -28,8 +28,8 @@ import zlib
 import pytest
 import torch
 
-from course.loader import load_lab
-from course.numerics import assert_close, tolerances
+from course.labs.loader import load_lab
+from course.labs.numerics import assert_close, tolerances
 from mini_vllm.attention.reference import ref_attention
 
 lab = load_lab(__file__)

@@ -23,8 +23,8 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from course.loader import load_lab
-from course.numerics import assert_close
+from course.labs.loader import load_lab
+from course.labs.numerics import assert_close
 from mini_vllm.attention.reference import ref_attention
 
 lab = load_lab(__file__)

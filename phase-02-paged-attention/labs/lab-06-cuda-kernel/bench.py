@@ -21,7 +21,7 @@ REPO_ROOT = LAB_DIR.parents[2]
 
 def student_kernels() -> dict:
     """The starter build's raw naive / v1 / v2 (no Python checks inside the timed region)."""
-    from course.loader import load_script
+    from course.labs.loader import load_script
 
     starter = load_script("lab_02_06_starter_bench", LAB_DIR / "starter.py")
     bench = load_script("paged_attention_benchmark",
@@ -37,7 +37,7 @@ def student_kernels() -> dict:
 def main(argv: list[str] | None = None) -> int:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from course.loader import load_script
+    from course.labs.loader import load_script
 
     bench = load_script("paged_attention_benchmark",
                         REPO_ROOT / "benchmarks" / "paged_attention.py")

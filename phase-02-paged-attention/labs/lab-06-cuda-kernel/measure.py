@@ -31,7 +31,7 @@ WARMUP, REPS = 5, 20
 
 def _benchmark():
     """benchmarks/paged_attention.py, the lab benchmark's engine (Batch, time_gpu)."""
-    from course.loader import load_script
+    from course.labs.loader import load_script
 
     return load_script("paged_attention_benchmark",
                        REPO_ROOT / "benchmarks" / "paged_attention.py")
@@ -52,7 +52,7 @@ def run(impl, context: int) -> dict[str, float | None]:
     12K tokens). Each kernel is called once through the lab's API first (an unwritten task
     raises NotImplementedError, a wrong result raises AssertionError), then timed through the
     built ops alone, as bench.py does, so that the Python checks stay out of the timing."""
-    from course.numerics import assert_close
+    from course.labs.numerics import assert_close
     from mini_vllm.csrc.ops import naive_max_seq_len
 
     bench = _benchmark()

@@ -40,8 +40,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from course.loader import load_lab
-from course.numerics import assert_close
+from course.labs.loader import load_lab
+from course.labs.numerics import assert_close
 from mini_vllm.csrc import resolve_backend
 
 lab = load_lab(__file__)
@@ -206,7 +206,7 @@ def run_kernel(version: str, b: dict, fn=None, backend: str = KERNEL_BACKEND) ->
               b["alibi_slopes"])
     if backend == "cuda":  # in the worker process, on CPU copies of the arguments
         args = (out, *(partition_buffers(b) if version == "v2" else ()), *common)
-        where = fn.__module__ if fn else f"lab:{lab.impl}:{Path(lab.source_path).parent}"
+        where = fn.__module__ if fn else lab.module_loader()
         name = fn.__name__ if fn else f"paged_attention_{version}"
         (result,) = gpu_worker().call(
             "mini_vllm.csrc.isolation", "run_on_gpu", where, name, [0],
@@ -921,9 +921,8 @@ PROBE_LENS = [1, 9, 33, 100, 161, 300]  # one token, partial last blocks, severa
 def run_probe(name: str, outputs: list[int], *args, **kwargs) -> list[torch.Tensor]:
     """Call the lab's probe `name` and return the arguments at `outputs` (which it writes)."""
     if ON_GPU:  # in the worker process, on CPU copies, as run_kernel does
-        where = f"lab:{lab.impl}:{Path(lab.source_path).parent}"
         return gpu_worker().call(
-            "mini_vllm.csrc.isolation", "run_on_gpu", where, name, outputs,
+            "mini_vllm.csrc.isolation", "run_on_gpu", lab.module_loader(), name, outputs,
             *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], backend="cuda",
             **kwargs)
     getattr(lab, name)(*args, backend=KERNEL_BACKEND, **kwargs)

@@ -13,14 +13,15 @@ past a sequence's end that point far outside the cache.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from course.loader import chosen_impl, load_script
-from course.numerics import assert_close
+from course.labs.loader import chosen_impl, load_script
+from course.labs.numerics import assert_close
 from mini_vllm.csrc import resolve_backend
 
 LAB_DIR = Path(__file__).resolve().parent
@@ -34,22 +35,23 @@ lab_tests = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lab_tests)  # make_batch, expected_output, require
 
 
-def kernel_module() -> str:
-    """Where the GQA-aware kernel under test lives, as the isolated GPU worker names it: the
-    reference's module, or the student's stretch.py (skipped until the stretch is started)."""
+def kernel_module():
+    """Where the GQA-aware kernel under test lives, as the isolated GPU worker takes it: the
+    reference's module name, or a loader of the student's stretch.py, which belongs to no
+    package (skipped until the stretch is started)."""
     if chosen_impl() == "solution":
         return "mini_vllm.csrc.ops"
     stretch = load_script("lab_02_06_stretch", LAB_DIR / "stretch.py")
     if not stretch.stretch_started():
         pytest.skip("the stretch is optional: set STRETCH_TASK_1_DONE in stretch_gqa.cu to 1 "
                     "when you start it (README: Stretch)")
-    return f"file:{LAB_DIR / 'stretch.py'}"
+    return functools.partial(load_script, "lab_02_06_stretch", LAB_DIR / "stretch.py")
 
 
 def kernel():
     where = kernel_module()
-    if where.startswith("file:"):
-        return load_script("lab_02_06_stretch", LAB_DIR / "stretch.py").paged_attention_gqa
+    if not isinstance(where, str):
+        return where().paged_attention_gqa
     from mini_vllm.csrc.ops import paged_attention_gqa
 
     return paged_attention_gqa

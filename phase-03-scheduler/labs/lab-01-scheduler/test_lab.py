@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from course.loader import load_lab
+from course.labs.loader import load_lab
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
 from mini_vllm.request import FinishReason, Request, RequestStatus

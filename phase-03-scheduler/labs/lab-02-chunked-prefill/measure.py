@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from course.measure import best_of
+from course.student.measure import best_of
 from mini_vllm.attention.metadata import build_attention_metadata
 
 TITLE = "16 decodes and one prefill chunk in one step"

@@ -21,8 +21,8 @@ import random
 import pytest
 import torch
 
-from course.loader import load_lab
-from course.numerics import assert_close, tolerances
+from course.labs.loader import load_lab
+from course.labs.numerics import assert_close, tolerances
 from mini_vllm.attention.metadata import build_attention_metadata as build_reference
 from mini_vllm.attention.metadata import (
     reorder_batch_to_split_decodes_and_prefills as reference_reorder,

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from course.loader import load_lab
+from course.labs.loader import load_lab
 from mini_vllm.attention.paged_attn import paged_attention_v1
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_manager import cdiv

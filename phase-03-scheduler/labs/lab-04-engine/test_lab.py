@@ -23,7 +23,7 @@ import random
 import pytest
 import torch
 
-from course.loader import load_lab
+from course.labs.loader import load_lab
 from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
 from mini_vllm.scheduler import Scheduler as ReferenceScheduler
 

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from course.labs import REPO_ROOT, Lab, lab_for_path
-from course.loader import ENV_VAR, LabImplError, chosen_impl
-from course.tasks import TASK_MESSAGE_RE, open_tasks, readme_section
+from course.labs.catalog import REPO_ROOT, Lab, lab_for_path
+from course.labs.loader import ENV_VAR, LabImplError, chosen_impl
+from course.labs.tasks import TASK_MESSAGE_RE, open_tasks, readme_section
 
 NOT_IMPLEMENTED = "not_implemented"  # the outcome in --course-results
 NI_CATEGORY = "not implemented"  # the outcome in the terminal

@@ -83,7 +83,7 @@ def probe() -> Isolation:
     if sys.platform == "linux" and unshare and os.geteuid() == 0 and setpriv:
         check = [unshare, *_NS, "--", setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}",
                  "--clear-groups", "--", sys.executable, "-c", "import pytest, course"]
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         try:
             ok = subprocess.run(check, capture_output=True, timeout=60, env=env).returncode == 0
         except (OSError, subprocess.SubprocessError):

@@ -25,85 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.compose import GPU_ONLY_LABS, engine_labs, unfinished_tasks
-from course.labs import REPO_ROOT, Lab
+from course.engine.compose import GPU_ONLY_LABS, engine_labs
+from course.labs.catalog import METADATA_PATH, REPO_ROOT
+from course.labs.console import table
+from course.labs.results import cache_dir, finished_labs, lab_key
 
 FINALE_PROMPTS = ["HAMLET.\n", "KING.\n"]
 CASE_TIMEOUT_S = 60.0
-
-
-def cache_dir() -> Path:
-    """Where the course keeps what it may recompute (outside the repository)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mini_vllm-course"
-
-
-# ----------------------------------------------------------------------------------------------
-# Which labs are finished
-# ----------------------------------------------------------------------------------------------
-
-
-def _lab_key(lab: Lab) -> str:
-    digest = hashlib.sha256()
-    for name in ("starter.py", "starter.cu", "test_lab.py"):
-        path = lab.path / name
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
-
-
-def _load_status_cache() -> dict:
-    try:
-        return json.loads((cache_dir() / "lab-status.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-
-
-def record_lab_status(runs) -> None:
-    """Remember which starters passed every graded test (the dashboard and this command)."""
-    cache = _load_status_cache()
-    for run in runs:
-        if run.impl != "starter" or run.broken:
-            continue
-        cache[run.lab.id] = {"key": _lab_key(run.lab), "done": run.status == "done",
-                             "passed": run.passed, "total": run.total}
-    try:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir() / "lab-status.json.tmp"
-        tmp.write_text(json.dumps(cache, indent=1), encoding="utf-8")
-        tmp.replace(cache_dir() / "lab-status.json")
-    except OSError:
-        pass  # a cache that cannot be written only costs time
-
-
-def finished_labs(labs: list[Lab], jobs: int | None = None) -> dict[str, str]:
-    """``{lab id: why it is not yours}`` for unfinished labs, ``""`` for finished ones."""
-    from course.cli import run_labs
-
-    status: dict[str, str] = {}
-    cache = _load_status_cache()
-    to_run = []
-    for lab in labs:
-        todo = unfinished_tasks(lab)
-        if todo:
-            task = todo[0].split(":")[0].split(", ", 1)[1]
-            status[lab.id] = f"not finished: {task} unwritten"
-            continue
-        entry = cache.get(lab.id)
-        if entry and entry.get("key") == _lab_key(lab):
-            status[lab.id] = "" if entry["done"] else (
-                f"not finished: {entry['passed']}/{entry['total']} tests pass")
-        else:
-            to_run.append(lab)
-    if to_run:
-        print(f"Running the tests of {len(to_run)} lab(s) against your starter to see which are "
-              "finished (cached afterwards) ...", file=sys.stderr)
-        runs = run_labs(to_run, "starter", jobs)
-        record_lab_status(runs)
-        for run in runs:
-            status[run.lab.id] = "" if run.status == "done" else (
-                f"not finished: {run.passed}/{run.total} tests pass")
-    return status
 
 
 def exam_row(runs, jobs: int | None = None) -> list[str] | None:
@@ -119,13 +47,14 @@ def exam_row(runs, jobs: int | None = None) -> list[str] | None:
     if not done:
         return ["-", "exam", title, "-", "not started",
                 "finish an engine lab (02-01 is the first), then `python -m course engine`"]
-    from course.exam import GRADED_SWEEP, cases
+    from course.engine.exam import GRADED_SWEEP, cases
 
     digest = hashlib.sha256()
     for lab in done:
-        digest.update(lab.id.encode() + _lab_key(lab).encode())
-    for name in ("exam.py", "compose.py", "labs.toml"):
-        digest.update((Path(__file__).parent / name).read_bytes())
+        digest.update(lab.id.encode() + lab_key(lab).encode())
+    for path in (Path(__file__).parent / "exam.py", Path(__file__).parent / "compose.py",
+                 METADATA_PATH):
+        digest.update(path.read_bytes())
     key = digest.hexdigest()
     cache_file = cache_dir() / "exam-status.json"
     try:
@@ -259,7 +188,7 @@ def _fork_worker(spec: str, log: Path) -> int:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from course.engine_worker import main
+        from course.engine.worker import main
 
         code = main([spec])
     except BaseException:  # noqa: BLE001 - reported through the log and the exit status
@@ -276,7 +205,7 @@ def _exec_worker(spec: str, log: Path, root: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "course.engine_worker", spec], cwd=root,
+        proc = subprocess.Popen([sys.executable, "-m", "course.engine.worker", spec], cwd=root,
                                 env=env, start_new_session=True, stdout=out,
                                 stderr=subprocess.STDOUT)
     return proc
@@ -324,7 +253,6 @@ def _parse_labs(text: str, known: list[str]) -> list[str]:
 
 
 def _composition_table(rows: list[list[str]], reasons: dict[str, str]) -> str:
-    from course.cli import table
 
     lines = []
     for lab_id, origin, names in rows:
@@ -362,7 +290,7 @@ def _cmd_engine(args) -> int:
     known = [lab.id for lab in labs]
     gpu = _cuda_available()
     if args.list:
-        from course.exam import cases
+        from course.engine.exam import cases
 
         for case in cases(args.sweep):
             print(f"{case.name:28} {case.what}")
@@ -447,7 +375,7 @@ def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> i
 
 
 def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
-    from course.exam import cases
+    from course.engine.exam import cases
 
     names = [c.name for c in cases(args.sweep)]
     if args.case:

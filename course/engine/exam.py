@@ -1,11 +1,11 @@
 """The engine exam: the pieces of every lab have to be right *together*.
 
 Each lab's tests see one piece alone. The exam runs whole engines, built from whatever pieces this
-process composed (:mod:`course.compose`), and demands what nobody can argue with: every completion
-equals a recomputation of the same request with no cache at all, token for token (greedy, and
-seeded sampling with the same generator), with the same finish reason. Each case also asserts that
-the mechanism it is named after really happened (a prefix hit, a chunked prefill, a preemption, a
-swap), and that no KV block is still held once every request has finished.
+process composed (:mod:`course.engine.compose`), and demands what nobody can argue with: every
+completion equals a recomputation of the same request with no cache at all, token for token (greedy,
+and seeded sampling with the same generator), with the same finish reason. Each case also asserts
+that the mechanism it is named after really happened (a prefix hit, a chunked prefill, a preemption,
+a swap), and that no KV block is still held once every request has finished.
 
 The model is a tiny random Llama (vocabulary 64, two layers, GQA) whose weights are scaled up so
 that its logits are far apart: a choice never hinges on float rounding, so any difference from the

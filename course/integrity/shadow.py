@@ -1,11 +1,11 @@
 """Stand-in students: every engine lab "finished" with a private copy of the reference's code.
 
 :func:`shadow_tree` copies the course to a folder and writes each engine lab's ``starter.py`` the
-way a student's finished starter looks to :func:`course.compose.compose`: the lab's pieces are its
-own objects, defined in a private copy (the package ``mini_vllm_shadow_PP_LL``) of the reference
-modules that define them, while every piece of *another* lab is imported from ``mini_vllm``, as a
-real starter does. Composed with every engine lab "yours", such an engine must pass the exam,
-although none of its pieces is a reference object.
+way a student's finished starter looks to :func:`course.engine.compose.compose`: the lab's pieces
+are its own objects, defined in a private copy (the package ``mini_vllm_shadow_PP_LL``) of the
+reference modules that define them, while every piece of *another* lab is imported from
+``mini_vllm``, as a real starter does. Composed with every engine lab "yours", such an engine must
+pass the exam, although none of its pieces is a reference object.
 
 With a planted bug (an edit of a ``mini_vllm`` file, from a lab's planted bugs), the edit goes into
 that lab's private copy only: the lab's pieces are wrong, everything else is right. The exam must
@@ -19,11 +19,10 @@ import re
 import shutil
 from pathlib import Path
 
-from course.bugs import PlantedBug
-from course.compose import engine_labs
-from course.integrity import copy_ignore
-from course.labs import REPO_ROOT, Lab
-from course.loader import load_module
+from course.engine.compose import engine_labs
+from course.integrity.bugs import PlantedBug
+from course.labs.catalog import REPO_ROOT, Lab, copy_ignore
+from course.labs.loader import load_module
 
 
 class NotAnEnginePiece(ValueError):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from course.labs import Lab
+from course.labs.catalog import Lab
 
 # The prefix that tooling parses: "lab 02-01, task 3: implement BlockPool.touch (...)".
 TASK_MESSAGE_RE = re.compile(r"lab (?P<lab>\d\d-\d\d), task (?P<task>\d+): (?P<what>.*)", re.S)
@@ -156,3 +157,30 @@ def readme_section(lab: Lab, number: int) -> tuple[int, str] | None:
         if in_tasks and re.match(rf"{number}\.\s", line):
             return i, heading
     return None
+
+
+def unfinished_tasks(lab: Lab, root: Path | None = None) -> list[str]:
+    """The task messages still raised by the lab's starter ("lab 02-01, task 5: ..."), read from
+    its source without importing it."""
+    import ast
+
+    path = (root / lab.rel if root else lab.path) / "starter.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            func = node.exc.func
+            if isinstance(func, ast.Name) and func.id == "NotImplementedError" and node.exc.args:
+                arg = node.exc.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    if arg.value.startswith(f"lab {lab.id}, task "):
+                        found.append(arg.value)
+
+    def task_number(message: str) -> int:
+        digits = message.split(", task ", 1)[1].split(":", 1)[0]
+        return int(digits) if digits.isdigit() else 1 << 30
+
+    return sorted(dict.fromkeys(found), key=task_number)

@@ -9,10 +9,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.labs import REPO_ROOT, Lab
+from course.labs.catalog import REPO_ROOT, Lab
+from course.labs.console import Progress, workers
 
 # pytest exit codes that mean "the tests ran" (0: all passed, 1: some failed). Anything else
 # (interrupted, internal error, usage error, no tests collected) means the run itself broke.
@@ -137,3 +139,31 @@ def run_lab(
         seconds = time.perf_counter() - start
         data = json.loads(results.read_text()) if results.is_file() else {}
     return LabRun(lab, impl, code, data.get("tests", []), output, seconds)
+
+
+def run_labs(
+    labs: list[Lab],
+    impl: str,
+    jobs: int,
+    junit_dir: Path | None = None,
+    root: Path = REPO_ROOT,
+    env_for: dict[str, dict[str, str]] | None = None,
+) -> list[LabRun]:
+    progress = Progress(len(labs), f"running ({impl})")
+    runs: dict[str, LabRun] = {}
+    with ThreadPoolExecutor(workers(jobs)) as pool:
+        futures = {}
+        for lab in labs:
+            junit = junit_dir / f"lab-{lab.id}.xml" if junit_dir else None
+            env = (env_for or {}).get(lab.id)
+            futures[pool.submit(run_lab, lab, impl, junit=junit, root=root, extra_env=env)] = lab
+            progress.started(lab.id)
+        for fut in as_completed(futures):
+            run = fut.result()
+            runs[run.lab.id] = run
+            progress.finished(
+                f"lab {run.lab.id} {run.lab.title}: {run.passed}/{run.total} passed "
+                f"({run.seconds:.0f} s)"
+            )
+    progress.close()
+    return [runs[lab.id] for lab in labs]

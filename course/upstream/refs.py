@@ -12,7 +12,7 @@ from pathlib import Path
 
 import tomllib
 
-from course.labs import REPO_ROOT
+from course.labs.catalog import REPO_ROOT
 
 REF_RE = re.compile(
     r"(?P<file>(?:vllm|csrc|tests|benchmarks)/[\w./-]+\.\w+):(?P<line>\d+)\s+@\s+v(?P<version>\d+\.\d+\.\d+)"

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from course.labs import Lab
-from course.loader import LabImplError, load_module
+from course.labs.catalog import Lab
+from course.labs.loader import LabImplError, load_module
 
 MEASURE_FILE = "measure.py"
 

@@ -6,8 +6,8 @@
 - with `--course-results PATH`, writes every test's outcome as JSON (used by `python -m course`).
 
 What a run prints (one line per unwritten task, repeated failures once, the task list at the
-end), the Hypothesis profiles and torch's threads are course.feedback's job, the root conftest's
-second plugin.
+end), the Hypothesis profiles and torch's threads are course.labs.feedback's job, the root
+conftest's second plugin.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from course.loader import LabImplError, chosen_impl
+from course.labs.loader import LabImplError, chosen_impl
 
 
 def pytest_addoption(parser):

@@ -16,29 +16,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.api import compare
-from course.bugs import BUGS_DIR, PlantedBug, bugs_path, load_bugs
-from course.hints import check_hints
-from course.labs import REPO_ROOT, Lab, lab_metadata
-from course.loader import load_module
-from course.refs import check_consistency
-from course.runner import LabRun, run_lab
+from course.integrity.api import compare
+from course.integrity.bugs import BUGS_DIR, PlantedBug, bugs_path, load_bugs
+from course.labs.catalog import REPO_ROOT, Lab, copy_ignore, lab_metadata
+from course.labs.loader import load_module
+from course.labs.runner import LabRun, run_lab
+from course.student.hints import check_hints
+from course.upstream.refs import check_consistency
 
-copy_ignore = shutil.ignore_patterns(
-    ".git",
-    ".venv",
-    "__pycache__",
-    ".hypothesis",
-    ".pytest_cache",
-    ".ruff_cache",
-    "build",
-    "*.egg-info",
-    "grades",
-    ".ipynb_checkpoints",
-    "results",
-    ".whl",
-    ".gl",
-)
 _RAISE_RE = re.compile(r"raise NotImplementedError\((?P<arg>[^)]*)\)")
 
 
@@ -222,21 +207,21 @@ def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -
 
 
 def check_metadata(labs: list[Lab]) -> list[str]:
-    """course/labs.toml has a table for every lab and none for a lab that does not exist; every
+    """course/labs/labs.toml has a table for every lab and none for a lab that does not exist; every
     engine part is a name that both the starter and the solution export."""
     try:
         meta = lab_metadata()
     except ValueError as exc:
         return [str(exc)]
     ids = {lab.id for lab in labs}
-    problems = [f"course/labs.toml: no table for lab {i}" for i in sorted(ids - set(meta))]
-    problems += [f"course/labs.toml: lab {i} does not exist" for i in sorted(set(meta) - ids)]
+    problems = [f"course/labs/labs.toml: no table for lab {i}" for i in sorted(ids - set(meta))]
+    problems += [f"course/labs/labs.toml: lab {i} does not exist" for i in sorted(set(meta) - ids)]
     for lab in labs:
         for name in (*lab.engine_parts, *lab.meta.get("notebook", ())):
             for impl in ("starter", "solution"):
                 if name not in _exported_names(lab, impl):
                     problems.append(
-                        f"course/labs.toml: lab {lab.id}: engine part {name!r} is not in "
+                        f"course/labs/labs.toml: lab {lab.id}: engine part {name!r} is not in "
                         f"{impl}.py's __all__"
                     )
     return problems
@@ -257,7 +242,7 @@ def _exported_names(lab: Lab, impl: str) -> set[str]:
 
 def check_course() -> list[str]:
     """Checks that concern the course as a whole rather than one lab."""
-    from course.labs import discover
+    from course.labs.catalog import discover
 
     problems = [f"upstream refs: {p}" for p in check_consistency(REPO_ROOT)]
     return problems + check_metadata(discover())
@@ -285,7 +270,8 @@ def build_grading_fixture(dest: Path) -> tuple[Path, Path]:
     )
     for part in ("mini_vllm", "phase-09-demo"):
         shutil.copytree(GRADING_FIXTURE / part, course / part)
-    shutil.copy(GRADING_FIXTURE / "course" / "labs.toml", course / "course" / "labs.toml")
+    shutil.copy(GRADING_FIXTURE / "course" / "labs" / "labs.toml",
+                course / "course" / "labs" / "labs.toml")
     klass = dest / "class"
     shutil.copytree(GRADING_FIXTURE / "submissions", klass)
     # A starter that is a link to the lab's solution (made here: its target is an absolute path).

@@ -1,11 +1,11 @@
 """The engine exam in ``python -m course check``.
 
-Three things are checked, each in its own worker process (:mod:`course.engine_worker`):
+Three things are checked, each in its own worker process (:mod:`course.engine.worker`):
 
 1. the reference engine passes every graded case (a violation otherwise; the run also writes the
    reference statistics and oracle completions that the other runs reuse);
-2. stand-in students (:mod:`course.shadow`) whose every engine piece is a private copy of the
-   reference pass it too: the composition works with objects that are not the reference's;
+2. stand-in students (:mod:`course.integrity.shadow`) whose every engine piece is a private copy
+   of the reference pass it too: the composition works with objects that are not the reference's;
 3. every planted bug of an engine lab, planted in that lab's private copy only, is run through
    the exam with one lab at a time on failure. The report says which bugs the exam rejects (many
    lab-level mistakes, a missing input check say, cannot change what an engine does: those are
@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from course.bugs import PlantedBug, load_bugs
-from course.compose import engine_labs
-from course.engine import run_exam_job
-from course.exam import GRADED_SWEEP, cases
-from course.labs import REPO_ROOT
-from course.shadow import NotAnEnginePiece, shadow_tree
+from course.engine.command import run_exam_job
+from course.engine.compose import engine_labs
+from course.engine.exam import GRADED_SWEEP, cases
+from course.integrity.bugs import PlantedBug, load_bugs
+from course.integrity.shadow import NotAnEnginePiece, shadow_tree
+from course.labs.catalog import REPO_ROOT
 
 CASE_TIMEOUT_S = 60.0
 CPU_LABS_EXCLUDED = ("02-06",)  # its pieces serve decode only on a GPU

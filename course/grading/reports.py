@@ -15,6 +15,8 @@ import socket
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
+from course.labs.console import table
+
 TIERS = ("cpu", "gpu")
 
 
@@ -145,7 +147,6 @@ def junit(sub, r, meta) -> str:
 
 
 def text_table(results, units, tot) -> str:
-    from course.cli import table
 
     got = {r.id: r for r in results}
     rows = []

@@ -14,7 +14,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from course.labs import REPO_ROOT, Lab
+from course.labs.catalog import REPO_ROOT, Lab
 
 # The tiers a bug can require: each is a pytest marker of the lab's tests. A bug that names one
 # is checked by running only the tests with that marker, so "rejected" says which kind of test

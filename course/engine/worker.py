@@ -1,6 +1,6 @@
 """The worker process of ``python -m course engine``: build engines, run them, report as JSON.
 
-Composition patches the process it runs in (:mod:`course.compose`). The worker imports torch,
+Composition patches the process it runs in (:mod:`course.engine.compose`). The worker imports torch,
 mini_vllm and the exam once, and, for each engine it must run (the student's composition, then
 one lab at a time while bisecting), forks a child that composes and runs it: every engine gets a
 clean process without paying for the imports again. The reference engine's statistics and the
@@ -32,8 +32,8 @@ def _emit(out, record: dict) -> None:
 
 
 def _error_record(exc: BaseException) -> dict:
-    from course.compose import CompositionError
-    from course.exam import _where
+    from course.engine.compose import CompositionError
+    from course.engine.exam import _where
 
     if isinstance(exc, CompositionError):
         return {"type": "error", "message": str(exc), "composition": False}
@@ -89,7 +89,7 @@ def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
 
 
 def run_generate(job: dict, out) -> None:
-    from course.compose import compose
+    from course.engine.compose import compose
     from mini_vllm.llm import LLM
     from mini_vllm.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ def run_generate(job: dict, out) -> None:
 
 
 def _select_cases(job: dict):
-    from course.exam import cases
+    from course.engine.exam import cases
 
     all_cases = cases(job["sweep"])
     wanted = job.get("cases")
@@ -127,7 +127,7 @@ def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
     """(statistics per case, the oracle's completions) of the reference engine, computed here
     before anything is composed, or read from ``job["reference"]``. With ``out``, every case's
     result is reported (the exam of the reference itself)."""
-    from course.exam import Exam, cases, run_case
+    from course.engine.exam import Exam, cases, run_case
 
     path = Path(job["reference"]) if job.get("reference") else None
     if path is not None and path.is_file() and out is None:
@@ -154,8 +154,8 @@ def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
 
 
 def run_exam(job: dict, out) -> None:
-    from course.compose import compose
-    from course.exam import Exam, run_case
+    from course.engine.compose import compose
+    from course.engine.exam import Exam, run_case
 
     chosen = _select_cases(job)
     labs = job["labs"]

@@ -8,15 +8,17 @@ instead of breaking test collection for the whole lab.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from course.labs import lab_for_path
+from course.labs.catalog import lab_for_path
 
 ENV_VAR = "LAB_IMPL"
 IMPLS = ("solution", "starter")
@@ -76,7 +78,7 @@ PATH_NAMES_ENV = "COURSE_MODULE_NAMES_FROM_PATHS"
 
 def _module_name_for(lab_dir: Path, impl: str, lab_id: str) -> str:
     if os.environ.get(PATH_NAMES_ENV):
-        from course.labs import REPO_ROOT
+        from course.labs.catalog import REPO_ROOT
 
         try:
             rel = (lab_dir / f"{impl}.py").resolve().relative_to(REPO_ROOT.resolve())
@@ -133,6 +135,11 @@ class LazyLab:
     @property
     def source_path(self) -> Path:
         return self._lab_dir / f"{self.impl}.py"
+
+    def module_loader(self) -> Callable[[], ModuleType]:
+        """A picklable callable that loads this implementation, for another process (the
+        isolated GPU worker of ``mini_vllm.csrc.isolation``, which takes it as ``where``)."""
+        return functools.partial(load_module, self._lab_dir, self.impl, self._lab_id)
 
     @property
     def module(self) -> ModuleType:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import tomllib
 
-from course.labs import Lab
-from course.refs import REF_RE, load_map
-from course.tasks import open_tasks, readme_section
+from course.labs.catalog import Lab
+from course.labs.tasks import open_tasks, readme_section
+from course.upstream.refs import REF_RE, load_map
 
 HINTS_FILE = "hints.toml"
 LEVELS = {1: "a question", 2: "the steps", 3: "the upstream lines to read"}

@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
 
 import tomllib
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 METADATA_PATH = Path(__file__).resolve().parent / "labs.toml"
 LAB_FILES = ("README.md", "starter.py", "solution.py", "test_lab.py")
+# What a copy of the course leaves out (grading snapshots, planted-bug copies, stand-ins).
+copy_ignore = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".hypothesis",
+    ".pytest_cache",
+    ".ruff_cache",
+    "build",
+    "*.egg-info",
+    "grades",
+    ".ipynb_checkpoints",
+    "results",
+    ".whl",
+    ".gl",
+)
 _PHASE_RE = re.compile(r"^phase-(\d\d)-[\w-]+$")
 _LAB_RE = re.compile(r"^lab-(\d\d)-[\w-]+$")
 
@@ -66,12 +83,12 @@ class Lab:
 
     @property
     def meta(self) -> dict:
-        """This lab's table in course/labs.toml (empty when it has none)."""
+        """This lab's table in course/labs/labs.toml (empty when it has none)."""
         return lab_metadata().get(self.id, {})
 
     @property
     def points(self) -> float:
-        """The lab's weight in a grade (course/labs.toml)."""
+        """The lab's weight in a grade (course/labs/labs.toml)."""
         return float(self.meta.get("points", 0))
 
     @property
@@ -89,7 +106,7 @@ def _metadata(path: Path = METADATA_PATH) -> dict:
 
 
 def exam_metadata(path: Path = METADATA_PATH) -> dict:
-    """The `[exam]` table of course/labs.toml (the engine exam's grade weight), or {}."""
+    """The `[exam]` table of course/labs/labs.toml (the engine exam's grade weight), or {}."""
     exam = _metadata(path).get("exam", {})
     points = exam.get("points")
     if exam and (not isinstance(points, (int, float)) or isinstance(points, bool) or points <= 0):
@@ -99,7 +116,7 @@ def exam_metadata(path: Path = METADATA_PATH) -> dict:
 
 @cache
 def lab_metadata(path: Path = METADATA_PATH) -> dict[str, dict]:
-    """course/labs.toml as {lab id: table}; a malformed file is an error naming it."""
+    """course/labs/labs.toml as {lab id: table}; a malformed file is an error naming it."""
     data = _metadata(path)
     labs = data.get("lab", {})
     for lab_id, table in labs.items():

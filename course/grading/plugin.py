@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from course import loader
-from course.labs import lab_for_path
+from course.labs import loader
+from course.labs.catalog import lab_for_path
 
 # Seconds a child gets past its pytest-timeout before the session kills it: pytest-timeout fails
 # a cooperative test with a traceback; the kill stops one that ignores the signal.
@@ -310,8 +310,8 @@ def _code_snapshot(item) -> dict:
     import builtins
 
     snap = {}
-    for module in (getattr(item, "module", None), sys.modules.get("course.numerics"),
-                   sys.modules.get("course.loader"), builtins):
+    for module in (getattr(item, "module", None), sys.modules.get("course.labs.numerics"),
+                   sys.modules.get("course.labs.loader"), builtins):
         if module is None:
             continue
         for name, value in list(vars(module).items()):
@@ -396,7 +396,7 @@ def _run_test(item) -> dict:
 def _classify(exc: BaseException, item) -> dict:
     from _pytest.outcomes import Exit, Failed, Skipped
 
-    from course.feedback import not_implemented_line as _not_implemented_line
+    from course.labs.feedback import not_implemented_line as _not_implemented_line
 
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
     if isinstance(exc, Skipped):

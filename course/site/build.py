@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.labs import REPO_ROOT, discover
-from course.refs import REF_RE
+from course.labs.catalog import REPO_ROOT, discover
+from course.upstream.refs import REF_RE
 
 BUILD = REPO_ROOT / "build"
 STAGE = BUILD / "site-src"
@@ -412,10 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         return build(args)
     if args.command == "serve":
         return serve(args)
-    from course.site_check import check
+    from course.site.check import check
 
     return check(Path(args.site), Path(args.screenshots), args.browser)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,9 @@
 """Your own mini_vllm: the reference engine with the student's finished pieces put in its place.
 
-Each lab that builds part of the engine names, in ``course/labs.toml`` (``engine = [...]``), the
-objects of its ``starter.py`` that the engine uses; ``solution.py`` exposes the reference objects
-under the same names. :func:`compose` makes a running process use the student's objects instead:
+Each lab that builds part of the engine names, in ``course/labs/labs.toml`` (``engine = [...]``),
+the objects of its ``starter.py`` that the engine uses; ``solution.py`` exposes the reference
+objects under the same names. :func:`compose` makes a running process use the student's objects
+instead:
 
 1. every ``mini_vllm`` module of the engine is imported, and every lab's ``solution.py`` is loaded
    to learn which objects are the reference ones;
@@ -27,10 +28,9 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from course.labs import Lab, discover
-from course.loader import load_module
+from course.labs.catalog import Lab, discover
+from course.labs.loader import load_module
 
 # Every module the engine runs; importing mini_vllm.llm pulls in the rest, the others are listed
 # so that a piece they bind is rebound too.
@@ -179,7 +179,7 @@ def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False,
             if new is not now:
                 if not _rebind(now, new) and not gpu_only:
                     raise CompositionError(
-                        f"lab {lab.id}: no mini_vllm module uses {name!r}; course/labs.toml "
+                        f"lab {lab.id}: no mini_vllm module uses {name!r}; course/labs/labs.toml "
                         "lists a name the engine does not take"
                     )
                 current[id(ref)] = new
@@ -218,7 +218,7 @@ def use_pieces(yours: bool, phase: str) -> Pieces:
         print("Drawing the reference's pieces. Set YOURS = True (and restart the kernel) to draw "
               "your own finished labs' pieces.")
         return Pieces(None, set())
-    from course.engine import finished_labs
+    from course.labs.results import finished_labs
 
     labs = [lab for lab in discover()
             if (lab.engine_parts or lab.phase == phase) and lab.id not in GPU_ONLY_LABS]
@@ -239,30 +239,3 @@ def use_pieces(yours: bool, phase: str) -> Pieces:
 def composed() -> Composition | None:
     """The composition this process runs, if :func:`compose` ran."""
     return _composed
-
-
-def unfinished_tasks(lab: Lab, root: Path | None = None) -> list[str]:
-    """The task messages still raised by the lab's starter ("lab 02-01, task 5: ..."), read from
-    its source without importing it."""
-    import ast
-
-    path = (root / lab.rel if root else lab.path) / "starter.py"
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return []
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
-            func = node.exc.func
-            if isinstance(func, ast.Name) and func.id == "NotImplementedError" and node.exc.args:
-                arg = node.exc.args[0]
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                    if arg.value.startswith(f"lab {lab.id}, task "):
-                        found.append(arg.value)
-
-    def task_number(message: str) -> int:
-        digits = message.split(", task ", 1)[1].split(":", 1)[0]
-        return int(digits) if digits.isdigit() else 1 << 30
-
-    return sorted(dict.fromkeys(found), key=task_number)

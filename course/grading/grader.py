@@ -5,14 +5,14 @@ The trust model, in order:
 1. Everything that decides a grade comes from the instructor's checkout, snapshotted before any
    student code runs: the tests, the tooling, mini_vllm, and the *manifest* (every graded test,
    its weight and tier), collected with the reference solution. A lab's maximum is its weight in
-   course/labs.toml, whatever runs: a test that did not run scores 0 with its reason.
+   course/labs/labs.toml, whatever runs: a test that did not run scores 0 with its reason.
 2. A submission contributes only its starter files, read without following links.
 3. Each lab runs in its own copy of the course (no other lab's student code) through
-   course.sandbox, in a pytest session that never imports student code itself: each test runs in
-   a forked child (see course.grading_plugin), and only the session's verified messages reach
-   the grader, which writes every report.
+   course.grading.sandbox, in a pytest session that never imports student code itself: each test
+   runs in a forked child (see course.grading.plugin), and only the session's verified messages
+   reach the grader, which writes every report.
 4. Beyond the tests: a reference check (does the starter take the reference's objects?), a scan
-   for code that reaches into the grader, and a similarity report (course.similarity).
+   for code that reaches into the grader, and a similarity report (course.grading.similarity).
 
 A graded unit is anything with an id, a title, fixed maxima per tier and a run method: labs are
 `LabUnit`; a command that writes a list of cases (the engine exam) is `CommandUnit`.
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from course import sandbox
-from course.labs import REPO_ROOT, Lab
+from course.grading import sandbox
+from course.labs.catalog import REPO_ROOT, Lab, copy_ignore
 
 STUDENT_FILES = ("starter.py", "starter.cu")
 MAX_FILE_BYTES = 1 << 20
@@ -47,16 +47,10 @@ TIERS = ("cpu", "gpu")
 TREE_PARTS = ("course", "mini_vllm", "conftest.py", "pyproject.toml")
 # Grading sessions load exactly these plugins (no autoloading of whatever else is installed).
 SESSION_PLUGINS = ("-p", "no:cacheprovider", "-p", "pytest_timeout", "-p",
-                   "_hypothesis_pytestplugin", "-p", "course.grading_plugin")
+                   "_hypothesis_pytestplugin", "-p", "course.grading.plugin")
 
 
 # --- the instructor's side ----------------------------------------------------------------------
-
-
-def copy_ignore(src, names):
-    from course.integrity import copy_ignore as ignore
-
-    return ignore(src, names)
 
 
 def published_tasks(source: str) -> list[str]:
@@ -565,9 +559,9 @@ def graded_units(instructor: Instructor) -> list:
     """Every graded unit, in course order: the labs, then the engine exam when every engine lab
     is graded (it composes all of the submission's engine pieces, `--labs all`, so a lab left
     unwritten fails its cases; the case list and the points are the instructor's)."""
-    from course.compose import GPU_ONLY_LABS, engine_labs
-    from course.exam import GRADED_SWEEP, cases
-    from course.labs import exam_metadata
+    from course.engine.compose import GPU_ONLY_LABS, engine_labs
+    from course.engine.exam import GRADED_SWEEP, cases
+    from course.labs.catalog import exam_metadata
 
     units: list = [LabUnit(lab, instructor.manifest.get(lab.id, [])) for lab in instructor.labs]
     graded = {lab.id for lab in instructor.labs}
@@ -607,7 +601,7 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
           class_mode: bool, log=print) -> int:
     """Grade every submission in `paths` ((name or None, folder)) on every lab; write the reports
     under opts.out as each lab finishes. Returns 0, or 2 when grading itself broke somewhere."""
-    from course import reports
+    from course.grading import reports
 
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
@@ -694,7 +688,7 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                         f"{res.status} ({res.seconds:.0f} s)")
         similarity = None
         if opts.similarity and opts.impl == "starter":
-            from course.similarity import class_similarity
+            from course.grading.similarity import class_similarity
 
             similarity = class_similarity(subs, labs, instructor.root,
                                           zero=opts.reference_zero)

@@ -1,0 +1,12 @@
+"""``python -m course grade``: grading one student or a class against the instructor's copy of
+the course. The rest of the course uses this package only through the names below.
+
+``grader`` runs the grading (intake, snapshot, one sandboxed pytest per student and lab, the
+exam); ``plugin`` is the pytest plugin of those sessions; ``sandbox`` isolates them; ``reports``
+writes the per-student and per-class files; ``similarity`` compares submissions. Imports
+``labs`` and ``engine``.
+"""
+
+from course.grading.grader import GradingError, Options, class_folders, grade
+
+__all__ = ["GradingError", "Options", "class_folders", "grade"]

@@ -1,0 +1,4 @@
+"""``python -m course check``: the course's own integrity. Solutions pass, starters fail,
+APIs match (``api``), planted bugs are rejected (``bugs``, ``checks``), the engine exam holds
+against stand-in students (``shadow``, ``exam_check``), and the grading path survives a class
+of cheating submissions. Imports every layer below it, ``grading`` included."""

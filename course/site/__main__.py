@@ -1,0 +1,5 @@
+import sys
+
+from course.site.build import main
+
+sys.exit(main())
