@@ -40,7 +40,7 @@ def demo(tmp_path: Path) -> Path:
     shutil.copy(FIXTURE.parent / "demo_planted_bugs.py", root / "planted_bugs" / "09-01.py")
     (root / "upstream_refs" / "map").mkdir(parents=True)
     shutil.copy(FIXTURE.parent / "demo_refs.toml", root / "upstream_refs" / "map" / "demo.toml")
-    (root / "course" / "labs.toml").write_text('[lab."09-01"]\npoints = 5\n')
+    (root / "course" / "labs" / "labs.toml").write_text('[lab."09-01"]\npoints = 5\n')
     return root
 
 

@@ -221,9 +221,10 @@ def test_workers_of_another_tree_run_side_by_side_in_threads(tmp_path):
 
     from course.engine.command import run_workers
 
-    worker = tmp_path / "tree" / "course" / "engine_worker.py"
+    worker = tmp_path / "tree" / "course" / "engine" / "worker.py"
     worker.parent.mkdir(parents=True)
-    (worker.parent / "__init__.py").write_text("")
+    for package in (worker.parent, worker.parent.parent):
+        (package / "__init__.py").write_text("")
     worker.write_text(
         "import json, sys, time\n"
         "spec = json.loads(sys.argv[1])\n"
