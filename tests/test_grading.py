@@ -169,7 +169,7 @@ def test_the_scan_names_what_reaches_for_the_grader():
 COMMAND_UNIT = r"""
 import json, sys, tempfile
 from pathlib import Path
-from course import sandbox
+from course.grading import sandbox
 from course.grading.grader import CommandUnit, Instructor, RunContext, Submission
 from course.labs.catalog import discover
 
