@@ -34,7 +34,8 @@ def cmd_list(args) -> int:
 def cmd_status(args) -> int:
     from course.student.dashboard import show_status
 
-    return show_status(select(discover(), args.labs), args.impl, args.jobs, args.no_exam)
+    return show_status(select(discover(), args.labs), args.impl, args.jobs, args.no_exam,
+                       use_cache=not args.no_cache)
 
 
 def cmd_grade(args) -> int:
@@ -312,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", choices=("starter", "solution"), default="starter")
     p.add_argument("--no-exam", action="store_true",
                    help="leave out the engine exam row (it runs on your finished engine labs)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="run every lab you changed, even when its recorded result still holds")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser(

@@ -45,7 +45,8 @@ def demo(tmp_path: Path) -> Path:
 
 
 def run(root: Path, *args: str, impl: str | None = "solution") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(root))
+    # Recorded lab results go beside the demo course, not into the user's cache.
+    env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(root.parent / "cache"))
     env.pop("LAB_IMPL", None)
     if impl is not None:
         env["LAB_IMPL"] = impl

@@ -68,18 +68,24 @@ def test_unfinished_tasks_are_read_from_the_starter():
         assert not unfinished_tasks(LABS[lab_id], root=FIXTURE)
 
 
-def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path):
+def _remember_done(lab: Lab, cache: Path, monkeypatch) -> None:
+    """Record a passing run of ``lab``'s starter in the result cache under ``cache``, under the key
+    the course computes for it (course.labs.results), as if its tests had just passed."""
+    from course.labs.results import record, result_key
+    from course.labs.runner import LabRun
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    passed = {"nodeid": f"{lab.rel}/test_lab.py::test_recorded", "outcome": "passed",
+              "starter_ok": False, "points": 1, "message": ""}
+    record(LabRun(lab, "starter", 0, [passed]), result_key(lab, "starter"))
+
+
+def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path, monkeypatch):
     """Default composition: the labs whose starter is complete and passes its tests. Lab 02-04's
-    slow tests are marked passed in the cache (keyed by the files) to keep this test short."""
+    slow tests are recorded as passed in the result cache (under its key) to keep this short."""
     root = _course_copy(tmp_path)
     cache = tmp_path / "cache"
-    from course.labs.results import lab_key
-
-    status = cache / "mini_vllm-course" / "lab-status.json"
-    status.parent.mkdir(parents=True)
-    lab_0204 = Lab(root / LABS["02-04"].rel)
-    status.write_text(json.dumps({"02-04": {"key": lab_key(lab_0204), "done": True,
-                                            "passed": 1, "total": 1}}))
+    _remember_done(Lab(root / LABS["02-04"].rel), cache, monkeypatch)
     proc = _run(root, "engine", "--max-tokens", "24", cache=cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -88,7 +94,8 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path):
         assert f"\n{lab_id}  yours" in out, out
     assert "03-02  reference (not finished: task 1 unwritten)" in out
     # The tests that ran were remembered: a second run runs none.
-    assert set(json.loads(status.read_text())) >= set(STUDENT_LABS)
+    recorded = cache / "mini_vllm-course" / "lab-results"
+    assert all(list(recorded.glob(f"{lab_id}-starter-*.json")) for lab_id in STUDENT_LABS)
     again = _run(root, "engine", "--max-tokens", "4", cache=cache)
     assert "Running the tests" not in again.stderr and again.returncode == 0
 
@@ -170,16 +177,11 @@ def test_compose_twice_in_one_process_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("phase", ["02", "03"])
-def test_the_notebook_switch_draws_the_students_pieces(tmp_path, phase):
+def test_the_notebook_switch_draws_the_students_pieces(tmp_path, phase, monkeypatch):
     root = _course_copy(tmp_path)
     cache = tmp_path / "cache"
-    from course.labs.results import lab_key
-
-    status = cache / "mini_vllm-course" / "lab-status.json"
-    status.parent.mkdir(parents=True)
-    status.write_text(json.dumps({
-        lab_id: {"key": lab_key(Lab(root / LABS[lab_id].rel)), "done": True, "passed": 1,
-                 "total": 1} for lab_id in STUDENT_LABS}))
+    for lab_id in STUDENT_LABS:
+        _remember_done(Lab(root / LABS[lab_id].rel), cache, monkeypatch)
     code = ("from course.engine.compose import use_pieces\n"
             f"pieces = use_pieces(True, phase={phase!r})\n"
             "import mini_vllm.kv_cache_manager as m, mini_vllm.scheduler as s\n"

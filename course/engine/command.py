@@ -28,7 +28,7 @@ from pathlib import Path
 from course.engine.compose import GPU_ONLY_LABS, engine_labs
 from course.labs.catalog import METADATA_PATH, REPO_ROOT
 from course.labs.console import table
-from course.labs.results import cache_dir, finished_labs, lab_key
+from course.labs.results import cache_dir, finished_labs, result_key
 
 FINALE_PROMPTS = ["HAMLET.\n", "KING.\n"]
 CASE_TIMEOUT_S = 60.0
@@ -37,21 +37,25 @@ CASE_TIMEOUT_S = 60.0
 def exam_row(runs, jobs: int | None = None) -> list[str] | None:
     """The dashboard's row for the engine exam, run on the finished engine labs (cached by their
     files); None when the dashboard shows no engine lab."""
+    title = "Your mini_vllm: the engine exam"
+    not_started = ["-", "exam", title, "-", "not started",
+                   "finish an engine lab (02-01 is the first), then `python -m course engine`", "-"]
+    engine = [r for r in runs if r.lab.engine_parts]
+    if engine and not any(r.status == "done" for r in engine) and not all(
+            r.lab.id in GPU_ONLY_LABS for r in engine):
+        return not_started  # known without importing torch to ask for a GPU
     gpu = _cuda_available()
-    engine_runs = [r for r in runs if r.lab.engine_parts
-                   and (gpu or r.lab.id not in GPU_ONLY_LABS)]
+    engine_runs = [r for r in engine if gpu or r.lab.id not in GPU_ONLY_LABS]
     if not engine_runs:
         return None
     done = [r.lab for r in engine_runs if r.status == "done"]
-    title = "Your mini_vllm: the engine exam"
     if not done:
-        return ["-", "exam", title, "-", "not started",
-                "finish an engine lab (02-01 is the first), then `python -m course engine`"]
+        return not_started
     from course.engine.exam import GRADED_SWEEP, cases
 
     digest = hashlib.sha256()
     for lab in done:
-        digest.update(lab.id.encode() + lab_key(lab).encode())
+        digest.update(lab.id.encode() + result_key(lab, "starter").encode())
     for path in (Path(__file__).parent / "exam.py", Path(__file__).parent / "compose.py",
                  METADATA_PATH):
         digest.update(path.read_bytes())
@@ -61,7 +65,9 @@ def exam_row(runs, jobs: int | None = None) -> list[str] | None:
         cached = json.loads(cache_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         cached = {}
+    origin = "cached"
     if cached.get("key") != key:
+        origin = "ran"
         student = [lab.id for lab in done]
         names = [c.name for c in cases(GRADED_SWEEP)]
         job = {"mode": "exam", "labs": student, "cases": names, "sweep": GRADED_SWEEP,
@@ -83,7 +89,7 @@ def exam_row(runs, jobs: int | None = None) -> list[str] | None:
     else:
         status = "failing"
         step = "`python -m course engine --exam`: which case fails, and which lab"
-    return ["-", "exam", title, f"{passed}/{total}", status, step]
+    return ["-", "exam", title, f"{passed}/{total}", status, step, origin]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,8 +39,8 @@ from pathlib import Path
 
 from course.grading import sandbox
 from course.labs.catalog import REPO_ROOT, Lab, copy_ignore
+from course.labs.published import STUDENT_FILES
 
-STUDENT_FILES = ("starter.py", "starter.cu")
 MAX_FILE_BYTES = 1 << 20
 TIERS = ("cpu", "gpu")
 # What the course copy for one lab holds besides the lab itself.

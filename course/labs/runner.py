@@ -29,6 +29,10 @@ class LabRun:
     tests: list[dict] = field(default_factory=list)
     output: str = ""
     seconds: float = 0.0
+    # "ran" (now), "cached" (recorded earlier under the same key, course.labs.results) or
+    # "untouched" (the published starter: nothing ran, and `tests` is empty).
+    origin: str = "ran"
+    first_task: str = ""  # for an untouched lab: its first task, read from the starter
 
     @property
     def broken(self) -> bool:
@@ -62,6 +66,8 @@ class LabRun:
 
     @property
     def status(self) -> str:
+        if self.origin == "untouched":
+            return "not started"
         if self.broken:
             return "error"
         if self.total == 0:
@@ -73,6 +79,8 @@ class LabRun:
     @property
     def next_step(self) -> str:
         """The lowest-numbered task still unwritten, else the first failing graded test."""
+        if self.origin == "untouched":
+            return self.first_task
         todo = [
             t["message"].replace("NOT IMPLEMENTED  ", "").split("  (")[0]
             for t in self.tests
