@@ -93,6 +93,7 @@ def cmd_check(args) -> int:
     from course.integrity.checks import (
         GRADING_EXPECTATIONS,
         GRADING_FIXTURE,
+        CopySlots,
         _cuda_available,
         check_bug,
         check_course,
@@ -116,26 +117,31 @@ def cmd_check(args) -> int:
     bug_results: dict[str, list] = {lab.id: [None] * len(bug_lists[lab.id]) for lab in labs}
     # Every lab's own runs and every planted bug are independent units of work: run them all
     # through one pool so that both cores stay busy.
-    with ThreadPoolExecutor(workers(args.jobs)) as pool:
-        futures = {}
-        for lab in labs:
-            futures[pool.submit(check_lab, lab, bugs_required=not args.no_bugs)] = (lab, None)
-            for i, bug in enumerate(bug_lists[lab.id]):
-                futures[pool.submit(check_bug, lab, bug, has_cuda)] = (lab, i)
-        for fut in as_completed(futures):
-            lab, i = futures[fut]
-            if i is None:
-                c = checks[lab.id] = fut.result()
-                st = c.starter
-                progress.finished(
-                    f"lab {lab.id}: solution {c.solution.passed if c.solution else '-'}/"
-                    f"{c.solution.total if c.solution else '-'} passed, starter "
-                    f"{len(st.by_outcome('passed')) if st else '-'} passed, "
-                    f"{'ok' if not c.violations else 'VIOLATIONS'}"
-                )
-            else:
-                r = bug_results[lab.id][i] = fut.result()
-                progress.finished(f"lab {lab.id}: planted bug {r.bug.name}: {r.status}")
+    slots = CopySlots()  # the bugs' copies of the repository, and what their runs build
+    try:
+        with ThreadPoolExecutor(workers(args.jobs)) as pool:
+            futures = {}
+            for lab in labs:
+                futures[pool.submit(check_lab, lab, bugs_required=not args.no_bugs)] = (lab, None)
+                for i, bug in enumerate(bug_lists[lab.id]):
+                    futures[pool.submit(check_bug, lab, bug, has_cuda, slots=slots)] = (lab, i)
+            for fut in as_completed(futures):
+                lab, i = futures[fut]
+                if i is None:
+                    c = checks[lab.id] = fut.result()
+                    st = c.starter
+                    progress.finished(
+                        f"lab {lab.id}: solution {c.solution.passed if c.solution else '-'}/"
+                        f"{c.solution.total if c.solution else '-'} passed, starter "
+                        f"{len(st.by_outcome('passed')) if st else '-'} passed, "
+                        f"{'ok' if not c.violations else 'VIOLATIONS'}"
+                    )
+                else:
+                    r = bug_results[lab.id][i] = fut.result()
+                    progress.finished(f"lab {lab.id}: planted bug {r.bug.name}: {r.status} "
+                                      f"({r.seconds:.0f} s)")
+    finally:
+        slots.close()
     progress.close()
     exam_problems, exam_bugs = _check_engine_exam(args, labs)
     for lab in labs:

@@ -9,10 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import re
 import shutil
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +36,7 @@ class BugResult:
     bug: PlantedBug
     status: str  # "rejected", "NOT REJECTED", "not checked", "invalid"
     detail: str = ""
+    seconds: float = 0.0  # wall time of the check (the copy, the build and the test runs)
 
 
 @dataclass
@@ -114,7 +119,66 @@ def check_api(check: LabCheck) -> None:
     check.violations.extend(f"API: {p}" for p in compare(starter, solution))
 
 
-def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT) -> BugResult:
+class CopySlots:
+    """Folders for the planted bugs' copies of the repository, reused from one bug to the next.
+
+    A copy always lives at the same path of its slot, so that what a bug's test run builds from
+    the files the bug leaves alone (the CPU emulation's objects of every kernel source it does not
+    edit, keyed by their path) is found by the next bug's run instead of built again. There is
+    one slot per bug running at a time; everything, builds included, lives under one temporary
+    folder that :meth:`close` removes.
+    """
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="course-check-"))
+        self._free: queue.SimpleQueue[Path] = queue.SimpleQueue()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def build_dir(self) -> Path:
+        return self.root / "build"
+
+    @contextlib.contextmanager
+    def copy_of(self, root: Path):
+        """A fresh copy of ``root`` in a free slot, removed when the block ends."""
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                self._count += 1
+                slot = self.root / f"slot-{self._count}"
+        copy = slot / "repo"
+        try:
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(root, copy, ignore=copy_ignore)
+            yield copy
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+            self._free.put(slot)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT,
+              slots: CopySlots | None = None) -> BugResult:
+    """Run ``lab``'s tests on a copy of ``root`` with ``bug`` applied (in one of ``slots``, or
+    in a copy of its own)."""
+    own = slots is None
+    slots = CopySlots() if own else slots
+    try:
+        start = time.perf_counter()
+        result = _check_bug(lab, bug, has_cuda, root, slots)
+        result.seconds = time.perf_counter() - start
+        return result
+    finally:
+        if own:
+            slots.close()
+
+
+def _check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path,
+               slots: CopySlots) -> BugResult:
     problems = bug.problems(root)
     if problems:
         return BugResult(bug, "invalid", "; ".join(problems))
@@ -122,14 +186,13 @@ def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT)
         return BugResult(bug, "not checked", "needs a CUDA GPU")
     # A tier runs only its own tests: the bug must be seen by the kind of test meant to see it.
     tier = ("-m", bug.requires) if bug.requires else ()
-    with tempfile.TemporaryDirectory(prefix="course-bug-") as tmp:
-        copy = Path(tmp) / "repo"
-        shutil.copytree(root, copy, ignore=copy_ignore)
+    env = {"MINI_VLLM_BUILD_DIR": str(slots.build_dir)}
+    with slots.copy_of(root) as copy:
         bug.apply(copy)
-        run = run_lab(lab, "solution", root=copy, extra_args=("-x", *tier))
+        run = run_lab(lab, "solution", root=copy, extra_args=("-x", *tier), extra_env=env)
         if run.exit_code == 1 and not _rejections(run, bug.given):
             # The first failure was a crash; look further for a test that fails on behaviour.
-            run = run_lab(lab, "solution", root=copy, extra_args=tier)
+            run = run_lab(lab, "solution", root=copy, extra_args=tier, extra_env=env)
     rejecting = _rejections(run, bug.given)
     by = f", {bug.requires} tier" if bug.requires else ""
     if run.exit_code == 1 and rejecting:

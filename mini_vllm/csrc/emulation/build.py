@@ -248,29 +248,45 @@ class Build:
         _run_compiler([cxx, *lang, *flags, "-c", str(source), "-o", str(tmp)], source.name)
         tmp.replace(obj)
 
+    def _kernel_object(self, cxx: str, source: Path, flags: list[str]) -> Path:
+        """One kernel translation unit's object, cached on its own: an edit of one source (a
+        student's starter.cu, a planted bug) recompiles that source only. The key holds the
+        source's path and the include paths (the object's debug information names them, and
+        error messages point at those lines), so a copy of the repository elsewhere builds its
+        own."""
+        key = _digest([source, *_csrc_headers(), *_emulation_files()], flags,
+                      _compiler_identity(cxx), str(source))
+        folder = _build_root() / f"object-{source.stem}-{self.flavor}-{key}"
+        obj = folder / (source.stem + ".o")
+        if obj.is_file():
+            return obj
+        with _Lock(folder):
+            if not obj.is_file():
+                self._compile(cxx, source, obj, flags)
+        return obj
+
     def executable(self, variant: Variant) -> Path:
-        """The emulator for `variant`, built now unless an identical build is cached."""
+        """The emulator for `variant`, built now unless an identical build is cached: each
+        kernel source is compiled (or found) alone, then linked."""
         reason = flavor_supported(self.flavor)
         if reason:
             raise EmulationBuildError(reason)
         cxx = compiler()
         assert cxx is not None
         kernel_flags = [*self._flags(), *_KERNEL_FLAGS[self.flavor], *variant.defines()]
-        inputs = [*self.sources, *self.bindings, *_csrc_headers(), *_emulation_files()]
-        key = _digest(inputs, kernel_flags, _LINK_FLAGS[self.flavor], _compiler_identity(cxx),
-                      [str(p) for p in self.sources])
+        with ThreadPoolExecutor(max_workers=_jobs()) as pool:
+            objects = list(pool.map(lambda s: self._kernel_object(cxx, s, kernel_flags),
+                                    self.sources))
+        runtime = self._runtime_objects(cxx) + self._bindings_objects(cxx)
+        # Every object's path holds the key of its content: the paths key the link.
+        key = _digest([], [str(o) for o in (*objects, *runtime)], _LINK_FLAGS[self.flavor])
         folder = _build_root() / f"{self.name}-{self.flavor}-{variant.tag()}-{key}"
         exe = folder / "emulator"
         if exe.is_file():
             return exe
-        runtime = self._runtime_objects(cxx) + self._bindings_objects(cxx)
         with _Lock(folder):
             if exe.is_file():
                 return exe
-            objects = [folder / f"{i}-{p.stem}.o" for i, p in enumerate(self.sources)]
-            with ThreadPoolExecutor(max_workers=_jobs()) as pool:
-                list(pool.map(lambda so: self._compile(cxx, so[0], so[1], kernel_flags),
-                              zip(self.sources, objects)))
             tmp = folder / f"emulator.{os.getpid()}.tmp"
             _run_compiler([cxx, *_LINK_FLAGS[self.flavor], *map(str, objects), *map(str, runtime),
                            "-ldl", "-o", str(tmp)], f"the {self.name} emulator (link)")
