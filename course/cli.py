@@ -89,7 +89,7 @@ def cmd_grade(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from course.integrity.bugs import load_bugs
+    from course.integrity.bugs import load_bugs, load_seen_by, write_seen_by
     from course.integrity.checks import (
         GRADING_EXPECTATIONS,
         GRADING_FIXTURE,
@@ -118,13 +118,16 @@ def cmd_check(args) -> int:
     # Every lab's own runs and every planted bug are independent units of work: run them all
     # through one pool so that both cores stay busy.
     slots = CopySlots()  # the bugs' copies of the repository, and what their runs build
+    seen_by = {} if args.write_seen_by else load_seen_by()
     try:
         with ThreadPoolExecutor(workers(args.jobs)) as pool:
             futures = {}
             for lab in labs:
                 futures[pool.submit(check_lab, lab, bugs_required=not args.no_bugs)] = (lab, None)
                 for i, bug in enumerate(bug_lists[lab.id]):
-                    futures[pool.submit(check_bug, lab, bug, has_cuda, slots=slots)] = (lab, i)
+                    first = seen_by.get(lab.id, {}).get(bug.name, "")
+                    futures[pool.submit(check_bug, lab, bug, has_cuda, slots=slots,
+                                        first=first)] = (lab, i)
             for fut in as_completed(futures):
                 lab, i = futures[fut]
                 if i is None:
@@ -176,6 +179,18 @@ def cmd_check(args) -> int:
             for b in checks[lab.id].bugs:
                 detail = b.detail.splitlines()[0] if b.detail else ""
                 print(f"  {lab.id}  {b.bug.name:<38} {b.status:<13} {detail}")
+        bugs = [b for lab in labs for b in checks[lab.id].bugs]
+        moved = [b for b in bugs if b.first and b.seen_by != b.first]
+        if moved:
+            print(f"  note: {len(moved)} planted bug(s) were not rejected by the test "
+                  "planted_bugs/seen_by.json names, so all their lab's tests ran (slower, same "
+                  "verdict); record the tests anew: python -m course check --write-seen-by")
+        if args.write_seen_by:
+            recorded = load_seen_by()
+            for lab in labs:
+                recorded[lab.id] = {b.bug.name: b.seen_by for b in checks[lab.id].bugs
+                                    if b.seen_by}
+            print(f"  wrote {write_seen_by(recorded)}")
     for lab in labs:
         for note in checks[lab.id].notes:
             print(f"  note: lab {lab.id}: {note}")
@@ -364,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lab", dest="labs_opt", action="append", default=[], help="same as a positional lab"
     )
     p.add_argument("--no-bugs", action="store_true", help="skip the planted-bug runs")
+    p.add_argument("--write-seen-by", action="store_true",
+                   help="run every planted bug against the lab's tests in order and record the "
+                        "test that rejects it in planted_bugs/seen_by.json (run first next time)")
     p.add_argument(
         "--no-grading-path",
         action="store_true",

@@ -75,7 +75,7 @@ def _remember_done(lab: Lab, cache: Path, monkeypatch) -> None:
     from course.labs.runner import LabRun
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    passed = {"nodeid": f"{lab.rel}/test_lab.py::test_recorded", "outcome": "passed",
+    passed = {"nodeid": "test_lab.py::test_recorded", "outcome": "passed",
               "starter_ok": False, "points": 1, "message": ""}
     record(LabRun(lab, "starter", 0, [passed]), result_key(lab, "starter"))
 

@@ -11,6 +11,7 @@ sources.
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,26 @@ class PlantedBug:
 
 
 BUGS_DIR = "planted_bugs"
+# For each lab's planted bugs, the test that rejected it when `course check` last recorded them
+# (`--write-seen-by`). `course check` runs that test first: a bug it rejects needs no other run.
+# A stale entry costs time, never a verdict: the lab's tests then run as they would without it.
+SEEN_BY = "seen_by.json"
+
+
+def load_seen_by(root: Path = REPO_ROOT) -> dict[str, dict[str, str]]:
+    """``{lab id: {bug name: test id in test_lab.py}}``; empty when there is no record."""
+    try:
+        data = json.loads((root / BUGS_DIR / SEEN_BY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_seen_by(seen: dict[str, dict[str, str]], root: Path = REPO_ROOT) -> Path:
+    path = root / BUGS_DIR / SEEN_BY
+    ordered = {lab: dict(sorted(bugs.items())) for lab, bugs in sorted(seen.items()) if bugs}
+    path.write_text(json.dumps(ordered, indent=1) + "\n", encoding="utf-8")
+    return path
 
 
 def bugs_path(lab: Lab) -> Path:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.integrity.api import compare
-from course.integrity.bugs import BUGS_DIR, PlantedBug, bugs_path, load_bugs
+from course.integrity.bugs import BUGS_DIR, SEEN_BY, PlantedBug, bugs_path, load_bugs, load_seen_by
 from course.labs.catalog import REPO_ROOT, Lab, copy_ignore, lab_metadata
 from course.labs.loader import load_module
 from course.labs.runner import LabRun, run_lab
@@ -37,6 +37,8 @@ class BugResult:
     status: str  # "rejected", "NOT REJECTED", "not checked", "invalid"
     detail: str = ""
     seconds: float = 0.0  # wall time of the check (the copy, the build and the test runs)
+    seen_by: str = ""  # the test id that rejected it (for planted_bugs/seen_by.json)
+    first: str = ""  # the recorded test run first, when there was one
 
 
 @dataclass
@@ -162,14 +164,17 @@ class CopySlots:
 
 
 def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT,
-              slots: CopySlots | None = None) -> BugResult:
+              slots: CopySlots | None = None, first: str = "") -> BugResult:
     """Run ``lab``'s tests on a copy of ``root`` with ``bug`` applied (in one of ``slots``, or
-    in a copy of its own)."""
+    in a copy of its own). ``first``: a test id that rejected the bug before
+    (planted_bugs/seen_by.json), run alone first; the lab's tests run only when it does not
+    reject the bug."""
     own = slots is None
     slots = CopySlots() if own else slots
     try:
         start = time.perf_counter()
-        result = _check_bug(lab, bug, has_cuda, root, slots)
+        result = _check_bug(lab, bug, has_cuda, root, slots, first)
+        result.first = first
         result.seconds = time.perf_counter() - start
         return result
     finally:
@@ -178,7 +183,7 @@ def check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path = REPO_ROOT,
 
 
 def _check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path,
-               slots: CopySlots) -> BugResult:
+               slots: CopySlots, first: str) -> BugResult:
     problems = bug.problems(root)
     if problems:
         return BugResult(bug, "invalid", "; ".join(problems))
@@ -189,7 +194,14 @@ def _check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path,
     env = {"MINI_VLLM_BUILD_DIR": str(slots.build_dir)}
     with slots.copy_of(root) as copy:
         bug.apply(copy)
-        run = run_lab(lab, "solution", root=copy, extra_args=("-x", *tier), extra_env=env)
+        run = None
+        if first:  # the test that saw it last time: when it still does, that is the verdict
+            run = run_lab(lab, "solution", root=copy, extra_args=tier, extra_env=env,
+                          only=(first,))
+            if not (run.exit_code == 1 and _rejections(run, bug.given)):
+                run = None
+        if run is None:
+            run = run_lab(lab, "solution", root=copy, extra_args=("-x", *tier), extra_env=env)
         if run.exit_code == 1 and not _rejections(run, bug.given):
             # The first failure was a crash; look further for a test that fails on behaviour.
             run = run_lab(lab, "solution", root=copy, extra_args=tier, extra_env=env)
@@ -197,8 +209,9 @@ def _check_bug(lab: Lab, bug: PlantedBug, has_cuda: bool, root: Path,
     by = f", {bug.requires} tier" if bug.requires else ""
     if run.exit_code == 1 and rejecting:
         t = rejecting[0]
-        return BugResult(bug, "rejected",
-                         f"by {t['nodeid'].split('::', 1)[-1]} ({t['exception']}{by})")
+        test_id = t["nodeid"].split("::", 1)[-1]
+        return BugResult(bug, "rejected", f"by {test_id} ({t['exception']}{by})",
+                         seen_by=test_id)
     skipped = run.by_outcome("skipped", graded=False)
     if run.exit_code == 0 and run.tests and len(skipped) == len(run.tests):
         return BugResult(bug, "not checked", f"the {bug.requires} tests were all skipped here "
@@ -266,7 +279,24 @@ def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -
                 )
             if len({b.name for b in listed}) != len(listed):
                 check.violations.append("planted bug names are not unique")
+            check_seen_by_alone(check, root)
     return check
+
+
+def check_seen_by_alone(check: LabCheck, root: Path) -> None:
+    """The tests planted_bugs/seen_by.json names for this lab pass on the reference when run
+    alone, as `course check` runs them first on a planted bug (a test that failed alone for
+    another reason would reject every bug it names)."""
+    tests = sorted(set(load_seen_by(root).get(check.lab.id, {}).values()))
+    if not tests:
+        return
+    run = run_lab(check.lab, "solution", root=root, only=tuple(tests))
+    if run.broken:  # a test it names is gone: those bugs run the lab's tests, as without it
+        check.notes.append(f"{BUGS_DIR}/{SEEN_BY} names tests that do not run (pytest exit "
+                           f"{run.exit_code}); rewrite it: python -m course check --write-seen-by")
+    for t in run.by_outcome("failed", "not_implemented", graded=False):
+        check.violations.append(f"{BUGS_DIR}/{SEEN_BY}: {t['nodeid'].split('::', 1)[-1]} fails "
+                                "on the reference when run alone")
 
 
 def check_metadata(labs: list[Lab]) -> list[str]:

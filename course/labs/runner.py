@@ -111,8 +111,10 @@ def run_lab(
     extra_env: dict[str, str] | None = None,
     timeout: float = 1800,
     test_timeout: float = 300,
+    only: tuple[str, ...] = (),
 ) -> LabRun:
-    """Run `lab`'s test file against `impl` with `root` as the working directory."""
+    """Run `lab`'s test file against `impl` with `root` as the working directory (only the
+    tests `only` names, ids within test_lab.py such as ``test_x[case]``, when given)."""
     with tempfile.TemporaryDirectory(prefix="course-") as tmp:
         results = Path(tmp) / "results.json"
         test_file = root / lab.path.relative_to(lab.path.parents[2]).as_posix() / "test_lab.py"
@@ -120,7 +122,7 @@ def run_lab(
             sys.executable,
             "-m",
             "pytest",
-            str(test_file),
+            *([f"{test_file}::{t}" for t in only] if only else [str(test_file)]),
             "-q",
             "-rN",
             "--no-header",
