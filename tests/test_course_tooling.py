@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,10 +45,12 @@ def demo(tmp_path: Path) -> Path:
     return root
 
 
-def run(root: Path, *args: str, impl: str | None = "solution") -> subprocess.CompletedProcess:
+def run(root: Path, *args: str, impl: str | None = "solution",
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # Recorded lab results go beside the demo course, not into the user's cache.
     env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(root.parent / "cache"))
     env.pop("LAB_IMPL", None)
+    env.update(extra_env or {})
     if impl is not None:
         env["LAB_IMPL"] = impl
     return subprocess.run(
@@ -107,6 +110,27 @@ def test_check_passes_and_names_the_rejected_bugs(demo):
     assert "add-subtracts" in proc.stdout and "bump-ignores-by" in proc.stdout
     assert proc.stdout.count("rejected") >= 2
     assert "All 1 labs pass the integrity checks." in proc.stdout
+
+
+def test_check_runs_the_recorded_test_first_and_falls_back_when_it_no_longer_rejects(demo):
+    """planted_bugs/seen_by.json: a recorded test that rejects its bug is the verdict; one that
+    does not (here test_bump for add-subtracts) costs a full run, never a verdict; the copies
+    leave nothing in the temporary folder."""
+    tmp = demo.parent / "tmp"
+    tmp.mkdir()
+    (demo / "planted_bugs" / "seen_by.json").write_text(json.dumps(
+        {"09-01": {"add-subtracts": "test_bump", "bump-ignores-by": "test_bump"}}))
+    env_tmp = {"TMPDIR": str(tmp)}
+    proc = run(demo, "-m", "course", "check", "--no-grading-path", extra_env=env_tmp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"add-subtracts +rejected +by test_add ", proc.stdout), proc.stdout
+    assert re.search(r"bump-ignores-by +rejected +by test_bump ", proc.stdout), proc.stdout
+    assert "1 planted bug(s) were not rejected by the test" in proc.stdout
+    assert not [p for p in tmp.iterdir() if p.name.startswith("course-")], list(tmp.iterdir())
+    proc = run(demo, "-m", "course", "check", "--no-grading-path", "--write-seen-by")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((demo / "planted_bugs" / "seen_by.json").read_text()) == {
+        "09-01": {"add-subtracts": "test_add", "bump-ignores-by": "test_bump"}}
 
 
 def test_check_reports_a_bug_the_tests_miss(demo):

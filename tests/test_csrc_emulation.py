@@ -299,3 +299,30 @@ def test_a_block_pool_larger_than_memory_costs_only_the_pages_written():
     big = shared_empty(2**33, dtype=torch.float16)
     big[-5:] = 1.0
     assert big.numel() == 2**33 and float(big[-1]) == 1.0
+
+
+def test_an_edit_recompiles_only_the_edited_source(tmp_path):
+    """Each kernel source's object is cached on its own (by its content, the headers, the flags
+    and its path): editing one source of a build recompiles that one and links anew."""
+    import uuid
+
+    from mini_vllm.csrc.emulation import Build, Variant, flavor_supported
+    from mini_vllm.csrc.emulation.build import _build_root
+
+    if flavor_supported("plain"):
+        pytest.skip(flavor_supported("plain"))
+    extra = tmp_path / f"extra_{uuid.uuid4().hex[:8]}.cu"
+    extra.write_text("int mini_vllm_test_marker() { return 1; }\n")
+    build = Build("two_sources", (CASES, extra), bindings=(), own_files=(CASES,))
+
+    def objects(stem: str) -> dict[Path, int]:
+        return {p: p.stat().st_mtime_ns for p in _build_root().glob(f"object-{stem}-*/*.o")}
+
+    first = build.executable(Variant())
+    cases_before = objects("emulation_cases")
+    assert len(objects(extra.stem)) == 1
+    extra.write_text("int mini_vllm_test_marker() { return 2; }\n")
+    second = build.executable(Variant())
+    assert second != first and second.is_file()
+    assert len(objects(extra.stem)) == 2, "the edited source is compiled anew"
+    assert objects("emulation_cases") == cases_before, "the unchanged one is not compiled again"
