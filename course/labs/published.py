@@ -3,7 +3,7 @@
 ``published_starters.json`` (beside this file) holds the SHA-256 of every lab's student files as
 published. A lab whose student files all still have those digests has not been started, and
 nothing needs to run to say so (its untouched starter fails every graded test: `course check`
-proves that for every lab). ``tests/test_published_starters.py`` fails when the file no longer
+proves that for every lab). ``tests/test_lab_results.py`` fails when the file no longer
 matches the starters; after changing a starter, write it anew with
 
     python -m course.labs.published
