@@ -29,7 +29,8 @@ def module_name(path: Path, root: Path) -> str:
 
 def package_imports(root: Path, package: str) -> dict[str, set[str]]:
     """``{module: {imported course modules}}`` for every module of ``package`` under ``root``;
-    ``from a.b import c`` counts as an import of ``a.b.c`` when that is a module, else of ``a.b``.
+    ``from a.b import c`` counts as an import of ``a.b`` (its ``__init__`` runs first) and also
+    of ``a.b.c`` when that is a module.
     Only absolute imports of names starting with ``course`` are counted (relative ones are
     refused by :func:`test_course_uses_absolute_imports_only`)."""
     files = {module_name(p, root): p for p in (root / package).rglob("*.py")}
@@ -40,9 +41,11 @@ def package_imports(root: Path, package: str) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.add(node.module)
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
-                    targets.add(full if full in files else node.module)
+                    if full in files:
+                        targets.add(full)
         graph[name] = {t for t in targets if t == "course" or t.startswith("course.")}
     return graph
 
@@ -162,6 +165,19 @@ def test_a_planted_circle_is_found(tmp_path, lazy):
     })
     cycle = find_cycle(package_imports(tmp_path, "course"))
     assert cycle is not None and set(cycle) == {"course.labs.a", "course.labs.b"}
+
+
+def test_a_circle_through_a_package_init_is_found(tmp_path):
+    """``from course.grading import sandbox`` inside a module that the package's ``__init__``
+    imports runs that ``__init__`` half done: a circle, even though ``sandbox`` itself is fine."""
+    _write(tmp_path, {
+        "course/__init__.py": "",
+        "course/grading/__init__.py": "from course.grading.grader import grade\n",
+        "course/grading/grader.py": "from course.grading import sandbox\n",
+        "course/grading/sandbox.py": "",
+    })
+    cycle = find_cycle(package_imports(tmp_path, "course"))
+    assert cycle is not None and set(cycle) == {"course.grading", "course.grading.grader"}
 
 
 def test_a_planted_layer_break_and_cli_import_are_found(tmp_path):

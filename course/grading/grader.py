@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from course.grading import sandbox
+import course.grading.sandbox as sandbox
 from course.labs.catalog import REPO_ROOT, Lab, copy_ignore
 from course.labs.published import STUDENT_FILES
 
@@ -601,7 +601,7 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
           class_mode: bool, log=print) -> int:
     """Grade every submission in `paths` ((name or None, folder)) on every lab; write the reports
     under opts.out as each lab finishes. Returns 0, or 2 when grading itself broke somewhere."""
-    from course.grading import reports
+    import course.grading.reports as reports
 
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from course.labs import loader
+import course.labs.loader as loader
 from course.labs.catalog import lab_for_path
 
 # Seconds a child gets past its pytest-timeout before the session kills it: pytest-timeout fails
