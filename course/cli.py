@@ -43,11 +43,42 @@ def cmd_grade(args) -> int:
 
     labs = select(discover(), args.labs)
     out = Path(args.out).resolve()
+    if args.merge:
+        from course.grading import merge
+
+        if args.class_dir or args.submission or args.shard:
+            raise SystemExit("error: --merge takes grading outputs only, not --class, "
+                             "--submission or --shard")
+        try:
+            code = merge([Path(d).resolve() for d in args.merge], out, labs,
+                         log=lambda m: print(m, file=sys.stderr),
+                         similarity=not args.no_similarity, zero=args.reference_zero)
+        except GradingError as exc:
+            print(f"GRADING ERROR: {exc}", file=sys.stderr)
+            return 2
+        print((out / "summary.md").read_text(encoding="utf-8"))
+        print(f"Wrote {out / 'grades.csv'}, {out / 'gradebook.csv'} and {out / 'summary.md'}")
+        return code
     class_mode = bool(args.class_dir)
     if args.class_dir and args.submission:
         raise SystemExit("error: give --class or --submission, not both")
+    shard = None
+    if args.shard:
+        if not class_mode:
+            raise SystemExit("error: --shard splits a class: give --class DIR")
+        try:
+            i, n = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            raise SystemExit(f"error: --shard {args.shard}: write it as I/N, e.g. 1/4") from None
+        if not 1 <= i <= n:
+            raise SystemExit(f"error: --shard {args.shard}: I must be between 1 and N")
+        shard = (i, n)
+    missing: dict[str, str] = {}
+    logins: dict[str, str] = {}
     if class_mode:
         paths = class_folders(Path(args.class_dir).resolve())
+        missing, logins = roster_record(Path(args.class_dir))
+        paths = [(name, path) for name, path in paths if name not in missing]
     elif args.submission:
         sub = Path(args.submission).resolve()
         if not sub.is_dir():
@@ -68,11 +99,14 @@ def cmd_grade(args) -> int:
         lab_timeout=args.lab_timeout,
         reference_zero=args.reference_zero,
         similarity=not args.no_similarity,
+        shard=shard,
+        regrade=args.regrade,
     )
     print(f"Grading {len(paths)} submission(s) x {len(labs)} lab(s), {opts.jobs} at a time.",
           file=sys.stderr)
     try:
-        code = grade(paths, labs, opts, class_mode, log=lambda m: print(m, file=sys.stderr))
+        code = grade(paths, labs, opts, class_mode, log=lambda m: print(m, file=sys.stderr),
+                     missing=missing, logins=logins)
     except GradingError as exc:
         print(f"GRADING ERROR: {exc}", file=sys.stderr)
         return 2
@@ -86,6 +120,21 @@ def cmd_grade(args) -> int:
               f"{out / 'junit'}/*.xml")
     # Only a broken grader is an error; a student's failing, crashing or hanging code is a score.
     return code
+
+
+def roster_record(class_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """From the class folder's .roster.json (written by `course clone`): the students whose
+    clone failed ({name: why}) and every student's LMS login."""
+    import json
+
+    path = class_dir / ".roster.json"
+    if not path.is_file():
+        return {}, {}
+    students = json.loads(path.read_text()).get("students", {})
+    missing = {name: f"could not get the submission: {s['error']}"
+               for name, s in students.items() if s.get("error")}
+    logins = {name: s.get("login") or "" for name, s in students.items()}
+    return missing, logins
 
 
 def cmd_check(args) -> int:
@@ -371,6 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
         "above 1 switches it off)",
     )
     p.add_argument("--no-similarity", action="store_true", help="skip the similarity report")
+    p.add_argument("--shard", metavar="I/N",
+                   help="grade only the students of shard I of N (assigned by name); "
+                   "`--merge` then writes the class files")
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="rebuild the class files in --out from these grading outputs (shards, "
+                   "or a run that was killed); nothing is graded")
+    p.add_argument("--regrade", action="store_true",
+                   help="grade again students whose complete grades.json is up to date")
     p.set_defaults(func=cmd_grade)
 
     p = sub.add_parser("check", help="course integrity checks (for course authors and CI)")

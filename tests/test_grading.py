@@ -21,6 +21,8 @@ from course.labs.catalog import discover
 
 SMALL_CLASS = ("honest", "exit-at-import", "report-plugin", "patch-tests", "copies", "symlink",
                "hang")
+# Graded once whole and once in shards (cheap ones: the comparison is of the bookkeeping).
+SHARDED_CLASS = ("honest", "partial", "syntax-error", "all-solution", "exec-source", "paste")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,8 @@ def test_each_submission_scores_what_it_should(graded):
         assert (float(row["09-01"]), float(row["09-02"])) == (lab1, lab2), (name, row)
         assert flag in row["flags"], (name, row["flags"])
         # Fixed maxima, whatever ran; the GPU tier is counted apart and not run without a GPU.
-        assert (row["cpu_max"], row["gpu_max"], row["gpu_points"]) == ("16.0", "6.0", "")
+        assert (row["cpu_max"], row["gpu_max"], row["gpu_points"]) == (
+            "20.0", "6.0", "not run (no GPU)")
     assert rows["honest"]["flags"] == ""
 
 
@@ -73,7 +76,7 @@ def test_grades_json_names_the_student_and_the_course(graded):
     report = json.loads((graded / "students" / "honest" / "grades.json").read_text())
     assert report["student"] == "honest"
     assert set(report) >= {"commit", "course_revision", "course_dirty", "isolation", "totals"}
-    assert report["totals"]["cpu"] == {"points": 16.0, "max_points": 16.0}
+    assert report["totals"]["cpu"] == {"points": 20.0, "max_points": 20.0}
     meta = json.loads((graded / "class.json").read_text())
     assert meta["students"] == sorted(SMALL_CLASS)
     assert (graded / "summary.md").read_text().startswith("## Grades")
@@ -118,7 +121,7 @@ def _pytest_junit_schema(tmp: Path) -> Path | None:
 
 def test_junit_is_valid_for_every_lab_even_crashed_ones(graded, tmp_path):
     files = sorted(graded.glob("students/*/junit/*.xml"))
-    assert len(files) == 2 * len(SMALL_CLASS)
+    assert len(files) == 3 * len(SMALL_CLASS)  # two labs and the exam
     schema_path = _pytest_junit_schema(tmp_path)
     for f in files:
         assert _junit_structure_problems(f) == [], f
@@ -195,3 +198,46 @@ def test_a_command_unit_scores_its_cases_against_a_fixed_list(tmp_path):
     points, maximum, cases = json.loads(proc.stdout.strip().splitlines()[-1])
     assert points == 3.0 and maximum == {"cpu": 9.0}
     assert cases == [["a", "passed"], ["b", "failed"], ["c", "not_run"]]
+
+
+def _grade(course: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(course), OMP_NUM_THREADS="1")
+    env.pop("LAB_IMPL", None)
+    proc = subprocess.run([sys.executable, "-m", "course", "grade", *args, "--test-timeout", "2",
+                           "--lab-timeout", "60"] if "--merge" not in args else
+                          [sys.executable, "-m", "course", "grade", *args],
+                          cwd=course, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_shards_merged_give_the_rows_of_one_run_and_a_run_resumes(tmp_path):
+    course, klass = build_grading_fixture(tmp_path)
+    for d in klass.iterdir():
+        if d.name not in SHARDED_CLASS:
+            shutil.rmtree(d)
+    whole = tmp_path / "whole"
+    _grade(course, "--class", str(klass), "--out", str(whole))
+    for i in (1, 2):
+        _grade(course, "--class", str(klass), "--out", str(tmp_path / f"s{i}"), "--shard", f"{i}/2")
+    shard_students = [sorted(p.name for p in (tmp_path / f"s{i}" / "students").iterdir())
+                      for i in (1, 2) if (tmp_path / f"s{i}" / "students").is_dir()]
+    assert sorted(sum(shard_students, [])) == sorted(SHARDED_CLASS)  # each in exactly one shard
+    merged = tmp_path / "merged"
+    _grade(course, "--merge", *(str(tmp_path / f"s{i}") for i in (1, 2)), "--out",
+           str(merged))
+    for name in ("grades.csv", "gradebook.csv"):
+        assert (merged / name).read_text() == (whole / name).read_text(), name
+    rows = {r["student"]: r for r in csv.DictReader((whole / "grades.csv").open())}
+    assert rows["all-solution"]["exam"] == "0.0" and rows["honest"]["exam"] == "4.0"
+    assert rows["syntax-error"]["09-01 status"] == "does not import"
+    # Run again: every student is complete and unchanged, so nothing is graded.
+    before = (whole / "students" / "honest" / "grades.json").read_text()
+    proc = _grade(course, "--class", str(klass), "--out", str(whole))
+    assert proc.stderr.count("graded before") == len(SHARDED_CLASS), proc.stderr
+    assert (whole / "grades.csv").read_text() == (merged / "grades.csv").read_text()
+    assert (whole / "students" / "honest" / "grades.json").read_text() == before
+    # A killed run's class files are rebuilt from the students' reports.
+    (whole / "grades.csv").unlink()
+    _grade(course, "--merge", str(whole), "--out", str(whole))
+    assert (whole / "grades.csv").read_text() == (merged / "grades.csv").read_text()

@@ -7,6 +7,6 @@ writes the per-student and per-class files; ``similarity`` compares submissions.
 ``labs`` and ``engine``.
 """
 
-from course.grading.grader import GradingError, Options, class_folders, grade
+from course.grading.grader import GradingError, Options, class_folders, grade, merge
 
-__all__ = ["GradingError", "Options", "class_folders", "grade"]
+__all__ = ["GradingError", "Options", "class_folders", "grade", "merge"]

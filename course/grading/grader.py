@@ -21,6 +21,7 @@ A graded unit is anything with an id, a title, fixed maxima per tier and a run m
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import platform
@@ -32,8 +33,8 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -181,6 +182,10 @@ class Submission:
     files: dict[str, bytes] = field(default_factory=dict)  # "lab rel/starter.py" -> content
     flags: list[str] = field(default_factory=list)
     lab_flags: dict[str, list[str]] = field(default_factory=dict)
+    login: str = ""  # the LMS login, from the roster
+    missing: str | None = None  # why there is nothing to grade (a clone that failed)
+    broken: dict[str, str] = field(default_factory=dict)  # lab id -> why it cannot import
+    zeroed: dict[str, str] = field(default_factory=dict)  # lab id -> the similarity finding
 
     def flag(self, lab_id: str | None, text: str) -> None:
         if lab_id is None:
@@ -262,6 +267,22 @@ def intake(path: Path, labs: list[Lab], name: str | None = None) -> Submission:
             if data != published:
                 sub.files[rel] = data
     return sub
+
+
+def static_check(sub: Submission, labs: list[Lab]) -> None:
+    """A starter.py that does not parse cannot import: found here, in milliseconds, so that its
+    lab scores 0 in every test (none of them runs) with the error and its line."""
+    for lab in labs:
+        rel = f"{lab.rel}/starter.py"
+        if rel not in sub.files:
+            continue
+        try:
+            ast.parse(sub.files[rel], filename=rel)
+        except SyntaxError as exc:
+            sub.broken[lab.id] = (f"{type(exc).__name__}: {exc.msg} (starter.py line "
+                                  f"{exc.lineno})")
+        except ValueError as exc:  # null bytes
+            sub.broken[lab.id] = f"starter.py cannot be read as Python: {exc}"
 
 
 def safe_name(text: str) -> str:
@@ -348,6 +369,8 @@ class UnitResult:
     seconds: float = 0.0
     error: str | None = None  # grading itself broke
     log: str = ""
+    reason: str = ""  # why the status, in one line (the error of a lab that does not import)
+    notes: list[str] = field(default_factory=list)  # e.g. the exam's composition
 
     def points(self, tier: str) -> float:
         if self.uses_reference:
@@ -390,15 +413,23 @@ class LabUnit:
         lab = self.lab
         result = UnitResult(self.id, self.title, self.kind, lab.rel, max_points=self.max_points)
         result.flags.extend(sub.lab_flags.get(lab.id, []))
+        if sub.missing:
+            return self._without_run(result, "not_run", f"not run: {sub.missing}",
+                                     "not submitted", sub.missing)
         if ctx.skip_untouched and not any(r.startswith(lab.rel + "/") for r in sub.files):
             # The published starter fails every graded test (`course check` proves it): no need
             # to run it to know that the lab scores 0.
-            for t in self.graded:
-                result.tests.append(TestScore(
-                    t["nodeid"], t["tier"], "not_implemented", 0.0, self.test_max[t["nodeid"]],
-                    "not started: the submission leaves this lab's starter as published"))
-            result.status = "not started"
-            return result
+            return self._without_run(
+                result, "not_implemented",
+                "not started: the submission leaves this lab's starter as published",
+                "not started", "")
+        if lab.id in sub.broken:
+            why = sub.broken[lab.id]
+            return self._without_run(result, "failed", f"does not import: {why}",
+                                     "does not import", why)
+        if lab.id in sub.zeroed:
+            why = sub.zeroed[lab.id]
+            return self._without_run(result, "not_run", f"not run: {why}", "similarity", why)
         ws = sandbox.Workspace(ctx.work, ctx.iso)
         try:
             snap = ctx.instructor.snapshot
@@ -435,6 +466,15 @@ class LabUnit:
         self._score(result, run, ctx)
         return result
 
+    def _without_run(self, result: UnitResult, outcome: str, message: str, status: str,
+                     reason: str) -> UnitResult:
+        """Every graded test scores 0 for one reason known before anything runs (0 s)."""
+        for t in self.graded:
+            result.tests.append(TestScore(t["nodeid"], t["tier"], outcome, 0.0,
+                                          self.test_max[t["nodeid"]], message))
+        result.status, result.reason = status, reason
+        return result
+
     def _score(self, result: UnitResult, run: sandbox.SessionRun, ctx: RunContext) -> None:
         seen: dict[str, dict] = {}
         started = collect_error = False
@@ -456,6 +496,8 @@ class LabUnit:
             why = "not run: the test file did not collect"
         elif not finished:
             why = "not run: the grading session ended early"
+        elif reference is not None and reference.get("findings"):
+            why = "not run: the starter uses the reference's code (see the flags)"
         else:
             why = "not run"
         for t in self.graded:
@@ -477,29 +519,70 @@ class LabUnit:
         if reference is not None:
             if reference.get("findings"):
                 result.uses_reference = [str(f) for f in reference["findings"]][:20]
+            elif reference.get("error"):
+                # The student's module did not load: no test passes without it, whatever a test
+                # that never reaches it (a state machine's setup) says.
+                why = str(reference["error"]).strip().splitlines()[0][:300]
+                result.tests = [TestScore(t.id, t.tier, "failed", 0.0, t.max_points,
+                                          f"does not import: {why}", "import")
+                                for t in result.tests]
+                result.status, result.reason = "does not import", why
+                return
             elif "findings" not in reference and ctx.impl == "starter":
                 result.flags.append(
                     f"reference check did not finish: {reference.get('message', '')[:200]}")
         if not started and not run.timed_out:
             result.error = ("the grading session did not start (a problem of the grader, not of "
                             f"the submission):\n{run.log_tail[-2000:]}")
-        result.status = _status(result, run.timed_out)
+        result.status, result.reason = _status(result, run)
 
 
-def _status(r: UnitResult, timed_out: bool) -> str:
+# Every status a unit can have, the same word in grades.txt, grades.csv, summary.md and the live
+# log. "timed out" carries its count: "timed out (3 tests)".
+STATUSES = ("not started", "does not import", "crashed", "timed out", "memory limit",
+            "uses the reference", "similarity", "in progress", "done", "not submitted",
+            "not run here", "error")
+
+
+def _looks_like_memory_error(text: str) -> bool:
+    return any(n in text for n in ("MemoryError", "can't allocate memory",
+                                   "Cannot allocate memory", "std::bad_alloc"))
+
+
+def _status(r: UnitResult, run: sandbox.SessionRun) -> tuple[str, str]:
+    """(status, reason): what went wrong first, in the order an instructor would look."""
     if r.error:
-        return "error"
+        return "error", r.error.splitlines()[0]
     if r.uses_reference:
-        return "uses the reference"
-    ran = [t for t in r.tests if t.outcome not in ("skipped",)]
-    passed = sum(t.outcome == "passed" for t in ran)
-    if timed_out:
-        return "timed out"
+        return "uses the reference", "; ".join(r.uses_reference)
+    ran = [t for t in r.tests if t.outcome != "skipped"]
+    failed = [t for t in ran if t.outcome != "passed"]
+    passed = len(ran) - len(failed)
+    hogs = [t for t in failed if _looks_like_memory_error(t.message)]
+    if getattr(run, "memory_limit_hit", False) or hogs:
+        where = f" ({hogs[0].id.split('::', 1)[-1]}: {hogs[0].message[:120]})" if hogs else ""
+        return "memory limit", f"the lab's memory limit was reached{where}"
+    timed = [t for t in ran if t.outcome == "timed_out" or t.kind == "timeout"
+             or (run.timed_out and t.outcome == "not_run")]
+    if run.timed_out or timed:
+        n = len(timed)
+        return f"timed out ({n} test{'s' * (n != 1)})", (
+            "the lab's time budget ran out" if run.timed_out else
+            f"{timed[0].id.split('::', 1)[-1]} overran its time limit")
     if not ran:
-        return "not run here"
+        return "not run here", "no graded test runs on this machine"
     if passed == len(ran):
-        return "done"
-    return "in progress" if passed else "not started"
+        return "done", ""
+    if passed:
+        return "in progress", ""
+    crashes = [t for t in failed if t.outcome in ("crashed", "exited")
+               or t.kind in ("error", "exit", "import")]
+    if crashes:
+        return "crashed", crashes[0].message.splitlines()[0][:200] if crashes[0].message else (
+            crashes[0].outcome)
+    if all(t.outcome == "not_implemented" for t in failed):
+        return "not started", ""
+    return "in progress", ""
 
 
 class CommandUnit:
@@ -510,15 +593,28 @@ class CommandUnit:
     substituted for "{json}". `cases` (the
     instructor's list, fixed before anything runs) share `points` equally; a case that is missing
     from the file scores 0. The file is written by a process that runs student code: trust it as
-    much as a test's report (see the README)."""
+    much as a test's report (see the README).
+
+    `follows` names the labs whose code the command runs: it runs after them, with only those
+    of them that are the student's own work (see `own_work`), and not at all when there is
+    none."""
 
     kind = "command"
 
     def __init__(self, unit_id: str, title: str, points: float, argv: list[str],
-                 cases: list[str], tier: str = "cpu"):
+                 cases: list[str], tier: str = "cpu", follows: tuple[str, ...] = ()):
         self.id, self.title, self.argv, self.cases, self.tier = unit_id, title, argv, cases, tier
         self.max_points = {tier: float(points)}
         self.per_case = float(points) / max(1, len(cases))
+        self.follows = follows
+
+    def skip(self, why: str) -> UnitResult:
+        """0 points in every case, in 0 s, with the reason."""
+        result = UnitResult(self.id, self.title, self.kind, max_points=self.max_points,
+                            status="not started", reason=why)
+        result.tests = [TestScore(case, self.tier, "not_run", 0.0, self.per_case,
+                                  f"not run: {why}") for case in self.cases]
+        return result
 
     def run(self, ctx: RunContext, sub: Submission) -> UnitResult:
         result = UnitResult(self.id, self.title, self.kind, max_points=self.max_points)
@@ -551,8 +647,30 @@ class CommandUnit:
             result.tests.append(TestScore(case, self.tier, outcome,
                                           self.per_case if outcome == "passed" else 0.0,
                                           self.per_case, message))
-        result.status = _status(result, run.timed_out)
+        result.status, result.reason = _status(result, run)
         return result
+
+
+def own_work(unit: CommandUnit, sub: Submission, results: dict[str, UnitResult]
+             ) -> tuple[Submission, list[str]]:
+    """What `unit` (the exam) may run of `sub`: the files of the labs it follows that the student
+    wrote and that scored as their own (not zeroed as the reference, for similarity, or for not
+    importing); every other lab is the published starter there. Returns the submission to run
+    and the composition, one line per lab, for the report."""
+    keep: dict[str, bytes] = {}
+    notes = []
+    for lab_id in unit.follows:
+        r = results.get(lab_id)
+        files = {rel: data for rel, data in sub.files.items()
+                 if r is not None and rel.startswith(r.folder + "/")}
+        if r is None or not files:
+            notes.append(f"{lab_id}: the published starter (not written)")
+        elif r.status in ("uses the reference", "similarity", "does not import"):
+            notes.append(f"{lab_id}: the published starter ({r.status} in the lab)")
+        else:
+            keep.update(files)
+            notes.append(f"{lab_id}: yours ({r.status} in the lab)")
+    return replace(sub, files=keep), notes
 
 
 def graded_units(instructor: Instructor) -> list:
@@ -567,12 +685,20 @@ def graded_units(instructor: Instructor) -> list:
     graded = {lab.id for lab in instructor.labs}
     needed = {lab.id for lab in engine_labs() if lab.id not in GPU_ONLY_LABS}
     exam = exam_metadata()
-    if exam and needed <= graded:
+    if exam.get("command"):
+        # A course of its own defines its exam in labs.toml (the grading fixture's does).
+        follows = tuple(exam.get("follows", ()))
+        if set(follows) <= graded:
+            units.append(CommandUnit("exam", exam.get("title", "The exam"), exam["points"],
+                                     list(exam["command"]), list(exam["cases"]),
+                                     follows=follows))
+    elif exam and needed <= graded:
         units.append(CommandUnit(
             "engine-exam", "The engine exam: your pieces together", exam["points"],
             ["{python}", "-m", "course", "engine", "--exam", "--impl", "{impl}", "--labs", "all",
              "--json", "{json}"],
             [c.name for c in cases(GRADED_SWEEP)],
+            follows=tuple(lab.id for lab in instructor.labs if lab.id in needed),
         ))
     return units
 
@@ -589,6 +715,8 @@ class Options:
     lab_timeout: float = 900.0
     similarity: bool = True
     reference_zero: float = 0.9
+    shard: tuple[int, int] | None = None  # (i, n), 1-based: grade only shard i of n
+    regrade: bool = False  # grade again students whose complete grades.json is up to date
 
 
 def _gpu_ran(manifest: dict[str, list[dict]]) -> bool | None:
@@ -597,11 +725,43 @@ def _gpu_ran(manifest: dict[str, list[dict]]) -> bool | None:
     return any(t["skip"] is None for t in gpu) if gpu else None
 
 
-def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
-          class_mode: bool, log=print) -> int:
-    """Grade every submission in `paths` ((name or None, folder)) on every lab; write the reports
-    under opts.out as each lab finishes. Returns 0, or 2 when grading itself broke somewhere."""
+def shard_of(name: str, shards: int) -> int:
+    """The shard (0-based) a student is graded in: by a hash of the name, so that it does not
+    depend on who else is in the class or in which order."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % shards
+
+
+def files_digest(sub: Submission) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(sub.files):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(sub.files[rel]).digest())
+    return h.hexdigest()
+
+
+def _up_to_date(folder: Path, sub: Submission, meta: dict) -> dict | None:
+    """A complete grades.json of this submission (same files) by this course revision, or None."""
     import course.grading.reports as reports
+
+    try:
+        old = json.loads((folder / "grades.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same = (old.get("files_digest") == files_digest(sub) and not meta["course_dirty"]
+            and old.get("course_revision") == meta["course_revision"]
+            and old.get("impl") == meta["impl"] and old.get("not_submitted") == sub.missing)
+    return old if same and reports.complete(old) else None
+
+
+def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
+          class_mode: bool, log=print, missing: dict[str, str] | None = None,
+          logins: dict[str, str] | None = None) -> int:
+    """Grade every submission in `paths` ((name or None, folder)) on every lab; `missing` adds a
+    row for each student with nothing to grade ({name: why}). A student's reports are written as
+    each unit finishes and the class files as each student finishes; a student whose complete
+    grades.json is up to date is not graded again (unless opts.regrade). Returns 0, or 2 when
+    grading itself broke somewhere."""
+    import course.grading.reports as reports
+    from course.grading.similarity import class_similarity
 
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
@@ -615,7 +775,13 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
         instructor = Instructor(labs, staging)
         units = graded_units(instructor)
         subs = [intake(p, labs, name) for name, p in paths]
+        subs += [Submission(name, Path(), missing=why) for name, why in (missing or {}).items()]
         _dedupe_names(subs)
+        for sub in subs:
+            sub.login = (logins or {}).get(sub.name, "")
+        if opts.shard:
+            i, n = opts.shard
+            subs = [s for s in subs if shard_of(s.name, n) == i - 1]
         meta = {
             "course": "mini_vllm",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -627,6 +793,9 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
             "isolation": iso.as_dict(),
             "test_timeout_s": opts.test_timeout,
             "lab_timeout_s": opts.lab_timeout,
+            "shard": f"{opts.shard[0]}/{opts.shard[1]}" if opts.shard else None,
+            "class_mode": class_mode,
+            "units": reports.unit_list(units),
         }
         if instructor.dirty:
             log(f"warning: the course checkout has uncommitted changes (revision "
@@ -634,13 +803,17 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
         if iso.level != "namespaces+nobody":
             log(f"warning: isolation is {iso.level!r}: " + "; ".join(iso.notes))
         for sub in subs:
-            for rel, data in sub.files.items():
-                found = suspicious(data, rel)
-                published = (instructor.root / rel).read_bytes()
-                found -= suspicious(published, rel)
-                if found:
-                    lab_id = next(lab.id for lab in labs if rel.startswith(lab.rel + "/"))
-                    sub.flag(lab_id, f"review {Path(rel).name}: " + ", ".join(sorted(found)))
+            _review(sub, labs, instructor.root)
+            static_check(sub, labs)
+            if opts.similarity and opts.impl == "starter" and sub.files:
+                # Against the reference only: decided per student, before anything runs, so that
+                # the live log never shows a score that a later step takes back.
+                sim = class_similarity({sub.name: sub.files}, labs, instructor.root,
+                                       zero=opts.reference_zero, peers=False)
+                for lab_id, note in sim.flags.get(sub.name, []):
+                    sub.flag(lab_id, note)
+                for lab_id in sim.zero.get(sub.name, ()):
+                    sub.zeroed[lab_id] = next(n for i, n in sim.flags[sub.name] if i == lab_id)
         hide = [out, *{p.resolve() for _, p in paths}, staging / "course"]
         if class_mode and paths:
             hide.append(Path(paths[0][1]).resolve().parent)
@@ -651,64 +824,206 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
         ctx = RunContext(instructor, iso, work, hide, opts.impl, opts.test_timeout,
                          opts.lab_timeout, kill_grace=min(5.0, max(1.0, opts.test_timeout / 2)),
                          skip_untouched=opts.impl == "starter" and not in_place)
-        results: dict[str, dict[str, UnitResult]] = {s.name: {} for s in subs}
-        lock = threading.Lock()
 
         def folder(sub: Submission) -> Path:
             return out / "students" / sub.name if class_mode else out
 
-        def write_student(sub: Submission) -> None:
+        finished: dict[str, dict] = {}  # student -> complete report
+        todo = []
+        for sub in subs:
+            old = None if opts.regrade else _up_to_date(folder(sub), sub, meta)
+            if old is not None:
+                finished[sub.name] = old
+                log(f"  {sub.name}: graded before (same files, same course revision); kept")
+            else:
+                todo.append(sub)
+        results: dict[str, dict[str, UnitResult]] = {s.name: {} for s in todo}
+        partial: dict[str, dict] = {}
+
+        if class_mode:
+            for sub in todo:
+                _save_files(folder(sub), sub)
+
+        def report_of(sub: Submission) -> dict:
             done = [results[sub.name][u.id] for u in units if u.id in results[sub.name]]
-            reports.write_student(folder(sub), sub, done, units, meta)
+            report = reports.student_report(sub, done, units, meta)
+            report["files_digest"] = files_digest(sub)
+            return report
 
+        def write_class() -> None:
+            meta["seconds"] = round(time.monotonic() - started, 1)
+            reports.write_class(out, [*finished.values(), *partial.values()], meta)
+
+        labs_of = [u for u in units if u.kind == "lab"]
+        after = [u for u in units if u.kind != "lab"]
+        n_jobs = len(todo) * len(units)
+        count = 0
+        lock = threading.Lock()
         env_before = environment_files()
-        jobs = [(s, u) for s in subs for u in units]
-        n = 0
         with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
-            futures = {pool.submit(u.run, ctx, s): (s, u) for s, u in jobs}
-            for fut in as_completed(futures):
-                sub, unit = futures[fut]
-                try:
-                    res = fut.result()
-                except Exception as exc:  # the grader's own fault: say so, keep going
-                    res = UnitResult(unit.id, unit.title, unit.kind, max_points=unit.max_points,
-                                     status="error", error=f"{type(exc).__name__}: {exc}")
-                with lock:
-                    results[sub.name][unit.id] = res
-                    for path in sorted(environment_files() - env_before):
-                        # Only possible below the full sandbox: undo it, and say who did it.
-                        Path(path).unlink(missing_ok=True)
-                        res.flags.append(f"wrote {path} into the grader's Python environment "
-                                         "(removed)")
-                        res.uses_reference.append("tampered with the grader's environment")
-                    write_student(sub)
-                    n += 1
-                    log(f"  [{n}/{len(jobs)}] {sub.name} {unit.id}: "
-                        f"{res.points('cpu'):g}/{res.max_points.get('cpu', 0):g} "
-                        f"{res.status} ({res.seconds:.0f} s)")
-        similarity = None
-        if opts.similarity and opts.impl == "starter":
-            from course.grading.similarity import class_similarity
-
-            similarity = class_similarity(subs, labs, instructor.root,
-                                          zero=opts.reference_zero)
-            for sub in subs:
-                for lab_id, note in similarity.flags.get(sub.name, []):
-                    sub.flag(lab_id, note)
-                for lab_id in similarity.zero.get(sub.name, ()):
-                    res = results[sub.name].get(lab_id)
-                    if res is not None:
-                        res.uses_reference.append("its code is the reference's (similarity)")
-                        res.status = "uses the reference"
-                write_student(sub)
+            pending = {pool.submit(u.run, ctx, s): (s, u) for s in todo for u in labs_of}
+            while pending:
+                done_now, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done_now:
+                    sub, unit = pending.pop(fut)
+                    try:
+                        res = fut.result()
+                    except Exception as exc:  # the grader's own fault: say so, keep going
+                        res = UnitResult(unit.id, unit.title, unit.kind,
+                                         max_points=unit.max_points, status="error",
+                                         error=f"{type(exc).__name__}: {exc}")
+                    with lock:
+                        mine = results[sub.name]
+                        mine[unit.id] = res
+                        for path in sorted(environment_files() - env_before):
+                            # Only possible below the full sandbox: undo it, and say who did it.
+                            Path(path).unlink(missing_ok=True)
+                            res.flags.append(f"wrote {path} into the grader's Python environment "
+                                             "(removed)")
+                            res.uses_reference.append("tampered with the grader's environment")
+                            res.status = "uses the reference"
+                        count += 1
+                        log(f"  [{count}/{n_jobs}] {sub.name} {unit.id}: "
+                            f"{res.points('cpu'):g}/{res.max_points.get('cpu', 0):g} "
+                            f"{res.status} ({res.seconds:.0f} s)")
+                        # The units that follow labs start once those labs are scored.
+                        for u in after:
+                            if u.id in mine or any(f is not None and f[0] is sub and f[1] is u
+                                                   for f in pending.values()):
+                                continue
+                            if all(lab_id in mine for lab_id in u.follows):
+                                run_sub, notes = own_work(u, sub, mine)
+                                if sub.missing or not run_sub.files:
+                                    why = sub.missing or "no lab it composes is the student's " \
+                                        "own work (see the notes)"
+                                    skipped = u.skip(why)
+                                    skipped.notes = notes
+                                    pending[pool.submit(lambda r=skipped: r)] = (sub, u)
+                                else:
+                                    fut2 = pool.submit(_run_with_notes, u, ctx, run_sub, notes)
+                                    pending[fut2] = (sub, u)
+                        report = report_of(sub)
+                        reports.write_student(folder(sub), report, [res])
+                        if len(mine) == len(units):
+                            finished[sub.name] = report
+                            partial.pop(sub.name, None)
+                        else:
+                            partial[sub.name] = report
+                        if class_mode:
+                            write_class()
+        similarity_csv = None
+        if class_mode and opts.similarity and opts.impl == "starter" and not opts.shard:
+            # A sharded run leaves this to `--merge`, which sees the whole class.
+            similarity_csv = peer_review(out, finished, labs, instructor.root,
+                                         opts.reference_zero)
         meta["seconds"] = round(time.monotonic() - started, 1)
-        reports.write_class(out, subs, results, units, meta, similarity, class_mode)
-        broken = [(s, r) for s in subs for r in results[s.name].values() if r.error]
-        for s, r in broken:
-            log(f"GRADING ERROR for {s.name}, {r.id}: {r.error}")
+        reports.write_class(out, list(finished.values()), meta, similarity_csv)
+        broken = [(s, lab["id"], lab["error"]) for s in subs
+                  for lab in finished[s.name]["labs"] if lab["error"]]
+        for name, unit_id, error in broken:
+            log(f"GRADING ERROR for {name}, {unit_id}: {error}")
         return 2 if broken else 0
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_files(folder: Path, sub: Submission) -> None:
+    """The graded files, kept with the report: `--merge` compares the whole class from them."""
+    shutil.rmtree(folder / "files", ignore_errors=True)
+    for rel, data in sub.files.items():
+        dest = folder / "files" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+
+
+def peer_review(out: Path, finished: dict[str, dict], labs: list[Lab], root: Path,
+                zero: float) -> str:
+    """Compare the class with itself from the files kept under out/students/*/files: flags only,
+    never a score (each report's "peer_flags"; grades.json and grades.txt rewritten). Returns
+    similarity.csv's text."""
+    import course.grading.reports as reports
+    from course.grading.similarity import class_similarity
+
+    files: dict[str, dict[str, bytes]] = {}
+    for name in finished:
+        base = out / "students" / name / "files"
+        files[name] = {p.relative_to(base).as_posix(): p.read_bytes()
+                       for p in sorted(base.rglob("*")) if p.is_file()} if base.is_dir() else {}
+    sim = class_similarity(files, labs, root, zero=zero, peers=True)
+    for name, report in finished.items():
+        flags = [f"{lab_id}: {note}" for lab_id, note in sim.peer_flags.get(name, [])]
+        if flags != report.get("peer_flags", []):
+            report["peer_flags"] = flags
+            reports.write_student(out / "students" / name, report)
+    return sim.to_csv()
+
+
+def _run_with_notes(unit, ctx: RunContext, sub: Submission, notes: list[str]) -> UnitResult:
+    result = unit.run(ctx, sub)
+    result.notes = notes
+    return result
+
+
+def _review(sub: Submission, labs: list[Lab], root: Path) -> None:
+    """Flag what in a submitted file reaches for the grader (beyond what the published file
+    already does)."""
+    for rel, data in sub.files.items():
+        found = suspicious(data, rel) - suspicious((root / rel).read_bytes(), rel)
+        if found:
+            lab_id = next(lab.id for lab in labs if rel.startswith(lab.rel + "/"))
+            sub.flag(lab_id, f"review {Path(rel).name}: " + ", ".join(sorted(found)))
+
+
+def merge(shard_outs: list[Path], out: Path, labs: list[Lab], log=print,
+          similarity: bool = True, zero: float = 0.9) -> int:
+    """The class files of a run graded in shards (or of a killed run), rebuilt from each
+    student's grades.json: the shards' student folders are copied under out/students and
+    grades.csv, gradebook.csv, summary.md and class.json written as one run writes them."""
+    import course.grading.reports as reports
+
+    found: dict[str, tuple[Path, dict]] = {}
+    metas = []
+    for d in shard_outs:
+        if not (d / "class.json").is_file() and not (d / "students").is_dir():
+            raise GradingError(f"{d} is not a grading output (no class.json, no students/): "
+                               "pass the folders that `course grade --class ... --out` wrote")
+        if (d / "class.json").is_file():
+            metas.append(json.loads((d / "class.json").read_text()))
+        for f in sorted((d / "students").glob("*/grades.json")):
+            report = json.loads(f.read_text())
+            name = report["student"]
+            if name in found:
+                raise GradingError(f"{name} was graded in two shards ({found[name][0].parent} "
+                                   f"and {f.parent}): grade each shard with the same --shard N")
+            found[name] = (f.parent, report)
+    revisions = {m["course_revision"] for m in metas} | {r["course_revision"]
+                                                          for _, r in found.values()}
+    if len(revisions) > 1:
+        raise GradingError(f"the shards were graded by different course revisions "
+                           f"({', '.join(sorted(revisions))}): grade them again with one")
+    if not found:
+        raise GradingError("no student was graded in the given folders")
+    meta = dict(metas[0]) if metas else {}
+    for key in ("students", "complete", "shard"):
+        meta.pop(key, None)
+    meta["shard"] = None
+    meta["merged_from"] = [str(d) for d in shard_outs]
+    meta["seconds"] = round(sum(m.get("seconds", 0) for m in metas), 1)
+    if "units" not in meta:
+        meta["units"] = next(iter(found.values()))[1]["unit_list"]
+    for name, (src, _) in found.items():
+        dest = out / "students" / name
+        if src.resolve() != dest.resolve():
+            shutil.copytree(src, dest, dirs_exist_ok=True)
+    finished = {name: report for name, (_, report) in found.items()}
+    similarity_csv = None
+    if similarity and meta.get("impl", "starter") == "starter":
+        similarity_csv = peer_review(out, finished, labs, REPO_ROOT, zero)
+    reports.write_class(out, list(finished.values()), meta, similarity_csv)
+    missing = [name for name, r in finished.items() if not reports.complete(r)]
+    if missing:
+        log(f"warning: {len(missing)} student(s) not completely graded: {', '.join(missing)}")
+    return 0
 
 
 def environment_files() -> set[str]:

@@ -40,6 +40,9 @@ def totals(results, units) -> dict[str, dict]:
     return out
 
 
+GPU_NOT_RUN = "not run (no GPU)"
+
+
 def _flags(sub, results) -> list[str]:
     flags = list(sub.flags)
     for lab_id, notes in sub.lab_flags.items():
@@ -47,22 +50,32 @@ def _flags(sub, results) -> list[str]:
     for r in results:
         if r.uses_reference:
             flags.append(f"{r.id}: uses the reference ({'; '.join(r.uses_reference)})")
-        if r.status == "timed out":
-            flags.append(f"{r.id}: the lab's time budget ran out")
+        if r.status.startswith("timed out"):
+            flags.append(f"{r.id}: {r.status}: {r.reason}")
     return flags
 
 
+def unit_list(units) -> list[dict]:
+    """What every unit is worth: the same for every student (the class files are built from it)."""
+    return [{"id": u.id, "title": u.title, "kind": u.kind, "max_points": u.max_points}
+            for u in units]
+
+
 def student_report(sub, results, units, meta) -> dict:
+    """grades.json: everything the class files and grades.txt are made from."""
     return {
-        **{k: v for k, v in meta.items() if k != "seconds"},
+        **{k: v for k, v in meta.items() if k not in ("seconds", "units")},
         "student": sub.name,
+        "login": sub.login,
         "submission": str(sub.path),
         "commit": sub.commit,
+        "not_submitted": sub.missing,
         "files_graded": sorted(sub.files),
         "totals": totals(results, units),
         "flags": _flags(sub, results),
         "units_graded": len(results),
         "units": len(units),
+        "unit_list": unit_list(units),
         "labs": [
             {
                 "id": r.id,
@@ -70,6 +83,7 @@ def student_report(sub, results, units, meta) -> dict:
                 "title": r.title,
                 "folder": r.folder,
                 "status": r.status,
+                "reason": r.reason,
                 "points": {t: r.points(t) for t in r.max_points},
                 "max_points": r.max_points,
                 "passed": r.count("passed"),
@@ -79,6 +93,7 @@ def student_report(sub, results, units, meta) -> dict:
                 "total": len(r.tests),
                 "uses_reference": r.uses_reference,
                 "flags": r.flags + sub.lab_flags.get(r.id, []),
+                "notes": r.notes,
                 "seconds": round(r.seconds, 1),
                 "junit": f"junit/{_junit_name(r.id)}",
                 "error": r.error,
@@ -97,6 +112,10 @@ def student_report(sub, results, units, meta) -> dict:
             for r in results
         ],
     }
+
+
+def complete(report: dict) -> bool:
+    return report.get("units_graded") == report.get("units")
 
 
 def _junit_name(unit_id: str) -> str:
@@ -146,110 +165,188 @@ def junit(sub, r, meta) -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode")
 
 
-def text_table(results, units, tot) -> str:
+def _points(lab: dict, tier: str, gpu_ran) -> str:
+    if tier not in lab["max_points"]:
+        return "-"
+    if tier == "gpu" and not gpu_ran:
+        return f"{GPU_NOT_RUN} / {lab['max_points'][tier]:g}"
+    return f"{lab['points'][tier]:g}/{lab['max_points'][tier]:g}"
 
-    got = {r.id: r for r in results}
+
+def student_text(report: dict) -> str:
+    """grades.txt: a table of units, the totals, each failed test with the first line of its
+    message, and the flags."""
+    gpu_ran = report.get("gpu")
+    got = {lab["id"]: lab for lab in report["labs"]}
     rows = []
-    for u in units:
-        r = got.get(u.id)
-        if r is None:
-            rows.append([u.id, u.title, "-", "-", "-", "not graded yet"])
+    for u in report["unit_list"]:
+        lab = got.get(u["id"])
+        if lab is None:
+            rows.append([u["id"], u["title"], "-", "-", "-", "not graded yet"])
             continue
-        ran = [t for t in r.tests if t.tier == "cpu"]
-        cpu = f"{r.points('cpu'):g}/{r.max_points['cpu']:g}" if "cpu" in r.max_points else "-"
-        gpu = f"{r.points('gpu'):g}/{r.max_points['gpu']:g}" if "gpu" in r.max_points else "-"
-        passed = sum(t.outcome == "passed" for t in ran)
-        rows.append([u.id, u.title, f"{passed}/{len(ran)}", cpu, gpu, r.status])
-    text = table(["Unit", "Title", "CPU tests", "CPU points", "GPU points", "Status"], rows)
-    for tier, t in tot.items():
-        text += f"\n{tier.upper()} total: {t['points']:g} / {t['max_points']:g} points"
-    return text
+        cpu_tests = [t for t in lab["tests"] if t["tier"] == "cpu"]
+        passed = sum(t["outcome"] == "passed" for t in cpu_tests)
+        rows.append([u["id"], u["title"], f"{passed}/{len(cpu_tests)}",
+                     _points(lab, "cpu", gpu_ran), _points(lab, "gpu", gpu_ran), lab["status"]])
+    text = f"{report['student']}  (commit {report['commit'] or 'unknown'})\n"
+    if report.get("not_submitted"):
+        text += f"Not graded: {report['not_submitted']}\n"
+    text += "\n" + table(["Unit", "Title", "CPU tests", "CPU points", "GPU points", "Status"],
+                         rows)
+    for tier, t in report["totals"].items():
+        got_points = GPU_NOT_RUN if tier == "gpu" and not gpu_ran else f"{t['points']:g}"
+        text += f"\n{tier.upper()} total: {got_points} / {t['max_points']:g} points"
+    failed = []
+    for lab in report["labs"]:
+        if lab["reason"]:
+            failed.append(f"  {lab['id']}: {lab['status']}: {lab['reason']}")
+        if lab["status"] in ("not started", "does not import", "uses the reference",
+                             "similarity", "not submitted"):
+            continue  # every test fails for the one reason above
+        for t in lab["tests"]:
+            if t["outcome"] not in ("passed", "skipped") and not (
+                    t["tier"] == "gpu" and not gpu_ran):
+                first = (t["message"].strip().splitlines() or [t["outcome"]])[0][:200]
+                failed.append(f"  {lab['id']} {t['id'].split('::', 1)[-1]}: {first}")
+    if failed:
+        text += "\n\nWhat failed:\n" + "\n".join(failed)
+    notes = [f"  {lab['id']}: {n}" for lab in report["labs"] for n in lab.get("notes", [])]
+    if notes:
+        text += "\n\nNotes:\n" + "\n".join(notes)
+    flags = [*report["flags"], *report.get("peer_flags", [])]
+    if flags:
+        text += "\n\nFlags:\n" + "\n".join(f"  - {f}" for f in flags)
+    return text + "\n"
 
 
-def write_student(folder: Path, sub, results, units, meta) -> None:
-    report = student_report(sub, results, units, meta)
+def write_student(folder: Path, report: dict, results=()) -> None:
+    """grades.json and grades.txt from the report; one JUnit file per unit in `results`."""
     _atomic(folder / "grades.json", json.dumps(report, indent=1))
-    text = f"{sub.name}  (commit {sub.commit or 'unknown'})\n\n"
-    text += text_table(results, units, report["totals"])
-    if report["flags"]:
-        text += "\n\nFlags:\n" + "\n".join(f"  - {f}" for f in report["flags"])
-    _atomic(folder / "grades.txt", text + "\n")
+    _atomic(folder / "grades.txt", student_text(report))
+    meta = {"created": report["created"]}
+    sub = _Who(report["student"], report["commit"])
     for r in results:
         _atomic(folder / "junit" / _junit_name(r.id), junit(sub, r, meta))
 
 
-def csv_columns(units) -> list[str]:
+class _Who:
+    def __init__(self, name, commit):
+        self.name, self.commit = name, commit
+
+
+def csv_columns(units: list[dict]) -> list[str]:
     cols = ["student", "commit", "cpu_points", "cpu_max", "gpu_points", "gpu_max"]
     for u in units:
-        cols += [f"{u.id}{'' if tier == 'cpu' else ' gpu'}" for tier in TIERS
-                 if tier in u.max_points]
+        cols += [f"{u['id']}{'' if tier == 'cpu' else ' gpu'}" for tier in TIERS
+                 if tier in u["max_points"]]
+    cols += [f"{u['id']} status" for u in units]
     return [*cols, "graded", "flags", "errors"]
 
 
-def write_class(out: Path, subs, results, units, meta, similarity, class_mode: bool) -> None:
-    rows = []
-    for sub in subs:
-        done = [results[sub.name][u.id] for u in units if u.id in results[sub.name]]
-        tot = totals(done, units)
-        row = {
-            "student": sub.name,
-            "commit": sub.commit or "",
-            "cpu_points": tot.get("cpu", {}).get("points", 0),
-            "cpu_max": tot.get("cpu", {}).get("max_points", 0),
-            "gpu_points": tot.get("gpu", {}).get("points", 0) if meta["gpu"] else "",
-            "gpu_max": tot.get("gpu", {}).get("max_points", 0),
-            "graded": f"{len(done)}/{len(units)}",
-            "flags": " | ".join(_flags(sub, done)),
-            "errors": " | ".join(f"{r.id}: grading error" for r in done if r.error),
-        }
-        for r in done:
-            for tier in r.max_points:
-                ran = tier == "cpu" or meta["gpu"]
-                row[f"{r.id}{'' if tier == 'cpu' else ' gpu'}"] = r.points(tier) if ran else ""
-        rows.append(row)
+def class_row(report: dict, units: list[dict], gpu_ran) -> dict:
+    tot = report["totals"]
+    done = report["labs"]
+    row = {
+        "student": report["student"],
+        "commit": report["commit"] or "",
+        "cpu_points": tot.get("cpu", {}).get("points", 0),
+        "cpu_max": tot.get("cpu", {}).get("max_points", 0),
+        "gpu_points": tot.get("gpu", {}).get("points", 0) if gpu_ran else GPU_NOT_RUN,
+        "gpu_max": tot.get("gpu", {}).get("max_points", 0),
+        "graded": f"{len(done)}/{len(units)}",
+        "flags": " | ".join([*report["flags"], *report.get("peer_flags", [])]),
+        "errors": " | ".join(f"{lab['id']}: grading error" for lab in done if lab["error"]),
+    }
+    for lab in done:
+        for tier in lab["max_points"]:
+            ran = tier == "cpu" or gpu_ran
+            row[f"{lab['id']}{'' if tier == 'cpu' else ' gpu'}"] = (
+                lab["points"][tier] if ran else GPU_NOT_RUN)
+        row[f"{lab['id']} status"] = lab["status"]
+    return row
+
+
+def gradebook(reports: list[dict], gpu_ran) -> str:
+    """gradebook.csv for an LMS: Canvas's import columns (Student, ID, SIS User ID, SIS Login
+    ID, Section), then one total per tier with two decimals. Moodle imports the same file,
+    matching "SIS Login ID" to the user's username. The GPU column exists only where the GPU
+    tier ran (an LMS reads a blank as "no grade", a text as an error)."""
+    cpu_max = next((r["totals"]["cpu"]["max_points"] for r in reports if "cpu" in r["totals"]),
+                   0)
+    cols = ["Student", "ID", "SIS User ID", "SIS Login ID", "Section",
+            f"mini_vllm CPU ({cpu_max:g})"]
+    gpu_max = next((r["totals"]["gpu"]["max_points"] for r in reports if "gpu" in r["totals"]),
+                   0)
+    if gpu_ran and gpu_max:
+        cols.append(f"mini_vllm GPU ({gpu_max:g})")
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(cols)
+    for r in reports:
+        line = [r["student"], "", "", r.get("login") or r["student"], "",
+                f"{r['totals'].get('cpu', {}).get('points', 0):.2f}"]
+        if len(cols) == 7:
+            line.append(f"{r['totals'].get('gpu', {}).get('points', 0):.2f}")
+        w.writerow(line)
+    return buf.getvalue()
+
+
+def write_class(out: Path, reports: list[dict], meta: dict, similarity_csv: str | None = None
+                ) -> None:
+    """grades.csv, gradebook.csv, summary.md and class.json, from the students' reports (sorted
+    by name, so a merged run and a one-machine run write the same rows)."""
+    reports = sorted(reports, key=lambda r: r["student"])
+    units = meta["units"]
+    gpu_ran = meta["gpu"]
+    rows = [class_row(r, units, gpu_ran) for r in reports]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, csv_columns(units), extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     _atomic(out / "grades.csv", buf.getvalue())
-    _atomic(out / "class.json", json.dumps({**meta, "students": [s.name for s in subs]},
-                                           indent=1))
-    if similarity is not None:
-        _atomic(out / "similarity.csv", similarity.to_csv())
-    _atomic(out / "summary.md", summary_md(rows, units, meta, class_mode, subs, results))
+    _atomic(out / "gradebook.csv", gradebook(reports, gpu_ran))
+    _atomic(out / "class.json", json.dumps(
+        {**meta, "students": [r["student"] for r in reports],
+         "complete": [r["student"] for r in reports if complete(r)]}, indent=1))
+    if similarity_csv is not None:
+        _atomic(out / "similarity.csv", similarity_csv)
+    _atomic(out / "summary.md", summary_md(rows, reports, meta))
 
 
-def summary_md(rows, units, meta, class_mode, subs, results) -> str:
-    gpu_note = "" if meta["gpu"] else " (no GPU on this grader: GPU tests not run)"
+def summary_md(rows, reports, meta) -> str:
+    gpu_note = "" if meta["gpu"] else f" GPU tier: {GPU_NOT_RUN}."
+    done = sum(complete(r) for r in reports)
     lines = [
         "## Grades",
         "",
         f"Course revision `{meta['course_revision'][:12]}`"
         f"{' (uncommitted changes!)' if meta['course_dirty'] else ''}; isolation "
-        f"`{meta['isolation']['level']}`; {meta.get('seconds', 0):g} s{gpu_note}.",
+        f"`{meta['isolation']['level']}`; {done} of {len(reports)} students graded; "
+        f"{meta.get('seconds', 0):g} s.{gpu_note}",
         "",
     ]
-    if class_mode or len(rows) > 1:
-        lines += ["| student | commit | CPU points | GPU points | flags |",
-                  "| --- | --- | --- | --- | --- |"]
+    units = meta["units"]
+    if len(rows) > 1 or meta.get("class_mode"):
+        lines += ["| student | commit | CPU points | GPU points | " +
+                  " | ".join(u["id"] for u in units) + " | flags |",
+                  "| --- " * (5 + len(units)) + "|"]
         for r in rows:
+            gpu = r["gpu_points"] if meta["gpu"] else GPU_NOT_RUN
+            statuses = " | ".join(r.get(f"{u['id']} status", "not graded yet") for u in units)
             lines.append(f"| {r['student']} | `{r['commit'][:10]}` | {r['cpu_points']:g} / "
-                         f"{r['cpu_max']:g} | {r['gpu_points'] or '-'} / {r['gpu_max']:g} | "
+                         f"{r['cpu_max']:g} | {gpu} / {r['gpu_max']:g} | {statuses} | "
                          f"{len(r['flags'].split(' | ')) if r['flags'] else 0} |")
-    else:
-        (sub,) = subs
-        got = results[sub.name]
+    elif reports:
+        report = reports[0]
+        got = {lab["id"]: lab for lab in report["labs"]}
         lines += ["| unit | title | CPU points | GPU points | status |",
                   "| --- | --- | --- | --- | --- |"]
         for u in units:
-            r = got.get(u.id)
-            if r is None:
+            lab = got.get(u["id"])
+            if lab is None:
                 continue
-            cpu = f"{r.points('cpu'):g} / {r.max_points['cpu']:g}" if "cpu" in r.max_points \
-                else "-"
-            gpu = f"{r.points('gpu'):g} / {r.max_points['gpu']:g}" if "gpu" in r.max_points \
-                else "-"
-            lines.append(f"| {u.id} | {u.title} | {cpu} | {gpu} | {r.status} |")
+            lines.append(f"| {u['id']} | {u['title']} | {_points(lab, 'cpu', meta['gpu'])} | "
+                         f"{_points(lab, 'gpu', meta['gpu'])} | {lab['status']} |")
         row = rows[0]
         lines += ["", f"**CPU total: {row['cpu_points']:g} / {row['cpu_max']:g}**"]
         if row["flags"]:

@@ -30,7 +30,8 @@ K, WINDOW = 25, 1
 @dataclass
 class Similarity:
     rows: list[dict] = field(default_factory=list)
-    flags: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    flags: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # vs the reference
+    peer_flags: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # vs the class
     zero: dict[str, set[str]] = field(default_factory=dict)  # student -> lab ids
 
     def to_csv(self) -> str:
@@ -73,42 +74,62 @@ def _similar(a, b) -> float:
     return float(compare_files(a, b)[1][0])
 
 
-def class_similarity(subs, labs, root: Path, flag: float = FLAG, zero: float = ZERO) -> Similarity:
+def class_similarity(files: dict[str, dict[str, bytes]], labs, root: Path, flag: float = FLAG,
+                     zero: float = ZERO, peers: bool = True) -> Similarity:
+    """Compare each student's files ({student: {lab rel/starter.py: bytes}}) with the reference
+    and, with `peers`, with each other. Against the reference, a student's result does not depend
+    on the class (intake decides zeros with one student at a time); peer notes go to
+    `peer_flags`, which only flag and never change a score."""
     logging.getLogger().setLevel(logging.ERROR)  # copydetect warns about every short file
     result = Similarity()
+    names = sorted(files)
     for lab in labs:
         for fname in ("starter.py", "starter.cu"):
             rel = f"{lab.rel}/{fname}"
-            mine = [(s, s.files[rel]) for s in subs if rel in s.files]
+            mine = [(name, files[name][rel]) for name in names if rel in files[name]]
             if not mine:
                 continue
-            published = _fingerprint((root / rel).read_text(encoding="utf-8"), rel)
-            boiler = list(published.hashes)
-            refs = [_fingerprint(p.read_text(encoding="utf-8"), str(p), boiler)
-                    for p in reference_files(lab, fname, root)]
-            prints = [(s, _fingerprint(data.decode(errors="replace"), rel, boiler))
-                      for s, data in mine]
-            for s, fp in prints:
+            boiler, refs = _reference_prints(lab, fname, root)
+            prints = [(name, _fingerprint(data.decode(errors="replace"), rel, boiler))
+                      for name, data in mine]
+            for name, fp in prints:
                 ref = max((_similar(fp, r) for r in refs), default=0.0)
                 closest, best = "", 0.0
-                for other, ofp in prints:
-                    if other is not s:
+                for other, ofp in prints if peers else ():
+                    if other != name:
                         sim = _similar(fp, ofp)
                         if sim > best:
-                            closest, best = other.name, sim
+                            closest, best = other, sim
                 tokens = int(fp.token_coverage)
                 result.rows.append({
-                    "lab": lab.id, "file": fname, "student": s.name, "own_tokens": tokens,
+                    "lab": lab.id, "file": fname, "student": name, "own_tokens": tokens,
                     "reference": round(ref, 3), "closest_student": closest,
                     "closest_similarity": round(best, 3),
                 })
-                notes = result.flags.setdefault(s.name, [])
+                notes = result.flags.setdefault(name, [])
                 if ref >= zero and tokens >= MIN_TOKENS:
-                    result.zero.setdefault(s.name, set()).add(lab.id)
+                    result.zero.setdefault(name, set()).add(lab.id)
                     notes.append((lab.id, f"{fname} is {ref:.0%} the reference's code; the lab "
                                   "scores 0"))
                 elif ref >= flag and tokens >= MIN_FLAG_TOKENS:
                     notes.append((lab.id, f"review {fname}: {ref:.0%} like the reference"))
                 if best >= flag and tokens >= MIN_FLAG_TOKENS:
-                    notes.append((lab.id, f"review {fname}: {best:.0%} like {closest}'s"))
+                    result.peer_flags.setdefault(name, []).append(
+                        (lab.id, f"review {fname}: {best:.0%} like {closest}'s"))
     return result
+
+
+_REFERENCE_PRINTS: dict = {}
+
+
+def _reference_prints(lab, fname: str, root: Path):
+    """The published starter's fingerprints (boilerplate) and the reference files' (cached)."""
+    key = (str(root), lab.rel, fname)
+    if key not in _REFERENCE_PRINTS:
+        rel = f"{lab.rel}/{fname}"
+        published = _fingerprint((root / rel).read_text(encoding="utf-8"), rel)
+        boiler = list(published.hashes)
+        refs = [_fingerprint(p.read_text(encoding="utf-8"), str(p), boiler)
+                for p in reference_files(lab, fname, root)]
+        _REFERENCE_PRINTS[key] = (boiler, refs)
+    return _REFERENCE_PRINTS[key]

@@ -400,7 +400,33 @@ GRADING_EXPECTATIONS = {
     "hang": (8.75, 0.0, "import signal"),
     # Remains possible (see the README): a counterfeit report written to its own pipe. Flagged.
     "forge": (10.0, 0.0, "os.write"),
+    # The class of an instructor's trial (issue 30): honest work, half and whole, and the ways a
+    # submission goes wrong that the reports must name.
+    "partial": (2.5, 0.0, ""),
+    "all-solution": (0.0, 0.0, "uses the reference"),
+    "exec-source": (0.0, 0.0, "a copy of the reference's code"),
+    "syntax-error": (0.0, 0.0, ""),
+    "writer": (1.25, 0.0, "os.environ"),
+    "sleeper": (0.0, 0.0, "timed out (5 tests)"),
 }
+# The status of each unit (09-01, 09-02, the fixture's exam) and the exam's points. The exam runs
+# a lab only when it is the student's own work: copied, pasted or broken labs earn nothing there.
+GRADING_STATUSES = {
+    "honest": ("done", "done", "done", 4.0),
+    "partial": ("in progress", "not started", "in progress", 2.0),
+    "all-solution": ("uses the reference", "uses the reference", "not started", 0.0),
+    "copies": ("uses the reference", "not started", "not started", 0.0),
+    "exec-source": ("uses the reference", "not started", "not started", 0.0),
+    "paste": ("similarity", "not started", "not started", 0.0),
+    "syntax-error": ("does not import", "not started", "not started", 0.0),
+    "pytest-exit": ("does not import", "not started", "not started", 0.0),
+    "exit-at-import": ("crashed", "not started", "in progress", 0.0),
+    "sleeper": ("timed out (5 tests)", "not started", "in progress", 0.0),
+    "hang": ("timed out (1 test)", "timed out (2 tests)", "in progress", 2.0),
+    "writer": ("in progress", "not started", "in progress", 0.0),
+    "symlink": ("not started", "not started", "not started", 0.0),
+}
+WRITER_MARK = "course-fixture-writer-"  # what the writer submission names its files
 PTH_NAME = "course_grading_fixture_attack.pth"
 
 
@@ -425,16 +451,23 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
         env.pop("LAB_IMPL", None)
         test_timeout, lab_timeout = 2, 60
         start = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "course", "grade", "--class", str(klass), "--out", str(out),
-             "-j", str(jobs), "--test-timeout", str(test_timeout), "--lab-timeout",
-             str(lab_timeout)],
-            cwd=course, env=env, capture_output=True, text=True, timeout=1800,
-        )
+        # Graded as a GitHub workflow grades a class: two shards, then a merge.
+        runs = [["--class", str(klass), "--out", str(workdir / f"shard-{i}"), "--shard",
+                 f"{i}/2", "-j", str(jobs), "--test-timeout", str(test_timeout),
+                 "--lab-timeout", str(lab_timeout)] for i in (1, 2)]
+        runs.append(["--merge", str(workdir / "shard-1"), str(workdir / "shard-2"), "--out",
+                     str(out)])
+        for args in runs:
+            proc = subprocess.run([sys.executable, "-m", "course", "grade", *args],
+                                  cwd=course, env=env, capture_output=True, text=True,
+                                  timeout=1800)
+            if proc.returncode != 0:
+                break
         seconds = time.monotonic() - start
         facts = {"seconds": round(seconds, 1), "exit": proc.returncode, "out": str(out)}
         if proc.returncode != 0 or not (out / "grades.csv").is_file():
-            return [f"grading the fixture class failed (exit {proc.returncode}):\n"
+            return [f"grading the fixture class failed (exit {proc.returncode}, "
+                    f"`course grade {' '.join(args[:1])}`):\n"
                     + _tail(proc.stdout + proc.stderr, 30)], facts
         snapshot = {p: p.read_bytes() for p in out.rglob("grades.json")}
         time.sleep(6)  # the orphan's daemon would strike now
@@ -460,13 +493,25 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
                 problems.append(f"{name}: scored {got} (09-01, 09-02), expected {(lab1, lab2)}")
             if flag and flag not in row["flags"]:
                 problems.append(f"{name}: flags lack {flag!r}: {row['flags']!r}")
-            if row["cpu_max"] != "16.0":
-                problems.append(f"{name}: CPU maximum {row['cpu_max']}, expected 16 (fixed)")
+            if row["cpu_max"] != "20.0":
+                problems.append(f"{name}: CPU maximum {row['cpu_max']}, expected 20 (fixed)")
+            if name in GRADING_STATUSES:
+                *statuses, exam = GRADING_STATUSES[name]
+                got_statuses = [row[f"{u} status"] for u in ("09-01", "09-02", "exam")]
+                if got_statuses != statuses or float(row["exam"] or 0) != exam:
+                    problems.append(f"{name}: statuses {got_statuses}, exam {row['exam']}; "
+                                    f"expected {statuses}, exam {exam}")
             report = json.loads((out / "students" / name / "grades.json").read_text())
             for lab in report["labs"]:
                 junit = out / "students" / name / lab["junit"]
                 if not junit.is_file():
                     problems.append(f"{name}: no JUnit file for {lab['id']}")
+        left = [str(p) for d in ("/tmp", "/dev/shm") for p in Path(d).glob(WRITER_MARK + "*")]
+        left += [str(p) for p in workdir.rglob(WRITER_MARK + "*")]
+        if left:
+            problems.append(f"the writer's files outlived the run: {', '.join(left[:4])}")
+            for f in left:
+                Path(f).unlink(missing_ok=True)
         if rows.get("honest", {}).get("flags"):
             problems.append(f"honest: flagged: {rows['honest']['flags']}")
         budget = 2 * lab_timeout * len(GRADING_EXPECTATIONS) / jobs + 120
