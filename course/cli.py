@@ -4,6 +4,8 @@ python -m course                 status of every lab against your starter.py fil
 python -m course status --impl solution
 python -m course grade --submission DIR --out OUT    grade one student (exit 0 whatever the score)
 python -m course grade --class DIR --out OUT -j 4    grade a class: one CSV row per student
+python -m course clone --roster CSV --into DIR [--deadline T] [--shard i/N]   clone a class
+python -m course clone --roster CSV --plan N   the shards of N that hold students, as JSON
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
 python -m course list            the labs, in order
 python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
@@ -39,7 +41,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_grade(args) -> int:
-    from course.grading import GradingError, Options, class_folders, grade
+    from course.grading import GradingError, Options, class_folders, grade, parse_shard
 
     labs = select(discover(), args.labs)
     out = Path(args.out).resolve()
@@ -67,12 +69,9 @@ def cmd_grade(args) -> int:
         if not class_mode:
             raise SystemExit("error: --shard splits a class: give --class DIR")
         try:
-            i, n = (int(x) for x in args.shard.split("/"))
-        except ValueError:
-            raise SystemExit(f"error: --shard {args.shard}: write it as I/N, e.g. 1/4") from None
-        if not 1 <= i <= n:
-            raise SystemExit(f"error: --shard {args.shard}: I must be between 1 and N")
-        shard = (i, n)
+            shard = parse_shard(args.shard)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     missing: dict[str, str] = {}
     logins: dict[str, str] = {}
     if class_mode:
@@ -362,6 +361,38 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def cmd_clone(args) -> int:
+    """`course clone`: check a roster and print its shard matrix (--plan), or clone its
+    students (one shard's with --shard) into --into. Exit 2 on a bad roster or option; a student
+    who cannot be cloned is recorded in INTO/.roster.json, not an error."""
+    import json
+
+    from course.grading import (
+        RosterError,
+        clone_class,
+        parse_deadline,
+        parse_shard,
+        plan,
+        read_roster,
+    )
+
+    try:
+        students = read_roster(args.roster)
+        if args.plan is not None:
+            print(json.dumps(plan(students, args.plan)))
+            return 0
+        if not args.into:
+            raise ValueError("give --into DIR (where to clone) or --plan N")
+        shard = parse_shard(args.shard) if args.shard else None
+        deadline = parse_deadline(args.deadline) if args.deadline else None
+        clone_class(students, Path(args.into), deadline, shard,
+                    log=lambda m: print(m, flush=True), jobs=args.jobs or 4)
+    except (RosterError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m course",
@@ -429,6 +460,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regrade", action="store_true",
                    help="grade again students whose complete grades.json is up to date")
     p.set_defaults(func=cmd_grade)
+
+    p = sub.add_parser(
+        "clone", help="clone a class from a roster (CSV) for `grade --class`",
+        description="Clone the students of a roster (a CSV file: student,repository,ref,login; "
+        "see grading/roster.example.csv) into --into, one folder per student, at their ref and "
+        "the deadline; the outcome per student is in INTO/.roster.json. A private GitHub "
+        "repository is read with the token in $CLASS_TOKEN. --plan N prints the shards of N "
+        "that hold students, as the JSON matrix of the grading workflow: {\"shard\": [1, 3, 4]}.")
+    p.add_argument("--roster", required=True, metavar="CSV", help="the roster file")
+    p.add_argument("--into", metavar="DIR", help="the class folder to clone into")
+    p.add_argument("--deadline", metavar="ISO8601",
+                   help="grade the last commit at or before this time (with its UTC offset, "
+                   "e.g. 2026-05-01T23:59:00+02:00)")
+    p.add_argument("--shard", metavar="i/N", help="only the students of shard i of N")
+    p.add_argument("--plan", type=int, metavar="N",
+                   help="print {\"shard\": [...]}: the shards of N that hold students; no clone")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="clones at a time (default 4)")
+    p.set_defaults(func=cmd_clone)
 
     p = sub.add_parser("check", help="course integrity checks (for course authors and CI)")
     labs_and_jobs(p)
@@ -519,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("status", "grade", "check", "list", "refs", "engine", "hint", "measure", "figures")
+    commands = ("status", "grade", "clone", "check", "list", "refs", "engine", "hint", "measure",
+                "figures")
     if argv[:1] == ["figures"]:
         from course.figures import main as figures_main
 

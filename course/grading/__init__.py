@@ -3,10 +3,21 @@ the course. The rest of the course uses this package only through the names belo
 
 ``grader`` runs the grading (intake, snapshot, one sandboxed pytest per student and lab, the
 exam); ``plugin`` is the pytest plugin of those sessions; ``sandbox`` isolates them; ``reports``
-writes the per-student and per-class files; ``similarity`` compares submissions. Imports
-``labs`` and ``engine``.
+writes the per-student and per-class files; ``similarity`` compares submissions; ``roster``
+reads the class roster, splits it into shards and clones the students' repositories
+(``course clone``). Imports ``labs`` and ``engine``.
 """
 
 from course.grading.grader import GradingError, Options, class_folders, grade, merge
+from course.grading.roster import (
+    RosterError,
+    clone_class,
+    parse_deadline,
+    parse_shard,
+    plan,
+    read_roster,
+    shard_of,
+)
 
-__all__ = ["GradingError", "Options", "class_folders", "grade", "merge"]
+__all__ = ["GradingError", "Options", "RosterError", "class_folders", "clone_class", "grade",
+           "merge", "parse_deadline", "parse_shard", "plan", "read_roster", "shard_of"]

@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import course.grading.sandbox as sandbox
+from course.grading.roster import shard_of
 from course.labs.catalog import REPO_ROOT, Lab, copy_ignore
 from course.labs.published import STUDENT_FILES
 
@@ -723,12 +724,6 @@ def _gpu_ran(manifest: dict[str, list[dict]]) -> bool | None:
     """Whether this grader runs the GPU tier (None: the course has no GPU tests)."""
     gpu = [t for tests in manifest.values() for t in tests if t["tier"] == "gpu"]
     return any(t["skip"] is None for t in gpu) if gpu else None
-
-
-def shard_of(name: str, shards: int) -> int:
-    """The shard (0-based) a student is graded in: by a hash of the name, so that it does not
-    depend on who else is in the class or in which order."""
-    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % shards
 
 
 def files_digest(sub: Submission) -> str:
