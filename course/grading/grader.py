@@ -1051,6 +1051,6 @@ def class_folders(class_dir: Path) -> list[tuple[str, Path]]:
         for p in sorted(class_dir.iterdir())
         if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")
     ]
-    if not found:
+    if not found and not (class_dir / ".roster.json").is_file():  # (course clone's record)
         raise SystemExit(f"error: --class {class_dir} holds no submission folders")
     return found
