@@ -364,8 +364,8 @@ def mount_script(ws: Workspace, iso: Isolation, limits: Limits, keep: list[Path]
     lines.append(f"mnt --move {q(str(stage))} {q(str(tmp))}")
     lines.append(f"if [ -d /dev/shm ]; then mnt -t tmpfs -o nosuid,nodev,size={limits.shm_bytes},"
                  "mode=1777 course-shm /dev/shm; fi")
-    # 2. Read-only paths bound read-only, deepest first, so that an outer one's recursive bind takes the
-    #    inner ones (and the workspace's writable out) along. The workspace: out stays writable.
+    # 2. The read-only paths and the workspace bound read-only, deepest first, so that an outer
+    #    one's recursive bind takes the inner ones along; the workspace's out stays writable.
     for p in sorted(ro | {w}, key=lambda x: -len(x.parts)):
         if p == w:
             lines.append(f"mnt --bind {q(str(w / 'out'))} {q(str(w / 'out'))}")
@@ -626,6 +626,9 @@ def _mechanisms() -> tuple[str, str, tuple[str, ...]]:
         notes.append("memory is not limited: no usable memory cgroup, and RLIMIT_AS would stop "
                      "CUDA from starting")
         return "none", "rlimit-nproc", tuple(notes)
+    if not shutil.which("prlimit"):
+        notes.append("memory and processes are not limited: no usable cgroup, and no prlimit")
+        return "none", "rlimit-nproc", tuple(notes)
     notes.append("no usable memory cgroup: memory is limited by RLIMIT_AS (address space)")
     return "rlimit-as", "rlimit-nproc", tuple(notes)
 
@@ -784,7 +787,7 @@ def run_session(
         cgroups = Cgroups.create(iso.memory, iso.processes, limits, f"course-sandbox-{token}")
     if cgroups is not None:
         mechanism = cgroups.kind
-    elif iso.memory == "none" or gpu_visible():
+    elif iso.memory == "none" or gpu_visible() or not shutil.which("prlimit"):
         mechanism = "none"
     else:  # RLIMIT_AS, asked for or as the fallback when the cgroup could not be made
         mechanism = "rlimit-as"
