@@ -29,7 +29,8 @@ and vanish with it, the host's mounts are untouched):
   /lib*, /dev, /proc, /sys) is hidden: `hidden_paths()` covers each folder with an empty
   read-only tmpfs of mode 0 and each file with /dev/null, descending only into folders that hold
   a kept path (so /root, /home, /srv, /opt, /mnt, /media, /run, /var, the instructor's checkout,
-  its .git and the grader's reports are unreadable, while a venv inside the checkout stays).
+  its .git and the grader's reports are unreadable, while a venv inside the checkout stays; the
+  names in a folder that was descended into stay listable, their contents do not).
 
 Limits (`Limits`, recorded in class.json through `Isolation.as_dict()`):
 
@@ -37,10 +38,12 @@ Limits (`Limits`, recorded in class.json through `Isolation.as_dict()`):
   the v1 memory controller's `memory.limit_in_bytes` and `memory.memsw.limit_in_bytes`); the
   kernel's OOM killer stops the process that crosses it, `SessionRun.memory_limit_hit` reads the
   cgroup's OOM kill count and `peak_memory_bytes` its peak charge (RSS, page cache and the
-  session's tmpfs pages). Without a usable cgroup: RLIMIT_AS (address space, a looser bound:
-  `import torch, pytest` reserves about 0.65 GB of address space for 0.23 GB resident), and a
-  hit is recognised from the session's output (`looks_like_memory_error`). RLIMIT_AS is never
-  set when an NVIDIA GPU is visible (CUDA reserves far more address space than it uses).
+  session's tmpfs pages). Without a usable cgroup: RLIMIT_AS, which bounds address space, not
+  resident memory (`import torch, pytest` reserves 0.65 GB of address space for 0.23 GB
+  resident; a torch lab's whole pytest session peaked at 0.69 GB, so 3 GiB leaves it room), and
+  a hit is recognised from the session's output (`looks_like_memory_error`). RLIMIT_AS is never
+  set when an NVIDIA GPU is visible (CUDA reserves far more address space than it uses): there,
+  without a cgroup, memory is not limited and `require()` refuses.
 - processes: the cgroup's `pids.max`, else RLIMIT_NPROC (per user: sessions that run as nobody
   at once share it; root ignores it).
 - file size (RLIMIT_FSIZE), no core dumps, and a wall-clock budget after which the whole lab is
