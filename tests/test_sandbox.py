@@ -396,3 +396,67 @@ def test_require_refuses_weak_isolation_unless_allowed():
     sandbox.require(Isolation("namespaces+nobody", True, True, True, memory="cgroup2"))
     with pytest.raises(sandbox.IsolationError, match="no memory limit"):
         sandbox.require(Isolation("namespaces+nobody", True, True, True, memory="none"))
+
+
+# --- a grader that is not root -------------------------------------------------------------------
+
+AS_A_USER = """\
+import json, os, sys, tempfile
+from pathlib import Path
+from course.grading import sandbox
+iso = sandbox.probe()
+if iso.level != "namespaces":
+    print(json.dumps({"skip": f"{iso.level}: {'; '.join(iso.notes)}"}))
+    sys.exit()
+parent, name = Path(sys.argv[1]), sys.argv[2]
+ws = sandbox.Workspace(parent, iso)
+ws.tree.mkdir()
+(ws.tree / "prog.py").write_text(
+    "import os\\n"
+    f"open('/tmp/{name}', 'w').write('x')\\n"
+    "blocks = [b'x' * (64 << 20) for _ in range(32)]\\n")
+ws.seal()
+run = sandbox.run_session([sys.executable, "prog.py"], ws, sandbox.minimal_env(ws, {}), 60, [],
+                          limits=sandbox.Limits(memory_bytes=512 << 20))
+ws.remove()
+print(json.dumps({"level": iso.level, "memory": run.memory_mechanism,
+                  "hit": run.memory_limit_hit, "log": run.log_tail}))
+"""
+
+
+def _nobody_runs(python: str) -> bool:
+    return subprocess.run(
+        ["setpriv", f"--reuid={sandbox.NOBODY}", f"--regid={sandbox.NOBODY}", "--clear-groups",
+         "/bin/sh", "-c", 'exec "$0" -c "import json"', python],
+        capture_output=True, timeout=60).returncode == 0
+
+
+def test_a_grader_that_is_not_root_gets_the_namespaces_level():
+    """The grader run by a plain user (nobody here): user namespaces, RLIMIT_AS, and the same
+    private /tmp. Mounts in a user namespace must not touch the host's mount table (mount -n)."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or not setpriv:
+        pytest.skip("needs root (to start a grader as nobody) and setpriv")
+    python = next((p for p in (sys.executable, shutil.which("python3"), "/usr/bin/python3")
+                   if p and _nobody_runs(p)), None)
+    if python is None:
+        pytest.skip("user nobody can run no Python here")
+    parent = Path(tempfile.mkdtemp(prefix="course-sandbox-user-"))
+    try:
+        os.chown(parent, sandbox.NOBODY, sandbox.NOBODY)
+        name = f"course-sandbox-test-{secrets.token_hex(6)}"
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(parent),
+               "PYTHONPATH": str(sandbox.COURSE_ROOT)}
+        proc = subprocess.run(
+            [setpriv, f"--reuid={sandbox.NOBODY}", f"--regid={sandbox.NOBODY}",
+             "--clear-groups", python, "-c", AS_A_USER, str(parent), name],
+            cwd=parent, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "skip" in result:
+            pytest.skip(f"user nobody gets no user namespace here ({result['skip']})")
+        assert result["memory"] == "rlimit-as" and result["hit"], result["log"]
+        assert not (Path("/tmp") / name).exists()
+        assert os.listdir(parent) == []
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)

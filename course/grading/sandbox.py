@@ -346,7 +346,7 @@ def mount_script(ws: Workspace, iso: Isolation, limits: Limits, keep: list[Path]
     lines = [
         "umask 022",
         f'fail() {{ echo "sandbox: $*" >&2; exit {SANDBOX_FAILED}; }}',
-        'mnt() { mount "$@" || fail "mount $* failed"; }',
+        'mnt() { mount -n "$@" || fail "mount $* failed"; }',  # -n: no utab
         'hide() { if [ -L "$1" ]; then :; elif [ -d "$1" ]; then '
         'mnt -t tmpfs -o ro,nosuid,nodev,noexec,size=4k,mode=0 course-hidden "$1"; '
         'elif [ -e "$1" ]; then mnt --bind /dev/null "$1"; fi; }',
