@@ -160,12 +160,14 @@ def _probe_level() -> Isolation:
             ok = subprocess.run(check, capture_output=True, timeout=60, env=env).returncode == 0
         except (OSError, subprocess.SubprocessError):
             ok = False
-        if ok:
-            return Isolation("namespaces+nobody", True, True, True)
-        notes.append(
+        iso = Isolation("namespaces+nobody", True, True, True)
+        failed = None if ok else (
             f"running as root, but user nobody cannot run {sys.executable} with pytest "
-            "(make the Python environment world-readable); falling back"
-        )
+            "(make the Python environment world-readable); falling back")
+        failed = failed or _trial(iso)
+        if failed is None:
+            return iso
+        notes.append(failed)
     elif os.geteuid() == 0:
         notes.append("running as root but unshare or setpriv is missing")
     else:
@@ -173,11 +175,37 @@ def _probe_level() -> Isolation:
     if sys.platform == "linux" and unshare and setpriv and _works(
         [unshare, "--user", "--map-root-user", *_NS, "true"]
     ):
-        return Isolation("namespaces", True, True, False, tuple(notes))
+        iso = Isolation("namespaces", True, True, False, tuple(notes))
+        failed = _trial(iso)
+        if failed is None:
+            return iso
+        notes.append(failed)
     notes.append("no namespaces available: network is not cut off, /tmp is shared, the host's "
                  "files are not hidden, and a daemon that clears its environment can outlive "
                  "the lab")
     return Isolation("process-group", notes=tuple(notes))
+
+
+def _trial(iso: Isolation) -> str | None:
+    """Run a trivial session at `iso` with the whole mount plan: None if it worked, else why."""
+    import tempfile
+
+    parent = Path(tempfile.mkdtemp(prefix="course-sandbox-probe-"))
+    try:
+        os.chmod(parent, 0o711)
+        ws = Workspace(parent, iso)
+        ws.tree.mkdir()
+        ws.seal()
+        run = run_session([sys.executable, "-c", "import pytest"], ws, minimal_env(ws, {}), 60,
+                          [])
+        if run.returncode == 0:
+            return None
+        return (f"the {iso.level} sandbox did not start here (exit {run.returncode}): "
+                f"{run.log_tail.strip()[-300:]}; falling back")
+    except OSError as exc:
+        return f"the {iso.level} sandbox did not start here ({exc}); falling back"
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 @cache
