@@ -196,7 +196,7 @@ def _trial(iso: Isolation) -> str | None:
         ws = Workspace(parent, iso)
         ws.tree.mkdir()
         ws.seal()
-        run = run_session([sys.executable, "-c", "import pytest"], ws, minimal_env(ws, {}), 60,
+        run = run_session([sys.executable, "-c", "import json, site"], ws, minimal_env(ws, {}), 60,
                           [])
         if run.returncode == 0:
             return None
