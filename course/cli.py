@@ -100,6 +100,8 @@ def cmd_grade(args) -> int:
         similarity=not args.no_similarity,
         shard=shard,
         regrade=args.regrade,
+        memory_limit=int(args.memory_limit * 2**30),
+        allow_weak_isolation=args.allow_weak_isolation,
     )
     print(f"Grading {len(paths)} submission(s) x {len(labs)} lab(s), {opts.jobs} at a time.",
           file=sys.stderr)
@@ -457,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="+", metavar="DIR",
                    help="rebuild the class files in --out from these grading outputs (shards, "
                    "or a run that was killed); nothing is graded")
+    p.add_argument("--memory-limit", type=float, default=3.0, metavar="GIB",
+                   help="memory of one lab's grading session (default 3 GiB)")
+    p.add_argument("--allow-weak-isolation", action="store_true",
+                   help="grade even where the full sandbox (root: namespaces, user nobody, a "
+                   "memory limit) is not available")
     p.add_argument("--regrade", action="store_true",
                    help="grade again students whose complete grades.json is up to date")
     p.set_defaults(func=cmd_grade)

@@ -371,6 +371,7 @@ class UnitResult:
     error: str | None = None  # grading itself broke
     log: str = ""
     reason: str = ""  # why the status, in one line (the error of a lab that does not import)
+    peak_memory: int | None = None  # bytes, where the sandbox's memory limit can tell
     notes: list[str] = field(default_factory=list)  # e.g. the exam's composition
 
     def points(self, tier: str) -> float:
@@ -464,6 +465,7 @@ class LabUnit:
             ws.remove()
         result.seconds = run.seconds
         result.log = run.log_tail
+        result.peak_memory = run.peak_memory_bytes
         self._score(result, run, ctx)
         return result
 
@@ -532,6 +534,12 @@ class LabUnit:
             elif "findings" not in reference and ctx.impl == "starter":
                 result.flags.append(
                     f"reference check did not finish: {reference.get('message', '')[:200]}")
+        if run.memory_limit_hit:
+            # Under a cgroup the kernel kills the test that went over: it shows as crashed.
+            limit = ctx.iso.limits.memory_bytes / 2**30
+            for t in result.tests:
+                if t.outcome == "crashed" or sandbox.looks_like_memory_error(t.message + t.detail):
+                    t.message = f"stopped at the memory limit ({limit:g} GiB): {t.message}"
         if not started and not run.timed_out:
             result.error = ("the grading session did not start (a problem of the grader, not of "
                             f"the submission):\n{run.log_tail[-2000:]}")
@@ -545,11 +553,6 @@ STATUSES = ("not started", "does not import", "crashed", "timed out", "memory li
             "not run here", "error")
 
 
-def _looks_like_memory_error(text: str) -> bool:
-    return any(n in text for n in ("MemoryError", "can't allocate memory",
-                                   "Cannot allocate memory", "std::bad_alloc"))
-
-
 def _status(r: UnitResult, run: sandbox.SessionRun) -> tuple[str, str]:
     """(status, reason): what went wrong first, in the order an instructor would look."""
     if r.error:
@@ -559,7 +562,7 @@ def _status(r: UnitResult, run: sandbox.SessionRun) -> tuple[str, str]:
     ran = [t for t in r.tests if t.outcome != "skipped"]
     failed = [t for t in ran if t.outcome != "passed"]
     passed = len(ran) - len(failed)
-    hogs = [t for t in failed if _looks_like_memory_error(t.message)]
+    hogs = [t for t in failed if sandbox.looks_like_memory_error(t.message)]
     if getattr(run, "memory_limit_hit", False) or hogs:
         where = f" ({hogs[0].id.split('::', 1)[-1]}: {hogs[0].message[:120]})" if hogs else ""
         return "memory limit", f"the lab's memory limit was reached{where}"
@@ -625,7 +628,7 @@ class CommandUnit:
             for rel, data in sub.files.items():
                 (ws.tree / rel).write_bytes(data)
             ws.seal()
-            out = ws.tmp / "cases.json"
+            out = ws.out / "cases.json"
             argv = [a.replace("{json}", str(out)).replace("{python}", sys.executable)
                     .replace("{impl}", ctx.impl) for a in self.argv]
             env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl})
@@ -716,6 +719,8 @@ class Options:
     lab_timeout: float = 900.0
     similarity: bool = True
     reference_zero: float = 0.9
+    memory_limit: int = sandbox.Limits().memory_bytes  # bytes per grading session
+    allow_weak_isolation: bool = False
     shard: tuple[int, int] | None = None  # (i, n), 1-based: grade only shard i of n
     regrade: bool = False  # grade again students whose complete grades.json is up to date
 
@@ -760,7 +765,11 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
 
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
-    iso = sandbox.probe()
+    iso = sandbox.probe(sandbox.Limits(memory_bytes=opts.memory_limit))
+    try:
+        sandbox.require(iso, opts.allow_weak_isolation)
+    except sandbox.IsolationError as exc:
+        raise GradingError(str(exc)) from None
     staging = Path(tempfile.mkdtemp(prefix="course-grade-"))
     os.chmod(staging, 0o711)
     work = staging / "work"
@@ -809,12 +818,11 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                     sub.flag(lab_id, note)
                 for lab_id in sim.zero.get(sub.name, ()):
                     sub.zeroed[lab_id] = next(n for i, n in sim.flags[sub.name] if i == lab_id)
-        hide = [out, *{p.resolve() for _, p in paths}, staging / "course"]
+        # The sandbox hides these whole, or all but the paths it keeps (the workspaces, the
+        # Python environment) where they hold one.
+        hide = [out, instructor.root, *{p.resolve() for _, p in paths}, staging / "course"]
         if class_mode and paths:
             hide.append(Path(paths[0][1]).resolve().parent)
-        # Never hide a folder that holds the workspaces or the Python environment.
-        keep = (work, Path(sys.executable).parent)
-        hide = [h for h in hide if not any(k == h or h in k.parents for k in keep)]
         in_place = any(p.resolve() == instructor.root for _, p in paths)
         ctx = RunContext(instructor, iso, work, hide, opts.impl, opts.test_timeout,
                          opts.lab_timeout, kill_grace=min(5.0, max(1.0, opts.test_timeout / 2)),

@@ -95,6 +95,8 @@ def student_report(sub, results, units, meta) -> dict:
                 "flags": r.flags + sub.lab_flags.get(r.id, []),
                 "notes": r.notes,
                 "seconds": round(r.seconds, 1),
+                "peak_memory_mib": None if getattr(r, "peak_memory", None) is None
+                else round(r.peak_memory / 2**20, 1),
                 "junit": f"junit/{_junit_name(r.id)}",
                 "error": r.error,
                 "tests": [

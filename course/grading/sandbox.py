@@ -70,7 +70,10 @@ from pathlib import Path
 NOBODY = 65534
 MiB = 1024 * 1024
 GiB = 1024 * MiB
-FSIZE_LIMIT = 512 * MiB  # bytes one process may write to a file
+# The largest file one process may make. Disk is bounded by the tmpfs sizes; this is for files
+# that are memory: lab 02-06 maps sparse shared-memory files past 2^31 elements (8 GiB of
+# address space, a few MiB touched), which a smaller limit refuses (EFBIG) to every submission.
+FSIZE_LIMIT = 16 * GiB
 NPROC_LIMIT = 4096  # RLIMIT_NPROC when a pids cgroup does the real counting
 TOKEN_ENV = "COURSE_SANDBOX_TOKEN"
 SANDBOX_FAILED = 97  # exit status of the wrapper when it could not set the sandbox up

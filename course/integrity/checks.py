@@ -408,6 +408,7 @@ GRADING_EXPECTATIONS = {
     "syntax-error": (0.0, 0.0, ""),
     "writer": (1.25, 0.0, "os.environ"),
     "sleeper": (0.0, 0.0, "timed out (5 tests)"),
+    "memory-hog": (0.0, 0.0, ""),
 }
 # The status of each unit (09-01, 09-02, the fixture's exam) and the exam's points. The exam runs
 # a lab only when it is the student's own work: copied, pasted or broken labs earn nothing there.
@@ -425,7 +426,9 @@ GRADING_STATUSES = {
     "hang": ("timed out (1 test)", "timed out (2 tests)", "in progress", 2.0),
     "writer": ("in progress", "not started", "in progress", 0.0),
     "symlink": ("not started", "not started", "not started", 0.0),
+    "memory-hog": ("memory limit", "not started", "memory limit", 0.0),
 }
+FIXTURE_MEMORY_GIB = 1  # the fixture class's --memory-limit (the hog asks for 6 GiB)
 WRITER_MARK = "course-fixture-writer-"  # what the writer submission names its files
 PTH_NAME = "course_grading_fixture_attack.pth"
 
@@ -453,7 +456,8 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
         start = time.monotonic()
         # Graded as a GitHub workflow grades a class: two shards, then a merge.
         runs = [["--class", str(klass), "--out", str(workdir / f"shard-{i}"), "--shard",
-                 f"{i}/2", "-j", str(jobs), "--test-timeout", str(test_timeout),
+                 f"{i}/2", "-j", str(jobs), "--memory-limit", str(FIXTURE_MEMORY_GIB),
+                 "--test-timeout", str(test_timeout),
                  "--lab-timeout", str(lab_timeout)] for i in (1, 2)]
         runs.append(["--merge", str(workdir / "shard-1"), str(workdir / "shard-2"), "--out",
                      str(out)])
@@ -503,6 +507,9 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
                                     f"expected {statuses}, exam {exam}")
             report = json.loads((out / "students" / name / "grades.json").read_text())
             for lab in report["labs"]:
+                peak = lab.get("peak_memory_mib")
+                if peak is not None and peak > FIXTURE_MEMORY_GIB * 1024:
+                    problems.append(f"{name}: {lab['id']} held {peak} MiB, over the limit")
                 junit = out / "students" / name / lab["junit"]
                 if not junit.is_file():
                     problems.append(f"{name}: no JUnit file for {lab['id']}")
