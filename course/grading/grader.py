@@ -453,7 +453,7 @@ class LabUnit:
             ws.seal()
             os.chmod(spec_path, 0o444)
             argv = [
-                sys.executable, "-m", "pytest", f"{lab.rel}/test_lab.py", "-q", "-s",
+                sandbox.python(), "-m", "pytest", f"{lab.rel}/test_lab.py", "-q", "-s",
                 "--no-header", *SESSION_PLUGINS,
                 "--course-channel={channel}", f"--course-spec={spec_path}",
                 f"--timeout={ctx.test_timeout:g}",
@@ -629,7 +629,7 @@ class CommandUnit:
                 (ws.tree / rel).write_bytes(data)
             ws.seal()
             out = ws.out / "cases.json"
-            argv = [a.replace("{json}", str(out)).replace("{python}", sys.executable)
+            argv = [a.replace("{json}", str(out)).replace("{python}", sandbox.python())
                     .replace("{impl}", ctx.impl) for a in self.argv]
             env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl})
             run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)

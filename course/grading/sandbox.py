@@ -139,6 +139,14 @@ class IsolationError(Exception):
     """The sandbox available here is weaker than the grader was asked to accept."""
 
 
+def python() -> str:
+    """The interpreter that sessions run: this one, by a path with its environment's folders
+    resolved (a `.venv` that is a link into a hidden folder, such as a checkout, would not be
+    found inside the sandbox), keeping the file name (resolving it would leave the venv)."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
+                        os.path.basename(sys.executable))
+
+
 def _works(cmd: list[str]) -> bool:
     try:
         return subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
@@ -157,7 +165,7 @@ def _probe_level() -> Isolation:
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
     if sys.platform == "linux" and unshare and os.geteuid() == 0 and setpriv:
         check = [unshare, *_NS, "--", setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                 "--clear-groups", "--", sys.executable, "-c", "import pytest, course"]
+                 "--clear-groups", "--", python(), "-c", "import pytest, course"]
         env = dict(os.environ, PYTHONPATH=str(COURSE_ROOT))
         try:
             ok = subprocess.run(check, capture_output=True, timeout=60, env=env).returncode == 0
@@ -165,7 +173,7 @@ def _probe_level() -> Isolation:
             ok = False
         iso = Isolation("namespaces+nobody", True, True, True)
         failed = None if ok else (
-            f"running as root, but user nobody cannot run {sys.executable} with pytest "
+            f"running as root, but user nobody cannot run {python()} with pytest "
             "(make the Python environment world-readable); falling back")
         failed = failed or _trial(iso)
         if failed is None:
@@ -199,7 +207,7 @@ def _trial(iso: Isolation) -> str | None:
         ws = Workspace(parent, iso)
         ws.tree.mkdir()
         ws.seal()
-        run = run_session([sys.executable, "-c", "import json, site"], ws, minimal_env(ws, {}), 60,
+        run = run_session([python(), "-c", "import json, site"], ws, minimal_env(ws, {}), 60,
                           [])
         if run.returncode == 0:
             return None
@@ -289,7 +297,7 @@ def hidden_paths(keep: list[Path], roots: list[Path]) -> list[Path]:
 def _python_paths() -> list[Path]:
     """The folders the interpreter and its environment live in."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
+             os.path.dirname(python()), os.path.dirname(os.path.realpath(sys.executable))}
     return [Path(p) for p in paths if p]
 
 
@@ -753,7 +761,7 @@ class Workspace:
 
 
 def minimal_env(ws: Workspace, extra: dict[str, str]) -> dict[str, str]:
-    bin_dirs = [os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"]
+    bin_dirs = [os.path.dirname(python()), "/usr/local/bin", "/usr/bin", "/bin"]
     nvcc = shutil.which("nvcc")
     if nvcc:
         bin_dirs.insert(1, os.path.dirname(nvcc))
