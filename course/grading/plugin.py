@@ -456,29 +456,6 @@ def _reference_check(session, spec) -> dict:
     return {"findings": sorted(_findings(student, refs) - allowed)}
 
 
-def _codes(obj, seen: set[int]) -> set[int]:
-    """ids of the code objects of a function or of a class's methods (nested code included)."""
-    found: set[int] = set()
-    funcs = []
-    if isinstance(obj, type):
-        for klass in obj.__mro__:
-            if klass.__module__ == "builtins":
-                continue
-            for value in vars(klass).values():
-                funcs.extend(_functions_of(value))
-    else:
-        funcs.extend(_functions_of(obj))
-    stack = [f.__code__ for f in funcs if hasattr(f, "__code__")]
-    while stack:
-        code = stack.pop()
-        if id(code) in seen:
-            continue
-        seen.add(id(code))
-        found.add(id(code))
-        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return found
-
-
 def _functions_of(value) -> list:
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
@@ -503,6 +480,8 @@ def _shape(code: types.CodeType) -> tuple:
 
 
 def _code_objects(obj) -> list[types.CodeType]:
+    """The code objects of a function or of a class's methods (its bases' too), nested code
+    included, each once."""
     funcs = []
     if isinstance(obj, type):
         for klass in obj.__mro__:
@@ -513,12 +492,13 @@ def _code_objects(obj) -> list[types.CodeType]:
     else:
         funcs.extend(_functions_of(obj))
     stack = [f.__code__ for f in funcs if hasattr(f, "__code__")]
-    found = []
+    found: dict[int, types.CodeType] = {}
     while stack:
         code = stack.pop()
-        found.append(code)
-        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return found
+        if id(code) not in found:
+            found[id(code)] = code
+            stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return list(found.values())
 
 
 def _course_code(code: types.CodeType) -> bool:
@@ -531,8 +511,8 @@ def _findings(module, refs: dict) -> set[str]:
     ref_codes: dict[int, str] = {}
     ref_shapes: dict[tuple, str] = {}
     for name, obj in refs.items():
-        for code_id in _codes(obj, set()):
-            ref_codes.setdefault(code_id, name)
+        for code in _code_objects(obj):
+            ref_codes.setdefault(id(code), name)
         for code in _code_objects(obj):
             # The course's own code only: a base class from torch is no one's copy.
             if len(code.co_code) >= MIN_COPIED_CODE and _course_code(code):
