@@ -21,6 +21,7 @@ import shutil
 import site
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -226,7 +227,11 @@ def workspace(tmp_path_factory):
     bin_dir.mkdir()
     (bin_dir / "sudo").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\n'
                                   'exec "$@"\n')
-    venv = tmp / "opt" / "grader" / "venv"
+    # Outside pytest's private temporary folders, as /opt/grader/venv is on a runner: the
+    # sandbox runs student code as nobody, who must be able to run this interpreter.
+    venv_root = Path(tempfile.mkdtemp(prefix="course-grader-venv-"))
+    venv_root.chmod(0o755)
+    venv = venv_root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c",
                                    "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -273,6 +278,7 @@ def workspace(tmp_path_factory):
     yield {"tmp": tmp, "ws": ws, "runner": runner, "job": job, "rest": steps[grading:],
            "shard": shard, "commits": commits, "starter": starter, "wf": wf,
            "venv": venv, "parent_unchanged": before == after}
+    shutil.rmtree(venv_root, ignore_errors=True)
 
 
 def test_install_and_clone_steps_run_as_on_github(workspace):

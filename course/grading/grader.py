@@ -924,7 +924,7 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                                          opts.reference_zero)
         meta["seconds"] = round(time.monotonic() - started, 1)
         reports.write_class(out, list(finished.values()), meta, similarity_csv)
-        broken = [(s, lab["id"], lab["error"]) for s in subs
+        broken = [(s.name, lab["id"], lab["error"]) for s in subs
                   for lab in finished[s.name]["labs"] if lab["error"]]
         for name, unit_id, error in broken:
             log(f"GRADING ERROR for {name}, {unit_id}: {error}")

@@ -165,8 +165,10 @@ def _probe_level() -> Isolation:
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
     if sys.platform == "linux" and unshare and os.geteuid() == 0 and setpriv:
         check = [unshare, *_NS, "--", setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                 "--clear-groups", "--", python(), "-c", "import pytest, course"]
-        env = dict(os.environ, PYTHONPATH=str(COURSE_ROOT))
+                 "--clear-groups", "--", python(), "-c", "import pytest"]
+        # Not `course`: sessions import it from their copy of the course, and the checkout it
+        # runs from may sit in a home folder that nobody cannot enter (as on GitHub's runners).
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         try:
             ok = subprocess.run(check, capture_output=True, timeout=60, env=env).returncode == 0
         except (OSError, subprocess.SubprocessError):
@@ -298,6 +300,9 @@ def _python_paths() -> list[Path]:
     """The folders the interpreter and its environment live in."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(python()), os.path.dirname(os.path.realpath(sys.executable))}
+    # Package folders that a .pth file adds from elsewhere (an environment layered on another).
+    paths |= {os.path.realpath(p) for p in sys.path
+              if ("site-packages" in p or "dist-packages" in p) and os.path.isdir(p)}
     return [Path(p) for p in paths if p]
 
 
