@@ -234,6 +234,9 @@ def test_shards_merged_give_the_rows_of_one_run_and_a_run_resumes(tmp_path):
     rows = {r["student"]: r for r in csv.DictReader((whole / "grades.csv").open())}
     assert rows["all-solution"]["exam"] == "0.0" and rows["honest"]["exam"] == "4.0"
     assert rows["syntax-error"]["09-01 status"] == "does not import"
+    # New objects built from the reference's source are the reference's code.
+    assert rows["exec-source"]["09-01 status"] == "uses the reference"
+    assert "a copy of the reference's code" in rows["exec-source"]["flags"]
     # Run again: every student is complete and unchanged, so nothing is graded.
     before = (whole / "students" / "honest" / "grades.json").read_text()
     proc = _grade(course, "--class", str(klass), "--out", str(whole))

@@ -8,7 +8,15 @@ reads the class roster, splits it into shards and clones the students' repositor
 (``course clone``). Imports ``labs`` and ``engine``.
 """
 
-from course.grading.grader import GradingError, Options, class_folders, grade, merge
+from course.grading.grader import (
+    STATUSES,
+    GradingError,
+    Options,
+    class_folders,
+    grade,
+    merge,
+    status_word,
+)
 from course.grading.roster import (
     RosterError,
     clone_class,
@@ -19,5 +27,6 @@ from course.grading.roster import (
     shard_of,
 )
 
-__all__ = ["GradingError", "Options", "RosterError", "class_folders", "clone_class", "grade",
-           "merge", "parse_deadline", "parse_shard", "plan", "read_roster", "shard_of"]
+__all__ = ["STATUSES", "GradingError", "Options", "RosterError", "class_folders", "clone_class",
+           "grade", "merge", "parse_deadline", "parse_shard", "plan", "read_roster", "shard_of",
+           "status_word"]

@@ -547,10 +547,15 @@ class LabUnit:
 
 
 # Every status a unit can have, the same word in grades.txt, grades.csv, summary.md and the live
-# log. "timed out" carries its count: "timed out (3 tests)".
+# log. "timed out" carries its count: "timed out (3 tests)". (`status_word` gives the word.)
 STATUSES = ("not started", "does not import", "crashed", "timed out", "memory limit",
             "uses the reference", "similarity", "in progress", "done", "not submitted",
             "not run here", "error")
+
+
+def status_word(status: str) -> str:
+    """The status without its count ("timed out (3 tests)" -> "timed out")."""
+    return status.split(" (", 1)[0]
 
 
 def _status(r: UnitResult, run: sandbox.SessionRun) -> tuple[str, str]:
@@ -563,7 +568,7 @@ def _status(r: UnitResult, run: sandbox.SessionRun) -> tuple[str, str]:
     failed = [t for t in ran if t.outcome != "passed"]
     passed = len(ran) - len(failed)
     hogs = [t for t in failed if sandbox.looks_like_memory_error(t.message)]
-    if getattr(run, "memory_limit_hit", False) or hogs:
+    if run.memory_limit_hit or hogs:
         where = f" ({hogs[0].id.split('::', 1)[-1]}: {hogs[0].message[:120]})" if hogs else ""
         return "memory limit", f"the lab's memory limit was reached{where}"
     timed = [t for t in ran if t.outcome == "timed_out" or t.kind == "timeout"
@@ -861,6 +866,7 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
         after = [u for u in units if u.kind != "lab"]
         n_jobs = len(todo) * len(units)
         count = 0
+        started_after: set[tuple[str, str]] = set()  # (student, unit) of the units that follow
         lock = threading.Lock()
         env_before = environment_files()
         with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
@@ -891,10 +897,10 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                             f"{res.status} ({res.seconds:.0f} s)")
                         # The units that follow labs start once those labs are scored.
                         for u in after:
-                            if u.id in mine or any(f is not None and f[0] is sub and f[1] is u
-                                                   for f in pending.values()):
+                            if (sub.name, u.id) in started_after:
                                 continue
                             if all(lab_id in mine for lab_id in u.follows):
+                                started_after.add((sub.name, u.id))
                                 if ctx.skip_untouched:
                                     run_sub, notes = own_work(u, sub, mine)
                                 else:  # --impl solution, or a checkout graded in place

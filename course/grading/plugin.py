@@ -513,7 +513,6 @@ def _findings(module, refs: dict) -> set[str]:
     for name, obj in refs.items():
         for code in _code_objects(obj):
             ref_codes.setdefault(id(code), name)
-        for code in _code_objects(obj):
             # The course's own code only: a base class from torch is no one's copy.
             if len(code.co_code) >= MIN_COPIED_CODE and _course_code(code):
                 ref_shapes.setdefault(_shape(code), name)

@@ -1,8 +1,11 @@
 """What grading writes: per student grades.json, grades.txt and one JUnit XML per graded unit;
-per class grades.csv (one row per student), summary.md (a table) and similarity.csv.
+per class grades.csv (one row per student), gradebook.csv (for an LMS), summary.md (a table),
+class.json and similarity.csv.
 
 Files are written whole and renamed into place, so a reader (or a killed run) never sees half a
-file; a student's files are rewritten as each of their units finishes.
+file; a student's files are rewritten as each of their units finishes, the class files as each
+student finishes. The class files are made from the students' grades.json alone, so that
+`course grade --merge` rebuilds them from shards or from a killed run.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from xml.etree import ElementTree as ET
 
 from course.labs.console import table
@@ -226,14 +230,9 @@ def write_student(folder: Path, report: dict, results=()) -> None:
     _atomic(folder / "grades.json", json.dumps(report, indent=1))
     _atomic(folder / "grades.txt", student_text(report))
     meta = {"created": report["created"]}
-    sub = _Who(report["student"], report["commit"])
+    who = SimpleNamespace(name=report["student"], commit=report["commit"])
     for r in results:
-        _atomic(folder / "junit" / _junit_name(r.id), junit(sub, r, meta))
-
-
-class _Who:
-    def __init__(self, name, commit):
-        self.name, self.commit = name, commit
+        _atomic(folder / "junit" / _junit_name(r.id), junit(who, r, meta))
 
 
 def csv_columns(units: list[dict]) -> list[str]:
@@ -270,9 +269,9 @@ def class_row(report: dict, units: list[dict], gpu_ran) -> dict:
 
 def gradebook(reports: list[dict], gpu_ran) -> str:
     """gradebook.csv for an LMS: Canvas's import columns (Student, ID, SIS User ID, SIS Login
-    ID, Section), then one total per tier with two decimals. Moodle imports the same file,
-    matching "SIS Login ID" to the user's username. The GPU column exists only where the GPU
-    tier ran (an LMS reads a blank as "no grade", a text as an error)."""
+    ID, Section), then one total per tier with two decimals; Moodle's CSV import can match "SIS
+    Login ID" to the username. (Not imported into either LMS here.) The GPU column exists only
+    where the GPU tier ran (an LMS reads a blank as "no grade", a text as an error)."""
     cpu_max = next((r["totals"]["cpu"]["max_points"] for r in reports if "cpu" in r["totals"]),
                    0)
     cols = ["Student", "ID", "SIS User ID", "SIS Login ID", "Section",

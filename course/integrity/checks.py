@@ -443,6 +443,8 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
     import sys
     import time
 
+    from course.grading import STATUSES, status_word
+
     own = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="course-grading-check-")) if own else workdir
     problems: list[str] = []
@@ -502,6 +504,10 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
                 problems.append(f"{name}: flags lack {flag!r}: {row['flags']!r}")
             if row["cpu_max"] != "20.0":
                 problems.append(f"{name}: CPU maximum {row['cpu_max']}, expected 20 (fixed)")
+            unknown = [s for s in (row[k] for k in row if k.endswith(" status"))
+                       if status_word(s) not in STATUSES]
+            if unknown:
+                problems.append(f"{name}: statuses outside the documented list: {unknown}")
             if name in GRADING_STATUSES:
                 *statuses, exam = GRADING_STATUSES[name]
                 got_statuses = [row[f"{u} status"] for u in ("09-01", "09-02", "exam")]
