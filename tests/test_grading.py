@@ -247,3 +247,29 @@ def test_shards_merged_give_the_rows_of_one_run_and_a_run_resumes(tmp_path):
     (whole / "grades.csv").unlink()
     _grade(course, "--merge", str(whole), "--out", str(whole))
     assert (whole / "grades.csv").read_text() == (merged / "grades.csv").read_text()
+
+
+def test_grading_copies_hold_the_reference_as_bytecode_only(tmp_path):
+    """What a lab is graded in: mini_vllm and the labs' solution.py import, from bytecode, with
+    no source left to read or exec; a function's file is its module's file, as with source."""
+    from course.grading.grader import hide_reference_source
+
+    course, _ = build_grading_fixture(tmp_path)
+    lab = course / "phase-09-demo" / "labs" / "lab-01-stats"
+    hide_reference_source(course)
+    assert not list((course / "mini_vllm").rglob("*.py"))
+    assert not (lab / "solution.py").exists() and (lab / "solution.pyc").is_file()
+    probe = (
+        "import mini_vllm.stats as s\n"
+        "from course.labs.loader import load_module\n"
+        "from pathlib import Path\n"
+        f"sol = load_module(Path({str(lab)!r}), 'solution', '09-01')\n"
+        "assert s.add.__code__.co_filename == s.__file__, (s.add.__code__.co_filename, s.__file__)\n"
+        "assert sol.add is s.add and s.add(2, 3) == 5\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(course))
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=course, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "ok", proc.stderr
+    assert b"def add" not in (course / "mini_vllm" / "stats.pyc").read_bytes()

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import py_compile
 import re
 import shutil
 import stat
@@ -102,6 +103,23 @@ def student_files(lab: Lab) -> list[str]:
     if (lab.path / "starter.cu").is_file():
         names.append("starter.cu")
     return names
+
+
+def hide_reference_source(tree: Path) -> None:
+    """The reference's Python in a course copy becomes bytecode only: every module of mini_vllm
+    and every lab's solution.py. They still import (the tests' oracles, the engine pieces of
+    labs that are not the student's) but there is no source to read, copy or exec. Code taken
+    from the bytecode itself is the reference's code, which the reference check recognises by
+    its shape (course.grading.plugin).
+
+    Each file is compiled under its own final path, so a function's `co_filename` equals its
+    module's `__file__`, as it does with source (mini_vllm.model_runner relies on it)."""
+    sources = [*(tree / "mini_vllm").rglob("*.py"), *tree.glob("phase-*/labs/lab-*/solution.py")]
+    for src in sources:
+        compiled = src.with_suffix(".pyc")
+        py_compile.compile(str(src), cfile=str(compiled), dfile=str(compiled), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+        src.unlink()
 
 
 class Instructor:
@@ -443,6 +461,8 @@ class LabUnit:
                     ws.tree.mkdir(exist_ok=True)
                     shutil.copy2(src, ws.tree / part)
             shutil.copytree(snap / lab.rel, ws.tree / lab.rel)
+            if ctx.impl == "starter":  # graded against the reference itself, it stays
+                hide_reference_source(ws.tree)
             for rel, data in sub.files.items():
                 if rel.startswith(lab.rel + "/"):
                     (ws.tree / rel).write_bytes(data)
@@ -630,6 +650,8 @@ class CommandUnit:
         ws = sandbox.Workspace(ctx.work, ctx.iso)
         try:
             shutil.copytree(ctx.instructor.snapshot, ws.tree)
+            if ctx.impl == "starter":  # graded against the reference itself, it stays
+                hide_reference_source(ws.tree)
             for rel, data in sub.files.items():
                 (ws.tree / rel).write_bytes(data)
             ws.seal()
