@@ -152,6 +152,7 @@ def cmd_check(args) -> int:
         check_grading_path,
         check_lab,
     )
+    from course.labs import warm
 
     labs = select(discover(), args.labs)
     course_problems = [] if args.labs else check_course()
@@ -172,7 +173,7 @@ def cmd_check(args) -> int:
     slots = CopySlots()  # the bugs' copies of the repository, and what their runs build
     seen_by = {} if args.write_seen_by else load_seen_by()
     try:
-        with ThreadPoolExecutor(workers(args.jobs)) as pool:
+        with warm.session(), ThreadPoolExecutor(workers(args.jobs)) as pool:
             futures = {}
             for lab in labs:
                 futures[pool.submit(check_lab, lab, bugs_required=not args.no_bugs)] = (lab, None)
