@@ -201,9 +201,13 @@ def given_record(source: str, lab_id: str, earlier_sources=(), previous: dict | 
     """The published record of one starter: ``given`` ({name: digest} of every named definition
     that is not a task, in source order), ``tasks`` (every name that was a task in any published
     version), ``earlier`` ({name: [digests]} of earlier versions' given code that differs from
-    today's) and ``statements`` (digests of unnamed module statements, today's and earlier)."""
+    today's), ``statements`` (digests of unnamed module statements, today's and earlier) and
+    ``task_docs`` ({task name: [digests]} of its docstring in every version: a carried task whose
+    docstring is one of them takes today's)."""
     tree = ast.parse(source)
     tasks = task_names(source, lab_id)
+    docs = {key: [docstring_digest(node)] for key, node in named_definitions(tree.body)
+            if key in tasks and docstring_digest(node)}
     given = {key: definition_digest(node) for key, node in named_definitions(tree.body)
              if key not in tasks}
     statements = [code_digest(n) for n in tree.body
@@ -222,6 +226,12 @@ def given_record(source: str, lab_id: str, earlier_sources=(), previous: dict | 
             remember(key, digest)
     all_tasks = tasks | set(previous.get("tasks", ()))
     statements += previous.get("statements", [])
+
+    def remember_docs(more: dict[str, list[str]]) -> None:
+        for key, digests in more.items():
+            docs[key] = list(dict.fromkeys([*docs.get(key, []), *digests]))
+
+    remember_docs(previous.get("task_docs", {}))
     for old in earlier_sources:
         try:
             old_record = given_record(old, lab_id)
@@ -231,12 +241,20 @@ def given_record(source: str, lab_id: str, earlier_sources=(), previous: dict | 
             remember(key, digest)
         all_tasks |= set(old_record["tasks"])
         statements += old_record["statements"]
+        remember_docs(old_record["task_docs"])
     return {
         "given": given,
         "tasks": sorted(all_tasks),
         "earlier": {k: v for k, v in sorted(earlier.items()) if v},
         "statements": list(dict.fromkeys(statements)),
+        "task_docs": dict(sorted(docs.items())),
     }
+
+
+def docstring_digest(node: ast.AST) -> str | None:
+    """A digest of a definition's docstring (indentation normalised); None without one."""
+    doc = ast.get_docstring(node, clean=True) if isinstance(node, (*_DEFS, ast.ClassDef)) else None
+    return hashlib.sha256(doc.encode()).hexdigest()[:16] if doc is not None else None
 
 
 def load_given(path: Path = GIVEN_PATH) -> dict[str, dict]:
@@ -258,7 +276,9 @@ def _given_is_current(lab: Lab, given: dict[str, dict]) -> bool:
     current = given_record(starter.read_text(encoding="utf-8"), lab.id)
     return (record.get("given") == current["given"]
             and set(current["tasks"]) <= set(record.get("tasks", ()))
-            and set(current["statements"]) <= set(record.get("statements", ())))
+            and set(current["statements"]) <= set(record.get("statements", ()))
+            and all(set(v) <= set(record.get("task_docs", {}).get(k, ()))
+                    for k, v in current["task_docs"].items()))
 
 
 def changed_given(lab_id: str, source: str, record: dict | None = None) -> list[str]:

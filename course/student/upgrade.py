@@ -34,6 +34,7 @@ from course.labs.catalog import REPO_ROOT, Lab
 from course.labs.published import (
     code_digest,
     definition_digest,
+    docstring_digest,
     keyed_statements,
     load_given,
     load_published,
@@ -127,6 +128,20 @@ class _Merger:
                 block[lead].strip() in skip_comments):
             lead += 1
         return _reindent(block[lead:], indent - node.col_offset)
+
+    def _with_new_docstring(self, name: str, s: ast.stmt, n: ast.stmt, yours: list[str]
+                            ) -> list[str]:
+        """``yours`` (the student's task, re-indented) with today's docstring when theirs is a
+        published one (the contract may have changed); a docstring they edited stays."""
+        s_doc, n_doc = s.body[0], n.body[0]
+        if not (_is_docstring(s_doc) and _is_docstring(n_doc)):
+            return yours
+        if docstring_digest(s) not in self.record.get("task_docs", {}).get(name, ()):
+            return yours
+        first = _span(s, self.s_lines)[0]
+        start, end = s_doc.lineno - first, s_doc.end_lineno - first + 1
+        new_doc = self.n_lines[n_doc.lineno - 1:n_doc.end_lineno]
+        return yours[:start] + new_doc + yours[end:]
 
     def _conflict(self, name: str, why: str, yours: list[str], theirs: list[str]) -> list[str]:
         self.result.conflicts.append(f"{name}: {why}")
@@ -234,8 +249,8 @@ class _Merger:
                 self.replaces[n_span] = self._conflict(
                     name, "the new starter changed this task's signature; adapt your code to it",
                     yours, theirs)
-            else:  # the student's text replaces the stub, their docstring and comments too
-                self.replaces[n_span] = yours
+            else:  # the student's text replaces the stub, their comments too
+                self.replaces[n_span] = self._with_new_docstring(name, s, n, yours)
                 self.result.carried.append(name)
             return
         digest = definition_digest(s)
