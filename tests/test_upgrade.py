@@ -21,6 +21,7 @@ from course.labs.catalog import Lab, discover, select
 from course.labs.published import (
     changed_given,
     code_digest,
+    docstring_digest,
     given_code_note,
     load_given,
     task_names,
@@ -185,3 +186,22 @@ def test_without_the_published_starter_in_history_nothing_changes(demo):
     code, lines = upgrade_lab(lab, root)
     assert code == 2 and "is not in this checkout's git history" in lines[0]
     assert (lab.path / "starter.py").read_text() == before
+
+
+def test_a_carried_task_takes_todays_docstring_unless_the_student_edited_theirs():
+    new = ('__all__ = ["f", "g"]\n\n\n# Task 1.\ndef f(x):\n    """New contract."""\n'
+           '    raise NotImplementedError("lab 09-01, task 1: f")\n\n\n'
+           'def g(x):\n    """New g."""\n    raise NotImplementedError("lab 09-01, task 2: g")\n')
+    old = ('__all__ = ["f", "g"]\n\n\n# Task 1.\n# my own note\ndef f(x):\n    """Old contract."""'
+           '\n    # mine\n    return x\n\n\ndef g(x):\n    """Old g, and my notes."""\n'
+           '    return -x\n')
+    published_old = old.replace("Old g, and my notes.", "Old g.")
+    record = {"tasks": ["f", "g"], "task_docs": {
+        name: [docstring_digest(node) for node in (new_node, old_node)]
+        for name, new_node, old_node in zip(
+            "fg", ast.parse(new).body[1:], ast.parse(published_old).body[1:])}}
+    merge = merge_starters(old, new, "09-01", record)
+    assert merge.conflicts == [] and merge.carried == ["f", "g"]
+    assert merge.text == ('__all__ = ["f", "g"]\n\n\n# Task 1.\n# my own note\ndef f(x):\n'
+                          '    """New contract."""\n    # mine\n    return x\n\n\n'
+                          'def g(x):\n    """Old g, and my notes."""\n    return -x\n')

@@ -138,8 +138,11 @@ class _Merger:
             return yours
         if docstring_digest(s) not in self.record.get("task_docs", {}).get(name, ()):
             return yours
-        first = _span(s, self.s_lines)[0]
-        start, end = s_doc.lineno - first, s_doc.end_lineno - first + 1
+        # Where the docstring is in ``yours``: counted back from the end, since comment lines
+        # above the definition may have been left out of it.
+        header = len(yours) - (s.end_lineno - _span(s, self.s_lines, False)[0] + 1)
+        start = header + s_doc.lineno - _span(s, self.s_lines, False)[0]
+        end = start + s_doc.end_lineno - s_doc.lineno + 1
         new_doc = self.n_lines[n_doc.lineno - 1:n_doc.end_lineno]
         return yours[:start] + new_doc + yours[end:]
 
@@ -341,7 +344,11 @@ def published_source(lab: Lab, root: Path = REPO_ROOT, digest: str | None = None
         raise UpgradeError(f"lab {lab.id} has no published starter.py to upgrade to; nothing "
                            "changed")
     rel = Path(lab.path).resolve().relative_to(root.resolve()).as_posix() + "/starter.py"
-    log = _git(root, "log", "--all", "--format=%H", "--", rel)
+    try:
+        log = _git(root, "log", "--all", "--format=%H", "--", rel)
+    except OSError as exc:  # no git on this machine
+        raise UpgradeError(f"git cannot run here ({exc}): the published starter is read from "
+                           "the checkout's history; nothing changed") from None
     heads = [h for h in ("MERGE_HEAD", "FETCH_HEAD") if _git(root, "rev-parse", "-q", "--verify",
                                                              h).returncode == 0]
     for commit in [*heads, *log.stdout.decode().split()]:
