@@ -73,8 +73,12 @@ def test_an_old_03_01_starter_is_named_for_its_given_code_and_todays_is_not():
     for name in ("Scheduler.schedule", "Scheduler._preempt", "Scheduler._free_request"):
         assert name in note.split(" -- ")[0], note
     assert note.endswith("run `python -m course upgrade 03-01`")
-    # Today's starter with every task written: its given code is the published code.
-    assert changed_given("03-01", write_tasks(new, "03-01"), record) == []
+    # Today's starter with every task written and additions of the student's (a class
+    # attribute, a helper method, a comment): its given code is the published code.
+    mine = write_tasks(new, "03-01").replace(
+        "    def schedule(self", "    my_count: int = 0\n\n    def _mine(self):\n"
+        "        return 1\n\n    # the step\n    def schedule(self", 1)
+    assert "my_count" in mine and changed_given("03-01", mine, record) == []
 
 
 def test_an_old_03_01_starter_is_carried_onto_todays():

@@ -119,10 +119,10 @@ def code_digest(node: ast.AST) -> str:
 
 
 def class_shell(node: ast.ClassDef) -> ast.ClassDef:
-    """The class without its methods and nested classes (those are compared one by one): its
-    decorators, bases and class-level statements."""
+    """The class without what is compared one by one (methods, nested classes, named class
+    attributes): its decorators, bases and any other class-level statement."""
     shell = copy.copy(node)
-    shell.body = [s for s in node.body if not isinstance(s, (*_DEFS, ast.ClassDef))] or [ast.Pass()]
+    shell.body = [s for s in node.body if statement_key(s) is None] or [ast.Pass()]
     return shell
 
 
@@ -139,18 +139,16 @@ def statement_key(node: ast.stmt) -> str | None:
     return None
 
 
-def keyed_statements(body: list[ast.stmt], in_class: bool = False
-                     ) -> list[tuple[str | None, ast.stmt]]:
+def keyed_statements(body: list[ast.stmt]) -> list[tuple[str | None, ast.stmt]]:
     """``(name, statement)`` for each statement of a module or class body; the name is None for
-    statements compared as a whole (and, in a class, for everything but methods and nested
-    classes: the class shell's). Names are unique: a property's setter is ``block_hash.setter``,
-    any other repeat ``name#2``."""
+    statements compared as a whole (in a class, those are the class shell's). Named statements
+    (definitions, plain assignments) are compared one by one, so a student's added class
+    attribute is an addition, not a change. Names are unique: a property's setter is
+    ``block_hash.setter``, any other repeat ``name#2``."""
     seen: set[str] = set()
     out = []
     for node in body:
         key = statement_key(node)
-        if in_class and not isinstance(node, (*_DEFS, ast.ClassDef)):
-            key = None
         if key in seen:
             accessor = [d.attr for d in getattr(node, "decorator_list", [])
                         if isinstance(d, ast.Attribute) and isinstance(d.value, ast.Name)
@@ -167,8 +165,9 @@ def keyed_statements(body: list[ast.stmt], in_class: bool = False
 
 def named_definitions(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.stmt]]:
     """``(qualified name, statement)`` for every named statement of a module body, then, for a
-    class, every method and nested class (``Scheduler.schedule``), in source order."""
-    for key, node in keyed_statements(body, in_class=bool(prefix)):
+    class, every method, class attribute and nested class (``Scheduler.schedule``), in source
+    order."""
+    for key, node in keyed_statements(body):
         if key is None:
             continue
         yield prefix + key, node

@@ -189,13 +189,13 @@ class _Merger:
               start_after: int) -> None:
         n_named = {}
         n_digests = {}
-        for key, node in keyed_statements(n_body, in_class):
+        for key, node in keyed_statements(n_body):
             if key is not None:
                 n_named[key] = node
             elif not in_class:
                 n_digests[code_digest(node)] = node
         anchor = start_after  # the N line after which the next addition of the student's goes
-        s_keyed = keyed_statements(s_body, in_class)
+        s_keyed = keyed_statements(s_body)
         s_keys = {key for key, _ in s_keyed}
         self.result.added += [prefix + k for k in n_named if k not in s_keys]
         for key, s in s_keyed:
@@ -284,7 +284,9 @@ class _Merger:
                 name, "the new starter has no such task; your code for it is here", text, []),
                 in_class)
         else:
-            self._insert(anchor, text, in_class)
+            self._insert(anchor, text, in_class, blank=isinstance(s, (ast.FunctionDef,
+                                                                        ast.AsyncFunctionDef,
+                                                                        ast.ClassDef)))
             self.result.kept.append(name)
 
     def _written_inside(self, s: ast.stmt, name: str) -> bool:
