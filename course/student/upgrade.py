@@ -402,6 +402,8 @@ def upgrade_lab(lab: Lab, root: Path = REPO_ROOT) -> tuple[int, list[str]]:
                  f"{rel} is unchanged, the merge with each conflict marked (<<<<<<<) is in "
                  f"{rel}.merge"]
         lines += [f"  conflict: {c}" for c in merge.conflicts]
+        if merge.added:  # where a task's work moved, often
+            lines.append(f"  new in the starter: {', '.join(merge.added)}")
         lines.append(f"Resolve each conflict in {rel}.merge (keep what you mean, delete the "
                      f"markers), then move it over {rel} and run the lab's tests.")
         return 1, lines
