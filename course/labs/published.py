@@ -127,9 +127,9 @@ def class_shell(node: ast.ClassDef) -> ast.ClassDef:
 
 
 def statement_key(node: ast.stmt) -> str | None:
-    """The name a module-level statement defines: a function's or class's name, or the names a
-    plain assignment binds (``__all__``, a constant); None for any other statement (imports,
-    the docstring, ``if`` blocks), which are compared as a whole."""
+    """The name a statement of a module or class body defines: a function's or class's name, or
+    the names a plain assignment binds (``__all__``, a constant, a class attribute); None for
+    any other statement (imports, the docstring, ``if`` blocks), compared as a whole."""
     if isinstance(node, (*_DEFS, ast.ClassDef)):
         return node.name
     targets = (node.targets if isinstance(node, ast.Assign)
