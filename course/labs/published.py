@@ -109,13 +109,22 @@ def _is_docstring(node: ast.AST) -> bool:
 def code_digest(node: ast.AST) -> str:
     """A digest of ``node``'s syntax tree without positions and docstrings: two definitions
     have the same digest exactly when they differ at most in layout, comments and docstrings."""
-    node = copy.deepcopy(node)
-    for sub in ast.walk(node):
-        body = getattr(sub, "body", None)
-        if isinstance(sub, (ast.Module, ast.ClassDef, *_DEFS)) and body and _is_docstring(body[0]):
-            sub.body = body[1:] or [ast.Pass()]
-    text = ast.dump(node, include_attributes=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(_dump(node).encode()).hexdigest()[:16]
+
+
+def _dump(value) -> str:
+    """``ast.dump`` without positions, leaving out every docstring (no copy of the tree)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_dump, value)) + "]"
+    if not isinstance(value, ast.AST):
+        return repr(value)
+    fields = []
+    for name, field in ast.iter_fields(value):
+        if (name == "body" and isinstance(value, (ast.Module, ast.ClassDef, *_DEFS)) and field
+                and _is_docstring(field[0])):
+            field = field[1:]
+        fields.append(f"{name}={_dump(field)}")
+    return f"{type(value).__name__}({', '.join(fields)})"
 
 
 def class_shell(node: ast.ClassDef) -> ast.ClassDef:
