@@ -12,6 +12,7 @@ python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, 
 python -m course engine [--exam]  your finished labs as one engine; the engine exam
 python -m course hint 02-03 4 [--level 2|3]  a hint for task 4 of lab 02-03, one rung at a time
 python -m course measure 02-01 [--plot F]    predict, then measure: your code beside the reference
+python -m course upgrade 03-01    carry your work onto the course's current starter.py
 python -m course figures [--check]  draw the README figures (phase-*/figures/*.svg)
 """
 
@@ -341,6 +342,19 @@ def cmd_hint(args) -> int:
     return 0
 
 
+def cmd_upgrade(args) -> int:
+    from course.student.upgrade import upgrade_lab
+
+    try:
+        (lab,) = select(discover(), [args.lab])
+    except SystemExit as exc:  # an unknown lab: one line, nothing changed
+        print(f"{exc}; nothing changed", file=sys.stderr)
+        return 2
+    code, lines = upgrade_lab(lab)
+    print("\n".join(lines), file=sys.stderr if code == 2 else sys.stdout)
+    return code
+
+
 def cmd_measure(args) -> int:
     from course.student.measure import format_table, measure, plot, predict_questions
 
@@ -572,6 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="show the plot in a window")
     p.add_argument("--quick", action="store_true", help="fewer, smaller sizes")
     p.set_defaults(func=cmd_measure)
+
+    p = sub.add_parser("upgrade", help="carry your starter's work onto the course's current "
+                       "starter (after a course update)")
+    p.add_argument("lab", help="lab id (03-01), folder name or path")
+    p.set_defaults(func=cmd_upgrade)
     return parser
 
 
@@ -579,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     commands = ("status", "grade", "clone", "check", "list", "refs", "engine", "hint", "measure",
-                "figures")
+                "figures", "upgrade")
     if argv[:1] == ["figures"]:
         from course.figures import main as figures_main
 

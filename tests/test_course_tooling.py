@@ -9,11 +9,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from course.integrity.api import compare
-from course.labs.catalog import REPO_ROOT
+from course.labs.catalog import REPO_ROOT, Lab
+from course.labs.published import write_published
+from course.labs.runner import LabRun
+from course.student import dashboard
 from course.upstream.refs import check_against_source, check_consistency
 
 FIXTURE = Path(__file__).parent / "fixtures" / "demo_lab"
@@ -248,17 +252,53 @@ def test_grade_gives_nothing_for_importing_the_reference(demo, tmp_path):
 def test_status_shows_progress_and_the_next_step(demo):
     sol = (demo / LAB / "solution.py").read_text()
     starter = demo / LAB / "starter.py"
+    write_published([Lab(demo / LAB)], demo / "course" / "labs" / "published_starters.json")
     starter.write_text(
         starter.read_text().replace(
             ADD_TODO, "return a + b"
-        )
+        ).replace("self.value = start", "self.value = int(start)")  # given code, changed
     )
     proc = run(demo, "-m", "course", impl=None)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[1/1] lab 09-01" in proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith("09"))
     assert "1/2" in row and "in progress" in row and "task 2: implement Counter.bump" in row
+    assert ("lab 09-01: given code changed: Counter.__init__ -- run `python -m course upgrade "
+            "09-01`") in proc.stdout.splitlines()
+    # The command to run next names this Python: a bare `pytest` may not be on PATH.
+    assert f"LAB_IMPL=starter {sys.executable} -m pytest {LAB} -q" in proc.stdout
     assert sol  # the solution is untouched
+
+
+def _run(tests: list[dict]) -> LabRun:
+    lab = SimpleNamespace(phase="09", id="09-01", title="Demo")  # what a row shows of a lab
+    return LabRun(lab, "starter", 0, tests, "", 1.0)
+
+
+def test_status_wraps_the_next_step_at_words_and_says_which_tests_a_machine_did_not_run():
+    passed = {"nodeid": "t::a", "outcome": "passed", "starter_ok": False, "points": 1,
+              "message": ""}
+    gpu = dict(passed, outcome="skipped", message="Skipped: needs a CUDA GPU: no GPU here")
+    task = ("lab 09-01, task 2: implement Counter.bump so that it adds `by` to the value and "
+            "returns the new value, which the next call starts from")
+    todo = dict(passed, outcome="not_implemented", message=f"NOT IMPLEMENTED  {task}  (t.py:3)")
+    rows = dashboard._rows(_run([passed, todo]))
+    cells = [row[5] for row in rows]
+    assert len(rows) > 1 and " ".join(cells) == task  # every word, none cut
+    assert all(len(c) <= dashboard.NEXT_STEP_WIDTH for c in cells)
+    assert rows[0][3:5] == ["1/2", "in progress"] and rows[1][:5] == ["", "", "", "", ""]
+    assert dashboard._rows(_run([passed, gpu]))[0][3:5] == ["1/1", "done (CPU)"]
+    assert dashboard._not_run(_run([passed, gpu])) == {"needs a CUDA GPU: no GPU here": 1}
+    assert dashboard._rows(_run([passed]))[0][4] == "done"
+
+
+def test_status_names_python_as_a_student_can_run_it(tmp_path):
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    assert dashboard._python(tmp_path, str(venv / "python")) == ".venv/bin/python"
+    assert dashboard._python(tmp_path, sys.executable) == ".venv/bin/python"  # the same file
+    assert dashboard._python(tmp_path / "elsewhere", sys.executable) == sys.executable
 
 
 def test_list_shows_labs_in_order(demo):

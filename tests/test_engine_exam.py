@@ -93,6 +93,11 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path, monke
     for lab_id in STUDENT_LABS:
         assert f"\n{lab_id}  yours" in out, out
     assert "03-02  reference (not finished: task 1 unwritten)" in out
+    # The student's 02-01 starter predates the course's last change to its given code (its
+    # __all__ still exports a hasher lab 02-03 now writes): said, once, before the engine runs.
+    notes = [line for line in out.splitlines() if "given code changed" in line]
+    assert notes == ["lab 02-01: given code changed: __all__ -- run `python -m course upgrade "
+                     "02-01`"], out
     # The tests that ran were remembered: a second run runs none.
     recorded = cache / "mini_vllm-course" / "lab-results"
     assert all(list(recorded.glob(f"{lab_id}-starter-*.json")) for lab_id in STUDENT_LABS)

@@ -219,6 +219,37 @@ def test_a_measurement_may_return_several_named_values():
     assert out[2] is plain
 
 
+def test_a_shrink_cut_short_by_the_student_limit_says_so_instead_of_please_report(monkeypatch):
+    """The student profile bounds shrinking; Hypothesis's warning for its own five minutes
+    ("PLEASE REPORT THIS") becomes one true line, and every other message passes unchanged."""
+    from hypothesis import Phase, given, settings
+    from hypothesis import strategies as st
+    from hypothesis.internal.conjecture import engine
+    from hypothesis.reporting import with_reporter
+
+    from course.labs import feedback
+
+    monkeypatch.setattr(engine, "MAX_SHRINKING_SECONDS", engine.MAX_SHRINKING_SECONDS)
+    monkeypatch.setattr(engine, "report", engine.report)  # both restored after the test
+    feedback._bound_shrinking(0)  # any shrink is over the limit at once
+
+    @settings(database=None, derandomize=True, max_examples=50,
+              phases=[Phase.generate, Phase.shrink])
+    @given(st.lists(st.integers(), min_size=8))
+    def big_lists_fail(xs):
+        assert sum(abs(x) for x in xs) < 10
+
+    printed: list[str] = []
+    with with_reporter(printed.append), pytest.raises(AssertionError):
+        big_lists_fail()
+    text = "\n".join(map(str, printed))
+    assert "PLEASE REPORT" not in text and "five minutes" not in text, text
+    assert "stopped simplifying the failing example after 0 s" in text, text
+    with with_reporter(printed.append):
+        engine.report("Falsifying example: big_lists_fail(xs=[...])")
+    assert printed[-1] == "Falsifying example: big_lists_fail(xs=[...])"
+
+
 def test_threads_are_half_the_cores_between_1_and_4():
     assert [choose_threads(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4, 4]
 

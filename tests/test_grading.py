@@ -15,7 +15,7 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from course.grading.grader import published_tasks, read_commit, suspicious
+from course.grading.grader import intake, published_tasks, read_commit, suspicious
 from course.integrity.checks import GRADING_EXPECTATIONS, build_grading_fixture
 from course.labs.catalog import discover
 
@@ -163,6 +163,28 @@ def test_tasks_are_what_the_published_starter_leaves_to_write():
     for lab in discover():  # every real lab but the CUDA one has something to write in Python
         tasks = published_tasks((lab.path / "starter.py").read_text())
         assert tasks or (lab.path / "starter.cu").is_file(), lab.id
+
+
+def test_intake_flags_given_code_that_differs_from_the_published_starter(tmp_path):
+    """A flag only (the tests decide the points), naming the given definitions: here a lab
+    03-01 starter begun before the course's given schedule() called lab 03-03's hooks."""
+    (lab,) = [lab for lab in discover() if lab.id == "03-01"]
+    starter = tmp_path / "fork" / lab.rel / "starter.py"
+    starter.parent.mkdir(parents=True)
+    starter.write_text((Path(__file__).parent / "fixtures" / "upgrade"
+                        / "03-01-starter-before-swap-hooks.py.txt").read_text())
+    (flag,) = intake(tmp_path / "fork", [lab]).lab_flags["03-01"]
+    assert flag.startswith("given code changed: Scheduler.swap_space_cls (missing), "
+                           "Scheduler.__init__, Scheduler._free_request, Scheduler.schedule, "
+                           "Scheduler._preempt (")
+    # Today's starter with a task written (and a comment in given code): no flag.
+    today = (lab.path / "starter.py").read_text()
+    starter.write_text(today.replace("    def schedule(self", "    # mine\n    def schedule(self")
+                       .replace('raise NotImplementedError(\n        "lab 03-01, task 5',
+                                'return False\n    raise NotImplementedError(\n'
+                                '        "lab 03-01, task 5'))
+    sub = intake(tmp_path / "fork", [lab])
+    assert sub.files and "03-01" not in sub.lab_flags
 
 
 def test_the_scan_names_what_reaches_for_the_grader():

@@ -28,6 +28,7 @@ from pathlib import Path
 from course.engine.compose import GPU_ONLY_LABS, engine_labs
 from course.labs.catalog import METADATA_PATH, REPO_ROOT
 from course.labs.console import table
+from course.labs.published import lab_given_note
 from course.labs.results import cache_dir, finished_labs, result_key
 
 FINALE_PROMPTS = ["HAMLET.\n", "KING.\n"]
@@ -318,6 +319,8 @@ def _cmd_engine(args) -> int:
     if not gpu:
         for i in GPU_ONLY_LABS:
             reasons.setdefault(i, "used only on a CUDA GPU")
+    for note in filter(None, (lab_given_note(lab) for lab in labs if lab.id in student)):
+        print(note)  # old given code: the composed engine may never call a newer piece of yours
     try:
         if args.exam:
             return _exam(args, student, reasons, gpu)

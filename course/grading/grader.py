@@ -42,7 +42,7 @@ from pathlib import Path
 import course.grading.sandbox as sandbox
 from course.grading.roster import shard_of
 from course.labs.catalog import REPO_ROOT, Lab, copy_ignore
-from course.labs.published import STUDENT_FILES
+from course.labs.published import STUDENT_FILES, changed_given
 
 MAX_FILE_BYTES = 1 << 20
 TIERS = ("cpu", "gpu")
@@ -286,6 +286,11 @@ def intake(path: Path, labs: list[Lab], name: str | None = None) -> Submission:
                 continue
             if data != published:
                 sub.files[rel] = data
+                changed = changed_given(lab.id, data.decode("utf-8", "replace")) if (
+                    fname == "starter.py") else []
+                if changed:  # a flag only: the tests decide the points
+                    sub.flag(lab.id, f"given code changed: {', '.join(changed)} (python -m "
+                             f"course upgrade {lab.id} carries the work onto the published one)")
     return sub
 
 
