@@ -275,7 +275,7 @@ def test_the_course_agrees_with_its_records_of_todays_pin():
     """Every cited piece has its record at today's pin; every lab README ends with its
     "Upstream today" section citing each behaviour change of its pieces."""
     problems = check_today_consistency(REPO_ROOT)
-    assert not problems, "\n".join(problems)
+    assert today_version(REPO_ROOT) is not None and not problems, "\n".join(problems)
 
 
 def _release_here(version: str | None) -> Path | None:
