@@ -120,7 +120,7 @@ README = """\
 
 ## Upstream today
 
-`give` now gives to the front ([#1](https://github.com/vllm-project/vllm/pull/1)).
+In v10.0.0, `give` now gives to the front ([#1](https://github.com/vllm-project/vllm/pull/1)).
 """
 
 
@@ -181,8 +181,8 @@ def test_moving_todays_pin_without_its_tree_fails(course):
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ('today = "vllm/utils/math.py::helper"', 'today = "vllm/utils/math.py::helpr"',
-         "vllm/utils/math.py::helpr is not in v10.0.0"),
+        ('today = "vllm/utils/math.py::helper"', 'today = "vllm/core/pool.py::helper"',
+         "vllm/core/pool.py::helper is not in v10.0.0; helper is defined in vllm/utils/math.py"),
         ('changes = ["signature"]\n', "",
          "the signature changed ((self, n) -> (self, n, hash_size))"),
         ('today = ""\nnote = "taking', 'today = "vllm/core/pool.py::Pool.take"\nnote = "taking',
@@ -238,8 +238,9 @@ def test_every_cited_piece_needs_a_record(course, edit, expected):
         (lambda t: t.replace("## Upstream today", "## Upstream now"), "end the README with"),
         (lambda t: t + "\n## Later\n", "end the README with"),
         (lambda t: t.replace("pull/1)", "pull/2)"), "does not cite the change to"),
+        (lambda t: t.replace("v10.0.0", "v9.9.9"), "does not say what v10.0.0"),
     ],
-    ids=["no-section", "not-last", "behaviour-uncited"],
+    ids=["no-section", "not-last", "behaviour-uncited", "stale-release"],
 )
 def test_each_lab_readme_ends_with_upstream_today_citing_each_behaviour_change(
     course, edit, expected

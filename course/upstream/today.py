@@ -263,6 +263,12 @@ def _check_readmes(root: Path) -> list[str]:
                 f"release meets for this lab's pieces, each change cited)"
             )
             continue
+        version = today_version(root)
+        if version and f"v{version}" not in section:
+            problems.append(
+                f"{where}: '{SECTION}' does not say what v{version} (today's pin) has; "
+                f"bring it up to that release"
+            )
         if not CITE_RE.search(section):
             problems.append(f"{where}: '{SECTION}' cites no upstream pull request or issue")
         for piece in grouped.get(lab, []):
@@ -287,6 +293,29 @@ def _resolve(tree: Path, where: str, cache: dict[Path, dict[str, Symbol]]) -> Sy
     return cache[path].get(qualname, False)
 
 
+def _elsewhere(tree: Path, where: str, most: int = 3) -> str:
+    """Where else ``tree`` defines the name of ``where`` (a hint for moving the pin), or ""."""
+    file, qualname = split_location(where)
+    name = re.split(r"\.|::", qualname)[-1].split("<")[0] if qualname else ""
+    if not name:
+        return ""
+    if file.endswith(".py"):
+        pattern = re.compile(rf"^\s*(?:async\s+def|def|class)\s+{re.escape(name)}\b", re.M)
+        files = [p for top in ("vllm", "tests", "benchmarks") for p in (tree / top).rglob("*.py")]
+    else:
+        pattern = re.compile(rf"^[^;\n]*\b{re.escape(name)}\s*(?:<[^;{{}}\n]*>)?\s*\([^;]*$",
+                             re.M)
+        files = [p for p in (tree / "csrc").rglob("*") if p.suffix in (".cu", ".cuh", ".cpp", ".h")]
+    found = []
+    for path in sorted(files):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if name in text and pattern.search(text):
+            found.append(str(path.relative_to(tree)))
+            if len(found) == most:
+                break
+    return f"; {name} is defined in {', '.join(found)}" if found else f"; {name} is defined nowhere"
+
+
 def check_today_source(
     today_tree: Path, pinned_trees: dict[str, Path], root: Path = REPO_ROOT
 ) -> tuple[list[str], int]:
@@ -302,7 +331,8 @@ def check_today_source(
         if piece.today:
             now = _resolve(today_tree, piece.today, cache)
             if now is False:
-                problems.append(f"{where}: {piece.today} is not in v{version}")
+                problems.append(f"{where}: {piece.today} is not in v{version}"
+                                f"{_elsewhere(today_tree, piece.today)}")
                 continue
         else:
             still = _resolve(today_tree, piece.at, cache)
