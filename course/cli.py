@@ -312,7 +312,12 @@ def cmd_refs(args) -> int:
         for line in lines:
             print(line)
     if args.changes is not None:
-        for line in changes_report(REPO_ROOT, args.changes or None):
+        try:
+            report = changes_report(REPO_ROOT, args.changes or None)
+        except KeyError as exc:
+            print(f"error: {exc.args[0]}", file=sys.stderr)
+            return 2
+        for line in report:
             print(line)
     for p in problems:
         print(f"  - {p}")

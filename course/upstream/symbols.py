@@ -7,7 +7,7 @@ qualified name is a good one. This module finds the definitions of one source fi
   assigned at module or class level (``NONE_HASH``, ``CacheConfig.block_size``);
 - C, C++ and CUDA, with a small scanner (comments and strings blanked, braces matched):
   functions (``paged_attention_kernel``; an explicit specialisation keeps its template arguments,
-  ``scaled_vec_conversion<uint8_t, float>``), structs, classes, enums and ``#define`` macros.
+  ``scaled_vec_conversion<uint8_t,float>``), structs, classes, enums and ``#define`` macros.
   It reads upstream's style, not all of C++: a definition's head is the text since the last
   ``;``, ``{`` or ``}`` at namespace or class scope.
 

@@ -382,10 +382,14 @@ def check_qualnames(tree: Path, version: str, root: Path = REPO_ROOT) -> list[st
 
 def changes_report(root: Path = REPO_ROOT, only: str | None = None) -> list[str]:
     """Lines of the per-lab report: which pieces moved, changed signature, changed behaviour or
-    vanished between the pin each was cited at and today's pin."""
+    vanished between the pin each was cited at and today's pin (``engine``: the pieces no lab
+    builds). ``only``: one lab, with each piece's note; KeyError for an unknown one."""
     version = today_version(root)
+    grouped = pieces_by_lab(root)
+    if only and only not in grouped:
+        raise KeyError(f"no lab {only!r}; the groups are {', '.join(grouped)}")
     lines = []
-    for lab, pieces in pieces_by_lab(root).items():
+    for lab, pieces in grouped.items():
         if only and lab != only:
             continue
         changed = [p for p in pieces if p.labels()]
