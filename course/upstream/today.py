@@ -445,6 +445,10 @@ def check_trees(srcs: list[Path], root: Path = REPO_ROOT) -> tuple[list[str], li
         lines.append(f"{checked} map entries checked against their pinned source; "
                      f"{len(mismatches)} mismatch(es).")
         lines += [f"note: {n}" for n in notes]
+    elif today in trees:
+        lines.append(f"note: the map's {len(refs)} line references are checked only against "
+                     f"their pinned releases (pass --vllm-src for v" + ", v".join(sorted(cited))
+                     + ")")
     if today in trees:
         found, checked = check_today_source(trees[today], pinned, root)
         problems += found
