@@ -8,7 +8,7 @@ python -m course clone --roster CSV --into DIR [--deadline T] [--shard i/N]   cl
 python -m course clone --roster CSV --plan N   the shards of N that hold students, as JSON
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
 python -m course list            the labs, in order
-python -m course refs [--vllm-src DIR ...]   upstream references: map <-> code, and vs. source
+python -m course refs [--vllm-src DIR ...] [--changes [LAB]]   upstream references (both pins)
 python -m course engine [--exam]  your finished labs as one engine; the engine exam
 python -m course hint 02-03 4 [--level 2|3]  a hint for task 4 of lab 02-03, one rung at a time
 python -m course measure 02-01 [--plot F]    predict, then measure: your code beside the reference
@@ -301,21 +301,31 @@ def _check_engine_exam(args, labs: list[Lab]):
 
 
 def cmd_refs(args) -> int:
-    from course.upstream.refs import check_against_source, check_consistency, load_map
+    from course.upstream.refs import check_consistency, load_map
+    from course.upstream.today import changes_report, check_today_consistency, check_trees
 
-    problems = check_consistency(REPO_ROOT)
+    problems = check_consistency(REPO_ROOT) + check_today_consistency(REPO_ROOT)
     refs, _ = load_map(REPO_ROOT)
-    print(f"{len(refs)} map entries; map and repository {'agree' if not problems else 'disagree'}.")
-    checked = 0
-    notes: list[str] = []
+    print(f"{len(refs)} map entries; map, today's pin and READMEs "
+          f"{'agree' if not problems else 'disagree'}.")
     if args.vllm_src:
-        mismatches, notes, checked = check_against_source([Path(p) for p in args.vllm_src])
-        problems += mismatches
-        print(f"{checked} entries checked against the source; {len(mismatches)} mismatch(es).")
-    for note in notes:
-        print(f"note: {note}")
+        found, lines = check_trees([Path(p) for p in args.vllm_src], REPO_ROOT)
+        problems += found
+        for line in lines:
+            print(line)
+    if args.changes is not None:
+        try:
+            report = changes_report(REPO_ROOT, args.changes or None)
+        except KeyError as exc:
+            print(f"error: {exc.args[0]}", file=sys.stderr)
+            return 2
+        for line in report:
+            print(line)
     for p in problems:
         print(f"  - {p}")
+    if problems:
+        print(f"course refs: {len(problems)} problem(s), listed above; fix the map, "
+              f"upstream_refs/today/ or the README they name.")
     return 1 if problems else 0
 
 
@@ -564,7 +574,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="DIR",
-        help="an unpacked vLLM release (repeatable, one per pinned version)",
+        help="an unpacked vLLM release (repeatable: a pinned one, today's, or both)",
+    )
+    p.add_argument(
+        "--changes",
+        nargs="?",
+        const="",
+        metavar="LAB",
+        help="per lab, the pieces that moved, changed signature or behaviour, or are gone at "
+        "today's pin (one lab with its notes when LAB is given)",
     )
     p.set_defaults(func=cmd_refs)
 

@@ -27,6 +27,7 @@ from course.labs.loader import load_module
 from course.labs.runner import LabRun, run_lab
 from course.student.hints import check_hints
 from course.upstream.refs import check_consistency
+from course.upstream.today import check_today_consistency
 
 _RAISE_RE = re.compile(r"raise NotImplementedError\((?P<arg>[^)]*)\)")
 
@@ -338,6 +339,7 @@ def check_course() -> list[str]:
     from course.labs.catalog import discover
 
     problems = [f"upstream refs: {p}" for p in check_consistency(REPO_ROOT)]
+    problems += [f"upstream today: {p}" for p in check_today_consistency(REPO_ROOT)]
     return problems + check_metadata(discover())
 
 

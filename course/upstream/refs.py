@@ -1,7 +1,8 @@
 """Upstream references: every `path:line @ vX.Y.Z` in the course is in the map, and is true.
 
 The map lives in `upstream_refs/map/*.toml`, one `[[ref]]` table per reference:
-symbol, file, line, version, text (a substring expected on that line of the pinned source).
+symbol, file, line, version, text (a substring expected on that line of the pinned source) and
+qualname (the upstream piece that holds the line, which `today.py` follows to today's release).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Ref:
     version: str
     text: str
     source: str  # the map file it came from
+    qualname: str | None = None  # the upstream class/function holding the line ("" at module level)
 
     @property
     def key(self) -> tuple[str, int, str]:
@@ -65,6 +67,7 @@ def load_map(root: Path = REPO_ROOT) -> tuple[list[Ref], list[str]]:
                     str(entry["version"]),
                     entry["text"],
                     path.name,
+                    entry.get("qualname"),
                 )
             )
     return refs, problems
