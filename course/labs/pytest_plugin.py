@@ -116,11 +116,13 @@ def kernel_error(exc: BaseException | None) -> BaseException | None:
     return None
 
 
+_INSTALL = tuple({str(Path(p).resolve()) + "/" for p in (sys.prefix, sys.base_prefix,
+                                                          sys.exec_prefix)})
+
+
 def _is_internal(path: str) -> bool:
     path = str(Path(path).resolve())
-    install = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    return (path.startswith(_INTERNALS) or "site-packages" in path
-            or any(path.startswith(p + "/") for p in install))
+    return path.startswith(_INTERNALS + _INSTALL) or "site-packages" in path
 
 
 def _students_frames(excinfo):
@@ -132,24 +134,21 @@ def _students_frames(excinfo):
 def kernel_failure_repr(excinfo, error: BaseException):
     """A failure report that starts with the kernel error's first line (what happened, where in
     the student's code), says how to see the hidden frames, then shows the short traceback of
-    the test's and the lab's frames and the error's whole message. It is an ExceptionChainRepr,
-    so pytest's summary, JUnit XML and the course's folding of repeats read it as usual."""
-    from _pytest._code.code import ExceptionChainRepr
+    the test's and the lab's frames and the error's whole message. pytest's own report types
+    only (the headline is a plain-text entry), so the summary line, JUnit XML, pytest-xdist and
+    the course's folding of repeats read it as any other."""
+    from _pytest._code.code import ReprEntryNative
 
-    inner = excinfo.getrepr(style="short", chain=False, tbfilter=_students_frames,
-                            funcargs=False, truncate_locals=True)
+    report = excinfo.getrepr(style="short", chain=False, tbfilter=_students_frames,
+                             funcargs=False, truncate_locals=True)
     first = (str(error).strip().splitlines() or [""])[0]
-    headline = f"{type(error).__name__}: {first}"
-
-    class StudentFirst(ExceptionChainRepr):
-        def toterminal(self, tw) -> None:
-            tw.line(headline, red=True, bold=True)
-            tw.line("(the kernel tools' Python frames are hidden; pytest --emulator-traceback "
-                    "shows them)")
-            tw.line("")
-            super().toterminal(tw)
-
-    return StudentFirst(inner.chain)
+    headline = ReprEntryNative([
+        f"{type(error).__name__}: {first}\n",
+        "(the kernel tools' Python frames are hidden; pytest --emulator-traceback shows them)\n",
+        "\n",
+    ])
+    report.reprtraceback.reprentries = [headline, *report.reprtraceback.reprentries]
+    return report
 
 
 @pytest.hookimpl(wrapper=True)
@@ -157,7 +156,7 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if (report.failed and call.excinfo is not None
             and not item.config.getoption("--emulator-traceback", False)
-            and hasattr(report.longrepr, "chain")):  # a rendered traceback, not one line
+            and hasattr(report.longrepr, "reprtraceback")):  # a rendered traceback, not one line
         error = kernel_error(call.excinfo.value)
         if error is not None:
             report.longrepr = kernel_failure_repr(call.excinfo, error)
