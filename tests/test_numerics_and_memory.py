@@ -1,5 +1,6 @@
 """Tests of two helpers the labs' tests and measurements use: assert_close's report of where a
-tensor is wrong (`dims=`) and of NaN and inf results, and course.student.measure.peak_tensor_bytes."""
+tensor is wrong (`dims=`) and of NaN and inf results, and
+course.student.measure.peak_tensor_bytes."""
 
 from __future__ import annotations
 

@@ -6,10 +6,11 @@ What a student sees when they run a lab's tests:
   line, never a rendered traceback (Hypothesis state machines included), with its own outcome,
   "not implemented", in the progress line (N) and the closing counts;
 - a failure that repeats across cases of one test (same exception, same traceback, same tier,
-  a message of the same shape) is rendered once, in full; that report ends with the count and the ids of the other cases, which get no
-  report of their own (`--every-failure` renders each one). A crash in the code under test (an
-  exception other than an assertion, raised below the test file's last frame) is one failure
-  whichever test reached it: the same line failing the same way under ten tests renders once;
+  a message of the same shape) is rendered once, in full; that report ends with the count and
+  the ids of the other cases, which get no report of their own (`--every-failure` renders each
+  one). A crash in the code under test (an exception other than an assertion, raised below the
+  test file's last frame) is one failure whichever test reached it: the same line failing the
+  same way under ten tests renders once;
 - tensors in failure reports are summarised (shape, dtype, first values), not printed;
 - after pytest's closing line, every task the starter still leaves open, in task order, read from
   the starter's source, with the README passage and the hint command for each;
@@ -356,7 +357,10 @@ def message_shape(exc: BaseException) -> str:
     file:line, which says where the mistake is. "segmentation fault at starter.cu:189 ... block
     (0,0,0), thread 32 (kernel k<__half, 128>)" and the same for block (3,1,0), thread 7 and
     k<float, 80> have one shape; an out-of-bounds read at starter.cu:113 has another."""
-    line = (str(exc).strip().splitlines() or [""])[0]
+    try:
+        line = (str(exc).strip().splitlines() or [""])[0]
+    except Exception:  # an exception whose message cannot be built: its type says enough
+        line = ""
     while True:
         shorter = _TEMPLATE_ARGS.sub("", line)
         if shorter == line:

@@ -117,7 +117,8 @@ def error_size_lines(actual: torch.Tensor, expected: torch.Tensor, bad: torch.Te
         return []
     err = (actual - expected).abs()[both]
     rel = err / expected.abs()[both].clamp_min(1e-12)
-    scope = "" if n == int(bad.sum()) else f" (over the {n} finite mismatch{'es' if n != 1 else ''})"
+    plural = "es" if n != 1 else ""
+    scope = "" if n == int(bad.sum()) else f" (over the {n} finite mismatch{plural})"
     return [f"  max abs error {float(err.max()):.3g}, max rel error {float(rel.max()):.3g}{scope}"]
 
 

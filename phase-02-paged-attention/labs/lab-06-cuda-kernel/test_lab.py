@@ -937,8 +937,8 @@ def test_reference_fp8_ops_reject_bad_input_before_writing(op, case):
         return torch.equal(t.view(torch.uint8), u.view(torch.uint8)) if t.dtype == E4M3 else \
             torch.equal(t, u)
 
-    for name, cache, was in (("key_cache", kc, before[0]), ("value_cache", vc, before[1])):
-        assert same_bytes(cache, was), f"{op} ({case}) raised but wrote the {name} first"
+    for name, now, was in (("key_cache", kc, before[0]), ("value_cache", vc, before[1])):
+        assert same_bytes(now, was), f"{op} ({case}) raised but wrote the {name} first"
 
 
 @pytest.mark.starter_ok
