@@ -52,6 +52,19 @@ BUGS = [
         requires="oracle",
     ),
     PlantedBug(
+        name="naive-max-over-the-whole-logits-array",
+        description="the naive kernel takes its max in a second pass over its slots of the "
+        "whole logits array (max_seq_len entries) instead of its sequence's tokens: a shorter "
+        "sequence's unwritten entries join the max (NaN in the emulation, which fmaxf drops; "
+        "whatever lies there on a GPU)",
+        file=NAIVE,
+        find="    logits[t] = logit;\n    my_max = fmaxf(my_max, logit);\n  }\n",
+        replace="    logits[t] = logit;\n  }\n"
+        "  for (int t = threadIdx.x; t < p.max_seq_len; t += NUM_THREADS) {\n"
+        "    my_max = fmaxf(my_max, logits[t]);\n  }\n",
+        requires="oracle",
+    ),
+    PlantedBug(
         name="alibi-sign-flipped",
         description="the ALiBi bias uses (seq_len - 1 - t), rewarding distant tokens instead of "
         "penalising them",
@@ -176,6 +189,16 @@ BUGS = [
         file=CORE,
         find="  __syncthreads();  // every warp is done reading probs: reuse the buffer\n",
         replace="",
+        requires="race",
+    ),
+    PlantedBug(
+        name="softmax-one-scratch-for-both-reductions",
+        description="task 2 passes red_max to block_sum as well: a fast warp writes its sum "
+        "into the slot a slow warp still reads the max from (no barrier between the two "
+        "reductions); the emulation's thread order happens to give the right result",
+        file=CORE,
+        find="  const float exp_sum = block_sum<NUM_WARPS>(my_sum, red_sum);",
+        replace="  const float exp_sum = block_sum<NUM_WARPS>(my_sum, red_max);",
         requires="race",
     ),
     PlantedBug(

@@ -80,10 +80,20 @@ def test_warp_collectives_and_barrier_counts_compute_what_cuda_specifies():
         assert half == warp[partner]
 
 
-def test_shared_memory_is_fresh_and_nan_in_every_block():
+def test_shared_memory_is_fresh_and_nan_in_every_block(monkeypatch):
     out = torch.zeros(256)
     run("fresh_shared", out_out=out)
     assert out.isnan().all(), "unwritten shared memory must read as NaN, in every block"
+    # The second pattern: a value a max cannot drop (fmaxf drops NaN), bytes 0x7f.
+    monkeypatch.setenv("MINI_VLLM_EMU_SHARED_FILL", "huge")
+    run("fresh_shared", out_out=out)
+    huge = torch.tensor([0x7F7F7F7F], dtype=torch.int32).view(torch.float32)
+    assert torch.equal(out, huge.expand(256)), (
+        f"with MINI_VLLM_EMU_SHARED_FILL=huge unwritten shared memory must read {float(huge):g} "
+        f"in every block; read {out.unique().tolist()[:4]}")
+    monkeypatch.setenv("MINI_VLLM_EMU_SHARED_FILL", "zero")
+    with pytest.raises(ValueError, match="MINI_VLLM_EMU_SHARED_FILL must be one of"):
+        run("fresh_shared", out_out=out)
 
 
 def test_a_correct_block_reduction_runs_in_every_build():
@@ -326,3 +336,25 @@ def test_an_edit_recompiles_only_the_edited_source(tmp_path):
     assert second != first and second.is_file()
     assert len(objects(extra.stem)) == 2, "the edited source is compiled anew"
     assert objects("emulation_cases") == cases_before, "the unchanged one is not compiled again"
+
+
+def test_a_compile_error_is_reported_by_its_first_error_line(tmp_path):
+    """The first line of a failed build names the source file, the line and the compiler's
+    text (what a student fixes); the whole output and the command follow."""
+    from mini_vllm.csrc import first_compiler_error
+    from mini_vllm.csrc.emulation import Build, EmulationBuildError, Variant, flavor_supported
+
+    if flavor_supported("plain"):
+        pytest.skip(flavor_supported("plain"))
+    bad = tmp_path / "broken.cu"
+    bad.write_text("int fine = 1;\nint oops = undeclared_thing;\nint also = missing_too;\n")
+    with pytest.raises(EmulationBuildError) as err:
+        Build("broken", (bad,), bindings=(), own_files=(bad,)).executable(Variant())
+    first, *rest = str(err.value).splitlines()
+    assert re.match(r"broken\.cu:2: error: .*undeclared_thing.* \(compiling broken\.cu for the "
+                    r"CPU emulation: fix this first error, then run again\)$", first), first
+    assert any("missing_too" in line for line in rest), "the whole output follows the first line"
+    # nvcc's spelling of an error line, and an output without one.
+    assert first_compiler_error('/x/starter.cu(17): error: identifier "q" is undefined\n') == (
+        'starter.cu:17: error: identifier "q" is undefined')
+    assert first_compiler_error("/usr/bin/ld: cannot find -lfoo\n") is None

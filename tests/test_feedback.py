@@ -182,7 +182,60 @@ def test_a_failure_repeated_over_a_grid_is_rendered_once(course):
     assert every.stdout.count("def test_double") == 29
 
 
+KERNEL_TOOLS = '''
+class EmulationError(RuntimeError):
+    pass
+
+
+def run_kernel(message):
+    return _driver(message)
+
+
+def _driver(message):
+    raise EmulationError(message + "\\n--- more detail ---")
+'''
+
+KERNEL_TESTS = '''
+
+import mini_vllm.csrc.fake_emulator as emu
+
+SEGFAULT = "v1: segmentation fault at starter.cu:{}, block (0,{},0), thread 32 (kernel k<{}, 128>)"
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("dtype", ["float", "__half", "__nv_bfloat16"])
+def test_plain(dtype):
+    emu.run_kernel(SEGFAULT.format(113, len(dtype), dtype))
+
+
+@pytest.mark.emulation
+def test_plain_elsewhere():
+    emu.run_kernel(SEGFAULT.format(120, 0, "float"))
+
+
+@pytest.mark.asan
+@pytest.mark.emulation
+def test_asan():
+    emu.run_kernel("v1: out-of-bounds read of block_tables at starter.cu:113, block (0,4,0)")
+'''
+
+
+def add_kernel_tests(course: Path) -> None:
+    """Tests that fail with an error of a stand-in for mini_vllm.csrc's kernel tools."""
+    package = course / "mini_vllm" / "csrc"
+    package.mkdir(parents=True)
+    (course / "mini_vllm" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "fake_emulator.py").write_text(KERNEL_TOOLS)
+    tests = course / LAB / "test_lab.py"
+    tests.write_text(tests.read_text() + KERNEL_TESTS)
+
+
 def test_a_crash_in_the_lab_code_reached_from_several_tests_is_rendered_once(course):
+    """Also (one run for both): a kernel error (raised by mini_vllm.csrc) is reported with its
+    first line first and the tools' frames hidden; its cases fold only within one tier and with
+    messages that differ by values alone, so the sanitizer's precise read is never listed under
+    the plain emulation's segfault, nor a segfault at another line."""
     tests = course / LAB / "test_lab.py"
     tests.write_text(
         tests.read_text()
@@ -199,12 +252,32 @@ def test_a_crash_in_the_lab_code_reached_from_several_tests_is_rendered_once(cou
             """
         )
     )
-    out = pytest_run(course, "solution", "-k", "halve").stdout
+    add_kernel_tests(course)
+    out = pytest_run(course, "solution", "-k", "halve or plain or asan").stdout
     # One TypeError at the same line of solution.py, reached from two tests: one report.
     assert out.count("def test_halve_text") == 1, out
     assert "the same failure in 2 other cases (2 tests)" in out
     assert "test_halve_text[b]" in out and "test_halve_text_again" in out
-    assert "3 failed" in out
+    assert "8 failed" in out
+    reports = re.split(r"(?m)^_{3,} (test_\S+) _{3,}$", out)[1:]
+    firsts = {name: body.strip().splitlines()[0] for name, body in zip(reports[::2], reports[1::2])
+              if not name.startswith("test_halve")}
+    assert firsts == {
+        "test_plain[float]": "EmulationError: v1: segmentation fault at starter.cu:113, "
+        "block (0,5,0), thread 32 (kernel k<float, 128>)",
+        "test_plain_elsewhere": "EmulationError: v1: segmentation fault at starter.cu:120, "
+        "block (0,0,0), thread 32 (kernel k<float, 128>)",
+        "test_asan": "EmulationError: v1: out-of-bounds read of block_tables at starter.cu:113, "
+        "block (0,4,0)",
+    }, out
+    assert "the same failure in every other case of test_plain (2)" in out, out
+    assert "_driver" not in out and "--emulator-traceback shows them" in out, out
+
+
+def test_emulator_traceback_shows_the_kernel_tools_frames(course):
+    add_kernel_tests(course)
+    full = pytest_run(course, "solution", "-k", "asan", "--emulator-traceback").stdout
+    assert "def _driver" in full and "--emulator-traceback shows them" not in full, full
 
 
 def test_a_measurement_may_return_several_named_values():

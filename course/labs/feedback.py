@@ -5,11 +5,12 @@ What a student sees when they run a lab's tests:
 - a test that failed because the starter still raises the course's NotImplementedError is one
   line, never a rendered traceback (Hypothesis state machines included), with its own outcome,
   "not implemented", in the progress line (N) and the closing counts;
-- a failure that repeats across cases of one test (same exception, same traceback) is rendered
-  once, in full; that report ends with the count and the ids of the other cases, which get no
-  report of their own (`--every-failure` renders each one). A crash in the code under test (an
-  exception other than an assertion, raised below the test file's last frame) is one failure
-  whichever test reached it: the same line failing the same way under ten tests renders once;
+- a failure that repeats across cases of one test (same exception, same traceback, same tier,
+  a message of the same shape) is rendered once, in full; that report ends with the count and
+  the ids of the other cases, which get no report of their own (`--every-failure` renders each
+  one). A crash in the code under test (an exception other than an assertion, raised below the
+  test file's last frame) is one failure whichever test reached it: the same line failing the
+  same way under ten tests renders once;
 - tensors in failure reports are summarised (shape, dtype, first values), not printed;
 - after pytest's closing line, every task the starter still leaves open, in task order, read from
   the starter's source, with the README passage and the hint command for each;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import textwrap
@@ -361,23 +363,55 @@ def _base_id(nodeid: str) -> str:
     return nodeid.split("[", 1)[0]
 
 
+# The markers that say which tier of a lab's tests a test belongs to (how its code runs: on a
+# GPU, emulated, under a sanitizer, compiled by nvcc). Failures of different tiers are different
+# findings even when the same lines raise them: a segfault in the plain emulation and the
+# sanitizer's exact out-of-bounds read.
+TIER_MARKERS = frozenset({"cuda", "nvcc", "oracle", "emulation", "asan", "race"})
+_TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
+_FILE_LINE_OR_NUMBER = re.compile(r"[\w.]+\.\w+:\d+|\w*\d\w*")
+
+
+def message_shape(exc: BaseException) -> str:
+    """The first line of `exc`'s message with the values that differ between the cases of one
+    mistake blurred: template arguments dropped, every word holding a digit made "#", except a
+    file:line, which says where the mistake is. "segmentation fault at starter.cu:189 ... block
+    (0,0,0), thread 32 (kernel k<__half, 128>)" and the same for block (3,1,0), thread 7 and
+    k<float, 80> have one shape; an out-of-bounds read at starter.cu:113 has another."""
+    try:
+        line = (str(exc).strip().splitlines() or [""])[0]
+    except Exception:  # an exception whose message cannot be built: its type says enough
+        line = ""
+    while True:
+        shorter = _TEMPLATE_ARGS.sub("", line)
+        if shorter == line:
+            break
+        line = shorter
+    return _FILE_LINE_OR_NUMBER.sub(lambda m: m[0] if ":" in m[0] else "#", line)
+
+
 def _signature(item, call, excinfo) -> tuple:
     """Two failures are the same when the same test (any parameters) fails in the same phase
     with the same exception type through the same lines; or, for an exception other than an
     assertion, when it comes out of the same lines below the test file (a crash in the lab's
-    code, whichever test called it). Walking the traceback costs microseconds; rendering it
-    costs tens of milliseconds."""
+    code, whichever test called it). Either way only within one tier of tests (TIER_MARKERS)
+    and with messages of the same shape (`message_shape`). Walking the traceback costs
+    microseconds; rendering it costs tens of milliseconds."""
     frames = []
     tb = excinfo.tb
     while tb is not None:
         frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
         tb = tb.tb_next
+    tier = tuple(sorted({m.name for m in item.iter_markers()} & TIER_MARKERS))
+    said = message_shape(excinfo.value)
     test_file = str(item.path)
     last_in_test = max((i for i, f in enumerate(frames) if f[0] == test_file), default=None)
     below = frames[last_in_test + 1 :] if last_in_test is not None else []
     if below and not excinfo.errisinstance(AssertionError):
-        return ("crash", test_file, call.when, excinfo.type.__qualname__, tuple(below))
-    return (_base_id(item.nodeid), call.when, excinfo.type.__qualname__, tuple(frames))
+        return ("crash", test_file, call.when, excinfo.type.__qualname__, tuple(below), tier,
+                said)
+    return (_base_id(item.nodeid), call.when, excinfo.type.__qualname__, tuple(frames), tier,
+            said)
 
 
 @dataclass

@@ -34,8 +34,9 @@ def assert_close(
     """Assert |actual - expected| <= atol + rtol * |expected| elementwise.
 
     Tolerances default to those of `dtype` (by default the less precise of the two inputs).
-    On failure the message gives the shapes, the largest errors and the first mismatching
-    positions with both values, which is what one needs to find an off-by-one. With `dims`
+    On failure the message gives the shapes, the NaN and inf values the result holds (how many,
+    the first index), the largest finite errors and the first mismatching positions with both
+    values, which is what one needs to find an off-by-one. With `dims`
     (one name per dimension, e.g. ``("query", "head", "dim")``) it also says, for each
     dimension, which indices hold a mismatch: "wrong in query rows 0, 1 of 3, in every head".
     """
@@ -65,21 +66,60 @@ def assert_close(
     bad &= ~(torch.isnan(a) & torch.isnan(e))
     if not bool(bad.any()):
         return
-    finite = torch.where(torch.isfinite(err), err, torch.zeros_like(err))
-    rel = finite / e.abs().clamp_min(1e-12)
-    idx = bad.nonzero()[:show]
     lines = [
         f"{prefix}{int(bad.sum())} of {bad.numel()} elements differ beyond "
         f"atol={atol:g}, rtol={rtol:g} ({dtype}); shape {tuple(actual.shape)}",
-        f"  max abs error {float(finite.max()):.3g}, max rel error {float(rel.max()):.3g}",
+        *not_finite_lines(a, e, bad),
+        *error_size_lines(a, e, bad),
         "  first mismatches (index: actual vs expected):",
     ]
-    for i in idx.tolist():
+    for i in bad.nonzero()[:show].tolist():
         t = tuple(i)
         lines.append(f"    {t}: {float(a[t]):.6g} vs {float(e[t]):.6g}")
     if dims is not None:
         lines.append("  " + where_wrong(bad, dims))
     raise AssertionError("\n".join(lines))
+
+
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(mask.nonzero()[0].tolist())
+
+
+def not_finite_lines(actual: torch.Tensor, expected: torch.Tensor, bad: torch.Tensor) -> list[str]:
+    """One line per kind of non-finite value among the mismatches of `actual` (NaN, +inf, -inf),
+    with its count and first index; and one for NaN expected where `actual` holds a number.
+
+    A NaN or inf result has no finite error to measure, so these lines, not an error size, are
+    what tells a student that a value was never written, divided by zero or overflowed."""
+    lines = []
+    kinds = (("NaN", torch.isnan(actual)), ("+inf", actual == float("inf")),
+             ("-inf", actual == -float("inf")))
+    for name, is_kind in kinds:
+        mask = bad & is_kind
+        n = int(mask.sum())
+        if n:
+            lines.append(f"  {name} in {n} element{'s' if n != 1 else ''} of the result "
+                         f"(first at index {_first_index(mask)})")
+    mask = bad & torch.isnan(expected) & ~torch.isnan(actual)
+    n = int(mask.sum())
+    if n:
+        lines.append(f"  a number in {n} element{'s' if n != 1 else ''} where NaN is expected "
+                     f"(first at index {_first_index(mask)})")
+    return lines
+
+
+def error_size_lines(actual: torch.Tensor, expected: torch.Tensor, bad: torch.Tensor) -> list[str]:
+    """The largest absolute and relative errors among the mismatches where both values are
+    finite; nothing when there is none (an error of 0 next to "elements differ" misleads)."""
+    both = bad & torch.isfinite(actual) & torch.isfinite(expected)
+    n = int(both.sum())
+    if not n:
+        return []
+    err = (actual - expected).abs()[both]
+    rel = err / expected.abs()[both].clamp_min(1e-12)
+    plural = "es" if n != 1 else ""
+    scope = "" if n == int(bad.sum()) else f" (over the {n} finite mismatch{plural})"
+    return [f"  max abs error {float(err.max()):.3g}, max rel error {float(rel.max()):.3g}{scope}"]
 
 
 def where_wrong(bad: torch.Tensor, dims: tuple[str, ...]) -> str:

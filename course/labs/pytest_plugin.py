@@ -3,7 +3,10 @@
 - checks LAB_IMPL once, up front, and stops with one line when it names no implementation;
 - registers the course's markers, and skips `cuda` / `nvcc` tests with a visible reason on
   machines that lack them;
-- with `--course-results PATH`, writes every test's outcome as JSON (used by `python -m course`).
+- with `--course-results PATH`, writes every test's outcome as JSON (used by `python -m course`);
+- a kernel's failure to build or run (mini_vllm.csrc's errors) is reported with its own message
+  first (the compiler's first error; the emulator's file, line, block and thread) and the frames
+  of the test and the lab only; `--emulator-traceback` shows the tools' own frames as well.
 
 What a run prints (one line per unwritten task, repeated failures once, the task list at the
 end), the Hypothesis profiles and torch's threads are course.labs.feedback's job, the root
@@ -14,10 +17,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
+from course.labs.catalog import REPO_ROOT
 from course.labs.loader import LabImplError, chosen_impl
 
 
@@ -27,6 +32,14 @@ def pytest_addoption(parser):
         metavar="PATH",
         default=None,
         help="write every test's outcome as JSON to PATH (used by `python -m course`)",
+    )
+    parser.addoption(
+        "--emulator-traceback",
+        action="store_true",
+        default=False,
+        help="under a CUDA kernel's failure (its build, the CPU emulation, the GPU worker), show "
+        "the Python frames of mini_vllm.csrc and the thread pools too; by default the report "
+        "starts with the failure's own line and shows the test's and the lab's frames only",
     )
 
 
@@ -76,6 +89,78 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     item.user_properties.append(("points", _points(item)))
     item.user_properties.append(("starter_ok", item.get_closest_marker("starter_ok") is not None))
+
+
+# ---------------------------------------------------------------------------------------------
+# A kernel's failure: its own line first, the tools' frames hidden
+# ---------------------------------------------------------------------------------------------
+
+# The errors mini_vllm.csrc raises when a kernel does not build or misbehaves. Their message is
+# what a student acts on; the frames that raise them (the emulator's driver, the compiler's
+# thread pool, the GPU worker) are the course's internals.
+KERNEL_ERRORS = frozenset({"EmulationError", "EmulationBuildError", "CudaBuildError",
+                           "KernelCrashed"})
+# Frames under these folders are hidden from a kernel failure's report (the Python install too).
+_INTERNALS = tuple(str(p) for p in (REPO_ROOT / "mini_vllm", REPO_ROOT / "course"))
+
+
+def kernel_error(exc: BaseException | None) -> BaseException | None:
+    """The kernel build or run error that `exc` is, or that caused it; None for any other."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        kind = type(exc)
+        if kind.__name__ in KERNEL_ERRORS and kind.__module__.startswith("mini_vllm.csrc"):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+_INSTALL = tuple({str(Path(p).resolve()) + "/" for p in (sys.prefix, sys.base_prefix,
+                                                          sys.exec_prefix)})
+
+
+def _is_internal(path: str) -> bool:
+    path = str(Path(path).resolve())
+    return path.startswith(_INTERNALS + _INSTALL) or "site-packages" in path
+
+
+def _students_frames(excinfo):
+    """The traceback without the tools' frames; the whole one if nothing else is left."""
+    kept = excinfo.traceback.filter(lambda entry: not _is_internal(str(entry.path)))
+    return kept or excinfo.traceback
+
+
+def kernel_failure_repr(excinfo, error: BaseException):
+    """A failure report that starts with the kernel error's first line (what happened, where in
+    the student's code), says how to see the hidden frames, then shows the short traceback of
+    the test's and the lab's frames and the error's whole message. pytest's own report types
+    only (the headline is a plain-text entry), so the summary line, JUnit XML, pytest-xdist and
+    the course's folding of repeats read it as any other."""
+    from _pytest._code.code import ReprEntryNative
+
+    report = excinfo.getrepr(style="short", chain=False, tbfilter=_students_frames,
+                             funcargs=False, truncate_locals=True)
+    first = (str(error).strip().splitlines() or [""])[0]
+    headline = ReprEntryNative([
+        f"{type(error).__name__}: {first}\n",
+        "(the kernel tools' Python frames are hidden; pytest --emulator-traceback shows them)\n",
+        "\n",
+    ])
+    report.reprtraceback.reprentries = [headline, *report.reprtraceback.reprentries]
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if (report.failed and call.excinfo is not None
+            and not item.config.getoption("--emulator-traceback", False)
+            and hasattr(report.longrepr, "reprtraceback")):  # a rendered traceback, not one line
+        error = kernel_error(call.excinfo.value)
+        if error is not None:
+            report.longrepr = kernel_failure_repr(call.excinfo, error)
+    return report
 
 
 def _points(item) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import threading
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "CudaBuildError",
     "build_extension",
     "cuda_ops_available",
+    "first_compiler_error",
     "emulation_build",
     "load_ops",
     "resolve_backend",
@@ -81,6 +83,24 @@ _emulated: dict[str, object] = {}
 
 class CudaBuildError(RuntimeError):
     """The CUDA extension could not be built or loaded (the message holds the compiler output)."""
+
+
+# A compiler's error line: gcc/clang "path:line:col: error: text", nvcc "path(line): error: text"
+# (either may say "fatal error").
+_ERROR_LINE = re.compile(
+    r"^(?P<path>[^\s:()][^:()]*?)(?::(?P<line>\d+)(?::\d+)?|\((?P<nvline>\d+)\)):\s*"
+    r"(?:fatal )?error:\s*(?P<text>.*\S)", re.M)
+
+
+def first_compiler_error(output: str) -> str | None:
+    """The first error of a compiler's `output` as one line, ``file:line: error: text`` with the
+    file's name only; None when the output holds no error line (a linker or tool failure).
+
+    The first error is the one to fix: later ones often follow from it."""
+    m = _ERROR_LINE.search(output)
+    if m is None:
+        return None
+    return f"{Path(m['path']).name}:{m['line'] or m['nvline']}: error: {m['text']}"
 
 
 def _build_root() -> Path:
@@ -153,10 +173,12 @@ def build_extension(
             verbose=verbose,
         )
     except Exception as exc:  # the compiler's output is in the message
+        first = first_compiler_error(str(exc))
+        where = f"building the CUDA extension {name!r} for sm_{arch}"
+        head = (f"{first} ({where}: fix this first error, then run again)" if first else
+                f"{where} failed; fix the first compiler error below, then run again")
         raise CudaBuildError(
-            f"building the CUDA extension {name!r} for sm_{arch} failed.\n{exc}\n"
-            f"Fix the first compiler error above and run again (build folder: {build_dir}; "
-            f"pass verbose=True to see every command)."
+            f"{head}\n{exc}\n(build folder: {build_dir}; pass verbose=True to see every command)"
         ) from exc
     finally:
         if old_arch_list is None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from mini_vllm.csrc import first_compiler_error
+
 EMULATION_DIR = Path(__file__).resolve().parent
 CSRC_DIR = EMULATION_DIR.parent
 FLAVORS = ("plain", "asan", "race")
@@ -145,12 +147,17 @@ def _digest(paths: Sequence[Path], *extra: object) -> str:
 
 
 def _run_compiler(cmd: list[str], what: str) -> None:
+    """Run a compile or link; on failure raise EmulationBuildError whose first line is the
+    compiler's first error (file, line, text), followed by its whole output and the command."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise EmulationBuildError(
-            f"compiling {what} for the CPU emulation failed:\n{proc.stdout}{proc.stderr}\n"
-            f"Fix the first error above and run again. (command: {' '.join(cmd)})"
-        )
+        output = proc.stdout + proc.stderr
+        first = first_compiler_error(output)
+        head = (f"{first} (compiling {what} for the CPU emulation: fix this first error, then "
+                "run again)" if first else
+                f"compiling {what} for the CPU emulation failed; fix the first error below, then "
+                "run again")
+        raise EmulationBuildError(f"{head}\n{output.rstrip()}\n(command: {' '.join(cmd)})")
 
 
 class _Lock:

@@ -31,6 +31,10 @@ PAGE = mmap.PAGESIZE
 DEVICES = ("default", "t4", "a100", "h100")
 ENV_DEVICE = "MINI_VLLM_EMU_DEVICE"
 ENV_TIMEOUT = "MINI_VLLM_EMU_TIMEOUT"
+# What fresh shared memory holds (runtime.cpp, shared_fill_byte): "nan" (the default) makes a sum
+# over entries nobody wrote show, "huge" (3.4e38) a max over them, which fmaxf hides from "nan".
+ENV_SHARED_FILL = "MINI_VLLM_EMU_SHARED_FILL"
+SHARED_FILLS = ("nan", "huge")
 _SANITIZER_OPTIONS = {
     "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:"
     "detect_stack_use_after_return=0:handle_segv=1:allow_user_segv_handler=0:"
@@ -145,6 +149,9 @@ def run_op(
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if timeout is None:
         timeout = float(os.environ.get(ENV_TIMEOUT, "600"))
+    fill = os.environ.get(ENV_SHARED_FILL) or "nan"
+    if fill not in SHARED_FILLS:
+        raise ValueError(f"${ENV_SHARED_FILL} must be one of {SHARED_FILLS}, got {fill!r}")
 
     lines = [f"op {op}"]
     fds: list[int] = []

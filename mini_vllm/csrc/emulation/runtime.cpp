@@ -772,6 +772,21 @@ uint64_t arrive(State state, Op op, unsigned mask, uint64_t bits, int bytes, int
 
 // ---- shared memory ------------------------------------------------------------------------------
 
+// The byte that fills a block's fresh shared memory, by $MINI_VLLM_EMU_SHARED_FILL. "nan" (the
+// default, 0xff): NaN in every floating-point type, so a sum or a product over entries nobody
+// wrote shows in the result. "huge" (0x7f): 3.4e38 in fp32 and bf16 (NaN in fp16), so a max over
+// such entries shows too, which "nan" hides: fmaxf returns its other argument when one is NaN.
+unsigned char shared_fill_byte() {
+  static const unsigned char byte = [] {
+    const char* want = getenv("MINI_VLLM_EMU_SHARED_FILL");
+    if (want == nullptr || *want == '\0' || strcasecmp(want, "nan") == 0) return 0xff;
+    if (strcasecmp(want, "huge") == 0) return 0x7f;
+    fprintf(stderr, "MINI_VLLM_EMU_SHARED_FILL=%s is not a fill pattern (nan, huge)\n", want);
+    _exit(2);
+  }();
+  return byte;
+}
+
 // Shared memory lives between inaccessible pages (and, under AddressSanitizer, poisoned bytes),
 // so that an index past a shared array faults at once instead of corrupting the heap.
 Guarded fresh_shared(size_t bytes, size_t align, const std::string& name) {
@@ -790,7 +805,7 @@ Guarded fresh_shared(size_t bytes, size_t align, const std::string& name) {
     g.reserve = static_cast<char*>(mem);
     mprotect(g.reserve + kPage, span, PROT_READ | PROT_WRITE);
     g.data = g.reserve + kPage + span - padded;
-    memset(g.data, 0xff, bytes);  // NaN in every floating-point type
+    memset(g.data, shared_fill_byte(), bytes);
   }
 #if defined(MINI_VLLM_EMU_ASAN)
   __asan_poison_memory_region(g.reserve, g.total);

@@ -241,7 +241,10 @@ def test_importing_the_implementation_builds_nothing(monkeypatch):
     spec = importlib.util.spec_from_file_location("lab_02_06_import_probe", lab.source_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # must not call build_extension / load_ops
-    assert callable(module.paged_attention_v1) and callable(module.paged_attention_v2)
+    assert callable(module.paged_attention_v1) and callable(module.paged_attention_v2), (
+        f"{Path(lab.source_path).name} must define paged_attention_v1 and paged_attention_v2 "
+        f"(found v1: {type(getattr(module, 'paged_attention_v1', None)).__name__}, v2: "
+        f"{type(getattr(module, 'paged_attention_v2', None)).__name__})")
 
 
 @pytest.mark.starter_ok
@@ -316,7 +319,9 @@ def test_bad_input_is_rejected_before_anything_is_written(version, case):
             getattr(lab, f"paged_attention_{version}")(*args, backend="cuda")
         else:
             lab.paged_attention_v2(args[0], *bufs, *args[1:], backend="cuda")
-    assert torch.equal(a["out"], before), "a rejected call must not write out"
+    assert torch.equal(a["out"], before), (
+        f"paged_attention_{version} raised for {case} but wrote out first "
+        f"({int((a['out'] != before).sum())} entries changed): check inputs before launching")
 
 
 @pytest.mark.starter_ok
@@ -356,7 +361,9 @@ def test_the_probes_reject_bad_input_before_anything_is_written():
     with pytest.raises(ValueError, match="head_size"):  # the kernels' own checks come first
         lab.qk_logits_probe(logits, range_max, torch.randn(2, 4, 72).half(), *common[1:],
                             backend=emu)
-    assert not logits.any() and not range_max.any(), "a rejected probe must not write"
+    assert not logits.any() and not range_max.any(), (
+        f"a rejected qk_logits_probe must not write: {int(logits.count_nonzero())} logits and "
+        f"{int(range_max.count_nonzero())} range maxes changed")
     rows, stats = torch.ones(3, 40), torch.zeros(3, 128, 2)
     for lengths, phrase in ((torch.tensor([1, 0, 5], dtype=torch.int32), "every length"),
                             (torch.tensor([1, 41, 5], dtype=torch.int32), "every length"),
@@ -366,7 +373,9 @@ def test_the_probes_reject_bad_input_before_anything_is_written():
     with pytest.raises(ValueError, match="stats must be"):
         lab.softmax_probe(rows, torch.ones(3, dtype=torch.int32), torch.zeros(3, 64, 2),
                           backend=emu)
-    assert torch.equal(rows, torch.ones(3, 40)) and not stats.any()
+    assert torch.equal(rows, torch.ones(3, 40)) and not stats.any(), (
+        f"a rejected softmax_probe must not write: rows changed in "
+        f"{int((rows != 1).sum())} entries, stats in {int(stats.count_nonzero())}")
 
 
 @pytest.mark.starter_ok
@@ -406,7 +415,10 @@ def test_reference_cache_ops_reject_bad_input():
 def test_without_a_gpu_the_engine_is_told_to_use_the_pytorch_ops():
     import mini_vllm.csrc as csrc
 
-    assert csrc.cuda_ops_available() is False
+    available = csrc.cuda_ops_available()
+    assert available is False, (
+        f"without a GPU cuda_ops_available() must be False (the engine then uses the PyTorch "
+        f"ops); it returned {available!r}")
     with pytest.raises(csrc.CudaBuildError, match="GPU"):
         csrc.build_extension("never_built", ["cache_kernels.cu"])
 
@@ -444,44 +456,107 @@ def compiled_sources() -> dict[str, tuple[int, str, str]]:
 
 
 def ptx_kernels(ptx: str) -> dict[str, str]:
-    """Kernel name -> its PTX body."""
+    """Kernel name (mangled) -> its PTX body."""
     pieces = re.split(r"(?m)^\.(?:visible|weak) \.entry ", ptx)[1:]
     return {piece.split("(", 1)[0]: piece for piece in pieces}
+
+
+@cache
+def kernel_name(mangled: str) -> str:
+    """The C++ name of a PTX entry, `paged_attention_v1_kernel<__half, 128, 16, 128>`, from its
+    mangled one (c++filt demangles it; without c++filt the mangled name is what there is)."""
+    try:
+        name = subprocess.run(["c++filt", mangled], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return mangled
+    return name.split("(", 1)[0].removeprefix("void ").removeprefix("mini_vllm::") or mangled
+
+
+# The tasks of starter.cu each kernel runs: its launcher refuses it until they are marked done.
+KERNEL_TASKS = {"paged_attention_naive_kernel": (0,), "qk_logits_probe_kernel": (1,),
+                "softmax_probe_kernel": (2,), "paged_attention_v1_kernel": (1, 2, 3),
+                "paged_attention_v2_kernel": (1, 2, 3), "partition_reduce_kernel": (4,)}
+
+
+def unfinished_task(source: str, name: str) -> str | None:
+    """starter.cu's own "lab 02-06, task N: ..." message for the first task kernel `name` needs
+    that `source` does not mark done (LAB_TASK_N_DONE 0); None when every one is done, or when
+    `source` has no such marks (the reference's sources)."""
+    text = Path(source).read_text(encoding="utf-8")
+    for task in KERNEL_TASKS.get(name.split("<", 1)[0], ()):
+        if re.search(rf"^#define LAB_TASK_{task}_DONE\s+0\b", text, re.M):
+            said = re.search(rf'"(lab 02-06, task {task}: [^"]*)"', text)
+            return said.group(1) if said else f"lab 02-06, task {task}: not done in starter.cu"
+    return None
+
+
+def check_each_kernel(check, wanted=lambda name: True) -> None:
+    """Call check(source file name, kernel's C++ name, PTX body) for every kernel of every
+    source for which wanted(C++ name) holds, once each compiled. The kernels of finished tasks
+    are checked first; then a kernel of an unfinished task raises NotImplementedError with its
+    task's message, as the kernels' launchers do, instead of failing on a kernel the student
+    has not written yet."""
+    waiting = []
+    for path, (code, output, ptx) in compiled_sources().items():
+        assert code == 0, nvcc_failure(path, output)
+        kernels = ptx_kernels(ptx)
+        assert kernels, f"{Path(path).name} defines no kernel (no .entry in nvcc's PTX)"
+        for mangled, body in kernels.items():
+            name = kernel_name(mangled)
+            if not wanted(name):
+                continue
+            todo = unfinished_task(path, name)
+            if todo:
+                waiting.append(todo)
+            else:
+                check(Path(path).name, name, body)
+    if waiting:
+        raise NotImplementedError(sorted(waiting)[0])
+
+
+def nvcc_failure(path: str, output: str) -> str:
+    """nvcc's first error on the first line (what to fix), then the end of its output."""
+    from mini_vllm.csrc import first_compiler_error
+
+    first = first_compiler_error(output) or "nvcc failed (its output below)"
+    return f"nvcc could not compile {Path(path).name}: {first}\n{output[-4000:]}"
 
 
 @pytest.mark.starter_ok
 @pytest.mark.nvcc
 def test_kernel_sources_compile_with_plain_nvcc():
     for path, (code, output, _) in compiled_sources().items():
-        assert code == 0, f"nvcc could not compile {Path(path).name}:\n{output[-4000:]}"
+        assert code == 0, nvcc_failure(path, output)
 
 
 @pytest.mark.nvcc
 def test_every_kernel_reads_and_writes_global_memory():
-    for path, (code, output, ptx) in compiled_sources().items():
-        assert code == 0, f"nvcc could not compile {Path(path).name}:\n{output[-4000:]}"
-        kernels = ptx_kernels(ptx)
-        assert kernels, f"{Path(path).name} defines no kernel"
-        for name, body in kernels.items():
-            assert "st.global" in body, (
-                f"lab 02-06: kernel {name} in {Path(path).name} never stores to global memory, "
-                "so its output is never written: finish its TODO (tasks 0-4 in the README)"
-            )
-            assert "ld.global" in body, f"kernel {name} in {Path(path).name} reads nothing"
+    def check(source: str, name: str, body: str) -> None:
+        # Tested apart, so that a failure prints the message, not the whole PTX.
+        stores, loads = "st.global" in body, "ld.global" in body
+        assert stores, (
+            f"lab 02-06: kernel {name} in {source} never stores to global memory, so its "
+            "output is never written: finish its task (tasks 0-4 in the README)")
+        assert loads, (
+            f"lab 02-06: kernel {name} in {source} never loads from global memory: it must read "
+            "its inputs (query, caches, block tables)")
+
+    check_each_kernel(check)
 
 
 @pytest.mark.nvcc
 def test_attention_kernels_load_the_cache_with_vector_loads():
     # With head 128 and block 16 every dtype loads 8 or 16 bytes per lane for K and V.
-    for path, (code, output, ptx) in compiled_sources().items():
-        assert code == 0, f"nvcc could not compile {Path(path).name}:\n{output[-4000:]}"
-        for name, body in ptx_kernels(ptx).items():
-            if "paged_attention" not in name or "naive" in name:
-                continue  # the naive kernel (task 0) is the scalar-load baseline
-            assert re.search(r"ld\.global(\.nc)?\.v[24]\.", body), (
-                f"lab 02-06: kernel {name} reads the cache without vector loads; load each "
-                "lane's slice of a 16-byte chunk with load_as_float (tasks 1 and 3)"
-            )
+    def check(source: str, name: str, body: str) -> None:
+        vector_loads = re.search(r"ld\.global(\.nc)?\.v[24]\.", body) is not None
+        assert vector_loads, (
+            f"lab 02-06: kernel {name} in {source} reads the cache without vector loads (no "
+            "ld.global.v2/.v4 in its PTX); load each lane's slice of a 16-byte chunk with "
+            "load_as_float (tasks 1 and 3)")
+
+    # The naive kernel (task 0) is the scalar-load baseline.
+    check_each_kernel(check, lambda name: "paged_attention" in name and "naive" not in name)
 
 
 # ------------------------------------------------------------------------------------------
@@ -569,7 +644,9 @@ def test_reference_gqa_kernel_with_smaller_partitions(partition_size):
     lens = b["seq_lens"].cpu()
     for s in range(num_seqs):
         want = gqa_num_partitions(int(lens[s]), partition_size)
-        assert written[s].tolist() == [i < want for i in range(parts)], f"sequence {s}"
+        assert written[s].tolist() == [i < want for i in range(parts)], (
+            f"sequence {s} ({int(lens[s])} tokens) must have exactly its {want} partitions of "
+            f"{partition_size} tokens written; written: {written[s].tolist()}")
     too_narrow = tuple(t[:, :, :1].contiguous() for t in bufs)
     if parts > 1:
         with pytest.raises(ValueError, match="exp_sums"):
@@ -616,7 +693,8 @@ def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -
     ops.reshape_and_cache(key, value, kc, vc, slots, backend=backend)
     if backend == "cuda":
         torch.cuda.synchronize()
-    assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache differs from the oracle"
+    assert_close(kc, ek, atol=0, rtol=0, msg=f"reshape_and_cache ({backend}): the key cache")
+    assert_close(vc, ev, atol=0, rtol=0, msg=f"reshape_and_cache ({backend}): the value cache")
     # A padded batch: the slot mapping covers the first 30 tokens; the padding rows (NaN) of key
     # and value are not read, as upstream and the PyTorch op do.
     key[30:], value[30:] = float("nan"), float("nan")
@@ -624,8 +702,11 @@ def check_reshape_and_cache(dtype: torch.dtype, block_size: int, backend: str) -
     ops.reshape_and_cache(key, value, kc, vc, slots[:30], backend=backend)
     if backend == "cuda":
         torch.cuda.synchronize()
-    assert torch.equal(kc, ek) and torch.equal(vc, ev), "reshape_and_cache of a padded batch"
-    assert not kc.isnan().any(), "a padding row reached the cache"
+    assert_close(kc, ek, atol=0, rtol=0, msg="reshape_and_cache of a padded batch: key cache")
+    assert_close(vc, ev, atol=0, rtol=0, msg="reshape_and_cache of a padded batch: value cache")
+    assert not kc.isnan().any(), (
+        f"a padding row (slot_mapping -1 or past its end, NaN here) reached the key cache: "
+        f"{int(kc.isnan().sum())} NaN entries")
 
 
 def check_copy_and_swap_blocks(backend: str) -> None:
@@ -642,8 +723,9 @@ def check_copy_and_swap_blocks(backend: str) -> None:
     cache_ops.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
     if backend == "cuda":
         torch.cuda.synchronize()
-    for (k, v), (ek, ev) in zip(mine, layers):
-        assert torch.equal(k, ek) and torch.equal(v, ev), "copy_blocks differs from the oracle"
+    for layer, ((k, v), (ek, ev)) in enumerate(zip(mine, layers)):
+        assert_close(k, ek, atol=0, rtol=0, msg=f"copy_blocks ({backend}), key cache {layer}")
+        assert_close(v, ev, atol=0, rtol=0, msg=f"copy_blocks ({backend}), value cache {layer}")
 
     gpu = layers[0][0]
     cpu = torch.zeros(4, *gpu.shape[1:], dtype=gpu.dtype)
@@ -652,12 +734,18 @@ def check_copy_and_swap_blocks(backend: str) -> None:
     ops.swap_blocks(gpu, cpu, torch.tensor([[2, 0], [8, 3]]), backend=backend)
     if backend == "cuda":
         torch.cuda.synchronize()
-    assert torch.equal(cpu[0], gpu[2].cpu()) and torch.equal(cpu[3], gpu[8].cpu())
+    assert torch.equal(cpu[0], gpu[2].cpu()) and torch.equal(cpu[3], gpu[8].cpu()), (
+        f"swap_blocks({backend}) with mapping [[2, 0], [8, 3]] must copy GPU block 2 to CPU "
+        f"block 0 and 8 to 3; equal: {torch.equal(cpu[0], gpu[2].cpu())}, "
+        f"{torch.equal(cpu[3], gpu[8].cpu())}")
     back = torch.zeros_like(gpu)
     ops.swap_blocks(cpu, back, torch.tensor([[3, 6]]), backend=backend)
     if backend == "cuda":
         torch.cuda.synchronize()
-    assert torch.equal(back[6], gpu[8]) and not back[:6].any()
+    assert torch.equal(back[6], gpu[8]) and not back[:6].any(), (
+        f"swap_blocks({backend}) with mapping [[3, 6]] must copy CPU block 3 to block 6 and "
+        f"write nothing else; block 6 right: {torch.equal(back[6], gpu[8])}, nonzero entries "
+        f"in blocks 0-5: {int(back[:6].count_nonzero())}")
 
 
 @pytest.mark.starter_ok
@@ -788,7 +876,9 @@ def test_reference_reshape_and_cache_writes_the_oracles_fp8_bytes(dtype):
     for name, got, want in (("key_cache", got_k, ek), ("value_cache", got_v, ev)):
         assert_close(got.cpu().view(torch.uint8), want.view(torch.uint8), atol=0, rtol=0,
                      msg=f"fp8 {name} bytes")
-    assert not torch.equal(ek.view(torch.uint8), noise.view(ek.shape)), "nothing was written"
+    assert not torch.equal(ek.view(torch.uint8), noise.view(ek.shape)), (
+        "the oracle's reshape_and_cache wrote no byte of the key cache: this test's setup is "
+        "broken, not the kernel")
 
 
 FP8_BAD = {
@@ -839,11 +929,16 @@ def test_reference_fp8_ops_reject_bad_input_before_writing(op, case):
                 bufs = (torch.zeros(2, 4, 1), torch.zeros(2, 4, 1), torch.zeros(2, 4, 1, hs,
                                                                                 dtype=dtype))
                 ops.paged_attention_v2(out, *bufs, *args, **kv, backend="emulation")
-            assert (out == 7.0).all()
-    assert torch.equal(kc.view(torch.uint8) if kc.dtype == E4M3 else kc,
-                       before[0].view(torch.uint8) if kc.dtype == E4M3 else before[0])
-    assert torch.equal(vc.view(torch.uint8) if vc.dtype == E4M3 else vc,
-                       before[1].view(torch.uint8) if vc.dtype == E4M3 else before[1])
+            assert (out == 7.0).all(), (
+                f"{op} ({case}) raised but wrote out first: {int((out != 7.0).sum())} entries "
+                "changed")
+
+    def same_bytes(t: torch.Tensor, u: torch.Tensor) -> bool:
+        return torch.equal(t.view(torch.uint8), u.view(torch.uint8)) if t.dtype == E4M3 else \
+            torch.equal(t, u)
+
+    for name, now, was in (("key_cache", kc, before[0]), ("value_cache", vc, before[1])):
+        assert same_bytes(now, was), f"{op} ({case}) raised but wrote the {name} first"
 
 
 @pytest.mark.starter_ok
@@ -900,7 +995,9 @@ def test_paged_decode_passes_the_fp8_cache_to_the_kernel_it_chooses():
     out = torch.full_like(b["query"], float("nan"))
     kernel = ops.paged_decode(out, *args, kv_cache_dtype="fp8", k_scale=K_SCALE,
                               v_scale=V_SCALE, backend="emulation")
-    assert kernel == "gqa"
+    assert kernel == "gqa", (
+        f"paged_decode chose the {kernel!r} kernel for 8 query heads on 2 KV heads, head 64, "
+        "an fp8 cache; the GQA-aware one ('gqa') is the one that reads it")
     want = torch.empty_like(out)
     oracle_v1(want, *args, "fp8", K_SCALE, V_SCALE)
     assert_close(out, want, msg=f"paged_decode ({kernel}) on an fp8 cache")
@@ -918,14 +1015,16 @@ PROBE_GRID = [pytest.param(*case, id=f"{case[0]}-d{case[1]}-b{case[2]}".replace(
 PROBE_LENS = [1, 9, 33, 100, 161, 300]  # one token, partial last blocks, several 64-token ranges
 
 
-def run_probe(name: str, outputs: list[int], *args, **kwargs) -> list[torch.Tensor]:
-    """Call the lab's probe `name` and return the arguments at `outputs` (which it writes)."""
-    if ON_GPU:  # in the worker process, on CPU copies, as run_kernel does
+def run_probe(name: str, outputs: list[int], *args, backend: str = KERNEL_BACKEND,
+              **kwargs) -> list[torch.Tensor]:
+    """Call the lab's probe `name` on `backend` and return the arguments at `outputs` (which it
+    writes)."""
+    if backend == "cuda":  # in the worker process, on CPU copies, as run_kernel does
         return gpu_worker().call(
             "mini_vllm.csrc.isolation", "run_on_gpu", lab.module_loader(), name, outputs,
             *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], backend="cuda",
             **kwargs)
-    getattr(lab, name)(*args, backend=KERNEL_BACKEND, **kwargs)
+    getattr(lab, name)(*args, backend=backend, **kwargs)
     return [args[i] for i in outputs]
 
 
@@ -1011,14 +1110,15 @@ SOFTMAX_LENS = [1, 2, 31, 32, 33, 127, 128, 129, 300, 512, 700]
 SOFTMAX_WIDTH = 704
 
 
-def softmax_rows(offsets: list[float], filler: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of logits (values in [-8, 8] plus each row's offset) of SOFTMAX_LENS lengths; past
+def softmax_rows(offsets: list[float], filler: float,
+                 lens: list[int] = SOFTMAX_LENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits (values in [-8, 8] plus each row's offset) of `lens` lengths; past
     a row's length every entry is `filler`, which the softmax must neither read nor write."""
     gen = torch.Generator().manual_seed(5)
-    rows = torch.full((len(SOFTMAX_LENS), SOFTMAX_WIDTH), filler)
-    for r, n in enumerate(SOFTMAX_LENS):
+    rows = torch.full((len(lens), SOFTMAX_WIDTH), filler)
+    for r, n in enumerate(lens):
         rows[r, :n] = torch.rand(n, generator=gen) * 16 - 8 + offsets[r % len(offsets)]
-    return rows, torch.tensor(SOFTMAX_LENS, dtype=torch.int32)
+    return rows, torch.tensor(lens, dtype=torch.int32)
 
 
 @pytest.mark.oracle
@@ -1031,19 +1131,35 @@ def test_task2_softmax_in_place(offsets, filler):
     """Task 2 alone: exp(logit - max) over each row's first num_tokens entries, the max and the
     sum returned to every thread, and nothing past num_tokens read or written. Logits near
     -600 or 600 overflow or vanish unless the max is subtracted first."""
+    require(KERNEL_BACKEND)
+    check_task2(offsets, filler, KERNEL_BACKEND)
+
+
+@pytest.mark.race
+@pytest.mark.emulation
+def test_task2_softmax_has_no_data_race():
+    """Task 2 alone under ThreadSanitizer: each reduction has its own scratch buffer, or a fast
+    warp writes its sum where a slow warp still reads the max (no barrier lies between them).
+    The plain emulation runs the warps in an order where that comes out right."""
+    require(RACE)
+    check_task2([0.0], 1e4, RACE, lens=[33, 300])  # every warp of the block holds tokens
+
+
+def check_task2(offsets: list[float], filler: float, backend: str,
+                lens: list[int] = SOFTMAX_LENS) -> None:
     from mini_vllm.csrc.probes import PROBE_THREADS
 
-    require(KERNEL_BACKEND)
-    rows, lengths = softmax_rows(offsets, filler)
+    rows, lengths = softmax_rows(offsets, filler, lens)
     stats = torch.full((rows.shape[0], PROBE_THREADS, 2), float("nan"))
     before = rows.clone()
-    got, got_stats = run_probe("softmax_probe", [0, 2], rows.to(DEVICE), lengths.to(DEVICE),
-                               stats.to(DEVICE))
+    dev = "cuda" if backend == "cuda" else "cpu"
+    got, got_stats = run_probe("softmax_probe", [0, 2], rows.to(dev), lengths.to(dev),
+                               stats.to(dev), backend=backend)
     got, got_stats = got.cpu(), got_stats.cpu()
     x = before.double()
     expected = x.clone()
     want_stats = torch.empty(rows.shape[0], PROBE_THREADS, 2, dtype=torch.float64)
-    for r, n in enumerate(SOFTMAX_LENS):
+    for r, n in enumerate(lens):
         m = x[r, :n].max()
         expected[r, :n] = (x[r, :n] - m).exp()
         want_stats[r, :, 0] = m
@@ -1110,7 +1226,9 @@ def test_task0_naive_kernel_up_to_its_shared_memory_limit_and_refuses_past_it():
                                   b["num_kv_heads"], b["scale"], b["block_tables"],
                                   b["seq_lens"], b["block_size"], b["max_seq_len"],
                                   backend=KERNEL_BACKEND)
-    assert not out.any(), "a refused call must not write out"
+    assert not out.any(), (
+        f"paged_attention_naive refused {limit + 1} tokens but wrote out first "
+        f"({int(out.count_nonzero())} entries)")
 
 
 @pytest.mark.oracle
@@ -1183,6 +1301,23 @@ def test_v1_runs_up_to_the_shared_memory_limit_and_refuses_past_it(device, monke
     with pytest.raises(ValueError, match="too long for paged_attention_v1"):
         run_kernel("v1", b)
     assert_close(run_kernel("v2", b), expected_output(b), msg=f"v2 at {past} tokens")
+
+
+@pytest.mark.oracle
+@pytest.mark.emulation
+@pytest.mark.parametrize("version", ["naive", "v1", "v2"])
+def test_unwritten_shared_memory_never_reaches_the_output(version, monkeypatch):
+    """The emulation's fresh shared memory holds NaN, so a sum over entries no thread wrote shows
+    in every test above; a max over them does not (fmaxf(x, NaN) is x). Here it holds 3.4e38
+    (MINI_VLLM_EMU_SHARED_FILL=huge), which a max keeps: a kernel that takes its max over more
+    of the logits than the sequence's own tokens gets every probability 0 (on a GPU that memory
+    holds whatever an earlier block left there)."""
+    require("emulation")
+    monkeypatch.setenv("MINI_VLLM_EMU_SHARED_FILL", "huge")
+    # Short sequences beside a long one: most of their logits' shared memory is never written.
+    b = make_batch(num_heads=(2, 1), head_size=64, block_size=16, device="cpu", lens=[5, 40, 600])
+    assert_close(run_kernel(version, b, backend="emulation"), expected_output(b),
+                 msg=f"{version} with unwritten shared memory holding 3.4e38 instead of NaN")
 
 
 # ------------------------------------------------------------------------------------------
