@@ -1,0 +1,361 @@
+"""``AsyncLLM``: the engine behind a server. Requests arrive at any time; tokens stream out.
+
+``LLM.generate`` takes every prompt up front and returns when all are done. A server cannot: a
+request arrives while others are half way through, each client wants its tokens as they are
+made, and a client may hang up. The shape (upstream's, minus the separate process):
+
+* ``generate()`` (one coroutine per HTTP request) validates the prompt, registers the request with
+  the :class:`~mini_vllm.output_processor.OutputProcessor` and hands it to the engine loop, then
+  yields the request's deltas from its collector until the request finishes;
+* the engine loop (one background task, upstream's ``output_handler`` and the core's busy loop in
+  one) applies queued adds and aborts, runs ``EngineCore.step()`` on a worker thread (so the event
+  loop keeps serving HTTP while the model runs), and passes the step's outputs to the output
+  processor, which detokenizes them into the collectors;
+* a client that disconnects cancels its ``generate()``, which aborts the request: the loop
+  finishes it in the scheduler before the next step, and its KV blocks go back to the pool.
+
+Threading invariant: the engine core (scheduler, KV cache manager, runner) is touched only by the
+engine loop, and never while a step runs on the worker thread; ``add_request`` and ``abort``
+only queue work for the loop.
+
+upstream: vllm/v1/engine/async_llm.py:52 @ v0.11.0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from mini_vllm.llm import LLM, EngineCoreBase, RequestOutput, _Tracked
+from mini_vllm.loggers import EngineLoad, PrometheusStatLogger
+from mini_vllm.output_processor import (
+    IterationStats,
+    OutputProcessor,
+    ParentRequest,
+    RequestOutputCollector,
+)
+from mini_vllm.request import Request, RequestStatus
+from mini_vllm.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError"]
+
+
+class EngineGenerateError(RuntimeError):
+    """A step failed while the request was in flight; the engine recovered and serves on.
+
+    upstream: vllm/v1/engine/exceptions.py:5 @ v0.11.0
+    """
+
+
+class EngineDeadError(RuntimeError):
+    """The engine was shut down: it takes no more requests.
+
+    upstream: vllm/v1/engine/exceptions.py:10 @ v0.11.0
+    """
+
+
+class AsyncLLM:
+    """Serve many requests at once from one engine, streaming each one's output as it is made.
+
+    Build it from an :class:`~mini_vllm.llm.LLM` (which loads the model and checks the engine
+    knobs): ``AsyncLLM(LLM(...))`` or ``AsyncLLM.from_engine_args(model=..., **knobs)``. While
+    the loop runs, the ``LLM``'s own ``generate`` must not be called (they share one engine).
+    ``model_name`` is what ``/v1/models`` lists and ``/metrics`` labels.
+
+    Invariants: every user request that ``generate`` accepted ends in exactly one of: finished
+    (its last delta has ``finished=True``), aborted (its consumer went away; its engine requests
+    are finished in the scheduler and their blocks freed before the next step), or failed (the
+    consumer gets the exception; the engine is made clean again). ``stat_logger`` holds the
+    engine's state as of the last step.
+
+    upstream: vllm/v1/engine/async_llm.py:52 @ v0.11.0
+    """
+
+    def __init__(self, llm: LLM, *, model_name: str = "mini_vllm") -> None:
+        if not isinstance(llm, LLM):
+            raise TypeError(f"AsyncLLM: pass a mini_vllm.LLM, got {type(llm).__name__}")
+        self.llm = llm
+        self.model_name = model_name
+        self.output_processor = OutputProcessor(llm.tokenizer)
+        self.stat_logger = PrometheusStatLogger(model_name)
+        self.output_handler: asyncio.Task | None = None
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._in_core: dict[str, Request] = {}  # engine requests handed to the scheduler
+        self._wake: asyncio.Event | None = None
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._seen_prefix = (None, 0, 0)  # (core, queries, hits) last folded into the metrics
+        self._load = EngineLoad()
+        # One worker thread runs every step; torch's CPU thread count is per thread, so set it.
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="mini_vllm-engine-core",
+            initializer=torch.set_num_threads, initargs=(llm.num_threads,))
+
+    @classmethod
+    def from_engine_args(cls, model: Any = None, *, model_name: str = "mini_vllm",
+                         **llm_kwargs: Any) -> AsyncLLM:
+        """Load the model and build the engine as ``LLM(model, **llm_kwargs)`` does.
+
+        upstream: vllm/v1/engine/async_llm.py:221 @ v0.11.0
+        """
+        return cls(LLM(model, **llm_kwargs), model_name=model_name)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def engine_core(self) -> EngineCoreBase:
+        """The engine core (it is rebuilt after a failed step, so always read it here)."""
+        return self.llm.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm._scheduler_config.max_model_len
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                    arrival_time: float | None = None) -> RequestOutputCollector:
+        """Check the request, register it, and queue it for the engine loop; return its collector.
+
+        ``prompt``: a string, a list of token ids, or ``{"prompt_token_ids": [...]}`` (with an
+        optional ``"prompt"``). Bad input raises ``TypeError``/``ValueError`` with the same
+        messages as ``LLM.generate`` and queues nothing. ``params.n > 1`` becomes ``n`` engine
+        requests (a seeded parent gives child ``j`` the seed ``seed + j``, as ``LLM`` does).
+
+        upstream: vllm/v1/engine/async_llm.py:261 @ v0.11.0
+        """
+        if self._dead is not None:
+            raise EngineDeadError("AsyncLLM: the engine was shut down; start a new one")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"AsyncLLM: params must be a SamplingParams, got "
+                            f"{type(params).__name__}")
+        if request_id in self.output_processor.parent_requests:
+            raise ValueError(f"AsyncLLM: request id {request_id!r} is already in flight")
+        text, ids = self.llm._parse_one(prompt, "the prompt")
+        requests = self._make_children(request_id, ids, params)
+        self.llm._check_fits(requests)
+        queue = RequestOutputCollector()
+        parent = ParentRequest(request_id, params.n)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for index, request in enumerate(requests):
+            self.output_processor.add_request(request, text, parent, index, queue, arrival)
+        self._pending_adds.extend(requests)
+        self._notify()
+        return queue
+
+    def _make_children(self, request_id: str, ids: list[int],
+                       params: SamplingParams) -> list[Request]:
+        """The engine requests of one user request: ``params.n`` samples of the prompt."""
+        vocab = self.llm.model.config.vocab_size
+        outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"generate: stop token id {outside[0]} is outside the model's "
+                             f"vocab [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("generate: stop strings need a tokenizer to detokenize with")
+        extra_eos = [t for t in self.llm.extra_eos_token_ids if t not in params.stop_token_ids]
+        requests = []
+        for j in range(params.n):
+            changes: dict[str, Any] = {}
+            if params.n > 1:
+                changes["n"] = 1
+                if params.seed is not None:
+                    changes["seed"] = params.seed + j
+            if extra_eos and not params.ignore_eos:
+                changes["stop_token_ids"] = [*params.stop_token_ids, *extra_eos]
+            child = dataclasses.replace(params, **changes) if changes else params
+            rid = ParentRequest.child_id(request_id, j, params.n)
+            requests.append(self.engine_core.make_request(rid, ids, child))
+        return requests
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output as deltas (new text and token ids per completion) until
+        the last one, which has ``finished=True``.
+
+        Bad input raises before anything is queued. If the caller stops iterating (a client
+        disconnect cancels the task; an abandoned generator is closed) the request is aborted.
+
+        upstream: vllm/v1/engine/async_llm.py:323 @ v0.11.0
+        """
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self._run_output_handler()
+        queue = self.add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                # Take what is ready without a task switch; wait only when nothing is.
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a user request: no more outputs; its engine requests are finished in the
+        scheduler (blocks freed) before the next step. Unknown or finished ids are ignored.
+
+        upstream: vllm/v1/engine/async_llm.py:485 @ v0.11.0
+        """
+        child_ids = self.output_processor.abort_requests([request_id])
+        if child_ids:
+            self._pending_aborts.extend(child_ids)
+            self._notify()
+
+    # ------------------------------------------------------------------ the engine loop
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _run_output_handler(self) -> None:
+        """Start the engine loop on the running event loop (once).
+
+        upstream: vllm/v1/engine/async_llm.py:422 @ v0.11.0
+        """
+        if self.output_handler is None or self.output_handler.done():
+            self._wake = asyncio.Event()
+            self.output_handler = asyncio.get_running_loop().create_task(
+                self._engine_loop(), name="mini_vllm-engine-loop")
+
+    def _apply_pending(self) -> None:
+        """Hand queued adds and aborts to the scheduler (only between steps)."""
+        core = self.engine_core
+        adds, self._pending_adds = self._pending_adds, []
+        aborts, self._pending_aborts = self._pending_aborts, []
+        aborted = set(aborts)
+        for request in adds:
+            if request.request_id in aborted:
+                continue  # aborted before it ever reached the scheduler
+            core.add_request(request)
+            self._in_core[request.request_id] = request
+        if aborts:
+            core.scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+            for rid in aborts:
+                self._in_core.pop(rid, None)
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        stalled_at: tuple | None = None
+        while True:
+            self._apply_pending()
+            core = self.engine_core
+            if not core.has_unfinished_requests():
+                self._record(None)
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, core.step)
+                if not outputs:
+                    # Nothing gained a token: fine during chunked prefill, a livelock when the
+                    # step left everything as it was (every later step would do the same).
+                    state = self._progress_state()
+                    if state == stalled_at:
+                        raise RuntimeError(self.llm._stall_message())
+                    stalled_at = state
+                else:
+                    stalled_at = None
+            except Exception as exc:  # the step failed: fail its requests, serve on
+                self._recover(exc)
+                continue
+            stats = IterationStats()
+            processed = self.output_processor.process_outputs(outputs, time.monotonic(), stats)
+            for out in outputs:
+                if out.finished:
+                    self._in_core.pop(out.request_id, None)
+            if processed.reqs_to_abort:  # stop strings: the core cannot see text
+                core.scheduler.finish_requests(processed.reqs_to_abort,
+                                               RequestStatus.FINISHED_STOPPED)
+                for rid in processed.reqs_to_abort:
+                    self._in_core.pop(rid, None)
+            self._record(stats)
+
+    def _progress_state(self) -> tuple:
+        sched = self.engine_core.scheduler
+        return (
+            tuple((r.request_id, r.status, r.num_computed_tokens, r.num_output_tokens)
+                  for r in self._in_core.values()),
+            sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+        )
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: every request in flight fails with it, and the engine is made clean
+        (as ``LLM`` does after a failed ``generate``: requests aborted, prefix cache dropped, or
+        a fresh core when that is not enough)."""
+        error = EngineGenerateError(f"the engine step failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        self.output_processor.propagate_error(error)
+        in_core = [_Tracked(0, 0, r) for r in self._in_core.values()]
+        self._in_core.clear()
+        self._pending_adds.clear()
+        self._pending_aborts.clear()
+        self.llm._abort_after_failure(in_core)
+
+    def _record(self, stats: IterationStats | None) -> None:
+        """Give the stat logger the engine's state after a step (and the step's latencies)."""
+        core = self.engine_core
+        sched = core.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        usable = pool.num_gpu_blocks - 1
+        in_use = core.num_blocks_in_use
+        # The core's prefix-cache counters restart when a failure rebuilds it: fold in deltas.
+        seen_core, seen_q, seen_h = self._seen_prefix
+        if seen_core is not core:
+            seen_q = seen_h = 0
+        load = self._load
+        load.prefix_cache_queries += core.prefix_cache_queries - seen_q
+        load.prefix_cache_hits += core.prefix_cache_hits - seen_h
+        self._seen_prefix = (core, core.prefix_cache_queries, core.prefix_cache_hits)
+        load.num_running_reqs = len(sched.running)
+        load.num_waiting_reqs = len(sched.waiting) + len(getattr(sched, "swapped", ()))
+        load.num_kv_blocks_in_use = in_use
+        load.num_kv_blocks_total = usable
+        load.kv_cache_usage = in_use / usable if usable else 0.0
+        load.num_preemptions = sched.stats.num_preemptions
+        self.stat_logger.record(dataclasses.replace(load), stats)
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def check_health(self) -> None:
+        """Raise when the engine cannot serve (shut down, or its loop died).
+
+        upstream: vllm/v1/engine/async_llm.py:608 @ v0.11.0
+        """
+        if self._dead is not None:
+            raise EngineDeadError("AsyncLLM: the engine was shut down")
+        handler = self.output_handler
+        if handler is not None and handler.done():
+            raise EngineDeadError(f"AsyncLLM: the engine loop stopped "
+                                  f"({handler.exception() if not handler.cancelled() else 'cancelled'})")
+
+    def shutdown(self) -> None:
+        """Stop the loop and the worker thread; waiting consumers get ``EngineDeadError``.
+
+        upstream: vllm/v1/engine/async_llm.py:248 @ v0.11.0
+        """
+        if self._dead is None:
+            self._dead = EngineDeadError("AsyncLLM: the engine was shut down")
+            self.output_processor.propagate_error(self._dead)
+        if self.output_handler is not None:
+            self.output_handler.cancel()
+        self._executor.shutdown(wait=True)
