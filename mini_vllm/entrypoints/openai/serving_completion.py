@@ -1,0 +1,117 @@
+"""``POST /v1/completions``: a prompt in, its continuation out, whole or streamed as SSE.
+
+upstream: vllm/entrypoints/openai/serving_completion.py:47 @ v0.11.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse, Response
+
+from mini_vllm.entrypoints.openai.protocol import CompletionRequest
+from mini_vllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    SSEResponse,
+    chain,
+    collect_choices,
+    engine_error_event,
+    error_response,
+    sse_event,
+    usage,
+)
+from mini_vllm.llm import RequestOutput
+
+__all__ = ["OpenAIServingCompletion"]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Completions: one prompt (text or token ids), ``n`` samples, streamed or not.
+
+    Invariant: the text of each choice, whole or concatenated over the stream's chunks, is the
+    text ``LLM.generate`` returns for the same prompt and parameters.
+
+    upstream: vllm/entrypoints/openai/serving_completion.py:47 @ v0.11.0
+    """
+
+    request_id_prefix = "cmpl"
+
+    async def create_completion(self, request: CompletionRequest) -> Response:
+        """Check the request, start it, and answer with JSON or an SSE stream.
+
+        upstream: vllm/entrypoints/openai/serving_completion.py:82 @ v0.11.0
+        """
+        if (refused := self.check_model(request.model)) is not None:
+            return refused
+        if unsupported := request.unsupported():
+            return error_response(f"{', '.join(unsupported)}: not supported by this server")
+        try:
+            prompt = request.single_prompt()
+            max_tokens = (request.max_tokens if request.max_tokens is not None
+                          else self.engine.max_model_len)
+            params = request.to_sampling_params(max_tokens)
+        except (TypeError, ValueError) as exc:
+            return error_response(str(exc))
+        request_id = self.new_request_id()
+        started = await self.start(prompt, params, request_id)
+        if isinstance(started, JSONResponse):
+            return started
+        outputs = chain(*started)
+        if request.stream:
+            return SSEResponse(self.completion_stream_generator(
+                request, outputs, request_id, self.created()))
+        return await self.completion_full(outputs, request_id, self.created(), params.n)
+
+    async def completion_stream_generator(self, request: CompletionRequest,
+                                          outputs: AsyncIterator[RequestOutput],
+                                          request_id: str, created: int) -> AsyncIterator[str]:
+        """One chunk per completion delta (``choices`` of one), then usage (when asked for), then
+        ``[DONE]``.
+
+        upstream: vllm/entrypoints/openai/serving_completion.py:312 @ v0.11.0
+        """
+        prompt_tokens = completion_tokens = 0
+        try:
+            async for out in outputs:
+                prompt_tokens = len(out.prompt_token_ids)
+                for comp in out.outputs:
+                    completion_tokens += len(comp.token_ids)
+                    if not comp.text and comp.finish_reason is None:
+                        continue  # held back (half a character, a possible stop string)
+                    yield sse_event({
+                        "id": request_id, "object": "text_completion", "created": created,
+                        "model": self.model_name,
+                        "choices": [{"index": comp.index, "text": comp.text, "logprobs": None,
+                                     "finish_reason": comp.finish_reason,
+                                     "stop_reason": comp.stop_reason}],
+                    })
+            if request.include_usage:
+                yield sse_event({
+                    "id": request_id, "object": "text_completion", "created": created,
+                    "model": self.model_name, "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens),
+                })
+        except RuntimeError as exc:  # the engine failed mid-stream (EngineGenerateError)
+            yield engine_error_event(exc)
+        yield sse_event("[DONE]")
+
+    async def completion_full(self, outputs: AsyncIterator[RequestOutput], request_id: str,
+                              created: int, n: int) -> Response:
+        """Collect the stream into one response (the client waits for all of it).
+
+        upstream: vllm/entrypoints/openai/serving_completion.py:445 @ v0.11.0
+        """
+        try:
+            got = await collect_choices(outputs, n)
+        except RuntimeError as exc:  # the engine failed (EngineGenerateError)
+            return error_response(f"the engine failed while generating: {exc}",
+                                  HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+        return JSONResponse({
+            "id": request_id, "object": "text_completion", "created": created,
+            "model": self.model_name,
+            "choices": [{"index": i, "text": got.texts[i], "logprobs": None,
+                         "finish_reason": got.finish_reasons[i],
+                         "stop_reason": got.stop_reasons[i]} for i in range(n)],
+            "usage": usage(got.prompt_tokens, got.completion_tokens),
+        })

@@ -1,0 +1,180 @@
+"""What the completion and chat endpoints share: model checks, errors, and the SSE stream.
+
+The error contract (checked by ``tests/test_serve.py``): a request the server refuses gets a 4xx
+with the OpenAI error body (``protocol.error_body``) and queues nothing in the engine; a failure
+inside the engine after the stream started is sent as one SSE event holding the same body,
+followed by ``data: [DONE]``.
+
+upstream: vllm/entrypoints/openai/serving_engine.py:207 @ v0.11.0
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+from fastapi.responses import JSONResponse
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mini_vllm.async_llm import AsyncLLM
+from mini_vllm.entrypoints.openai.protocol import error_body
+from mini_vllm.llm import RequestOutput
+
+__all__ = ["OpenAIServing", "SSEResponse", "error_response", "sse_event"]
+
+
+def error_response(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                   err_type: str = "BadRequestError") -> JSONResponse:
+    """A JSON response with the OpenAI error body and status ``status``.
+
+    upstream: vllm/entrypoints/openai/serving_engine.py:439 @ v0.11.0
+    """
+    return JSONResponse(error_body(message, err_type, status.value), status_code=status.value)
+
+
+def sse_event(data: dict[str, Any] | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that stops its generator when the client goes away.
+
+    It always listens for ``http.disconnect`` while it streams (Starlette does so only for old
+    ASGI servers; newer ones report a disconnect only when a write fails, which for a request
+    still waiting for its first token could be many seconds later), and it closes the body
+    generator however the response ends, so the engine request behind it is aborted at once.
+
+    upstream: vllm/entrypoints/utils.py:47 @ v0.11.0
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream_then_stop() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        except OSError:
+            pass  # the client went away during a write: nothing left to tell it
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class OpenAIServing:
+    """The model name check, request ids, and the first-output handshake of every endpoint.
+
+    upstream: vllm/entrypoints/openai/serving_engine.py:207 @ v0.11.0
+    """
+
+    request_id_prefix = "cmpl"
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def check_model(self, requested: str | None) -> JSONResponse | None:
+        """``None`` when the request names this server's model (or none); a 404 otherwise.
+
+        upstream: vllm/entrypoints/openai/serving_engine.py:466 @ v0.11.0
+        """
+        if requested in (None, "", self.model_name):
+            return None
+        return error_response(
+            f"The model `{requested}` does not exist; this server serves `{self.model_name}` "
+            "(see GET /v1/models).", HTTPStatus.NOT_FOUND, "NotFoundError")
+
+    def new_request_id(self) -> str:
+        return f"{self.request_id_prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+    async def start(self, prompt: Any, params: Any, request_id: str
+                    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]] | JSONResponse:
+        """Queue the request and wait for its first output.
+
+        Returns the first output and the rest of the stream, or a 400 when the engine refuses
+        the request (prompt too long, bad parameters): the refusal happens before any output, so
+        it can still be an HTTP error rather than an event in a stream that already said 200.
+        """
+        stream = self.engine.generate(prompt, params, request_id)
+        try:
+            first = await anext(stream)
+        except (ValueError, TypeError) as exc:
+            await stream.aclose()
+            return error_response(str(exc))
+        return first, stream
+
+
+async def chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]
+                ) -> AsyncIterator[RequestOutput]:
+    """``first`` followed by the rest of the stream (closing the stream when closed early)."""
+    try:
+        yield first
+        if not first.finished:
+            async for out in rest:
+                yield out
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The ``usage`` object of a response."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def engine_error_event(exc: Exception) -> str:
+    """An engine failure after the stream started, as the SSE error event clients expect."""
+    return sse_event(error_body(f"the engine failed while generating: {exc}",
+                                "InternalServerError", 500))
+
+
+@dataclass
+class CollectedChoices:
+    """A whole (non-streamed) response's choices: per index, text, token ids and reasons."""
+
+    n: int
+    prompt_tokens: int = 0
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.texts = [""] * self.n
+        self.token_ids = [[] for _ in range(self.n)]
+        self.finish_reasons = [None] * self.n
+        self.stop_reasons = [None] * self.n
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+
+async def collect_choices(outputs: AsyncIterator[RequestOutput], n: int) -> CollectedChoices:
+    """Drain a request's deltas into its ``n`` choices."""
+    got = CollectedChoices(n)
+    async for out in outputs:
+        got.prompt_tokens = len(out.prompt_token_ids)
+        for comp in out.outputs:
+            got.texts[comp.index] += comp.text
+            got.token_ids[comp.index].extend(comp.token_ids)
+            if comp.finish_reason is not None:
+                got.finish_reasons[comp.index] = comp.finish_reason
+                got.stop_reasons[comp.index] = comp.stop_reason
+    return got
