@@ -1,4 +1,5 @@
-"""``python -m mini_vllm generate "PROMPT" ...``: generate text and print the engine statistics.
+"""``python -m mini_vllm generate "PROMPT" ...``: generate text and print the engine statistics;
+``python -m mini_vllm serve``: serve the model over HTTP with the OpenAI API.
 
 Examples::
 
@@ -8,14 +9,21 @@ Examples::
     python -m mini_vllm generate "Ber.\\n" --model path/to/hf_llama_dir --block-size 32
     python -m mini_vllm generate "HAMLET.\\n" --kv-cache-dtype fp8 --kv-cache-memory 1000000
     python -m mini_vllm convert-gguf path/to/model.gguf path/to/hf_folder
+    python -m mini_vllm serve --port 8000        # then: curl localhost:8000/v1/models
+    python -m mini_vllm serve --model smollm2 --served-model-name smollm2
 
-upstream: none (vLLM's command line is `vllm serve`/`vllm bench`; this is a demo of the engine)
+upstream: none (vLLM's command line is `vllm serve`/`vllm bench`; `serve` here takes a subset of
+its options, `generate` is a demo of the engine)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
+
+# The API name of the shipped model when --model is not given.
+DEFAULT_SERVED_NAME = "mini_vllm/tiny_shakespeare"
 
 
 def _unescape(text: str) -> str:
@@ -23,14 +31,39 @@ def _unescape(text: str) -> str:
     return text.replace("\\n", "\n")
 
 
+def _add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="checkpoint: a mini_vllm .safetensors, a Hugging Face folder, a "
+                        ".gguf file, or 'smollm2' (default: the shipped Shakespeare model)")
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--threads", type=int, default=None,
+        help="PyTorch CPU threads (default: 1 for a small model, else the free cores)")
+    add("--block-size", type=int, default=16)
+    add("--num-gpu-blocks", type=int, default=None)
+    add("--max-num-batched-tokens", type=int, default=512)
+    add("--max-num-seqs", type=int, default=64)
+    add("--max-model-len", type=int, default=None)
+    add("--no-prefix-caching", action="store_true")
+    add("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    add("--num-cpu-blocks", type=int, default=0)
+    add("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+        help="KV cache storage: the model's dtype (auto) or FP8 e4m3 with per-layer scales "
+        "computed from the first prompts (half the bytes of fp16)")
+    add("--kv-cache-memory", type=int, default=None,
+        help="KV cache budget in bytes (instead of --num-gpu-blocks): the number of blocks is "
+        "what fits")
+    add("--device", default="cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mini_vllm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for each prompt")
     gen.add_argument("prompts", nargs="+", help='prompt text ("\\n" is a newline)')
-    gen.add_argument("--model", default=None,
-                     help="checkpoint: a mini_vllm .safetensors, a Hugging Face folder, a .gguf "
-                     "file, or 'smollm2' (default: the shipped Shakespeare model)")
+    _add_model_arg(gen)
     gen.add_argument("--chat", action="store_true",
                      help="treat each prompt as a user message and apply the chat template")
     gen.add_argument("--system", default=None, help="with --chat: a system message")
@@ -41,24 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None,
                      help="stop string (repeatable); the output ends before it")
-    gen.add_argument("--threads", type=int, default=None,
-                     help="PyTorch CPU threads (default: 1 for a small model, else the free "
-                     "cores)")
-    gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--num-gpu-blocks", type=int, default=None)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=512)
-    gen.add_argument("--max-num-seqs", type=int, default=64)
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--no-prefix-caching", action="store_true")
-    gen.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    gen.add_argument("--num-cpu-blocks", type=int, default=0)
-    gen.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
-                     help="KV cache storage: the model's dtype (auto) or FP8 e4m3 with per-layer "
-                     "scales computed from the first prompts (half the bytes of fp16)")
-    gen.add_argument("--kv-cache-memory", type=int, default=None,
-                     help="KV cache budget in bytes (instead of --num-gpu-blocks): the number "
-                     "of blocks is what fits")
-    gen.add_argument("--device", default="cpu")
+    _add_engine_args(gen)
+    srv = sub.add_parser("serve", help="serve the model over HTTP (the OpenAI API)")
+    _add_model_arg(srv)
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None,
+                     help=f"the model's name in the API (default: --model, or "
+                     f"{DEFAULT_SERVED_NAME!r})")
+    srv.add_argument("--chat-template", default=None,
+                     help="a Jinja chat template file for /v1/chat/completions (default: the "
+                     "tokenizer's; the shipped model has none)")
+    srv.add_argument("--log-level", default="info",
+                     choices=("critical", "error", "warning", "info", "debug"))
+    _add_engine_args(srv)
     conv = sub.add_parser("convert-gguf", help="convert a GGUF file to a Hugging Face folder")
     conv.add_argument("source", help="a .gguf file, or 'smollm2'")
     conv.add_argument("out", help="the folder to write")
@@ -67,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert-gguf":
             return _convert(args)
+        if args.command == "serve":
+            return _serve(args)
         return _generate(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -85,28 +117,13 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mini_vllm.llm import LLM
     from mini_vllm.sampling_params import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_tokens=args.max_tokens, stop=args.stop,
     )
-    llm = LLM(
-        args.model,
-        device=args.device,
-        num_threads=args.threads,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        num_cpu_blocks=args.num_cpu_blocks,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory=args.kv_cache_memory,
-    )
+    llm = _make_llm(args)
     prompts = [_unescape(p) for p in args.prompts]
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
@@ -125,6 +142,48 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[finish: {out.outputs[0].finish_reason}, {len(out.outputs[0].token_ids)} tokens]")
     print("=" * 72)
     print(llm.last_stats.summary() + f"   threads: {llm.num_threads}")
+    return 0
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from mini_vllm.llm import LLM
+
+    return LLM(
+        args.model,
+        device=args.device,
+        num_threads=args.threads,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        num_cpu_blocks=args.num_cpu_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from mini_vllm.async_llm import AsyncLLM
+        from mini_vllm.entrypoints.openai.api_server import run_server
+    except ImportError as exc:
+        raise ImportError(
+            f"serve needs the server's packages ({exc.name} is missing); install them with "
+            "pip install -r requirements.txt"
+        ) from exc
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
+    engine = AsyncLLM(_make_llm(args), model_name=name)
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+          file=sys.stderr)
+    run_server(engine, host=args.host, port=args.port, model_name=name,
+               chat_template=template, log_level=args.log_level)
     return 0
 
 

@@ -345,8 +345,8 @@ class AsyncLLM:
             raise EngineDeadError("AsyncLLM: the engine was shut down")
         handler = self.output_handler
         if handler is not None and handler.done():
-            raise EngineDeadError(f"AsyncLLM: the engine loop stopped "
-                                  f"({handler.exception() if not handler.cancelled() else 'cancelled'})")
+            why = "cancelled" if handler.cancelled() else repr(handler.exception())
+            raise EngineDeadError(f"AsyncLLM: the engine loop stopped ({why})")
 
     def shutdown(self) -> None:
         """Stop the loop and the worker thread; waiting consumers get ``EngineDeadError``.
