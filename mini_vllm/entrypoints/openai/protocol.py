@@ -6,7 +6,8 @@ with the field's name in the message. Fields the API defines but mini_vllm does 
 that names them, rather than silently ignored; so are fields the API does not know (a typo).
 Besides OpenAI's fields, the requests take vLLM's extra sampling fields (``top_k``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``; with the ``openai`` client, pass them in ``extra_body``).
+``skip_special_tokens``, and ``return_token_ids`` to get each choice's token ids; with the
+``openai`` client, pass them in ``extra_body``).
 
 Responses are built as plain dicts in ``serving_completion`` and ``serving_chat``.
 
@@ -88,6 +89,8 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's extra output field: each choice also carries its token ids (and the prompt's).
+    return_token_ids: bool = False
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request; ``TypeError``/``ValueError`` (the

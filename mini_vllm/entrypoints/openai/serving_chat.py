@@ -96,15 +96,19 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             return SSEResponse(self.chat_completion_stream_generator(
                 request, outputs, request_id, self.created(), params.n))
-        return await self.chat_completion_full(outputs, request_id, self.created(), params.n)
+        return await self.chat_completion_full(outputs, request_id, self.created(), params.n,
+                                               request.return_token_ids)
 
     def _chunk(self, request_id: str, created: int, index: int, delta: dict[str, str],
-               finish_reason: str | None = None, stop_reason: object = None) -> str:
+               finish_reason: str | None = None, stop_reason: object = None,
+               token_ids: list[int] | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return sse_event({
             "id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": self.model_name,
-            "choices": [{"index": index, "delta": delta, "logprobs": None,
-                         "finish_reason": finish_reason, "stop_reason": stop_reason}],
+            "model": self.model_name, "choices": [choice],
         })
 
     async def chat_completion_stream_generator(
@@ -125,11 +129,12 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_tokens = len(out.prompt_token_ids)
                 for comp in out.outputs:
                     completion_tokens += len(comp.token_ids)
-                    if not comp.text and comp.finish_reason is None:
-                        continue
+                    ids = comp.token_ids if request.return_token_ids else None
+                    if not comp.text and comp.finish_reason is None and not ids:
+                        continue  # held back (half a character, a possible stop string)
                     yield self._chunk(request_id, created, comp.index,
                                       {"content": comp.text} if comp.text else {},
-                                      comp.finish_reason, comp.stop_reason)
+                                      comp.finish_reason, comp.stop_reason, ids)
             if request.include_usage:
                 yield sse_event({
                     "id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -141,7 +146,8 @@ class OpenAIServingChat(OpenAIServing):
         yield sse_event("[DONE]")
 
     async def chat_completion_full(self, outputs: AsyncIterator[RequestOutput],
-                                   request_id: str, created: int, n: int) -> Response:
+                                   request_id: str, created: int, n: int,
+                                   return_token_ids: bool = False) -> Response:
         """Collect the stream into one ``chat.completion``.
 
         upstream: vllm/entrypoints/openai/serving_chat.py:1151 @ v0.11.0
@@ -157,6 +163,9 @@ class OpenAIServingChat(OpenAIServing):
             "choices": [{"index": i,
                          "message": {"role": self.response_role, "content": got.texts[i]},
                          "logprobs": None, "finish_reason": got.finish_reasons[i],
-                         "stop_reason": got.stop_reasons[i]} for i in range(n)],
+                         "stop_reason": got.stop_reasons[i],
+                         **({"token_ids": got.token_ids[i]} if return_token_ids else {})}
+                        for i in range(n)],
             "usage": usage(got.prompt_tokens, got.completion_tokens),
+            **({"prompt_token_ids": got.prompt_ids} if return_token_ids else {}),
         })

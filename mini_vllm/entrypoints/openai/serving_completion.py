@@ -61,7 +61,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return SSEResponse(self.completion_stream_generator(
                 request, outputs, request_id, self.created()))
-        return await self.completion_full(outputs, request_id, self.created(), params.n)
+        return await self.completion_full(outputs, request_id, self.created(), params.n,
+                                          request.return_token_ids)
 
     async def completion_stream_generator(self, request: CompletionRequest,
                                           outputs: AsyncIterator[RequestOutput],
@@ -72,19 +73,26 @@ class OpenAIServingCompletion(OpenAIServing):
         upstream: vllm/entrypoints/openai/serving_completion.py:312 @ v0.11.0
         """
         prompt_tokens = completion_tokens = 0
+        started: set[int] = set()  # choices that sent a chunk (the first carries the prompt ids)
         try:
             async for out in outputs:
                 prompt_tokens = len(out.prompt_token_ids)
                 for comp in out.outputs:
                     completion_tokens += len(comp.token_ids)
-                    if not comp.text and comp.finish_reason is None:
+                    ids = request.return_token_ids and comp.token_ids
+                    if not comp.text and comp.finish_reason is None and not ids:
                         continue  # held back (half a character, a possible stop string)
+                    choice = {"index": comp.index, "text": comp.text, "logprobs": None,
+                              "finish_reason": comp.finish_reason,
+                              "stop_reason": comp.stop_reason}
+                    if request.return_token_ids:
+                        choice["token_ids"] = comp.token_ids
+                        if comp.index not in started:
+                            choice["prompt_token_ids"] = out.prompt_token_ids
+                    started.add(comp.index)
                     yield sse_event({
                         "id": request_id, "object": "text_completion", "created": created,
-                        "model": self.model_name,
-                        "choices": [{"index": comp.index, "text": comp.text, "logprobs": None,
-                                     "finish_reason": comp.finish_reason,
-                                     "stop_reason": comp.stop_reason}],
+                        "model": self.model_name, "choices": [choice],
                     })
             if request.include_usage:
                 yield sse_event({
@@ -97,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
         yield sse_event("[DONE]")
 
     async def completion_full(self, outputs: AsyncIterator[RequestOutput], request_id: str,
-                              created: int, n: int) -> Response:
+                              created: int, n: int, return_token_ids: bool = False) -> Response:
         """Collect the stream into one response (the client waits for all of it).
 
         upstream: vllm/entrypoints/openai/serving_completion.py:445 @ v0.11.0
@@ -112,6 +120,8 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": self.model_name,
             "choices": [{"index": i, "text": got.texts[i], "logprobs": None,
                          "finish_reason": got.finish_reasons[i],
-                         "stop_reason": got.stop_reasons[i]} for i in range(n)],
+                         "stop_reason": got.stop_reasons[i],
+                         **({"token_ids": got.token_ids[i], "prompt_token_ids": got.prompt_ids}
+                            if return_token_ids else {})} for i in range(n)],
             "usage": usage(got.prompt_tokens, got.completion_tokens),
         })

@@ -149,7 +149,7 @@ class CollectedChoices:
     """A whole (non-streamed) response's choices: per index, text, token ids and reasons."""
 
     n: int
-    prompt_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
@@ -162,6 +162,10 @@ class CollectedChoices:
         self.stop_reasons = [None] * self.n
 
     @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def completion_tokens(self) -> int:
         return sum(len(ids) for ids in self.token_ids)
 
@@ -170,7 +174,7 @@ async def collect_choices(outputs: AsyncIterator[RequestOutput], n: int) -> Coll
     """Drain a request's deltas into its ``n`` choices."""
     got = CollectedChoices(n)
     async for out in outputs:
-        got.prompt_tokens = len(out.prompt_token_ids)
+        got.prompt_ids = out.prompt_token_ids
         for comp in out.outputs:
             got.texts[comp.index] += comp.text
             got.token_ids[comp.index].extend(comp.token_ids)

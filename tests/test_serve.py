@@ -1,0 +1,425 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client over real HTTP.
+
+One uvicorn server per module (on 127.0.0.1, a free port, in a thread of this process, so the
+tests can read the engine's block pool directly), serving the shipped tiny model. The reference
+is ``LLM.generate`` on the same weights: every answer, streamed or whole, must equal it token for
+token (``return_token_ids``). Bad requests must get the OpenAI error shape with a 4xx and leave
+the engine as it was; a client that goes away mid-request must leave no KV block behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mini_vllm.async_llm import AsyncLLM
+from mini_vllm.entrypoints.openai.api_server import bind_socket, build_app, make_server
+from mini_vllm.entrypoints.openai.protocol import ChatCompletionRequest
+from mini_vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from mini_vllm.llm import LLM
+from mini_vllm.sampling_params import SamplingParams
+
+MODEL = "tiny-shakespeare"
+# A chat template for the Shakespeare model: each message as a speaker's line, then the cue.
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | upper }}.\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}HAMLET.\n{% endif %}"
+)
+MAX_MODEL_LEN = 256
+
+
+class Served:
+    """The running server: its address, its engine, and a reference LLM on the same weights."""
+
+    def __init__(self) -> None:
+        self.reference = LLM(max_model_len=MAX_MODEL_LEN)
+        self.engine = AsyncLLM(LLM(self.reference.model, max_model_len=MAX_MODEL_LEN),
+                               model_name=MODEL)
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = make_server(build_app(self.engine, chat_template=TEMPLATE),
+                                  port=self.port)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def client(self, timeout: float = 60) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0,
+                             timeout=timeout)
+
+    @property
+    def pool(self):
+        return self.engine.engine_core.scheduler.kv_cache_manager.block_pool
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        """Wait until the engine holds no request and no block (the loop applies aborts between
+        steps, so this takes at most a step or two); fail with what is still held."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            core = self.engine.engine_core
+            if not core.scheduler.requests and core.num_blocks_in_use == 0 \
+                    and not self.engine.output_processor.request_states:
+                return
+            time.sleep(0.01)
+        core = self.engine.engine_core
+        pytest.fail(f"the engine still holds {len(core.scheduler.requests)} request(s) and "
+                    f"{core.num_blocks_in_use} KV block(s) {timeout:.0f} s after the last client "
+                    "finished or went away: an abort or a finish did not free them")
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name (labels other than model_name folded in)."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                extra = {k: v for k, v in sample.labels.items() if k != "model_name"}
+                key = sample.name + "".join(f"[{k}={v}]" for k, v in sorted(extra.items()))
+                out[key] = sample.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served()
+    s.thread.start()
+    deadline = time.monotonic() + 30
+    while not s.server.started:
+        assert s.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    yield s
+    s.server.should_exit = True
+    s.thread.join(timeout=30)
+    s.sock.close()
+
+
+def expected(served: Served, prompt: str, **params) -> list:
+    return served.reference.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs
+
+
+def stream_choices(chunks) -> dict[int, dict]:
+    """Per choice index: concatenated text, token ids, finish reason, and the pieces."""
+    got: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            c = got.setdefault(choice.index, {"text": "", "ids": [], "finish": None,
+                                              "pieces": []})
+            piece = getattr(choice, "text", None)
+            if piece is None:  # a chat chunk
+                piece = choice.delta.content or ""
+            c["text"] += piece
+            c["pieces"].append(piece)
+            c["ids"] += getattr(choice, "token_ids", None) or []
+            c["finish"] = choice.finish_reason or c["finish"]
+    return got
+
+
+# ---------------------------------------------------------------------------- the happy paths
+
+
+def test_models_health_and_an_idle_engine(served):
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{served.base}/health", timeout=10).status_code == 200
+    assert served.pool.get_num_free_blocks() == served.pool.num_gpu_blocks - 1
+
+
+PROMPTS = [
+    # (prompt, extra sampling parameters)
+    ("ROMEO.\n", {"max_tokens": 24}),
+    ("KING.\nWhat say you", {"max_tokens": 24, "stop": ["the", "\n\n"]}),
+    ("Ber.\n", {"max_tokens": 20, "stop": ["\n"], "include_stop_str_in_output": True}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("prompt,extra", PROMPTS, ids=["plain", "stop", "stop-kept"])
+def test_completion_equals_generate_token_for_token(served, prompt, extra, stream):
+    want = expected(served, prompt, temperature=0.0, **extra)[0]
+    kwargs = dict(model=MODEL, prompt=prompt, temperature=0.0, stream=stream,
+                  extra_body={"return_token_ids": True,
+                              **{k: v for k, v in extra.items() if k != "max_tokens" and
+                                 k != "stop"}},
+                  max_tokens=extra["max_tokens"], stop=extra.get("stop"))
+    response = served.client().completions.create(**kwargs)
+    if stream:
+        got = stream_choices(response)[0]
+        text, ids, finish = got["text"], got["ids"], got["finish"]
+    else:
+        choice = response.choices[0]
+        text, ids, finish = choice.text, choice.token_ids, choice.finish_reason
+        assert response.usage.completion_tokens == len(want.token_ids)
+    assert ids == want.token_ids, "the server generated other tokens than LLM.generate"
+    assert text == want.text
+    assert finish == want.finish_reason
+    served.wait_idle()
+
+
+def test_streaming_sends_tokens_as_they_are_made(served):
+    """A stream is not the whole answer sent at the end: it arrives in many chunks, and the
+    concatenation is LLM.generate's text."""
+    want = expected(served, "HAMLET.\n", temperature=0.0, max_tokens=32)[0]
+    chunks = list(served.client().completions.create(
+        model=MODEL, prompt="HAMLET.\n", temperature=0.0, max_tokens=32, stream=True))
+    got = stream_choices(chunks)[0]
+    assert got["text"] == want.text
+    assert len([p for p in got["pieces"] if p]) >= 8, (
+        f"32 tokens came in {len(chunks)} chunk(s): the server buffered the stream")
+
+
+def test_chat_applies_the_template_streamed_and_whole(served):
+    messages = [{"role": "user", "content": "Who is there?"}]
+    want = served.reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=16),
+                                 chat_template=TEMPLATE, use_tqdm=False)[0]
+    client = served.client()
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0,
+                                           max_tokens=16,
+                                           extra_body={"return_token_ids": True})
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want.text
+    assert whole.prompt_token_ids == want.prompt_token_ids, "the template was not applied"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages,
+                                                 temperature=0.0, max_tokens=16, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert stream_choices(chunks)[0]["text"] == want.text
+    served.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_samples_equal_generate(served, stream):
+    params = dict(temperature=0.9, seed=7, max_tokens=12, n=3)
+    want = expected(served, "QUEEN.\n", **params)
+    assert len({w.text for w in want}) > 1, "pick a seed whose samples differ"
+    response = served.client().completions.create(
+        model=MODEL, prompt="QUEEN.\n", stream=stream, extra_body={"return_token_ids": True},
+        **params)
+    if stream:
+        got = stream_choices(response)
+        texts = [got[i]["text"] for i in range(3)]
+        ids = [got[i]["ids"] for i in range(3)]
+    else:
+        texts = [c.text for c in response.choices]
+        ids = [c.token_ids for c in response.choices]
+    assert ids == [w.token_ids for w in want]
+    assert texts == [w.text for w in want]
+    served.wait_idle()
+
+
+def test_concurrent_clients_get_their_own_answers(served):
+    prompts = ["ROMEO.\n", "JULIET.\n", "KING.\n"]
+    want = {p: expected(served, p, temperature=0.0, max_tokens=16)[0].text for p in prompts}
+    got: dict[str, str] = {}
+
+    def ask(prompt: str) -> None:
+        chunks = served.client().completions.create(model=MODEL, prompt=prompt,
+                                                    temperature=0.0, max_tokens=16, stream=True)
+        got[prompt] = stream_choices(chunks)[0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == want
+    served.wait_idle()
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+BAD = [
+    # (endpoint kwargs, status, fragment of the message)
+    ({"model": "gpt-4", "prompt": "x"}, 404, "gpt-4"),
+    ({"model": MODEL, "prompt": "x" * (MAX_MODEL_LEN + 5)}, 400, "max_model_len"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1.0}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "extra_body": {"max_tokens": "many"}}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "extra_body": {"temprature": 0.5}}, 400, "temprature"),
+    ({"model": MODEL, "prompt": [[1, 2], [3]]}, 400, "one prompt per request"),
+    ({"model": MODEL, "prompt": [300]}, 400, "vocab"),
+]
+
+
+BAD_IDS = ["unknown-model", "prompt-too-long", "temperature", "top_p", "max_tokens", "n",
+           "logprobs", "wrong-type", "unknown-field", "several-prompts", "token-outside-vocab"]
+# A streamed request is refused the same way, before its stream starts (one case per layer: the
+# model check, the engine's length check, the sampling parameters).
+CASES = [pytest.param(*case, False, id=f"{name}-whole") for case, name in zip(BAD, BAD_IDS)] + [
+    pytest.param(*case, True, id=f"{name}-streamed") for case, name in zip(BAD, BAD_IDS)
+    if name in ("unknown-model", "prompt-too-long", "temperature")]
+
+
+@pytest.mark.parametrize("kwargs,status,fragment,stream", CASES)
+def test_bad_request_gets_openai_error_and_changes_nothing(served, kwargs, status, fragment,
+                                                           stream):
+    client = served.client()
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(stream=stream, **kwargs)
+    err = caught.value
+    assert err.status_code == status
+    body = err.body
+    assert set(body) >= {"message", "type", "param", "code"}, body
+    assert body["code"] == status
+    assert fragment in body["message"], body["message"]
+    served.wait_idle()
+    # The engine still serves.
+    ok = client.completions.create(model=MODEL, prompt="ROMEO.\n", temperature=0.0,
+                                   max_tokens=3)
+    assert ok.choices[0].text == _romeo_3(served)
+
+
+def _romeo_3(served: Served, cache: dict = {}) -> str:  # noqa: B006 - a deliberate memo
+    if "text" not in cache:
+        cache["text"] = expected(served, "ROMEO.\n", temperature=0.0, max_tokens=3)[0].text
+    return cache["text"]
+
+
+def test_chat_refuses_non_text_content_and_a_model_without_template(served):
+    with pytest.raises(openai.BadRequestError) as caught:
+        served.client().chat.completions.create(
+            model=MODEL, temperature=0.0, max_tokens=5,
+            messages=[{"role": "user", "content": [{"type": "image_url",
+                                                    "image_url": {"url": "x"}}]}])
+    assert "text only" in caught.value.body["message"]
+    # The shipped model has no template of its own: a server started without one says so.
+    bare = OpenAIServingChat(served.engine, MODEL, chat_template=None)
+    request = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="no chat template.*--chat-template"):
+        bare.render_prompt(request)
+    served.wait_idle()
+
+
+def test_unknown_route_and_malformed_json_use_the_error_shape(served):
+    r = httpx.get(f"{served.base}/v1/nothing", timeout=10)
+    assert r.status_code == 404 and set(r.json()["error"]) >= {"message", "type", "code"}
+    r = httpx.post(f"{served.base}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+# ---------------------------------------------------------------------------- going away
+
+
+def _generated_tokens(served: Served) -> float:
+    return served.metrics()["vllm:generation_tokens_total"]
+
+
+def test_client_closing_a_stream_frees_every_block(served):
+    """Read a few chunks of a long answer, hang up: the request is aborted (it stops long before
+    its max_tokens) and every block it held is free again."""
+    longest = MAX_MODEL_LEN - 8
+    before = _generated_tokens(served)
+    with served.client().completions.create(
+            model=MODEL, prompt="ROMEO.\n", temperature=0.0, max_tokens=longest, stream=True,
+            extra_body={"ignore_eos": True}) as stream:
+        for i, _chunk in enumerate(stream):
+            if i == 5:
+                held = served.engine.engine_core.num_blocks_in_use
+                break
+    assert held > 0, "the request held no block while it ran"
+    served.wait_idle()
+    assert served.pool.get_num_free_blocks() == served.pool.num_gpu_blocks - 1
+    made = _generated_tokens(served) - before
+    assert made < longest, (
+        f"the request ran to its end ({made:.0f} tokens) after the client hung up: a "
+        "disconnect must abort it")
+
+
+def test_client_timing_out_on_a_whole_response_frees_every_block(served):
+    longest = MAX_MODEL_LEN - 8
+    before = _generated_tokens(served)
+    with pytest.raises(openai.APITimeoutError):
+        served.client(timeout=0.3).completions.create(
+            model=MODEL, prompt="JULIET.\n", temperature=0.0, max_tokens=longest,
+            extra_body={"ignore_eos": True})
+    served.wait_idle()
+    assert served.pool.get_num_free_blocks() == served.pool.num_gpu_blocks - 1
+    assert _generated_tokens(served) - before < longest
+
+
+def test_engine_failure_mid_stream_is_reported_and_the_engine_recovers(served, monkeypatch):
+    runner = served.engine.engine_core.model_runner
+    real, calls = runner.execute_model, []
+
+    def fail_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated device fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute_model", fail_on_third)
+    with pytest.raises(openai.APIError) as caught:
+        for _ in served.client().completions.create(model=MODEL, prompt="ROMEO.\n",
+                                                    temperature=0.0, max_tokens=20,
+                                                    stream=True):
+            pass
+    assert "simulated device fault" in str(caught.value)
+    monkeypatch.undo()
+    served.wait_idle()
+    ok = served.client().completions.create(model=MODEL, prompt="ROMEO.\n", temperature=0.0,
+                                            max_tokens=5)
+    assert ok.choices[0].finish_reason == "length"
+    assert httpx.get(f"{served.base}/health", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_metrics_count_requests_latencies_and_prefix_hits(served):
+    before = served.metrics()
+    prompt = "FIRST CITIZEN.\nBefore we proceed any further, hear me speak.\n"  # > 2 blocks
+    client = served.client()
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0.0, max_tokens=6,
+                                  extra_body={"ignore_eos": True})
+    served.wait_idle()
+    after = served.metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == 2 * 5
+    assert delta("vllm:e2e_request_latency_seconds_count") == 2
+    assert delta("vllm:request_success_total[finished_reason=length]") == 2
+    assert delta("vllm:generation_tokens_total") == 12
+    full_blocks = len(prompt) // 16
+    assert delta("vllm:prefix_cache_hits_total") >= 16 * full_blocks, (
+        "the second identical prompt found nothing in the prefix cache")
+    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert 0 < after["mini_vllm:prefix_cache_hit_rate"] <= 1
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_python_m_mini_vllm_serve_builds_and_runs_the_server(tmp_path, monkeypatch):
+    """``python -m mini_vllm serve`` with its options reaches uvicorn with the engine it asked
+    for (uvicorn's run is replaced: the tests above run the real one)."""
+    import uvicorn
+
+    from mini_vllm.__main__ import main
+
+    ran = {}
+    monkeypatch.setattr(uvicorn.Server, "run",
+                        lambda self, *a, **k: ran.update(config=self.config))
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    assert main(["serve", "--port", "8123", "--served-model-name", "bard", "--max-model-len",
+                 "128", "--chat-template", str(template), "--log-level", "warning"]) == 0
+    config = ran["config"]
+    assert (config.host, config.port) == ("127.0.0.1", 8123)
+    engine = config.app.state.engine
+    assert engine.model_name == "bard" and engine.max_model_len == 128
+    routes = {r.path for r in config.app.routes}
+    assert routes >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                      "/metrics"}
+    engine.shutdown()
