@@ -101,6 +101,11 @@ def expected(served: Served, prompt: str, **params) -> list:
     return served.reference.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs
 
 
+def _steps(served: Served) -> int:
+    """Engine steps so far: a request that runs to its end takes one step per token."""
+    return served.engine.engine_core.scheduler.stats.num_steps
+
+
 def stream_choices(chunks) -> dict[int, dict]:
     """Per choice index: concatenated text, token ids, finish reason, and the pieces."""
     got: dict[int, dict] = {}
@@ -145,6 +150,7 @@ def test_completion_equals_generate_token_for_token(served, prompt, extra, strea
                               **{k: v for k, v in extra.items() if k != "max_tokens" and
                                  k != "stop"}},
                   max_tokens=extra["max_tokens"], stop=extra.get("stop"))
+    steps_before = _steps(served)
     response = served.client().completions.create(**kwargs)
     if stream:
         got = stream_choices(response)[0]
@@ -157,6 +163,9 @@ def test_completion_equals_generate_token_for_token(served, prompt, extra, strea
     assert text == want.text
     assert finish == want.finish_reason
     served.wait_idle()
+    assert _steps(served) - steps_before == len(want.token_ids), (
+        "the engine did not stop when the request did (one step per token): a stop string "
+        "must abort the request in the engine too")
 
 
 def test_streaming_sends_tokens_as_they_are_made(served):
@@ -307,15 +316,12 @@ def test_unknown_route_and_malformed_json_use_the_error_shape(served):
 # ---------------------------------------------------------------------------- going away
 
 
-def _generated_tokens(served: Served) -> float:
-    return served.metrics()["vllm:generation_tokens_total"]
-
 
 def test_client_closing_a_stream_frees_every_block(served):
     """Read a few chunks of a long answer, hang up: the request is aborted (it stops long before
     its max_tokens) and every block it held is free again."""
     longest = MAX_MODEL_LEN - 8
-    before = _generated_tokens(served)
+    before = _steps(served)
     with served.client().completions.create(
             model=MODEL, prompt="ROMEO.\n", temperature=0.0, max_tokens=longest, stream=True,
             extra_body={"ignore_eos": True}) as stream:
@@ -326,22 +332,22 @@ def test_client_closing_a_stream_frees_every_block(served):
     assert held > 0, "the request held no block while it ran"
     served.wait_idle()
     assert served.pool.get_num_free_blocks() == served.pool.num_gpu_blocks - 1
-    made = _generated_tokens(served) - before
-    assert made < longest, (
-        f"the request ran to its end ({made:.0f} tokens) after the client hung up: a "
-        "disconnect must abort it")
+    steps = _steps(served) - before
+    assert steps < longest, (
+        f"the request ran to its end ({steps} steps) after the client hung up: a disconnect "
+        "must abort it")
 
 
 def test_client_timing_out_on_a_whole_response_frees_every_block(served):
     longest = MAX_MODEL_LEN - 8
-    before = _generated_tokens(served)
+    before = _steps(served)
     with pytest.raises(openai.APITimeoutError):
         served.client(timeout=0.3).completions.create(
             model=MODEL, prompt="JULIET.\n", temperature=0.0, max_tokens=longest,
             extra_body={"ignore_eos": True})
     served.wait_idle()
     assert served.pool.get_num_free_blocks() == served.pool.num_gpu_blocks - 1
-    assert _generated_tokens(served) - before < longest
+    assert _steps(served) - before < longest, "the request ran to its end after the timeout"
 
 
 def test_engine_failure_mid_stream_is_reported_and_the_engine_recovers(served, monkeypatch):
