@@ -51,14 +51,14 @@ __all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError"]
 class EngineGenerateError(RuntimeError):
     """A step failed while the request was in flight; the engine recovered and serves on.
 
-    upstream: vllm/v1/engine/exceptions.py:5 @ v0.11.0
+    upstream: vllm/v1/engine/exceptions.py:3 @ v0.11.0
     """
 
 
 class EngineDeadError(RuntimeError):
     """The engine was shut down: it takes no more requests.
 
-    upstream: vllm/v1/engine/exceptions.py:10 @ v0.11.0
+    upstream: vllm/v1/engine/exceptions.py:8 @ v0.11.0
     """
 
 

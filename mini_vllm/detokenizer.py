@@ -79,7 +79,7 @@ class IncrementalDetokenizer:
         incomplete character, unless ``final``: then the tokenizer's rendering of the leftover
         bytes (U+FFFD) is returned, as a whole-output decode would show it.
 
-        upstream: vllm/transformers_utils/detokenizer_utils.py:104 @ v0.11.0
+        upstream: vllm/transformers_utils/detokenizer_utils.py:110 @ v0.11.0
         """
         if self.read_offset == len(self.token_ids):
             return ""

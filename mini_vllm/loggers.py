@@ -6,7 +6,7 @@ buckets are finer at the low end, because a CPU engine with a tiny model steps i
 The text is written here (about 60 lines) rather than by ``prometheus_client``: the format is
 simple, and seeing it is part of the lesson.
 
-upstream: vllm/v1/metrics/loggers.py:135 @ v0.11.0
+upstream: vllm/v1/metrics/loggers.py:153 @ v0.11.0
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class EngineLoad:
     ``kv_cache_usage`` is the fraction of usable blocks (the null block excluded) that some
     request holds, in ``[0, 1]``. The counters only grow.
 
-    upstream: vllm/v1/metrics/stats.py:148 @ v0.11.0
+    upstream: vllm/v1/metrics/stats.py:30 @ v0.11.0
     """
 
     num_running_reqs: int = 0
@@ -87,7 +87,7 @@ class PrometheusStatLogger:
     ``record`` is called by the engine loop after every step (and when it goes idle); ``render``
     by ``GET /metrics``. Every sample carries the ``model_name`` label.
 
-    upstream: vllm/v1/metrics/loggers.py:135 @ v0.11.0
+    upstream: vllm/v1/metrics/loggers.py:153 @ v0.11.0
     """
 
     def __init__(self, model_name: str) -> None:
@@ -103,7 +103,7 @@ class PrometheusStatLogger:
     def record(self, load: EngineLoad, stats: IterationStats | None) -> None:
         """Take the engine's state after a step and the latencies the step completed.
 
-        upstream: vllm/v1/metrics/loggers.py:541 @ v0.11.0
+        upstream: vllm/v1/metrics/loggers.py:525 @ v0.11.0
         """
         self.load = load
         if stats is None:

@@ -48,7 +48,7 @@ def merge_request_output(into: RequestOutput, new: RequestOutput) -> None:
     finish reason wins; a completion ``into`` does not have yet is added. ``finished`` and the
     metrics are the newest.
 
-    upstream: vllm/outputs.py:171 @ v0.11.0
+    upstream: vllm/outputs.py:140 @ v0.11.0
     """
     by_index = {c.index: c for c in into.outputs}
     for comp in new.outputs:
@@ -115,7 +115,7 @@ class ParentRequest:
     Child ``i`` is named ``f"{i}_{request_id}"``. The user request is finished when every child
     is.
 
-    upstream: vllm/v1/engine/parallel_sampling.py:17 @ v0.11.0
+    upstream: vllm/v1/engine/parallel_sampling.py:12 @ v0.11.0
     """
 
     request_id: str
@@ -161,7 +161,7 @@ class IterationStats:
     token, one per request that got a later token. ``e2e_latencies``: arrival to finish, one per
     request that finished; ``finished_reasons`` the matching reasons.
 
-    upstream: vllm/v1/metrics/stats.py:183 @ v0.11.0
+    upstream: vllm/v1/metrics/stats.py:92 @ v0.11.0
     """
 
     num_prompt_tokens: int = 0

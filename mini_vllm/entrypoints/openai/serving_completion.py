@@ -108,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
                               created: int, n: int, return_token_ids: bool = False) -> Response:
         """Collect the stream into one response (the client waits for all of it).
 
-        upstream: vllm/entrypoints/openai/serving_completion.py:445 @ v0.11.0
+        upstream: vllm/entrypoints/openai/serving_completion.py:496 @ v0.11.0
         """
         try:
             got = await collect_choices(outputs, n)

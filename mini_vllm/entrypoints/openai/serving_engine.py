@@ -40,7 +40,10 @@ def error_response(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
 
 
 def sse_event(data: dict[str, Any] | str) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line."""
+    """One server-sent event: ``data: <json>`` and a blank line.
+
+    upstream: vllm/entrypoints/openai/serving_completion.py:305 @ v0.11.0
+    """
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
@@ -122,7 +125,10 @@ class OpenAIServing:
 
 async def chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]
                 ) -> AsyncIterator[RequestOutput]:
-    """``first`` followed by the rest of the stream (closing the stream when closed early)."""
+    """``first`` followed by the rest of the stream (closing the stream when closed early).
+
+    upstream: none (the first output is awaited apart so that a refusal can still be a 4xx)
+    """
     try:
         yield first
         if not first.finished:
@@ -133,20 +139,29 @@ async def chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The ``usage`` object of a response."""
+    """The ``usage`` object of a response.
+
+    upstream: vllm/entrypoints/openai/protocol.py:147 @ v0.11.0
+    """
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
 def engine_error_event(exc: Exception) -> str:
-    """An engine failure after the stream started, as the SSE error event clients expect."""
+    """An engine failure after the stream started, as the SSE error event clients expect.
+
+    upstream: vllm/entrypoints/openai/serving_engine.py:454 @ v0.11.0
+    """
     return sse_event(error_body(f"the engine failed while generating: {exc}",
                                 "InternalServerError", 500))
 
 
 @dataclass
 class CollectedChoices:
-    """A whole (non-streamed) response's choices: per index, text, token ids and reasons."""
+    """A whole (non-streamed) response's choices: per index, text, token ids and reasons.
+
+    upstream: vllm/entrypoints/openai/serving_completion.py:265 @ v0.11.0
+    """
 
     n: int
     prompt_ids: list[int] = field(default_factory=list)
@@ -171,7 +186,10 @@ class CollectedChoices:
 
 
 async def collect_choices(outputs: AsyncIterator[RequestOutput], n: int) -> CollectedChoices:
-    """Drain a request's deltas into its ``n`` choices."""
+    """Drain a request's deltas into its ``n`` choices.
+
+    upstream: vllm/entrypoints/openai/serving_completion.py:265 @ v0.11.0
+    """
     got = CollectedChoices(n)
     async for out in outputs:
         got.prompt_ids = out.prompt_token_ids
