@@ -2,21 +2,26 @@
 
 ``LLM.generate`` takes every prompt up front and returns when all are done. A server cannot: a
 request arrives while others are half way through, each client wants its tokens as they are
-made, and a client may hang up. The shape (upstream's, minus the separate process):
+made, and a client may hang up. The shape is upstream's, with a thread where upstream has a
+process:
 
-* ``generate()`` (one coroutine per HTTP request) validates the prompt, registers the request with
-  the :class:`~mini_vllm.output_processor.OutputProcessor` and hands it to the engine loop, then
-  yields the request's deltas from its collector until the request finishes;
-* the engine loop (one background task, upstream's ``output_handler`` and the core's busy loop in
-  one) applies queued adds and aborts, runs ``EngineCore.step()`` on a worker thread (so the event
-  loop keeps serving HTTP while the model runs), and passes the step's outputs to the output
-  processor, which detokenizes them into the collectors;
-* a client that disconnects cancels its ``generate()``, which aborts the request: the loop
-  finishes it in the scheduler before the next step, and its KV blocks go back to the pool.
+* the **engine core thread** (upstream's ``EngineCoreProc`` busy loop) owns the engine core:
+  between steps it applies the adds and aborts waiting in its input queue, then runs
+  ``EngineCore.step()`` and posts the step's outputs (with a timestamp and a snapshot of the
+  engine's load) to the event loop. It never waits for the event loop, so steps run back to
+  back however busy the HTTP side is; PyTorch releases the GIL while it computes;
+* ``generate()`` (one coroutine per HTTP request, on the event loop) validates the prompt,
+  registers the request with the :class:`~mini_vllm.output_processor.OutputProcessor`, queues it
+  for the core thread, and yields the request's deltas from its collector until it finishes;
+* the **output handler** (a task on the event loop) takes each step's outputs, detokenizes them
+  into the collectors, sends back aborts for requests a stop string finished (the core cannot
+  see text), and records the metrics;
+* a client that disconnects cancels its ``generate()``, which aborts the request: the core thread
+  finishes it in the scheduler before its next step, and its KV blocks go back to the pool.
 
-Threading invariant: the engine core (scheduler, KV cache manager, runner) is touched only by the
-engine loop, and never while a step runs on the worker thread; ``add_request`` and ``abort``
-only queue work for the loop.
+Threading invariant: only the core thread touches the engine core (scheduler, KV cache manager,
+runner); other threads talk to it through its input queue, and it talks back through the event
+loop's queue. Tokens a step made for a request that was aborted meanwhile are dropped.
 
 upstream: vllm/v1/engine/async_llm.py:52 @ v0.11.0
 """
@@ -26,10 +31,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import queue
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +51,7 @@ from mini_vllm.output_processor import (
 )
 from mini_vllm.request import Request, RequestStatus
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler_output import EngineCoreOutput
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError"]
 
@@ -60,6 +68,20 @@ class EngineDeadError(RuntimeError):
 
     upstream: vllm/v1/engine/exceptions.py:8 @ v0.11.0
     """
+
+
+@dataclass
+class _StepResult:
+    """What the core thread posts after a step: the outputs, when they were made, the load."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    load: EngineLoad
+    failed: list[str] | None = None  # the step raised: these requests failed with `error`
+    error: BaseException | None = None
+
+
+_SHUTDOWN = object()  # the core thread's signal to stop
 
 
 class AsyncLLM:
@@ -87,18 +109,15 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(llm.tokenizer)
         self.stat_logger = PrometheusStatLogger(model_name)
         self.output_handler: asyncio.Task | None = None
-        self._pending_adds: list[Request] = []
-        self._pending_aborts: list[str] = []
-        self._in_core: dict[str, Request] = {}  # engine requests handed to the scheduler
-        self._wake: asyncio.Event | None = None
+        self._input: queue.SimpleQueue = queue.SimpleQueue()  # to the core thread
+        self._outputs: asyncio.Queue[_StepResult] | None = None  # from it, on the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._core_thread: threading.Thread | None = None
+        self._in_core: dict[str, Request] = {}  # core thread only: requests it has added
         self._ids = itertools.count()
         self._dead: BaseException | None = None
-        self._seen_prefix = (None, 0, 0)  # (core, queries, hits) last folded into the metrics
-        self._load = EngineLoad()
-        # One worker thread runs every step; torch's CPU thread count is per thread, so set it.
-        self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="mini_vllm-engine-core",
-            initializer=torch.set_num_threads, initargs=(llm.num_threads,))
+        self._seen_prefix: tuple[Any, int, int] = (None, 0, 0)  # core thread only
+        self._load = EngineLoad()  # core thread only
 
     @classmethod
     def from_engine_args(cls, model: Any = None, *, model_name: str = "mini_vllm",
@@ -151,14 +170,13 @@ class AsyncLLM:
         text, ids = self.llm._parse_one(prompt, "the prompt")
         requests = self._make_children(request_id, ids, params)
         self.llm._check_fits(requests)
-        queue = RequestOutputCollector()
+        collector = RequestOutputCollector()
         parent = ParentRequest(request_id, params.n)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for index, request in enumerate(requests):
-            self.output_processor.add_request(request, text, parent, index, queue, arrival)
-        self._pending_adds.extend(requests)
-        self._notify()
-        return queue
+            self.output_processor.add_request(request, text, parent, index, collector, arrival)
+        self._input.put(("add", requests))
+        return collector
 
     def _make_children(self, request_id: str, ids: list[int],
                        params: SamplingParams) -> list[Request]:
@@ -197,12 +215,12 @@ class AsyncLLM:
         """
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         self._run_output_handler()
-        queue = self.add_request(request_id, prompt, sampling_params)
+        collector = self.add_request(request_id, prompt, sampling_params)
         finished = False
         try:
             while not finished:
                 # Take what is ready without a task switch; wait only when nothing is.
-                out = queue.get_nowait() or await queue.get()
+                out = collector.get_nowait() or await collector.get()
                 finished = out.finished
                 yield out
         finally:
@@ -217,55 +235,63 @@ class AsyncLLM:
         """
         child_ids = self.output_processor.abort_requests([request_id])
         if child_ids:
-            self._pending_aborts.extend(child_ids)
-            self._notify()
+            self._input.put(("abort", child_ids, RequestStatus.FINISHED_ABORTED))
 
     # ------------------------------------------------------------------ the engine loop
 
-    def _notify(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
     def _run_output_handler(self) -> None:
-        """Start the engine loop on the running event loop (once).
+        """Start the core thread (once) and the output handler on the running event loop.
 
         upstream: vllm/v1/engine/async_llm.py:422 @ v0.11.0
         """
-        if self.output_handler is None or self.output_handler.done():
-            self._wake = asyncio.Event()
-            self.output_handler = asyncio.get_running_loop().create_task(
-                self._engine_loop(), name="mini_vllm-engine-loop")
+        if self._dead is not None:
+            raise EngineDeadError("AsyncLLM: the engine was shut down; start a new one")
+        if self.output_handler is not None and not self.output_handler.done():
+            return
+        self._loop = asyncio.get_running_loop()
+        self._outputs = asyncio.Queue()
+        self.output_handler = self._loop.create_task(self._output_handler_loop(),
+                                                     name="mini_vllm-output-handler")
+        if self._core_thread is None:
+            self._core_thread = threading.Thread(target=self._core_busy_loop, daemon=True,
+                                                 name="mini_vllm-engine-core")
+            self._core_thread.start()
 
-    def _apply_pending(self) -> None:
-        """Hand queued adds and aborts to the scheduler (only between steps)."""
-        core = self.engine_core
-        adds, self._pending_adds = self._pending_adds, []
-        aborts, self._pending_aborts = self._pending_aborts, []
-        aborted = set(aborts)
-        for request in adds:
-            if request.request_id in aborted:
-                continue  # aborted before it ever reached the scheduler
-            core.add_request(request)
-            self._in_core[request.request_id] = request
-        if aborts:
-            core.scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-            for rid in aborts:
-                self._in_core.pop(rid, None)
+    async def _output_handler_loop(self) -> None:
+        """Turn each step's outputs into deltas for the collectors (on the event loop)."""
+        assert self._outputs is not None
+        while True:
+            result = await self._outputs.get()
+            if result.error is not None:
+                self.output_processor.propagate_error(result.error, result.failed)
+                self.stat_logger.record(result.load, None)
+                continue
+            stats = IterationStats()
+            processed = self.output_processor.process_outputs(result.outputs, result.timestamp,
+                                                              stats)
+            if processed.reqs_to_abort:  # stop strings: the core cannot see text
+                self._input.put(("abort", processed.reqs_to_abort,
+                                 RequestStatus.FINISHED_STOPPED))
+            self.stat_logger.record(result.load, stats if result.outputs else None)
 
-    async def _engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wake is not None
+    # ------------------------------------------------------------------ the core thread
+
+    def _core_busy_loop(self) -> None:
+        """Apply adds and aborts, step, post the outputs; sleep only while there is no work.
+
+        upstream: vllm/v1/engine/core.py:720 @ v0.11.0
+        """
+        torch.set_num_threads(self.llm.num_threads)  # a per-thread setting for CPU ops
         stalled_at: tuple | None = None
         while True:
-            self._apply_pending()
+            if not self._apply_input(block=not self.engine_core.has_unfinished_requests()):
+                return  # shut down
             core = self.engine_core
             if not core.has_unfinished_requests():
-                self._record(None)
-                self._wake.clear()
-                await self._wake.wait()
+                self._post(_StepResult([], time.monotonic(), self._snapshot()))
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, core.step)
+                outputs = core.step()
                 if not outputs:
                     # Nothing gained a token: fine during chunked prefill, a livelock when the
                     # step left everything as it was (every later step would do the same).
@@ -276,19 +302,51 @@ class AsyncLLM:
                 else:
                     stalled_at = None
             except Exception as exc:  # the step failed: fail its requests, serve on
-                self._recover(exc)
+                failed = self._recover()
+                error = EngineGenerateError(
+                    f"the engine step failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self._post(_StepResult([], time.monotonic(), self._snapshot(), failed, error))
                 continue
-            stats = IterationStats()
-            processed = self.output_processor.process_outputs(outputs, time.monotonic(), stats)
+            now = time.monotonic()
             for out in outputs:
                 if out.finished:
                     self._in_core.pop(out.request_id, None)
-            if processed.reqs_to_abort:  # stop strings: the core cannot see text
-                core.scheduler.finish_requests(processed.reqs_to_abort,
-                                               RequestStatus.FINISHED_STOPPED)
-                for rid in processed.reqs_to_abort:
+            self._post(_StepResult(outputs, now, self._snapshot()))
+
+    def _apply_input(self, block: bool) -> bool:
+        """Apply every add and abort waiting (waiting for one first if ``block``); False once
+        shutdown was asked for."""
+        try:
+            item = self._input.get(block=block)
+        except queue.Empty:
+            return True
+        core = self.engine_core
+        while True:
+            if item is _SHUTDOWN:
+                return False
+            if item[0] == "add":
+                for request in item[1]:
+                    core.add_request(request)
+                    self._in_core[request.request_id] = request
+            else:  # ("abort", ids, status)
+                core.scheduler.finish_requests(item[1], item[2])
+                for rid in item[1]:
                     self._in_core.pop(rid, None)
-            self._record(stats)
+            try:
+                item = self._input.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _post(self, result: _StepResult) -> None:
+        """Hand a step's result to the event loop (dropped when the loop is gone)."""
+        loop, outputs = self._loop, self._outputs
+        if loop is None or outputs is None:
+            return
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, result)
+        except RuntimeError:  # the event loop was closed
+            pass
 
     def _progress_state(self) -> tuple:
         sched = self.engine_core.scheduler
@@ -298,21 +356,18 @@ class AsyncLLM:
             sched.kv_cache_manager.block_pool.get_num_free_blocks(),
         )
 
-    def _recover(self, exc: Exception) -> None:
-        """A step raised: every request in flight fails with it, and the engine is made clean
-        (as ``LLM`` does after a failed ``generate``: requests aborted, prefix cache dropped, or
-        a fresh core when that is not enough)."""
-        error = EngineGenerateError(f"the engine step failed: {type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        self.output_processor.propagate_error(error)
-        in_core = [_Tracked(0, 0, r) for r in self._in_core.values()]
+    def _recover(self) -> list[str]:
+        """A step raised: abort every request in the core and make the engine clean (as ``LLM``
+        does after a failed ``generate``: requests aborted, prefix cache dropped, or a fresh
+        core when that is not enough). Returns the ids of the requests that failed."""
+        failed = list(self._in_core)
+        tracked = [_Tracked(0, 0, r) for r in self._in_core.values()]
         self._in_core.clear()
-        self._pending_adds.clear()
-        self._pending_aborts.clear()
-        self.llm._abort_after_failure(in_core)
+        self.llm._abort_after_failure(tracked)
+        return failed
 
-    def _record(self, stats: IterationStats | None) -> None:
-        """Give the stat logger the engine's state after a step (and the step's latencies)."""
+    def _snapshot(self) -> EngineLoad:
+        """The engine's load now (core thread), for the stat logger."""
         core = self.engine_core
         sched = core.scheduler
         pool = sched.kv_cache_manager.block_pool
@@ -332,30 +387,36 @@ class AsyncLLM:
         load.num_kv_blocks_total = usable
         load.kv_cache_usage = in_use / usable if usable else 0.0
         load.num_preemptions = sched.stats.num_preemptions
-        self.stat_logger.record(dataclasses.replace(load), stats)
+        return dataclasses.replace(load)
 
     # ------------------------------------------------------------------ life cycle
 
     async def check_health(self) -> None:
-        """Raise when the engine cannot serve (shut down, or its loop died).
+        """Raise when the engine cannot serve (shut down, or its core thread or output handler
+        died).
 
         upstream: vllm/v1/engine/async_llm.py:608 @ v0.11.0
         """
         if self._dead is not None:
             raise EngineDeadError("AsyncLLM: the engine was shut down")
+        if self._core_thread is not None and not self._core_thread.is_alive():
+            raise EngineDeadError("AsyncLLM: the engine core thread stopped")
         handler = self.output_handler
         if handler is not None and handler.done():
             why = "cancelled" if handler.cancelled() else repr(handler.exception())
-            raise EngineDeadError(f"AsyncLLM: the engine loop stopped ({why})")
+            raise EngineDeadError(f"AsyncLLM: the output handler stopped ({why})")
 
     def shutdown(self) -> None:
-        """Stop the loop and the worker thread; waiting consumers get ``EngineDeadError``.
+        """Stop the core thread (after its current step) and the output handler; consumers
+        still waiting get ``EngineDeadError``.
 
         upstream: vllm/v1/engine/async_llm.py:248 @ v0.11.0
         """
         if self._dead is None:
             self._dead = EngineDeadError("AsyncLLM: the engine was shut down")
             self.output_processor.propagate_error(self._dead)
+        self._input.put(_SHUTDOWN)
+        if self._core_thread is not None:
+            self._core_thread.join(timeout=60)
         if self.output_handler is not None:
             self.output_handler.cancel()
-        self._executor.shutdown(wait=True)

@@ -238,15 +238,21 @@ class OutputProcessor:
                         self.parent_requests.pop(state.parent.request_id, None)
         return to_abort
 
-    def propagate_error(self, exc: BaseException) -> None:
-        """Hand ``exc`` to every waiting consumer and forget every request (the engine failed).
+    def propagate_error(self, exc: BaseException, request_ids: list[str] | None = None) -> None:
+        """Hand ``exc`` to the consumers of the given engine requests (all when ``None``) and
+        stop tracking them: the engine failed them.
 
         upstream: vllm/v1/engine/output_processor.py:318 @ v0.11.0
         """
-        for state in self.request_states.values():
+        ids = list(self.request_states) if request_ids is None else request_ids
+        for rid in ids:
+            state = self.request_states.pop(rid, None)
+            if state is None:
+                continue
             state.queue.put(exc)
-        self.request_states.clear()
-        self.parent_requests.clear()
+            state.parent.unfinished.discard(rid)
+            if not state.parent.unfinished:
+                self.parent_requests.pop(state.parent.request_id, None)
 
     def process_outputs(self, outputs: list[EngineCoreOutput], now: float,
                         stats: IterationStats | None = None) -> OutputProcessorOutput:

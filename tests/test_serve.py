@@ -136,8 +136,8 @@ def test_models_health_and_an_idle_engine(served):
 PROMPTS = [
     # (prompt, extra sampling parameters)
     ("ROMEO.\n", {"max_tokens": 24}),
-    ("KING.\nWhat say you", {"max_tokens": 24, "stop": ["the", "\n\n"]}),
-    ("Ber.\n", {"max_tokens": 20, "stop": ["\n"], "include_stop_str_in_output": True}),
+    ("KING.\nWhat say you", {"max_tokens": 48, "stop": ["the", "\n\n"]}),
+    ("ROMEO.\n", {"max_tokens": 48, "stop": ["the"], "include_stop_str_in_output": True}),
 ]
 
 
@@ -163,9 +163,15 @@ def test_completion_equals_generate_token_for_token(served, prompt, extra, strea
     assert text == want.text
     assert finish == want.finish_reason
     served.wait_idle()
-    assert _steps(served) - steps_before == len(want.token_ids), (
-        "the engine did not stop when the request did (one step per token): a stop string "
-        "must abort the request in the engine too")
+    # One step per token. A stop string is found on the event loop, so the core thread may run
+    # a step or two more before its abort arrives, but never on to max_tokens.
+    steps = _steps(served) - steps_before
+    if isinstance(want.stop_reason, str):
+        assert len(want.token_ids) <= steps < extra["max_tokens"], (
+            f"the engine ran {steps} steps for a request a stop string ended after "
+            f"{len(want.token_ids)} tokens: the stop must abort the request in the engine too")
+    else:
+        assert steps == len(want.token_ids)
 
 
 def test_streaming_sends_tokens_as_they_are_made(served):
