@@ -88,8 +88,9 @@ class AsyncLLM:
     """Serve many requests at once from one engine, streaming each one's output as it is made.
 
     Build it from an :class:`~mini_vllm.llm.LLM` (which loads the model and checks the engine
-    knobs): ``AsyncLLM(LLM(...))`` or ``AsyncLLM.from_engine_args(model=..., **knobs)``. While
-    the loop runs, the ``LLM``'s own ``generate`` must not be called (they share one engine).
+    knobs): ``AsyncLLM(LLM(...))`` or ``AsyncLLM.from_engine_args(model=..., **knobs)``. Once
+    ``generate`` has started the core thread, the ``LLM``'s own ``generate`` must not be called
+    (they share one engine core) until ``shutdown``.
     ``model_name`` is what ``/v1/models`` lists and ``/metrics`` labels.
 
     Invariants: every user request that ``generate`` accepted ends in exactly one of: finished
@@ -327,7 +328,12 @@ class AsyncLLM:
                 return False
             if item[0] == "add":
                 for request in item[1]:
-                    core.add_request(request)
+                    try:
+                        core.add_request(request)
+                    except ValueError as exc:  # checked before queueing; a refusal fails it
+                        self._post(_StepResult([], time.monotonic(), self._snapshot(),
+                                               [request.request_id], exc))
+                        continue
                     self._in_core[request.request_id] = request
             else:  # ("abort", ids, status)
                 core.scheduler.finish_requests(item[1], item[2])
