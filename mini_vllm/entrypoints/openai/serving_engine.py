@@ -42,7 +42,7 @@ def error_response(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
 def sse_event(data: dict[str, Any] | str) -> str:
     """One server-sent event: ``data: <json>`` and a blank line.
 
-    upstream: vllm/entrypoints/openai/serving_completion.py:305 @ v0.11.0
+    upstream: vllm/entrypoints/openai/serving_completion.py:461 @ v0.11.0
     """
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -160,7 +160,7 @@ def engine_error_event(exc: Exception) -> str:
 class CollectedChoices:
     """A whole (non-streamed) response's choices: per index, text, token ids and reasons.
 
-    upstream: vllm/entrypoints/openai/serving_completion.py:265 @ v0.11.0
+    upstream: vllm/entrypoints/openai/serving_completion.py:496 @ v0.11.0
     """
 
     n: int
@@ -188,7 +188,7 @@ class CollectedChoices:
 async def collect_choices(outputs: AsyncIterator[RequestOutput], n: int) -> CollectedChoices:
     """Drain a request's deltas into its ``n`` choices.
 
-    upstream: vllm/entrypoints/openai/serving_completion.py:265 @ v0.11.0
+    upstream: vllm/entrypoints/openai/serving_completion.py:496 @ v0.11.0
     """
     got = CollectedChoices(n)
     async for out in outputs:
