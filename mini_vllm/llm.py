@@ -944,9 +944,10 @@ class LLM:
     def _hit_stop_string(self, t: _Tracked) -> bool:
         """Check the request's new output text for its stop strings (after ``min_tokens``)."""
         req, params = t.request, t.request.sampling_params
-        if req.num_output_tokens <= params.min_tokens:
-            return False
         text = self._decode(req.output_token_ids, params)
+        if req.num_output_tokens <= params.min_tokens:
+            t.text_len = len(text)  # text made within min_tokens never stops the request
+            return False
         found = check_stop_strings(text, len(text) - t.text_len, params.stop,
                                    params.include_stop_str_in_output)
         t.text_len = len(text)

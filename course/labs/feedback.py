@@ -538,7 +538,9 @@ def pytest_runtest_makereport_render(item, call):
 
 
 def pytest_report_teststatus(report, config):
-    if report.failed and ("course_outcome", NOT_IMPLEMENTED) in report.user_properties:
+    # A collection report has no user_properties (a test module that does not import).
+    properties = getattr(report, "user_properties", ())
+    if report.failed and ("course_outcome", NOT_IMPLEMENTED) in properties:
         return NI_CATEGORY, "N", ("NOT IMPLEMENTED", {"yellow": True})
     return None
 
