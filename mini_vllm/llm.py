@@ -751,7 +751,7 @@ class LLM:
                     f"the KV cache holds ({sched.num_gpu_blocks - 1} blocks of "
                     f"{sched.block_size}); lower max_tokens or raise num_gpu_blocks"
                 )
-        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1,
+        step_params = SamplingParams(logprobs=min(2 * params.beam_width, vocab), max_tokens=1,
                                      temperature=params.temperature)
         eos = self.engine.eos_token_id
         sort_key = create_sort_beams_key_function(eos, params.length_penalty)
