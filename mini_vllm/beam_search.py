@@ -22,7 +22,7 @@ token of the sequence, the prompt's included, less a final EOS (as upstream, who
 Hugging Face's). Ties keep the order in which candidates were made (Python's sort is stable):
 beam by beam, and within a beam in the order of its dict.
 
-upstream: vllm/beam_search.py:14 @ v0.11.0
+upstream: vllm/beam_search.py:15 @ v0.11.0
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class BeamSearchOutput:
     ``beam_history`` (a mini_vllm addition): the tokens of the live beams after each step, in
     rank order, so that a measurement can replay the beam tree the search really grew.
 
-    upstream: vllm/beam_search.py:35 @ v0.11.0
+    upstream: vllm/beam_search.py:34 @ v0.11.0
     """
 
     sequences: list[BeamSearchSequence]
@@ -79,7 +79,7 @@ class BeamSearchInstance:
 
     Starts with one live beam, the prompt, with no generated token.
 
-    upstream: vllm/beam_search.py:45 @ v0.11.0
+    upstream: vllm/beam_search.py:42 @ v0.11.0
     """
 
     def __init__(self, prompt_tokens: list[int]) -> None:
@@ -93,7 +93,7 @@ def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float,
     """``cumulative_logprob / length ** length_penalty``; ``length`` is ``len(tokens)`` (prompt
     included) less one when the last token is EOS.
 
-    upstream: vllm/beam_search.py:66 @ v0.11.0
+    upstream: vllm/beam_search.py:62 @ v0.11.0
     """
     length = len(tokens)
     if eos_token_id is not None and tokens[-1] == eos_token_id:
@@ -106,7 +106,7 @@ def create_sort_beams_key_function(
 ) -> Callable[[BeamSearchSequence], float]:
     """The key that ranks beams by :func:`get_beam_search_score` (sort descending).
 
-    upstream: vllm/beam_search.py:84 @ v0.11.0
+    upstream: vllm/beam_search.py:81 @ v0.11.0
     """
 
     def sort_beams_key(beam: BeamSearchSequence) -> float:
@@ -130,7 +130,7 @@ def expand_beams(
     ``instance.beams`` holds at most ``beam_width`` beams, each one token longer than its parent,
     best first; complete candidates were appended to ``instance.completed``.
 
-    upstream: vllm/entrypoints/llm.py:672 @ v0.11.0
+    upstream: vllm/entrypoints/llm.py:666 @ v0.11.0
     """
     if len(answers) != len(instance.beams):
         raise ValueError(f"expand_beams: {len(instance.beams)} live beams but "
@@ -155,7 +155,7 @@ def finish_beams(instance: BeamSearchInstance, beam_width: int,
                  sort_key: Callable[[BeamSearchSequence], float]) -> BeamSearchOutput:
     """The best ``beam_width`` of the completed and the still-live beams, best first.
 
-    upstream: vllm/entrypoints/llm.py:703 @ v0.11.0
+    upstream: vllm/entrypoints/llm.py:704 @ v0.11.0
     """
     ranked = sorted([*instance.completed, *instance.beams], key=sort_key, reverse=True)
     return BeamSearchOutput(sequences=ranked[:beam_width], beam_history=instance.history)
