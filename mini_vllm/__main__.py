@@ -146,7 +146,7 @@ def _beam_search(llm, prompts: list[str], args: argparse.Namespace) -> int:
                               temperature=args.temperature, length_penalty=args.length_penalty)
     outputs = llm.beam_search(prompts, params)
     eos = llm.engine.eos_token_id
-    for prompt, out in zip(prompts, outputs):
+    for out in outputs:
         print("=" * 72)
         for rank, beam in enumerate(out.sequences, 1):
             score = get_beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)

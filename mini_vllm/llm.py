@@ -40,7 +40,6 @@ from mini_vllm.attention.fp8 import (
     is_fp8,
     kv_cache_torch_dtype,
 )
-from mini_vllm.config import PREEMPTION_MODES, SchedulerConfig
 from mini_vllm.beam_search import (
     BeamSearchInstance,
     BeamSearchOutput,
@@ -48,6 +47,7 @@ from mini_vllm.beam_search import (
     expand_beams,
     finish_beams,
 )
+from mini_vllm.config import PREEMPTION_MODES, SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
 from mini_vllm.logprobs import Logprob, LogprobsProcessor, PromptLogprobs
 from mini_vllm.model import LlamaForCausalLM
