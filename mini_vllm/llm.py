@@ -763,11 +763,10 @@ class LLM:
 
             steps = tqdm(steps, desc="Beam search", unit="token", leave=False)
         for _ in steps:
-            live = [(inst, beam) for inst in instances for beam in inst.beams]
-            if not live:
+            beam_items = [(None, beam.tokens) for inst in instances for beam in inst.beams]
+            if not beam_items:
                 break
-            beam_items = [(None, beam.tokens) for _, beam in live]
-            tracked = self._make_requests(beam_items, [step_params] * len(live))
+            tracked = self._make_requests(beam_items, [step_params] * len(beam_items))
             outputs = self._run(beam_items, tracked, use_tqdm=False)
             _add_stats(total, self.last_stats)
             answers = iter(out.outputs[0].logprobs[0] if out.outputs[0].logprobs else None
