@@ -8,6 +8,7 @@ Examples::
     python -m mini_vllm generate --model smollm2 --chat "What is the capital of France?"
     python -m mini_vllm generate "Ber.\\n" --model path/to/hf_llama_dir --block-size 32
     python -m mini_vllm generate "HAMLET.\\n" --kv-cache-dtype fp8 --kv-cache-memory 1000000
+    python -m mini_vllm generate "KING.\\n" --beam-width 4 --max-tokens 40
     python -m mini_vllm convert-gguf path/to/model.gguf path/to/hf_folder
     python -m mini_vllm serve --port 8000        # then: curl localhost:8000/v1/models
     python -m mini_vllm serve --model smollm2 --served-model-name smollm2
@@ -72,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--beam-width", type=int, default=None,
+                     help="beam search with this many beams (prints every beam and its score; "
+                     "--max-tokens and --temperature apply)")
+    gen.add_argument("--length-penalty", type=float, default=1.0,
+                     help="with --beam-width: score = cumulative logprob / length ** this")
     gen.add_argument("--stop", action="append", default=None,
                      help="stop string (repeatable); the output ends before it")
     _add_engine_args(gen)
@@ -125,6 +131,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     llm = _make_llm(args)
     prompts = [_unescape(p) for p in args.prompts]
+    if args.beam_width is not None:
+        return _beam_search(llm, prompts, args)
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
         conversations = [[*system, {"role": "user", "content": p}] for p in prompts]
@@ -184,6 +192,28 @@ def _serve(args: argparse.Namespace) -> int:
           file=sys.stderr)
     run_server(engine, host=args.host, port=args.port, model_name=name,
                chat_template=template, log_level=args.log_level)
+    return 0
+
+
+def _beam_search(llm, prompts: list[str], args: argparse.Namespace) -> int:
+    from mini_vllm.beam_search import get_beam_search_score
+    from mini_vllm.sampling_params import BeamSearchParams
+
+    if args.chat or args.stop:
+        raise ValueError("--beam-width takes plain prompts: leave out --chat and --stop")
+    params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                              temperature=args.temperature, length_penalty=args.length_penalty)
+    outputs = llm.beam_search(prompts, params)
+    eos = llm.engine.eos_token_id
+    for out in outputs:
+        print("=" * 72)
+        for rank, beam in enumerate(out.sequences, 1):
+            score = get_beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
+            print(f"--- beam {rank}: score {score:.4f}, cumulative logprob {beam.cum_logprob:.4f}, "
+                  f"{len(beam.logprobs)} tokens")
+            print(beam.text)
+    print("=" * 72)
+    print(llm.last_stats.summary() + f"   threads: {llm.num_threads}")
     return 0
 
 

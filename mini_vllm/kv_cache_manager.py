@@ -211,11 +211,15 @@ class KVCacheManager:
         block whose hash is not cached. It never covers all of the request's tokens: at least
         the last token must be computed to get logits, so a fully cached prompt gives back its
         last full block too (the hit is rounded down to whole blocks below ``num_tokens - 1``).
-        Nothing is claimed here: the blocks are claimed by :meth:`allocate_slots`.
+        Nothing is claimed here: the blocks are claimed by :meth:`allocate_slots`. A request that
+        asks for ``prompt_logprobs`` gets no hit: every prompt position must be computed to be
+        scored.
 
         upstream: vllm/v1/core/kv_cache_manager.py:154 @ v0.11.0
         """
-        if not self.enable_caching:
+        wants_prompt_logprobs = getattr(getattr(request, "sampling_params", None),
+                                        "prompt_logprobs", None) is not None
+        if not self.enable_caching or wants_prompt_logprobs:
             return self.create_empty_block_list(), 0
         self._check_block_hashes(request)
         max_cache_hit_length = request.num_tokens - 1

@@ -40,12 +40,20 @@ from mini_vllm.attention.fp8 import (
     is_fp8,
     kv_cache_torch_dtype,
 )
+from mini_vllm.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    create_sort_beams_key_function,
+    expand_beams,
+    finish_beams,
+)
 from mini_vllm.config import PREEMPTION_MODES, SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
+from mini_vllm.logprobs import Logprob, LogprobsProcessor, PromptLogprobs
 from mini_vllm.model import LlamaForCausalLM
 from mini_vllm.model_runner import ModelRunner
 from mini_vllm.request import FinishReason, Request, RequestStatus
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import BeamSearchParams, SamplingParams
 from mini_vllm.scheduler import Scheduler
 from mini_vllm.scheduler_output import EngineCoreOutput
 from mini_vllm.tokenizer import ByteTokenizer
@@ -373,6 +381,10 @@ class EngineCore(EngineCoreBase):
 class CompletionOutput:
     """One generated sequence of a request.
 
+    With ``SamplingParams.logprobs``: ``logprobs[i]`` is the dict ``token id -> Logprob`` of
+    ``token_ids[i]``'s position (that token and the top-k), and ``cumulative_logprob`` the sum of
+    the generated tokens' log-probabilities; both ``None`` otherwise.
+
     upstream: vllm/outputs.py:22 @ v0.11.0
     """
 
@@ -381,6 +393,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -388,7 +402,9 @@ class RequestOutput:
     """Everything the user gets back for one prompt (``n`` completions of it).
 
     ``metrics`` holds ``arrival_time``, ``first_token_time`` and ``finished_time`` (seconds,
-    ``time.perf_counter``) of the first completion, and ``num_cached_tokens``.
+    ``time.perf_counter``) of the first completion, and ``num_cached_tokens``. With
+    ``SamplingParams.prompt_logprobs``, ``prompt_logprobs`` has one entry per prompt token:
+    ``None`` for the first, then the dict ``token id -> Logprob`` (that token and the top-k).
 
     upstream: vllm/outputs.py:79 @ v0.11.0
     """
@@ -399,6 +415,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def text(self) -> str:
@@ -552,6 +569,7 @@ class _Tracked:
     request: Request
     text_len: int = 0  # characters of output text checked for stop strings so far
     cut: int | None = None  # where a stop string cut the text
+    logprobs: LogprobsProcessor | None = None  # when the request asks for log-probabilities
 
 
 class LLM:
@@ -680,6 +698,91 @@ class LLM:
                             "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of every prompt, by beam search.
+
+        ``prompts`` as for :meth:`generate`. Each of at most ``max_tokens`` steps submits every
+        live beam of every prompt as one request for a single token with ``2 * beam_width``
+        log-probabilities (temperature ``params.temperature``), through this engine's scheduler
+        and KV cache: with prefix caching on, beams share the KV of their common full blocks.
+        :func:`mini_vllm.beam_search.expand_beams` makes the next beams from the answers. Returns
+        one :class:`BeamSearchOutput` per prompt: sequences best first, each with its tokens
+        (prompt included), its text (the decoded tokens, prompt included, as upstream), one
+        log-probability dict per generated token and its cumulative log-probability.
+
+        Bad input (a width of 0 or above the vocabulary, a prompt too long for ``max_tokens``,
+        anything :meth:`generate` refuses) raises before anything is queued. :attr:`last_stats`
+        covers the whole search (counts summed over the steps, the peak of any step).
+
+        upstream: vllm/entrypoints/llm.py:538 @ v0.11.0
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(
+                f"beam_search: params must be a BeamSearchParams, got {type(params).__name__}"
+                + (" (build one with BeamSearchParams(**params))"
+                   if isinstance(params, Mapping) else "")
+            )
+        vocab = self.model.config.vocab_size
+        if params.beam_width > vocab:
+            raise ValueError(
+                f"beam_search: beam_width {params.beam_width} is above the model's vocabulary "
+                f"({vocab} tokens); use at most {vocab}"
+            )
+        items = self._parse_prompts(prompts)
+        sched = self._scheduler_config
+        for i, (_, ids) in enumerate(items):
+            # The last step submits prompt + max_tokens - 1 tokens and asks for one more.
+            longest = len(ids) + params.max_tokens
+            if longest > sched.max_model_len:
+                raise ValueError(
+                    f"beam_search: prompt {i} has {len(ids)} tokens; with max_tokens="
+                    f"{params.max_tokens} its beams reach {longest}, above max_model_len="
+                    f"{sched.max_model_len}. Lower max_tokens or shorten the prompt."
+                )
+            if -(-longest // sched.block_size) > sched.num_gpu_blocks - 1:
+                raise ValueError(
+                    f"beam_search: a beam of prompt {i} may reach {longest} tokens, more than "
+                    f"the KV cache holds ({sched.num_gpu_blocks - 1} blocks of "
+                    f"{sched.block_size}); lower max_tokens or raise num_gpu_blocks"
+                )
+        step_params = SamplingParams(logprobs=min(2 * params.beam_width, vocab), max_tokens=1,
+                                     temperature=params.temperature)
+        eos = self.engine.eos_token_id
+        sort_key = create_sort_beams_key_function(eos, params.length_penalty)
+        instances = [BeamSearchInstance(ids) for _, ids in items]
+        total = EngineStats()
+        steps = range(params.max_tokens)
+        if use_tqdm:
+            from tqdm import tqdm
+
+            steps = tqdm(steps, desc="Beam search", unit="token", leave=False)
+        for _ in steps:
+            beam_items = [(None, beam.tokens) for inst in instances for beam in inst.beams]
+            if not beam_items:
+                break
+            tracked = self._make_requests(beam_items, [step_params] * len(beam_items))
+            outputs = self._run(beam_items, tracked, use_tqdm=False)
+            _add_stats(total, self.last_stats)
+            answers = iter(out.outputs[0].logprobs[0] if out.outputs[0].logprobs else None
+                           for out in outputs)
+            for inst in instances:
+                batch = [next(answers) for _ in inst.beams]
+                expand_beams(inst, batch, params.beam_width, eos, params.ignore_eos, sort_key)
+        self.last_stats = total
+        results = []
+        for inst in instances:
+            out = finish_beams(inst, params.beam_width, sort_key)
+            for beam in out.sequences:
+                beam.text = self._decode(beam.tokens, step_params)
+            results.append(out)
+        return results
+
     # ------------------------------------------------------------------ input checks
 
     def _encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -792,6 +895,13 @@ class LLM:
                 )
             if params.stop and self.tokenizer is None:
                 raise ValueError("generate: stop strings need a tokenizer to detokenize with")
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(params, name)
+                if value is not None and value > vocab:
+                    raise ValueError(
+                        f"generate: {name}={value} (prompt {i}) asks for more tokens than the "
+                        f"model's vocabulary has ({vocab}); use at most {vocab}, or -1 for all"
+                    )
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             for j in range(params.n):
                 changes: dict[str, Any] = {}
@@ -805,7 +915,11 @@ class LLM:
                     changes["stop_token_ids"] = [*params.stop_token_ids, *extra]
                 child = dataclasses.replace(params, **changes) if changes else params
                 rid = f"{self._counter + i}-{j}"
-                tracked.append(_Tracked(i, j, self.engine.make_request(rid, ids, child)))
+                t = _Tracked(i, j, self.engine.make_request(rid, ids, child))
+                if params.logprobs is not None or params.prompt_logprobs is not None:
+                    t.logprobs = LogprobsProcessor(self.tokenizer, params.logprobs,
+                                                   params.prompt_logprobs, len(ids))
+                tracked.append(t)
         self._check_fits([t.request for t in tracked])
         return tracked
 
@@ -852,6 +966,8 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(tracked), desc="Processed prompts", unit="req", leave=False)
+        with_logprobs = {rid: t.logprobs for rid, t in by_id.items() if t.logprobs is not None}
+        self._take_logprobs({})  # drop what an earlier, failed call left behind
         try:
             for t in tracked:
                 t.request.arrival_time = t0
@@ -859,6 +975,8 @@ class LLM:
             stalled_at: tuple | None = None
             while engine.has_unfinished_requests():
                 outputs = engine.step()
+                if with_logprobs:
+                    self._take_logprobs(with_logprobs)
                 now = time.perf_counter()
                 for out in outputs:
                     rid = out.request_id
@@ -880,6 +998,9 @@ class LLM:
                 if state == stalled_at:
                     raise RuntimeError(self._stall_message())
                 stalled_at = state
+            for t in tracked:
+                if t.logprobs is not None:
+                    self._check_logprobs_arrived(t)
         except BaseException:
             self._abort_after_failure(tracked)
             raise
@@ -898,6 +1019,8 @@ class LLM:
                 prompt=text,
                 prompt_token_ids=list(ids),
                 outputs=[self._completion(j, t) for j, t in completions],
+                prompt_logprobs=(completions[0][1].logprobs.prompt_logprobs
+                                 if completions[0][1].logprobs is not None else None),
                 metrics={
                     "arrival_time": t0,
                     "first_token_time": first_token.get(rid, float("nan")),
@@ -967,12 +1090,52 @@ class LLM:
         text = self._decode(shown, params)
         if t.cut is not None:
             text = text[: t.cut]
+        lp = t.logprobs
         return CompletionOutput(
             index=index,
             text=text,
             token_ids=ids,
             finish_reason=_reason(req.get_finished_reason()),
             stop_reason=req.stop_reason,
+            cumulative_logprob=lp.cumulative_logprob if lp is not None else None,
+            logprobs=lp.logprobs if lp is not None else None,
+        )
+
+    # ------------------------------------------------------------------ log-probabilities
+
+    def _take_logprobs(self, processors: dict[str, LogprobsProcessor]) -> None:
+        """Hand the runner's new log-probability rows to the requests' processors (the rows of
+        requests not in ``processors`` are dropped)."""
+        take = getattr(self.engine.model_runner, "take_logprobs", None)
+        if take is None:
+            return
+        sample, prompt = take()
+        for rid, steps in sample.items():
+            if rid in processors:
+                for rows in steps:
+                    processors[rid].add_sampled(rows)
+        for rid, chunks in prompt.items():
+            if rid in processors:
+                for first, rows in chunks:
+                    processors[rid].add_prompt(first, rows)
+
+    def _check_logprobs_arrived(self, t: _Tracked) -> None:
+        """A request that asked for log-probabilities got one dict per generated token and per
+        prompt position, or the engine's pieces do not produce them: say which."""
+        lp, req = t.logprobs, t.request
+        if req.status == RequestStatus.FINISHED_ABORTED:
+            return
+        got = len(lp.logprobs) if lp.logprobs is not None else req.num_output_tokens
+        if got == req.num_output_tokens and not lp.num_prompt_rows_missing:
+            return
+        raise RuntimeError(
+            f"request {req.request_id} asked for log-probabilities but got {got} of "
+            f"{req.num_output_tokens} generated-token rows and misses "
+            f"{lp.num_prompt_rows_missing} prompt rows. The model runner computes them in "
+            "_sample (sampled tokens) and execute_model (prompt positions), and a prompt that "
+            "asks for prompt_logprobs must not be served from the prefix cache "
+            "(KVCacheManager.get_computed_blocks); a runner written before log-probabilities "
+            "existed produces none."
         )
 
     # ------------------------------------------------------------------ failures
@@ -1009,6 +1172,7 @@ class LLM:
         ids = [t.request.request_id for t in tracked]
         engine = self.engine
         try:
+            self._take_logprobs({})
             engine.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             # The runner keeps only what the scheduler still serves (the failed step may also
             # have lost the scheduler's news of requests that finished before it).
@@ -1025,6 +1189,19 @@ class LLM:
                 t.request.status = RequestStatus.FINISHED_ABORTED
         if not clean:
             self.engine = self._make_engine()
+
+
+def _add_stats(total: EngineStats, step: EngineStats) -> None:
+    """Fold one call's statistics into a running total: counts add up, the peak is the largest,
+    the rest (sizes, the last state) is the latest call's."""
+    for f in dataclasses.fields(EngineStats):
+        value = getattr(step, f.name)
+        if f.name == "peak_kv_blocks_in_use":
+            value = max(value, total.peak_kv_blocks_in_use)
+        elif f.name.startswith("num_") or f.name in ("elapsed_s", "prefix_cache_queries",
+                                                    "prefix_cache_hits"):
+            value += getattr(total, f.name)
+        setattr(total, f.name, value)
 
 
 def _reason(reason: FinishReason | None) -> str | None:

@@ -14,7 +14,12 @@ One call of :meth:`ModelRunner.execute_model` does, in order:
    block tables (decodes with PagedAttention, prefill chunks with chunked-prefill attention);
 5. **sample** -- one logits row per request, the row of its *last* scheduled token, and only for
    requests whose scheduled tokens reach the end of their sequence; a request still in the
-   middle of a chunked prefill samples nothing this step.
+   middle of a chunked prefill samples nothing this step;
+6. **log-probabilities** -- for requests that ask: the sampled token's and the top-k
+   (``SamplingParams.logprobs``), and those of every prompt position this step computed
+   (``prompt_logprobs``). They travel in the ``ModelRunnerOutput`` and wait in the runner's
+   outbox (:meth:`ModelRunnerBase.take_logprobs`) for ``LLM``: that way they reach the user
+   whatever scheduler or engine step (a student's) passes the output on.
 
 The runner never decides anything: what runs, and where its KV goes, is the scheduler's call.
 
@@ -46,7 +51,12 @@ from mini_vllm.attention.metadata import (
 from mini_vllm.model import LlamaForCausalLM
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from mini_vllm.scheduler_output import (
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 __all__ = [
     "CachedRequestState",
@@ -432,6 +442,11 @@ class ModelRunnerBase:
         # The persistent batch order (decodes first), carried from step to step.
         self.batch_req_ids: list[str] = []
         self.stats = RunnerStats()
+        # This step's sampled-token log-probabilities (filled by _sample), and every step's
+        # log-probabilities not yet taken by the LLM (see take_logprobs).
+        self.step_logprobs: dict[str, LogprobsLists] = {}
+        self.sample_logprobs_outbox: dict[str, list[LogprobsLists]] = {}
+        self.prompt_logprobs_outbox: dict[str, list[tuple[int, LogprobsLists]]] = {}
 
     @property
     def kv_scales(self) -> list[tuple[float, float] | None] | None:
@@ -472,6 +487,73 @@ class ModelRunnerBase:
             m = torch.tensor(scheduler_output.blocks_to_copy, dtype=torch.int64)
             cache_ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], m)
 
+    def take_logprobs(self) -> tuple[dict[str, list[LogprobsLists]],
+                                     dict[str, list[tuple[int, LogprobsLists]]]]:
+        """Every log-probability computed since the last call, and forget them.
+
+        Returns ``(sample, prompt)``: ``sample[r]`` one ``LogprobsLists`` per step in which
+        ``r`` sampled (one row per token, in order); ``prompt[r]`` ``(first position, rows)``
+        per step that computed prompt positions of ``r``.
+
+        upstream: none (the engine core sends them to the output processor with each
+        EngineCoreOutput; here they bypass the scheduler, which a student may have written)
+        """
+        out = (self.sample_logprobs_outbox, self.prompt_logprobs_outbox)
+        self.sample_logprobs_outbox, self.prompt_logprobs_outbox = {}, {}
+        return out
+
+    def _keep_logprobs(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Put ``output``'s log-probabilities in the outbox (see :meth:`take_logprobs`)."""
+        for req_id, rows in output.logprobs.items():
+            self.sample_logprobs_outbox.setdefault(req_id, []).append(rows)
+        for req_id, chunk in output.prompt_logprobs_dict.items():
+            self.prompt_logprobs_outbox.setdefault(req_id, []).append(chunk)
+        return output
+
+    def _gather_sample_logprobs(self, logits: torch.Tensor, states: list[CachedRequestState],
+                                tokens: torch.Tensor) -> None:
+        """Into ``step_logprobs``: for each state whose request asks for ``logprobs``, its
+        sampled token (row ``i`` of ``tokens``) and top-k, from row ``i`` of the raw ``logits``."""
+        wanted = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+        if not wanted:
+            return
+        rows = torch.tensor(wanted, device=logits.device)
+        logprobs = self.sampler.compute_logprobs(logits[rows])
+        vocab = logprobs.shape[-1]
+        ks = [_num_logprobs(states[i].sampling_params.logprobs, vocab) for i in wanted]
+        gathered = self.sampler.gather_logprobs(logprobs, max(ks), tokens[rows]).tolists()
+        for j, (i, k) in enumerate(zip(wanted, ks)):
+            self.step_logprobs[states[i].req_id] = LogprobsLists(
+                [gathered.logprob_token_ids[j][: k + 1]], [gathered.logprobs[j][: k + 1]],
+                [gathered.sampled_token_ranks[j]])
+
+    def _gather_prompt_logprobs(
+        self, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> dict[str, tuple[int, LogprobsLists]]:
+        """The log-probabilities of the prompt tokens this step's rows predict.
+
+        The row at position ``p`` predicts token ``p + 1``; a prompt of ``P`` tokens gets rows
+        for positions ``1 .. P - 1``, whichever steps (prefill chunks) compute them.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2720 @ v0.11.0
+        """
+        result: dict[str, tuple[int, LogprobsLists]] = {}
+        starts, ctxs = meta.query_start_loc.tolist(), meta.context_lens.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for i, req_id in enumerate(meta.req_ids):
+            state = self.requests[req_id]
+            num = state.sampling_params.prompt_logprobs
+            end = min(seq_lens[i], state.num_prompt_tokens - 1)  # last predicting position + 1
+            if num is None or ctxs[i] >= end:
+                continue
+            rows = torch.arange(starts[i], starts[i] + end - ctxs[i], device=hidden.device)
+            logprobs = self.sampler.compute_logprobs(self.model.compute_logits(hidden[rows]))
+            targets = torch.tensor(state.token_ids[ctxs[i] + 1: end + 1], device=hidden.device)
+            k = _num_logprobs(num, logprobs.shape[-1])
+            result[req_id] = (ctxs[i] + 1,
+                              self.sampler.gather_logprobs(logprobs, k, targets).tolists())
+        return result
+
     def _account(self, meta: AttentionMetadata) -> None:
         """Count the step's work for the statistics: tokens computed, and those at prompt
         positions (the prefill work that prefix caching saves)."""
@@ -510,6 +592,11 @@ class ModelRunnerBase:
         )
 
 
+def _num_logprobs(requested: int, vocab: int) -> int:
+    """How many top tokens a request's ``logprobs``/``prompt_logprobs`` asks for (-1: all)."""
+    return vocab if requested == -1 else min(requested, vocab)
+
+
 class ModelRunner(ModelRunnerBase):
     """Run scheduled steps of the model over the paged KV cache (see the module docstring).
 
@@ -531,12 +618,15 @@ class ModelRunner(ModelRunnerBase):
         hidden = self.model(
             input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
         )
+        self.step_logprobs = {}
         sampled = self._sample(hidden, meta)
-        return ModelRunnerOutput(
+        return self._keep_logprobs(ModelRunnerOutput(
             req_ids=list(meta.req_ids),
             req_id_to_index={r: i for i, r in enumerate(meta.req_ids)},
             sampled_token_ids=sampled,
-        )
+            logprobs=self.step_logprobs,
+            prompt_logprobs_dict=self._gather_prompt_logprobs(hidden, meta),
+        ))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to ``self.requests`` (see the module docstring, step 1).
@@ -612,7 +702,9 @@ class ModelRunner(ModelRunnerBase):
             generators={j: s.generator for j, s in enumerate(states) if s.generator is not None},
             banned_token_ids=[self._stop_token_ids(s) for s in states],
         )
-        tokens = self.sampler(logits, sampling_meta).tolist()
+        token_tensor = self.sampler(logits, sampling_meta)
+        self._gather_sample_logprobs(logits, states, token_tensor)
+        tokens = token_tensor.tolist()
         index = {r: i for i, r in enumerate(meta.req_ids)}
         for state, token in zip(states, tokens):
             state.token_ids.append(int(token))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler_output import LogprobsTensors
 
 _SAMPLING_EPS = 1e-5
 
@@ -111,6 +112,37 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         sampled = self.random_sample(probs, meta.generators)
         return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        """``log_softmax`` of the raw logits, in float32 (float64 stays float64).
+
+        Raw: before temperature, top-k/top-p and banned tokens, so a request's log-probabilities
+        say what the model thinks, whatever its sampling settings (upstream's default
+        ``raw_logprobs`` mode).
+
+        upstream: vllm/v1/sample/sampler.py:198 @ v0.11.0
+        """
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return logits.log_softmax(dim=-1, dtype=dtype)
+
+    @staticmethod
+    def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
+                        token_ids: torch.Tensor) -> LogprobsTensors:
+        """Each row's own token (``token_ids[i]``) and its ``num_logprobs`` most likely tokens.
+
+        Returns ids and values ``[n, num_logprobs + 1]`` (own token first, then the top-k, most
+        likely first) and the own token's rank ``[n]``: how many tokens are at least as likely as
+        it, itself included (so the unique argmax has rank 1, and a tie counts against it).
+
+        upstream: vllm/v1/sample/sampler.py:201 @ v0.11.0
+        """
+        top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        own_ids = token_ids.to(torch.int64).unsqueeze(-1)
+        own_values = logprobs.gather(-1, own_ids)
+        ranks = (logprobs >= own_values).sum(dim=-1)
+        return LogprobsTensors(torch.cat((own_ids, top_ids), dim=1),
+                               torch.cat((own_values, top_values), dim=1), ranks)
 
     @staticmethod
     def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]):

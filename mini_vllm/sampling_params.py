@@ -1,8 +1,9 @@
 """How a request wants its tokens sampled, and when it wants to stop.
 
 A small subset of vLLM's ``SamplingParams``: the fields that a single-sequence engine with greedy,
-temperature, top-k and top-p sampling needs. Values are checked once, at construction, so that the
-scheduler and the sampler can trust them.
+temperature, top-k and top-p sampling needs, plus log-probabilities; and ``BeamSearchParams``, the
+settings of ``LLM.beam_search``. Values are checked once, at construction, so that the scheduler,
+the sampler and the beam search can trust them.
 
 upstream: vllm/sampling_params.py:85 @ v0.11.0
 """
@@ -41,6 +42,13 @@ class SamplingParams:
     A value of the wrong type raises ``TypeError`` (a string temperature, ``max_tokens=True``, a
     float token id); a value of the right type outside its range raises ``ValueError``.
 
+    ``logprobs``: ``None`` (off), or how many of the most likely tokens to report at every
+    sampled position (the sampled token is always reported too, so a position holds ``logprobs``
+    or ``logprobs + 1`` entries); ``prompt_logprobs`` the same for every prompt position after the
+    first. ``-1`` means the whole vocabulary. Log-probabilities are those of the model's raw
+    logits (before temperature, top-k/top-p and banned tokens), as upstream's default
+    ``raw_logprobs`` mode. Their upper bound, the vocabulary, is checked by ``LLM``.
+
     ``stop`` strings end generation when the detokenized output contains one of them; the output
     text stops *before* the string unless ``include_stop_str_in_output``. (Token ids the model
     would need to produce are not known in advance; the check runs on text, as upstream.)
@@ -60,6 +68,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.seed == -1 and _is_int(self.seed):
@@ -145,6 +155,20 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams: max_tokens must be an int >= 1, got {self.max_tokens!r}."
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_int(value):
+                raise TypeError(
+                    f"SamplingParams: {name} must be an int or None, got {type(value).__name__} "
+                    f"{value!r}."
+                )
+            if value < -1:
+                raise ValueError(
+                    f"SamplingParams: {name} must be None, -1 (the whole vocabulary) or >= 0, "
+                    f"got {value}."
+                )
         if self.min_tokens < 0:
             raise ValueError(f"SamplingParams: min_tokens must be >= 0, got {self.min_tokens}.")
         if self.min_tokens > self.max_tokens:
@@ -170,3 +194,53 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature below 1e-5)."""
         return self.temperature < _SAMPLING_EPS
+
+
+@dataclass
+class BeamSearchParams:
+    """Settings of :meth:`mini_vllm.llm.LLM.beam_search`.
+
+    Invariants after construction: ``beam_width >= 1`` (its upper bound, the vocabulary, is
+    checked by ``LLM.beam_search``); ``max_tokens >= 1``; ``temperature`` finite and ``>= 0``
+    (0, the default, makes every step's sampled token the argmax, which is among the candidates
+    anyway; above 0 the sampled token joins the candidates when it is not one already, as
+    upstream); ``length_penalty`` finite. A value of the wrong type raises ``TypeError``, a value
+    out of range ``ValueError``, so nothing is queued.
+
+    upstream: vllm/sampling_params.py:582 @ v0.11.0
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise TypeError(
+                    f"BeamSearchParams: {name} must be an int, got {type(value).__name__} "
+                    f"{value!r}."
+                )
+            if value < 1:
+                raise ValueError(f"BeamSearchParams: {name} must be an int >= 1, got {value}.")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value):
+                raise TypeError(
+                    f"BeamSearchParams: {name} must be a number, got {type(value).__name__} "
+                    f"{value!r}."
+                )
+            if not math.isfinite(value):
+                raise ValueError(f"BeamSearchParams: {name} must be finite, got {value}.")
+        if self.temperature < 0.0:
+            raise ValueError(
+                f"BeamSearchParams: temperature must be >= 0 (0 means greedy), "
+                f"got {self.temperature}."
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(
+                f"BeamSearchParams: ignore_eos must be True or False, got {self.ignore_eos!r}."
+            )

@@ -26,15 +26,19 @@ upstream: vllm/v1/core/sched/output.py:122 @ v0.11.0
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    import torch
+
     from mini_vllm.request import FinishReason, LoRARequest, Request
     from mini_vllm.sampling_params import SamplingParams
 
 __all__ = [
     "CachedRequestData",
     "EngineCoreOutput",
+    "LogprobsLists",
+    "LogprobsTensors",
     "ModelRunnerOutput",
     "NewRequestData",
     "SchedulerOutput",
@@ -143,6 +147,38 @@ class SchedulerOutput:
         )
 
 
+class LogprobsLists(NamedTuple):
+    """Log-probabilities of some positions as Python lists (one row per position).
+
+    Row ``i`` of ``logprob_token_ids`` and ``logprobs`` starts with the position's own token (the
+    sampled one, or the prompt's next token) and continues with the top-k tokens, most likely
+    first; ``sampled_token_ranks[i]`` is that own token's rank in the vocabulary (1 = the most
+    likely). A token may appear twice in a row (its own and its top-k entry): same value.
+
+    upstream: vllm/v1/outputs.py:15 @ v0.11.0
+    """
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+class LogprobsTensors(NamedTuple):
+    """:class:`LogprobsLists` as tensors: ids ``[n, k + 1]``, values ``[n, k + 1]``, ranks ``[n]``.
+
+    upstream: vllm/v1/outputs.py:32 @ v0.11.0
+    """
+
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    selected_token_ranks: torch.Tensor
+
+    def tolists(self) -> LogprobsLists:
+        """The same rows as lists."""
+        return LogprobsLists(self.logprob_token_ids.tolist(), self.logprobs.tolist(),
+                             self.selected_token_ranks.tolist())
+
+
 @dataclass
 class ModelRunnerOutput:
     """What the runner returns: the tokens sampled for each scheduled request.
@@ -151,12 +187,21 @@ class ModelRunnerOutput:
     this step: one token once the request's prompt is fully computed, and an empty list for a
     request still in (chunked) prefill.
 
+    Log-probabilities, for requests that ask for them: ``logprobs[r]`` holds one row per token
+    sampled for ``r`` this step; ``prompt_logprobs_dict[r]`` is ``(first, rows)``: the rows of
+    prompt positions ``first, first + 1, ...`` computed this step (row ``j`` scores prompt token
+    ``first + j``; position 0 has no row, nothing predicts it). (Upstream keeps ``logprobs`` in
+    batch order and hands prompt rows over once the prefill ends; keyed by request and by
+    position, a chunked or recomputed prefill needs no bookkeeping across steps.)
+
     upstream: vllm/v1/outputs.py:99 @ v0.11.0
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
 
 
 @dataclass
