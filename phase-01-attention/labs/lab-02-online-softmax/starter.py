@@ -12,9 +12,12 @@ sum of ``exp(s - max_logit) * v``, not yet divided). Shapes: ``max_logit`` and `
 ``S`` (here ``[num_heads, q_len]``), ``acc`` and ``out`` are ``S + [head_size]``. No function
 modifies its arguments: each returns new tensors.
 
-You may use lab 01's reference (``mini_vllm.attention.reference``); do not import
-``mini_vllm.attention.online_softmax`` (that is the answer). ``SoftmaxState``, ``Partial`` and the
-helpers at the bottom are complete.
+You may use lab 01's reference (``mini_vllm.attention.reference``). From
+``mini_vllm.attention.online_softmax``, the module that holds the answers, this file takes two
+given helpers and nothing else: ``_prepare`` (lab 01's input checks and the cut of the keys into
+blocks) and ``_block_scores`` (one block's scaled, biased, masked scores and its values), because
+they are lab 01's work again, not this lab's. Import nothing more from that module: its other
+functions are the tasks. ``SoftmaxState``, ``Partial`` and the helpers at the bottom are complete.
 
 Run the tests against this file with::
 
