@@ -542,9 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--level",
         type=int,
-        choices=(1, 2, 3),
+        choices=(1, 2, 3, 4),
         default=1,
-        help="1: a question (default); 2: the steps; 3: the upstream lines to read",
+        help="1: a question (default); 2: a worked example to trace by hand; 3: the steps; "
+        "4: the upstream lines to read",
     )
     p.set_defaults(func=cmd_hint)
 
