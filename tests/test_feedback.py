@@ -241,16 +241,38 @@ def test_tasks_are_read_from_the_source_including_unreached_ones():
     assert tasks[2].what == "implement halve"  # the hint suffix is not part of the task
 
 
-def test_every_task_of_lab_02_01_has_all_three_hint_levels():
+def test_every_task_of_lab_02_01_has_all_four_hint_levels():
     (lab,) = select(discover(), ["02-01"])
     assert check_hints(lab) == []
     assert [t.number for t in open_tasks(lab)] == list(range(1, 12))
     assert readme_section(lab, 8) is not None
-    text = render_hint(lab, 3, 3)
+    example = render_hint(lab, 3, 2)  # the second rung is a case to trace, not the steps
+    assert "hint 2 of 4: a worked example" in example and "Before:" in example
+    assert "head <-> 1 <-> 3 <-> tail" in example  # a trace table keeps its layout
+    assert "--level 3 (the steps)" in example
+    text = render_hint(lab, 3, 4)
     assert "vllm/v1/core/kv_cache_utils.py:334 @ v0.11.0" in text
     assert "def remove(self, block: KVCacheBlock)" in text
     with pytest.raises(ValueError, match="no task 12"):
         render_hint(lab, 12, 1)
+
+
+def test_the_hint_check_requires_a_worked_example_with_its_state_before_and_after(
+        tmp_path, monkeypatch):
+    import course.student.hints as hints
+
+    (lab,) = select(discover(), ["02-02"])
+    text = hints.hints_path(lab).read_text(encoding="utf-8")
+    start = text.index('example = """', text.index("[task.2]"))
+    text = text[:start] + text[text.index('"""', start + 13) + 3:]  # task 2: no example
+    text = text.replace("After: (300, 200, 200)", "Then: (300, 200, 200)")  # task 3: no after
+    (tmp_path / "hints.toml").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(hints, "hints_path", lambda _lab: tmp_path / "hints.toml")
+    assert hints.check_hints(lab) == [
+        "hints.toml: task 2 has no level 2 (a worked example to trace by hand)",
+        "hints.toml: task 3: the example (level 2) must show the state before and after "
+        "(say both words)",
+    ]
 
 
 def test_hint_and_measure_commands():
@@ -262,7 +284,7 @@ def test_hint_and_measure_commands():
         capture_output=True,
         text=True,
     )
-    assert hint.returncode == 0 and "hint 2 of 3: the steps" in hint.stdout
+    assert hint.returncode == 0 and "hint 2 of 4: a worked example" in hint.stdout
     assert "--level 3" in hint.stdout
     measure = subprocess.run(
         [sys.executable, "-m", "course", "measure", "02-01", "--quick"],
