@@ -326,6 +326,24 @@ def test_measuring_the_cuda_lab_without_a_gpu_gives_the_static_report():
     assert "What these predict" in out and "FP8" not in out and "```" not in out
 
 
+def test_the_static_report_predicts_from_load_width_spills_and_instructions():
+    """A student's v1 with 32-bit loads, spills and twice the instructions per KV block gets
+    one sentence for each, against the reference's 128-bit loads (no compiler needed)."""
+    from course.labs.loader import load_script
+
+    m = load_script("lab0206_measure", REPO_ROOT / "phase-02-paged-attention" / "labs"
+                    / "lab-06-cuda-kernel" / "measure.py")
+    ref = {"loads": {128: 8, 32: 3}, "spill_stores": 0, "spill_loads": 0, "per_kv_block": 400}
+    mine = {"loads": {32: 40}, "spill_stores": 8, "spill_loads": 8, "per_kv_block": 900}
+    rows = {(k, who): "not written yet" for k, *_ in m.KERNELS for who in ("yours", "reference")}
+    rows["v1", "yours"], rows["v1", "reference"] = mine, ref
+    text = "\n".join(m._predictions(rows, sms=132))
+    assert "v1: your widest global load is 32 bits, the reference's 128: 4x" in text
+    assert "v1: yours spills registers" in text
+    assert "v1: 900 instructions per KV block against 400" in text
+    assert "64 of the 132 SMs" in text and "from 1,536 tokens on" in text
+
+
 def test_the_predict_section_prints_no_answer_before_the_run():
     """01-03's README gives the reference's 11.7% after its command block: the questions stop
     at the block, and that text comes after the table."""

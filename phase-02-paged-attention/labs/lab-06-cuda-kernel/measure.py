@@ -83,19 +83,21 @@ def static_rows(arch: str, starter: Path | None = None) -> dict[tuple[str, str],
         def report(source: Path) -> list[dict] | str:
             try:
                 return g.report_source(source, arch, CSRC_DIR, Path(tmp))
-            except RuntimeError as exc:  # nvcc's last line names the first error
-                return f"does not compile: {str(exc).strip().splitlines()[-1]}"
+            except RuntimeError as exc:  # name nvcc's first error, as file(line): message
+                errors = [line.strip() for line in str(exc).splitlines() if " error" in line]
+                return f"does not compile: {(errors or [str(exc).strip()])[0]}"
 
-        sources = [starter] + [CSRC_DIR / f for f in
-                                              dict.fromkeys(k[2] for k in KERNELS)]
+        # An untouched starter has nothing to report: its compile is skipped.
+        sources = [starter] * bool(done) + [CSRC_DIR / f for f in
+                                             dict.fromkeys(k[2] for k in KERNELS)]
         with ThreadPoolExecutor(max_workers=2) as pool:  # nvcc is single-threaded
             compiled = dict(zip(sources, pool.map(report, sources)))
         for short, kernel, ref_file in KERNELS:
             for who, source in (("yours", starter), ("reference", CSRC_DIR / ref_file)):
-                rows = compiled[source]
-                if who == "yours" and TASK_OF[short] not in done and isinstance(rows, list):
-                    out[short, who] = (f"not written yet (LAB_TASK_{TASK_OF[short]}_DONE is 0)")
+                if who == "yours" and TASK_OF[short] not in done:
+                    out[short, who] = f"not written yet (LAB_TASK_{TASK_OF[short]}_DONE is 0)"
                     continue
+                rows = compiled[source]
                 if isinstance(rows, str):
                     out[short, who] = rows
                     continue
