@@ -103,6 +103,8 @@ def predict_questions(lab: Lab) -> Predict | None:
                     after = []  # the command block closed: what follows is for after the run
                 if after is None or not nxt.strip("`").strip() and after == []:
                     continue
+            if nxt.startswith("!["):
+                continue  # a figure: the README shows it, a terminal cannot
             if after is None:
                 if not fence:
                     before.append(nxt)
@@ -206,10 +208,11 @@ def slope_lines(module: ModuleType, series: list[Series]) -> list[str]:
         for s in panel:
             k = fitted_slope(s.values)
             if k is not None:
-                lines.append(f"  {s.name}: slope {k:.2f} (x2 in {module.X_LABEL} -> "
-                             f"x{2 ** k:.1f})")
+                lines.append(f"  {s.name}: slope {k:.2f} (doubling x multiplies y by "
+                             f"{2 ** k:.1f})")
         if lines:
-            out += [f"Fitted slope of log({y_label}) against log({module.X_LABEL}):", *lines]
+            out += [f"Fitted log-log slope of y = {y_label} against x = {module.X_LABEL} "
+                    "(a cost growing like x^k has slope k):", *lines]
     return out
 
 
