@@ -7,8 +7,9 @@ all would take minutes, so each kind is checked as cheaply as what it can get wr
 * `pytest ...` / `python -m pytest ...`: every path exists and lies in the README's own lab
   folder (or outside the phases), and the selection (`-k`, `-m`) picks at least one test. The
   selection is evaluated with pytest's own expression matcher against the tests under the path:
-  the ones this session already collected (the whole suite's run collects every lab, so this
-  costs nothing in CI), else one `--collect-only` per path, and only for commands that select
+  the ones this session already collected, when it collected the whole path (the suite's run,
+  xdist workers included, collects every lab, so this costs nothing in CI), else one
+  `--collect-only` per path, and only for commands that select
   (a whole lab folder holds its tests by the lab contract).
 * `python -m course ...`: parsed by the course's own argument parser (an unknown subcommand or
   option fails), a lab id must be the README's own lab, and `hint` really renders its hint.
@@ -177,14 +178,23 @@ def selectable_tests(path: Path, session) -> tuple[dict, ...]:
     session's items when it collected that path unfiltered, else from a collection of its own."""
     from _pytest.mark import KeywordMatcher
 
-    opts = session.config.option if session is not None else None
-    if opts is not None and not getattr(opts, "keyword", "") and not getattr(opts, "markexpr",
-                                                                             ""):
-        mine = [i for i in session.items if Path(str(i.path)).is_relative_to(path)]
-        if mine:
-            return tuple({"names": sorted(KeywordMatcher.from_item(i)._names),
-                          "marks": sorted({m.name for m in i.iter_markers()})} for i in mine)
+    if session is not None and _collected_whole(session, path):
+        return tuple({"names": sorted(KeywordMatcher.from_item(i)._names),
+                      "marks": sorted({m.name for m in i.iter_markers()})}
+                     for i in session.items if Path(str(i.path)).is_relative_to(path))
     return collected(str(path))
+
+
+def _collected_whole(session, path: Path) -> bool:
+    """Whether this session holds every test under `path`: no -k, -m or node id narrowed it,
+    and each test file under `path` was collected."""
+    opts, args = session.config.option, session.config.args
+    if getattr(opts, "keyword", "") or getattr(opts, "markexpr", "") or any(
+            "::" in a for a in args):
+        return False
+    files = {p.resolve() for p in ([path] if path.is_file() else path.rglob("test_*.py"))}
+    seen = {Path(str(i.path)).resolve() for i in session.items}
+    return bool(files) and files <= seen
 
 
 @cache
