@@ -352,6 +352,24 @@ def test_the_predict_section_prints_no_answer_before_the_run():
     assert "python -m course measure" not in predict.questions
 
 
+def test_course_check_wants_questions_then_the_measure_command_in_a_block(tmp_path):
+    from course.labs.catalog import Lab
+    from course.student.measure import check_predict
+
+    folder = tmp_path / "phase-09-demo" / "labs" / "lab-01-demo"
+    folder.mkdir(parents=True)
+    (folder / "measure.py").write_text("")
+    lab = Lab(folder)
+    good = ("# Lab 09-01: Demo\n\n## Predict, then measure\n\n1. How fast?\n\n"
+            "```\npython -m course measure 09-01 --plot x.png\n```\n\nThe answer: 3.\n")
+    (folder / "README.md").write_text(good)
+    assert check_predict(lab) == []
+    (folder / "README.md").write_text(good.replace("```\npython -m course measure 09-01 "
+                                                   "--plot x.png\n```\n\n", ""))
+    assert ["the Predict section must give `python -m course measure 09-01`" in p
+            for p in check_predict(lab)] == [True]
+
+
 def test_a_log_log_measurement_prints_each_series_fitted_slope():
     import types
 

@@ -118,6 +118,30 @@ def predict_questions(lab: Lab) -> Predict | None:
     return None
 
 
+def check_predict(lab: Lab) -> list[str]:
+    """Problems with a lab's predict-then-measure section (`course check`): a lab with a
+    measure.py needs a README section whose heading starts with "Predict", holding at least one
+    numbered question and then the lab's `python -m course measure` command in a code block;
+    the command prints only what comes before that block before it runs, so an answer written
+    after the block is never printed first."""
+    if not (lab.path / MEASURE_FILE).is_file():
+        return []
+    predict = predict_questions(lab)
+    if predict is None:
+        return ["README.md has no section whose heading starts with 'Predict'"]
+    readme = (lab.path / "README.md").read_text(encoding="utf-8").splitlines()
+    section = "\n".join(readme[predict.line:])
+    problems = []
+    if not re.search(r"(?m)^\d+\.\s", predict.questions):
+        problems.append(f"README.md:{predict.line}: the Predict section asks no numbered "
+                        "question before its command block")
+    if not re.search(rf"(?m)^```[a-z]*\n[^`]*python -m course measure {lab.id}\b", section):
+        problems.append(f"README.md:{predict.line}: the Predict section must give "
+                        f"`python -m course measure {lab.id}` in a code block after the "
+                        "questions (what follows the block is printed after the run)")
+    return problems
+
+
 def _impl(lab: Lab, impl: str) -> tuple[ModuleType | None, str]:
     try:
         return load_module(lab.path, impl, lab.id), ""
