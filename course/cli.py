@@ -366,28 +366,11 @@ def cmd_upgrade(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from course.student.measure import format_table, measure, plot, predict_questions
+    from course.student.measure import command
 
     (lab,) = select(discover(), [args.lab])
-    questions = predict_questions(lab)
-    if questions is not None:
-        line, heading, body = questions
-        print(f"{heading} (README.md:{line}): answer these before you look at the numbers.\n")
-        print(body + "\n")
-    try:
-        module, series = measure(lab, quick=args.quick)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(module.TITLE)
-    print(format_table(module, series))
-    if args.plot or args.show:
-        path = plot(module, series, Path(args.plot) if args.plot else None, args.show)
-        if path is not None:
-            print(f"\nplot: {path}")
-    else:
-        print("\nDraw it: add --plot FILE.png (or --show for a window).")
-    return 0
+    return command(lab, quick=args.quick, plot_path=Path(args.plot) if args.plot else None,
+                   show=args.show, arch=args.arch)
 
 
 def cmd_clone(args) -> int:
@@ -592,9 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--level",
         type=int,
-        choices=(1, 2, 3),
+        choices=(1, 2, 3, 4),
         default=1,
-        help="1: a question (default); 2: the steps; 3: the upstream lines to read",
+        help="1: a question (default); 2: a worked example to trace by hand; 3: the steps; "
+        "4: the upstream lines to read",
     )
     p.set_defaults(func=cmd_hint)
 
@@ -603,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="draw the plot into FILE (.png, .svg, .pdf)")
     p.add_argument("--show", action="store_true", help="show the plot in a window")
     p.add_argument("--quick", action="store_true", help="fewer, smaller sizes")
+    p.add_argument("--arch", choices=("T4", "A100", "H100"),
+                   help="lab 02-06: the static report (registers, occupancy, loads from the "
+                   "compiled SASS) for this GPU; without a GPU it is printed for H100")
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("upgrade", help="carry your starter's work onto the course's current "

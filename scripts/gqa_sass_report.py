@@ -104,19 +104,23 @@ def sources_at(commit: str, dest: Path) -> Path:
     return dest / "mini_vllm" / "csrc"
 
 
-def compile_cubin(csrc: Path, arch: str, out: Path) -> str:
+def compile_cubin(csrc: Path, arch: str, out: Path, source: Path | None = None) -> str:
+    """Compile `source` (default: the GQA kernel) for `arch` into the cubin `out`, one
+    instantiation (fp16 model and cache, HEAD_SIZE, BLOCK_SIZE); returns ptxas's report."""
+    source = source or csrc / "paged_attention_gqa.cu"
     cmd = [tool("nvcc"), "-std=c++17", f"-arch={arch}", "-cubin", "-lineinfo", "-Xptxas", "-v",
            "-DMINI_VLLM_DTYPES=1", "-DMINI_VLLM_KV_CACHE_DTYPES=0",  # the fp16 cache only
            f"-DMINI_VLLM_HEAD_SIZES={HEAD_SIZE}",
            f"-DMINI_VLLM_BLOCK_SIZES={BLOCK_SIZE}", f"-I{csrc}",
-           str(csrc / "paged_attention_gqa.cu"), "-o", str(out)]
+           str(source), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"nvcc failed for {source.name} on {arch}:\n{proc.stderr[-3000:]}")
     return proc.stderr
 
 
-def parse_ptxas(report: str) -> dict[str, Kernel]:
+def parse_ptxas(report: str, keep=lambda name: "gqa" in name) -> dict[str, Kernel]:
+    """{mangled kernel name: Kernel} from ptxas -v, for the kernels `keep` accepts."""
     kernels, name = {}, None
     for line in report.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
@@ -127,7 +131,7 @@ def parse_ptxas(report: str) -> dict[str, Kernel]:
         if m and name:
             spills = int(m.group(1)), int(m.group(2))
         m = re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)
-        if m and name and "gqa" in name:
+        if m and name and keep(name):
             short = "tensor cores" if "gqa_tc_kernel" in name else "scalar"
             kernels[name] = Kernel(short, int(m.group(1)), *spills, int(m.group(2) or 0))
     return kernels
@@ -194,13 +198,13 @@ def tc_dynamic_smem(partition: int) -> int:
             + up(4 * max(8 * (partition + 4), 4 * 8 * dp)) + up(4 * stage * ELEM))
 
 
-def occupancy(arch: str, registers: int, smem: int) -> tuple[int, str]:
+def occupancy(arch: str, registers: int, smem: int, threads: int = THREADS) -> tuple[int, str]:
     """Resident thread blocks per SM and what limits them."""
     _, _, max_threads, max_blocks, smem_sm, reserved = ARCHS[arch]
-    warps = THREADS // 32
+    warps = threads // 32
     regs_per_warp = math.ceil(registers * 32 / 256) * 256
     by_regs = (REGS_PER_SM // regs_per_warp) // warps
-    by_threads = max_threads // THREADS
+    by_threads = max_threads // threads
     per_block = math.ceil(smem / 128) * 128 + reserved if smem else reserved
     by_smem = smem_sm // per_block if per_block else max_blocks
     limits = {"registers": by_regs, "threads": by_threads, "shared memory": by_smem,
@@ -257,6 +261,113 @@ def measure(label: str, commit: str, policy: str, arch: str, tmp: Path) -> list[
             "loops": [asdict(lp) for lp in k.loops], "waves": waves,
         })
     return rows
+
+
+# ------------------------------------------------------------------------------------------
+# Any attention source (lab 02-06's `course measure` without a GPU): one kernel per row
+# ------------------------------------------------------------------------------------------
+
+ARCH_NAMES = {"T4": "sm_75", "A100": "sm_80", "H100": "sm_90"}
+
+
+def kernel_base_name(mangled: str) -> str:
+    """`paged_attention_v1_kernel` from `_ZN9mini_vllm25paged_attention_v1_kernelI...`."""
+    m = re.match(r"_ZN\d+\w*?(?=\d)", mangled)
+    rest = mangled[m.end():] if m else mangled
+    n = re.match(r"(\d+)", rest)
+    return rest[len(n.group(1)): len(n.group(1)) + int(n.group(1))] if n else mangled
+
+
+def load_bits(instruction: str) -> int | None:
+    """Width in bits of a global load (LDG.E.128 -> 128, LDG.E.U16 -> 16, LDG.E -> 32)."""
+    if not re.match(r"LDG\b", instruction.split()[0] if instruction.split() else ""):
+        return None
+    mods = instruction.split()[0].split(".")[1:]
+    for mod, bits in (("128", 128), ("64", 64), ("U16", 16), ("S16", 16), ("U8", 8), ("S8", 8)):
+        if mod in mods:
+            return bits
+    return 32
+
+
+def loops_of(instrs, labels, sources: dict[str, list[str]]) -> list[dict]:
+    """Every loop of one kernel (a backward branch): its source line, the instructions and global
+    loads of one pass through its body, and, for a loop over the KV cache, warp-instructions per
+    KV block of BLOCK_SIZE tokens (read from its header: a warp per block, the 128 threads over
+    tokens, or every thread over blocks; None for loops over something else)."""
+    out = []
+    for i, (_, ins, file, line) in enumerate(instrs):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins)
+        if not m or labels.get(m.group(1), i + 1) >= i or file not in sources:
+            continue  # not a loop, a branch to itself (the trap after EXIT), or a header's
+        lines = sources.get(file, [])
+        text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+        body = instrs[labels[m.group(1)]: i + 1]
+        widths: dict[int, int] = {}
+        for b in body:
+            bits = load_bits(b[1])
+            if bits:
+                widths[bits] = widths.get(bits, 0) + 1
+        if re.search(r"\+= NUM_WARPS", text):  # one warp per KV block
+            per_block = float(len(body))
+        elif re.search(r"\+= BLOCK_SIZE", text):  # every thread walks the blocks
+            per_block = float(len(body) * THREADS // 32)
+        elif re.search(r"threadIdx\.x;.*(seq_len|num_tokens).*\+= NUM_THREADS", text):
+            per_block = len(body) * BLOCK_SIZE / 32  # a thread per token: 32 tokens per warp
+        else:
+            per_block = None
+        out.append({"where": f"{file}:{line}", "source": text, "instructions": len(body),
+                    "loads": widths, "per_kv_block": per_block})
+    # nvcc unrolls a loop into a main body (several iterations) and a remainder (one); both
+    # branch back to the same source line, and the smallest body is one iteration.
+    single: dict[str, dict] = {}
+    for lp in out:
+        if lp["where"] not in single or lp["instructions"] < single[lp["where"]]["instructions"]:
+            single[lp["where"]] = lp
+    return list(single.values())
+
+
+def report_source(source: Path, arch: str, csrc: Path, tmp: Path,
+                  skip=lambda name: "probe" in name) -> list[dict]:
+    """One row per kernel that `source` compiles to (for `arch`): registers, spills, static
+    shared memory, the global loads by width, and the loops. Raises RuntimeError with nvcc's
+    message when the source does not compile."""
+    cubin = tmp / f"{source.stem}-{arch}.cubin"
+    kernels = parse_ptxas(compile_cubin(csrc, arch, cubin, source),
+                          keep=lambda name: not skip(name))
+    sass = subprocess.run([tool("nvdisasm"), "-g", "-c", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    sources = {p.name: p.read_text(encoding="utf-8").splitlines()
+               for p in [source, *csrc.glob("*.cuh")]}
+    rows = []
+    for mangled, k in kernels.items():
+        instrs, labels = parse_sass(sass, mangled)
+        widths: dict[int, int] = {}
+        for ins in instrs:
+            bits = load_bits(ins[1])
+            if bits:
+                widths[bits] = widths.get(bits, 0) + 1
+        loops = loops_of(instrs, labels, sources)
+        per_block = [lp["per_kv_block"] for lp in loops if lp["per_kv_block"] is not None]
+        rows.append({"kernel": kernel_base_name(mangled), "registers": k.registers,
+                     "spill_stores": k.spill_stores, "spill_loads": k.spill_loads,
+                     "static_smem": k.static_smem, "instructions": len(instrs),
+                     "loads": widths, "loops": loops,
+                     "per_kv_block": round(sum(per_block), 1) if per_block else None})
+    return rows
+
+
+def dynamic_smem(kernel: str, context: int, partition: int = 512) -> int:
+    """Dynamic shared memory of lab 02-06's kernels at one sequence of `context` tokens (head
+    128, 4 warps): the logits, at least one float per warp per head element (the reduce's
+    scratch); the reduce kernel holds one float per partition."""
+    floor = 4 * (THREADS // 32) * HEAD_SIZE
+    if "reduce" in kernel:
+        return 4 * -(-context // partition)
+    if "v2" in kernel:
+        return max(4 * partition, floor)
+    if "naive" in kernel:
+        return 4 * context
+    return max(4 * -(-context // BLOCK_SIZE) * BLOCK_SIZE, floor)
 
 
 def table(rows: list[dict]) -> str:

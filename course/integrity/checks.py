@@ -26,6 +26,7 @@ from course.labs.catalog import REPO_ROOT, Lab, copy_ignore, lab_metadata
 from course.labs.loader import load_module
 from course.labs.runner import LabRun, run_lab
 from course.student.hints import check_hints
+from course.student.measure import check_predict
 from course.upstream.refs import check_consistency
 from course.upstream.today import check_today_consistency
 
@@ -261,6 +262,7 @@ def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -
         return check
     check.violations.extend(check_starter_messages(lab))
     check.violations.extend(f"hints: {p}" for p in check_hints(lab))
+    check.violations.extend(f"measure: {p}" for p in check_predict(lab))
     if (lab.path / "planted_bugs.py").exists():
         check.violations.append(
             f"planted_bugs.py belongs in {bugs_path(lab).relative_to(lab.phase_dir.parent)}, "

@@ -14,16 +14,24 @@ A lab opts in with a `measure.py` in its folder that defines:
     METRICS = {"key": "label", ...}   # optional: several quantities per run; `run` (and each
                                       # baseline) then returns {key: value or None}, and each
                                       # metric gets its own table and plot panel
+    ROUNDS = 3                    # optional: sweep the sizes this many times, interleaved, and
+                                  # keep each point's minimum (timings on a loaded machine)
+    def summary(values) -> list[str]: ...   # optional: lines printed under the table that
+                                  # answer the questions ({series name: {x: value or None}})
 
 The command runs `run` on the student's starter and on the reference side by side (a starter
 function that still raises NotImplementedError shows as "not written", and the rest goes on),
 prints a table, draws the plot when asked, and prints the questions of the README section whose
-heading starts with "Predict" next to it: the student answers them first, then looks.
+heading starts with "Predict" next to it: the student answers them first, then looks. So the
+README's part of that section after the command block (the reference's numbers, "was your guess
+right?") is printed after the table, never before it. On log-log axes the table is followed by
+each series' fitted slope (a cost that grows like x^k has slope k).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import time
 import weakref
@@ -35,6 +43,7 @@ from course.labs.catalog import Lab
 from course.labs.loader import LabImplError, load_module
 
 MEASURE_FILE = "measure.py"
+GPUS = ("T4", "A100", "H100")  # --arch: the GPUs a static report (lab 02-06) is compiled for
 
 
 @dataclass
@@ -60,8 +69,20 @@ def load_measurement(lab: Lab) -> ModuleType:
     return module
 
 
-def predict_questions(lab: Lab) -> tuple[int, str, str] | None:
-    """(line, heading, body) of the README section whose heading starts with "Predict"."""
+@dataclass(frozen=True)
+class Predict:
+    """The README's "Predict" section, cut at its command block: `questions` (printed before the
+    run) holds no answer; `after` (the text after the block, up to the next heading of any level)
+    is printed after the table, so an answer written there never comes first."""
+
+    line: int
+    heading: str
+    questions: str
+    after: str = ""
+
+
+def predict_questions(lab: Lab) -> Predict | None:
+    """The README section whose heading starts with "Predict", split at its first code block."""
     readme = lab.path / "README.md"
     if not readme.is_file():
         return None
@@ -70,14 +91,55 @@ def predict_questions(lab: Lab) -> tuple[int, str, str] | None:
         m = re.match(r"^(#+)\s+(Predict.*)$", line)
         if not m:
             continue
-        body = []
+        before: list[str] = []
+        after: list[str] | None = None  # None until the command block has closed
+        fence = False
         for nxt in lines[i + 1 :]:
-            h = re.match(r"^(#+)\s", nxt)
-            if h and len(h[1]) <= len(m[1]):
-                break
-            body.append(nxt)
-        return i + 1, m[2].strip(), "\n".join(body).strip()
+            if not fence and re.match(r"^#+\s", nxt):
+                break  # the section (or, after the command, any subsection) ends here
+            if nxt.startswith("```"):
+                fence = not fence
+                if not fence and after is None:
+                    after = []  # the command block closed: what follows is for after the run
+                if after is None or not nxt.strip("`").strip() and after == []:
+                    continue
+            if nxt.startswith("!["):
+                continue  # a figure: the README shows it, a terminal cannot
+            if after is None:
+                if not fence:
+                    before.append(nxt)
+            else:
+                after.append(nxt)
+        questions = "\n".join(before).strip().split("\n\n")
+        if after is not None and questions[-1].rstrip().endswith(":"):
+            questions.pop()  # "Then measure:" introduced the command, which is not shown
+        return Predict(i + 1, m[2].strip(), "\n\n".join(questions),
+                       "\n".join(after or []).strip())
     return None
+
+
+def check_predict(lab: Lab) -> list[str]:
+    """Problems with a lab's predict-then-measure section (`course check`): a lab with a
+    measure.py needs a README section whose heading starts with "Predict", holding at least one
+    numbered question and then the lab's `python -m course measure` command in a code block;
+    the command prints only what comes before that block before it runs, so an answer written
+    after the block is never printed first."""
+    if not (lab.path / MEASURE_FILE).is_file():
+        return []
+    predict = predict_questions(lab)
+    if predict is None:
+        return ["README.md has no section whose heading starts with 'Predict'"]
+    readme = (lab.path / "README.md").read_text(encoding="utf-8").splitlines()
+    section = "\n".join(readme[predict.line:])
+    problems = []
+    if not re.search(r"(?m)^\d+\.\s", predict.questions):
+        problems.append(f"README.md:{predict.line}: the Predict section asks no numbered "
+                        "question before its command block")
+    if not re.search(rf"(?m)^```[a-z]*\n[^`]*python -m course measure {lab.id}\b", section):
+        problems.append(f"README.md:{predict.line}: the Predict section must give "
+                        f"`python -m course measure {lab.id}` in a code block after the "
+                        "questions (what follows the block is printed after the run)")
+    return problems
 
 
 def _impl(lab: Lab, impl: str) -> tuple[ModuleType | None, str]:
@@ -103,28 +165,79 @@ def measure(lab: Lab, quick: bool = False, impls: tuple[str, ...] = ("starter", 
         s = Series(name)
         series.append(s)
         runners.append((s, fn))
-    for x in module.sizes(quick):
-        for s, fn in runners:
-            if fn is None or s.note:
-                s.values[x] = None
-                continue
-            try:
-                value = fn(x)
-                if hasattr(module, "METRICS"):
-                    s.values[x] = {k: None if value[k] is None else float(value[k])
-                                   for k in module.METRICS}
-                elif isinstance(value, dict):  # several named series, split below
-                    s.values[x] = dict(value)
-                else:
-                    s.values[x] = float(value)
-            except NotImplementedError as exc:
-                s.values[x] = None
-                s.note = f"not written yet: {' '.join(str(exc).split())}"
-            except Exception as exc:  # the student's code failed: say so, measure the rest
-                s.values[x] = None
-                s.note = (f"failed at {x:,}: {type(exc).__name__}: {' '.join(str(exc).split())} "
-                          "(run the lab's tests first)")
+    xs = module.sizes(quick)
+    # Rounds interleave the series and the sizes, so that a burst of load from another process
+    # spoils one round's point, not a whole curve; each point keeps its smallest value.
+    for _ in range(max(1, int(getattr(module, "ROUNDS", 1)))):
+        for x in xs:
+            for s, fn in runners:
+                _measure_point(module, s, fn, x)
     return module, series if hasattr(module, "METRICS") else _split_named(series)
+
+
+def _measure_point(module: ModuleType, s: Series, fn, x: int) -> None:
+    """One value of series `s` at `x` (the minimum over rounds); a failure is noted once."""
+    if fn is None or s.note:
+        s.values[x] = None
+        return
+    try:
+        value = fn(x)
+        if hasattr(module, "METRICS"):
+            value = {k: None if value[k] is None else float(value[k]) for k in module.METRICS}
+        elif isinstance(value, dict):  # several named series, split below
+            value = dict(value)
+        else:
+            value = float(value)
+        s.values[x] = _smaller(s.values.get(x, value), value)
+    except NotImplementedError as exc:
+        s.values[x] = None
+        s.note = f"not written yet: {' '.join(str(exc).split())}"
+    except Exception as exc:  # the student's code failed: say so, measure the rest
+        s.values[x] = None
+        s.note = (f"failed at {x:,}: {type(exc).__name__}: {' '.join(str(exc).split())} "
+                  "(run the lab's tests first)")
+
+
+def _smaller(old, new):
+    """The smaller of two measurements of one point (per key for dicts; None stays None)."""
+    if isinstance(old, dict):
+        return {k: new[k] if old.get(k) is None or new[k] is None else min(old[k], new[k])
+                for k in new}
+    if old is None or new is None:
+        return new
+    return min(old, new)
+
+
+def fitted_slope(values: dict[int, float | None]) -> float | None:
+    """Least-squares slope of log(y) against log(x) over the positive points (None below two):
+    a cost growing like x^k gives k, whatever the constant factor of the machine."""
+    pts = [(math.log(x), math.log(y)) for x, y in values.items()
+           if y is not None and x > 0 and y > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    var = sum((p[0] - mx) ** 2 for p in pts)
+    return None if var == 0 else sum((p[0] - mx) * (p[1] - my) for p in pts) / var
+
+
+def slope_lines(module: ModuleType, series: list[Series]) -> list[str]:
+    """One line per series of plain numbers on log-log axes: its fitted slope, and what one
+    doubling of x multiplies y by."""
+    if not (getattr(module, "LOG_X", False) and getattr(module, "LOG_Y", False)):
+        return []
+    out = []
+    for y_label, panel in panels(module, series):
+        lines = []
+        for s in panel:
+            k = fitted_slope(s.values)
+            if k is not None:
+                lines.append(f"  {s.name}: slope {k:.2f} (doubling x multiplies y by "
+                             f"{2 ** k:.1f})")
+        if lines:
+            out += [f"Fitted log-log slope of y = {y_label} against x = {module.X_LABEL} "
+                    "(a cost growing like x^k has slope k):", *lines]
+    return out
 
 
 def _split_named(series: list[Series]) -> list[Series]:
@@ -176,6 +289,14 @@ def format_table(module: ModuleType, series: list[Series]) -> str:
     for s in series:
         if s.note:
             out.append(f"{s.name}: {s.note}")
+    slopes = slope_lines(module, series)
+    if slopes:
+        out += [""] + slopes
+    summary = getattr(module, "summary", None)
+    if summary is not None:
+        lines = summary({s.name: dict(s.values) for s in series})
+        if lines:
+            out += [""] + list(lines)
     return "\n".join(out)
 
 
@@ -282,3 +403,55 @@ def peak_tensor_bytes(fn, existing=()) -> int:
     with tracker:
         fn()
     return tracker.peak
+
+
+def command(lab: Lab, quick: bool = False, plot_path: Path | None = None, show: bool = False,
+            arch: str | None = None) -> int:
+    """`python -m course measure LAB`: the questions, then the measurement, then the README's
+    after-the-run text. A measurement that defines `can_time()` and `static_report(arch)` (lab
+    02-06) prints the static report when it cannot time here, or when `arch` is given; exit 0
+    when a table or a static report was produced, 2 when neither could be."""
+    import sys
+
+    predict = predict_questions(lab)
+    if predict is not None:
+        print(f"{predict.heading} (README.md:{predict.line}): answer these before you look at "
+              "the numbers.\n")
+        print(predict.questions + "\n")
+    try:
+        module = load_measurement(lab)
+        static = getattr(module, "static_report", None)
+        timed = getattr(module, "can_time", lambda: True)()
+        if static is not None and (arch is not None or not timed):
+            if not timed:
+                print("No CUDA GPU here, so nothing is timed; what the compiled code says "
+                      "instead:\n")
+            print(static(arch or GPUS[-1]))
+            if not timed:
+                _after(predict)
+                return 0
+            print()
+        if not timed:
+            raise ValueError(f"lab {lab.id}'s measurement needs a CUDA GPU, and this machine "
+                             "has none")
+        module, series = measure(lab, quick=quick)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(module.TITLE)
+    print(format_table(module, series))
+    if plot_path or show:
+        path = plot(module, series, plot_path, show)
+        if path is not None:
+            print(f"\nplot: {path}")
+    else:
+        print("\nDraw it: add --plot FILE.png (or --show for a window).")
+    _after(predict)
+    return 0
+
+
+def _after(predict: Predict | None) -> None:
+    """The README's text after the command block, once the student has the numbers."""
+    if predict is not None and predict.after:
+        print(f"\nNow compare (README.md:{predict.line}, after the command):\n")
+        print(predict.after)

@@ -1,10 +1,10 @@
 """Lab 01-02 starter: online softmax, and attention over keys that arrive block by block.
 
-Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
-Each docstring is a contract: what goes in, what comes out, what must hold, which errors, and
-the cost. How to get there is yours to work out; when stuck, climb the hint ladder:
-``python -m course hint 01-02 N`` (a question), then ``--level 2`` (the steps), then
-``--level 3`` (the upstream lines to read).
+Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README. Each
+docstring is a contract: what goes in, what comes out, what must hold, which errors, and the cost.
+How to get there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint
+01-02 N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the
+steps), then ``--level 4`` (the upstream lines to read).
 
 Per query row the running state keeps ``max_logit`` (the largest score so far, ``-inf`` before
 any key), ``exp_sum`` (the sum of ``exp(s - max_logit)`` over the keys so far) and ``acc`` (the
@@ -12,9 +12,12 @@ sum of ``exp(s - max_logit) * v``, not yet divided). Shapes: ``max_logit`` and `
 ``S`` (here ``[num_heads, q_len]``), ``acc`` and ``out`` are ``S + [head_size]``. No function
 modifies its arguments: each returns new tensors.
 
-You may use lab 01's reference (``mini_vllm.attention.reference``); do not import
-``mini_vllm.attention.online_softmax`` (that is the answer). ``SoftmaxState``, ``Partial`` and the
-helpers at the bottom are complete.
+You may use lab 01's reference (``mini_vllm.attention.reference``). From
+``mini_vllm.attention.online_softmax``, the module that holds the answers, this file takes two
+given helpers and nothing else: ``_prepare`` (lab 01's input checks and the cut of the keys into
+blocks) and ``_block_scores`` (one block's scaled, biased, masked scores and its values), because
+they are lab 01's work again, not this lab's. Import nothing more from that module: its other
+functions are the tasks. ``SoftmaxState``, ``Partial`` and the helpers at the bottom are complete.
 
 Run the tests against this file with::
 

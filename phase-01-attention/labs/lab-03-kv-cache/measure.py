@@ -4,7 +4,8 @@
 realistic batch (48 requests whose final lengths follow a long-tailed distribution, median
 about 380 tokens, the phase notebook's batch) for several values of `max_seq_len`, and reports
 `used_bytes() / reserved_bytes()` from your cache, beside the reference and beside what a paged
-cache with blocks of 16 tokens (phase 02) would hold. Answer the README's "Predict, then
+cache with blocks of 16 tokens (phase 02) would hold; then how many such requests 24 GiB of KV
+memory holds for a Llama-8B-like model, flat and paged. Answer the README's "Predict, then
 measure" questions before you look.
 """
 
@@ -54,3 +55,20 @@ def paged(max_seq_len: int) -> float:
 
 
 BASELINES = {"paged, blocks of 16 (phase 02)": paged}
+
+
+KV_PER_TOKEN = 128 * 1024  # Llama-8B-like: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+KV_MEMORY = 24 * 2**30
+
+
+def summary(values: dict[str, dict[int, float | None]]) -> list[str]:
+    """Requests of this batch that fit in 24 GiB, flat (each reserves max_seq_len tokens) and
+    paged (each holds its tokens rounded up to blocks of 16): the README's question 2."""
+    lines = ["Requests that fit in 24 GiB of KV memory (128 KiB per token):"]
+    for max_seq_len in sorted(values["reference"]):
+        flat = KV_MEMORY // (max_seq_len * KV_PER_TOKEN)
+        lens = final_lengths(max_seq_len)
+        held = sum(math.ceil(n / BLOCK_SIZE) * BLOCK_SIZE for n in lens) / len(lens)
+        lines.append(f"  max_seq_len {max_seq_len:,}: flat {flat:,}; paged, blocks of "
+                     f"{BLOCK_SIZE}, about {KV_MEMORY / (held * KV_PER_TOKEN):,.0f}")
+    return lines

@@ -6,8 +6,9 @@ prefilled once, forked into n samples, and every sample decodes 60 tokens of its
 decode step it counts the blocks really held (a shared block once) against the blocks the same
 tables would hold without sharing (the sum of their lengths); the saving is the share of those
 block-steps that sharing removes. Beside it: the same n samples as n separate requests that only
-share through prefix caching (lab 02-03's manager), as vLLM v1 does. Answer the README's
-"Predict, then measure" questions before you look.
+share through prefix caching (lab 02-03's manager), as vLLM v1 does. A second table counts the
+prompt tokens each approach computes (its KV written by a forward pass rather than shared or
+found in the cache). Answer the README's "Predict, then measure" questions before you look.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ TITLE = "KV memory saved by sharing, n samples of one 100-token prompt (60 token
 X_LABEL = "parallel samples n"
 Y_LABEL = "% of KV block-steps saved by sharing"
 LOG_X = True
+METRICS = {"saved": Y_LABEL, "computed": "prompt tokens computed (all n samples)"}
 BLOCK_SIZE = 16
 PROMPT = [(7 * i) % 50 + 1 for i in range(100)]
 OUTPUT_TOKENS = 60
@@ -72,7 +74,8 @@ def run(impl, n: int) -> float:
         if manager.append_slots(req, 1) is None:
             raise RuntimeError("the pool is sized for every sample: append_slots refused")
 
-    return _decode(manager, seqs, step)
+    # The parent's prefill computed the whole prompt; a forked child computes none of it.
+    return {"saved": _decode(manager, seqs, step), "computed": len(PROMPT)}
 
 
 def prefix_caching_only(n: int) -> float:
@@ -82,14 +85,17 @@ def prefix_caching_only(n: int) -> float:
 
     manager = KVCacheManager(_num_blocks(n), BLOCK_SIZE, 4096)
     seqs = []
+    computed = 0
     for i in range(n):
         req = _request(f"sample-{i}", PROMPT)
         hit, num_hit = manager.get_computed_blocks(req)
         manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit)
+        computed += req.num_tokens - num_hit  # the prompt past the cached full blocks
         req.num_computed_tokens = req.num_tokens
         req.append_output_token_ids(999 - i)
         seqs.append(req)
-    return _decode(manager, seqs, lambda req: manager.allocate_slots(req, 1))
+    saved = _decode(manager, seqs, lambda req: manager.allocate_slots(req, 1))
+    return {"saved": saved, "computed": computed}
 
 
 BASELINES = {"prefix caching only (n requests, no fork)": prefix_caching_only}

@@ -1,10 +1,10 @@
 """Lab 03-01 starter: the scheduler and continuous batching.
 
-Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README.
-Each docstring is a contract: what goes in, what comes out, what must hold afterwards, which
-errors. How to get there is yours to work out; when stuck, climb the hint ladder:
-``python -m course hint 03-01 N`` (a question), then ``--level 2`` (the steps), then
-``--level 3`` (the upstream lines to read).
+Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README. Each
+docstring is a contract: what goes in, what comes out, what must hold afterwards, which errors. How
+to get there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint 03-01
+N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the steps),
+then ``--level 4`` (the upstream lines to read).
 
 Everything else is complete: the constructor, ``schedule()`` (which calls your helpers in the
 right order), ``_preempt`` (which counts a preemption and picks its mode), packaging the output,

@@ -7,10 +7,10 @@ engine's step (task 5). ``ModelRunnerBase`` (the KV cache tensors, swaps and cop
 backend, the per-request record) and ``EngineCoreBase`` (the scheduler, the runner, requests in,
 statistics) are given.
 
-Each docstring is a contract: what goes in, what comes out, what must hold afterwards. How to
-get there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint 03-04
-N`` (a question), then ``--level 2`` (the steps), then ``--level 3`` (the upstream lines to
-read).
+Each docstring is a contract: what goes in, what comes out, what must hold afterwards. How to get
+there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint 03-04 N`` (a
+question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the steps), then
+``--level 4`` (the upstream lines to read).
 
 Run the graded tests against this file with::
 
