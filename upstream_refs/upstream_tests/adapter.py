@@ -209,8 +209,11 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
             # Today's third value: where a sliding-window or Mamba group's hit ends (none here).
             return blocks, num_tokens, 0
 
-        def free(self, request: Any) -> None:
-            super().free(request)
+        @property
+        def coordinator(self) -> SimpleNamespace:
+            # Today the per-group managers sit behind a coordinator; mini_vllm folds its one
+            # full-attention manager into KVCacheManager, so the view is the manager itself.
+            return SimpleNamespace(single_type_managers=[self])
 
     @dataclass
     class FullAttentionSpec:
@@ -230,6 +233,13 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
         role: Any = None
         host_resident: bool = False
         enable_kv_transfer: bool = True
+
+    @dataclass
+    class KVCacheTensor:  # where a layer's KV lives: the manager never reads it
+        size: int
+        layers: list
+        layer_stride: int = 0
+        block_stride: int = 0
 
     @dataclass
     class KVCacheConfig:
@@ -317,6 +327,7 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
             "FullAttentionSpec": FullAttentionSpec,
             "KVCacheGroupSpec": KVCacheGroupSpec,
             "KVCacheConfig": KVCacheConfig,
+            "KVCacheTensor": KVCacheTensor,
         },
         "vllm.v1.request": {"Request": Request, "RequestStatus": mv_request.RequestStatus},
         "vllm.sampling_params": {"SamplingParams": SamplingParams},
@@ -377,11 +388,12 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__getattr__ = __getattr__
 
 
-def install(impl: str = "solution") -> None:
+def install(impl: str = "solution", today: bool = True) -> None:
     """Serve ``vllm.*`` from mini_vllm (``impl``: ``solution`` or ``stretch``) with today's
-    behaviour on. Call once, before the upstream tests are imported."""
+    behaviour on (``today=False`` keeps v0.11.0's, to see which tests tell the two apart).
+    Call once, before the upstream tests are imported."""
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return
-    mv_utils.use_today_behaviour(True)
+    mv_utils.use_today_behaviour(today)
     pieces = _implementation(impl)
     sys.meta_path.insert(0, _Finder(_build_core(pieces), pieces.none_hash))

@@ -1,4 +1,4 @@
-"""The excluded upstream test items and why, read from ``upstream_refs/left_out/upstream_tests.toml``.
+"""The excluded upstream test items and why (``upstream_refs/left_out/upstream_tests.toml``).
 
 upstream: none (course-only: the bridge to the newest release's tests)
 """

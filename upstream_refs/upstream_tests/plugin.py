@@ -14,9 +14,8 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
 import adapter
+import pytest
 from exclusions import load_exclusions
 
 _outcomes: dict[str, str] = {}
@@ -25,7 +24,8 @@ _reasons: dict[str, str] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    adapter.install(os.environ.get("UPSTREAM_TESTS_IMPL", "solution"))
+    adapter.install(os.environ.get("UPSTREAM_TESTS_IMPL", "solution"),
+                    today=os.environ.get("UPSTREAM_TESTS_TODAY", "1") == "1")
     _reasons.update(load_exclusions())
 
 
