@@ -211,14 +211,16 @@ class BlockPool:
         """The request's hashes at ``block_size`` granularity: each block's hash is the one taken
         at its last token, which chains over every token before it, so it names the block and
         its whole prefix exactly as a hash taken per block would."""
-        if self.hash_block_size is None or self.hash_block_size == block_size:
+        # getattr: the lab's starter builds pools with v0.11.0's constructor, which has no
+        # hash_block_size, and its tasks are filled from these methods (scripts/task_by_task.py).
+        hash_block_size = getattr(self, "hash_block_size", None)
+        if hash_block_size is None or hash_block_size == block_size:
             return block_hashes
-        if block_size % self.hash_block_size:
+        if block_size % hash_block_size:
             raise ValueError(
-                f"block_size {block_size} is not a multiple of hash_block_size "
-                f"{self.hash_block_size}"
+                f"block_size {block_size} is not a multiple of hash_block_size {hash_block_size}"
             )
-        step = block_size // self.hash_block_size
+        step = block_size // hash_block_size
         return block_hashes[step - 1 :: step]
 
     def get_cached_block(
@@ -388,7 +390,7 @@ class BlockPool:
         # at the back the moment its count reaches zero: same order, fewer passes. A block
         # listed twice is linked once, when its count reaches zero.
         blocks_list = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
-        if self._free_unhashed_first:
+        if getattr(self, "_free_unhashed_first", False):  # (getattr: see _hashes_per_block)
             self._free_blocks_today(blocks_list)
             return
         queue = self.free_block_queue

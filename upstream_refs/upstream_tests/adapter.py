@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,10 @@ from mini_vllm import metrics as mv_metrics
 from mini_vllm import request as mv_request
 from mini_vllm import sampling_params as mv_sampling
 
-LAB_02_01 = (Path(__file__).resolve().parents[2] / "phase-02-paged-attention" / "labs"
-             / "lab-01-block-allocator")
+# Where the student's stretch lives (a test points it at a filled-in copy).
+LAB_02_01 = Path(os.environ.get("UPSTREAM_TESTS_STRETCH_DIR") or (
+    Path(__file__).resolve().parents[2] / "phase-02-paged-attention" / "labs"
+    / "lab-01-block-allocator"))
 
 # Upstream test helpers that are imported but not run here: served as placeholders too.
 STUBBED_TEST_MODULES = ("tests.v1.kv_connector", "tests.utils", "tests.conftest")
@@ -107,42 +110,71 @@ def _implementation(impl: str) -> SimpleNamespace:
             init_none_hash=mv_utils.init_none_hash,
             none_hash=lambda: mv_utils.NONE_HASH,
             hash_block_tokens=mv_utils.hash_block_tokens,
+            generate_block_hash_extra_keys=mv_utils.generate_block_hash_extra_keys,
+            BlockHashToBlockMap=mv_block_pool.BlockHashToBlockMap,
         )
     if impl == "stretch":
         from course.labs.loader import load_script
 
         stretch = load_script("lab_02_01_stretch", LAB_02_01 / "stretch.py")
+        if not stretch.STARTED:
+            raise LookupError("your stretch is not started: set STARTED = True in "
+                             f"{LAB_02_01 / 'stretch.py'} (README: Stretch)")
         return SimpleNamespace(
             KVCacheBlock=stretch.KVCacheBlock,
             FreeKVCacheBlockQueue=stretch.FreeKVCacheBlockQueue,
-            prepend_n=lambda queue, blocks: queue.prepend_n(blocks),
+            prepend_n=stretch.FreeKVCacheBlockQueue.prepend_n,
             BlockPool=stretch.BlockPool,
             init_none_hash=stretch.init_none_hash,
             none_hash=stretch.none_hash,
             hash_block_tokens=stretch.hash_block_tokens,
+            generate_block_hash_extra_keys=stretch.generate_block_hash_extra_keys,
+            BlockHashToBlockMap=stretch.yours.BlockHashToBlockMap,  # given in your starter
         )
     raise ValueError(f"impl must be 'solution' or 'stretch', got {impl!r}")
 
 
-def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
-    """Module name -> {upstream name: object} for every name the adapter maps."""
+def _today_block_classes(block_base: type, queue_base: type, prepend_n: Any):
+    """Today's names for a block and a free queue class (same fields), and the function that
+    gives a built pool's blocks and queue those classes."""
 
-    class KVCacheBlock(impl.KVCacheBlock):
+    class KVCacheBlock(block_base):
         """Today's block: the hash is set with ``set_block_hash`` (the property's setter at
-        v0.11.0). Same fields: blocks of the pool are this class (``BlockPool`` converts)."""
+        v0.11.0)."""
 
         __slots__ = ()
 
         def set_block_hash(self, block_hash: bytes, num_tokens: int | None = None) -> None:
             if num_tokens is not None:
                 raise LeftOutError("a partial-block hash (num_tokens) is left out of mini_vllm")
-            impl.KVCacheBlock.block_hash.fset(self, block_hash)
+            block_base.block_hash.fset(self, block_hash)
 
-    class FreeKVCacheBlockQueue(impl.FreeKVCacheBlockQueue):
+    class FreeKVCacheBlockQueue(queue_base):
         __slots__ = ()
 
         def prepend_n(self, blocks: list) -> None:
-            impl.prepend_n(self, blocks)
+            prepend_n(self, blocks)
+
+    def retype(pool: Any) -> None:
+        # The pool built v0.11.0's classes; give them today's method names (same layout).
+        for block in pool.blocks:
+            block.__class__ = KVCacheBlock
+        queue = pool.free_block_queue
+        queue.fake_free_list_head.__class__ = KVCacheBlock
+        queue.fake_free_list_tail.__class__ = KVCacheBlock
+        queue.__class__ = FreeKVCacheBlockQueue
+
+    return KVCacheBlock, FreeKVCacheBlockQueue, retype
+
+
+def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
+    """Module name -> {upstream name: object} for every name the adapter maps."""
+    KVCacheBlock, FreeKVCacheBlockQueue, _retype = _today_block_classes(  # noqa: N806
+        impl.KVCacheBlock, impl.FreeKVCacheBlockQueue, impl.prepend_n)
+    # The manager is the reference's, pool included, whichever implementation is under test.
+    _, _, _retype_reference = _today_block_classes(
+        mv_utils.KVCacheBlock, mv_utils.FreeKVCacheBlockQueue,
+        lambda queue, blocks: queue._prepend_n(blocks))
 
     class BlockPool(impl.BlockPool):
         """``BlockPool(num_gpu_blocks, enable_caching, hash_block_size, ...)``."""
@@ -197,7 +229,7 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
             super().__init__(kv_cache_config.num_blocks, block_size, max_model_len,
                              enable_caching=enable_caching, log_stats=log_stats,
                              enable_kv_cache_events=enable_kv_cache_events)
-            _retype(self.block_pool)
+            _retype_reference(self.block_pool)
             if hash_block_size is not None and hash_block_size != block_size:
                 self._use_hash_block_size(hash_block_size)
             self.kv_cache_config = kv_cache_config
@@ -306,7 +338,7 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
         "init_none_hash": impl.init_none_hash,
         "hash_block_tokens": impl.hash_block_tokens,
         "get_request_block_hasher": get_request_block_hasher,
-        "generate_block_hash_extra_keys": mv_utils.generate_block_hash_extra_keys,
+        "generate_block_hash_extra_keys": impl.generate_block_hash_extra_keys,
         "make_block_hash_with_group_id": mv_utils.make_block_hash_with_group_id,
         "get_block_hash": mv_utils.get_block_hash,
         "get_group_id": mv_utils.get_group_id,
@@ -316,7 +348,7 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
         "vllm.v1.core.kv_cache_utils": utils,
         "vllm.v1.core.block_pool": {
             "BlockPool": BlockPool,
-            "BlockHashToBlockMap": mv_block_pool.BlockHashToBlockMap,
+            "BlockHashToBlockMap": impl.BlockHashToBlockMap,
         },
         "vllm.v1.core.kv_cache_manager": {
             "KVCacheManager": KVCacheManager,

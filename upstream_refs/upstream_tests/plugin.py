@@ -24,8 +24,11 @@ _reasons: dict[str, str] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    adapter.install(os.environ.get("UPSTREAM_TESTS_IMPL", "solution"),
-                    today=os.environ.get("UPSTREAM_TESTS_TODAY", "1") == "1")
+    try:
+        adapter.install(os.environ.get("UPSTREAM_TESTS_IMPL", "solution"),
+                        today=os.environ.get("UPSTREAM_TESTS_TODAY", "1") == "1")
+    except LookupError as error:  # the stretch is not started
+        raise pytest.UsageError(str(error)) from None
     _reasons.update(load_exclusions())
 
 

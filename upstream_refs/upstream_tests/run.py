@@ -72,8 +72,10 @@ def run(src: Path, impl: str = "solution", today: bool = True) -> dict:
                *[f"tests/v1/core/{f}" for f in TEST_FILES]]
         proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True)
         if not outcomes_file.exists():
-            raise RuntimeError(f"the upstream test run did not finish:\n{proc.stdout[-3000:]}"
-                               f"{proc.stderr[-3000:]}")
+            said = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
+            detail = "" if said[-1].startswith("ERROR:") else "\n" + "\n".join(said[-40:])
+            raise RuntimeError(f"the upstream test run stopped before any test ran: "
+                               f"{said[-1].removeprefix('ERROR: ')}{detail}")
         data = json.loads(outcomes_file.read_text())
     outcomes, errors = data["outcomes"], data["errors"]
     counts = {k: sum(1 for v in outcomes.values() if v == k)
@@ -102,14 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pinned", action="store_true",
                         help="keep v0.11.0's behaviour (the switch off): which tests tell the "
                         "two apart")
-    parser.add_argument("--json", help="write the counts and the command here")
+    parser.add_argument("--json", help="write the counts and the command here (with the "
+                        "counts of a second run with the switch off)")
     args = parser.parse_args(argv)
     src = find_source(args.vllm_src)
     if src is None:
         print(f"the vLLM {release()} source is not here: fetch it with "
               f"../shared/tools/get-vllm-src.sh {release()} (or pass --vllm-src DIR)")
         return 2
-    result = run(src, args.impl, today=not args.pinned)
+    try:
+        result = run(src, args.impl, today=not args.pinned)
+    except RuntimeError as error:
+        print(error)
+        return 1
     counts = result["counts"]
     total = sum(counts.values())
     behaviour = "v0.11.0's behaviour" if args.pinned else "today's behaviour on"
@@ -127,15 +134,25 @@ def main(argv: list[str] | None = None) -> int:
             if outcome == "excluded":
                 reason = next(exclusions[i] for i in exclusions if _covers(i, key))
                 reasons[reason] = reasons.get(reason, 0) + 1
+        # The same run with the switch off: the items that tell v0.11.0's behaviour from today's.
+        off = run(src, args.impl, today=False)
         Path(args.json).write_text(json.dumps({
             "command": "python upstream_refs/upstream_tests/run.py --impl "
-                       f"{args.impl} --json {args.json}",
+                       f"{args.impl}{' --pinned' if args.pinned else ''} --json {args.json}",
+            "behaviour": "v0.11.0" if args.pinned else "today",
             "release": release(),
             "impl": args.impl,
             "files": [f"tests/v1/core/{f}" for f in TEST_FILES],
             "counts": counts,
             "failing": result["failing"],
             "excluded_by_reason": reasons,
+            "excluded_list": "upstream_refs/left_out/upstream_tests.toml",
+            "with_the_switch_off": {
+                "command": f"python upstream_refs/upstream_tests/run.py --impl {args.impl} "
+                           "--pinned",
+                "counts": off["counts"],
+                "failing": sorted(off["failing"]),
+            },
         }, indent=2) + "\n", encoding="utf-8")
     return 0 if not result["failing"] and not result["stale_exclusions"] else 1
 
