@@ -128,12 +128,10 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     """
     global NONE_HASH
     hash_seed = os.getenv("PYTHONHASHSEED")
-    if hash_seed is not None:
-        NONE_HASH = BlockHash(hash_fn(hash_seed))
-    elif _TODAY:
-        NONE_HASH = BlockHash(hash_fn(TODAY_NONE_HASH_SEED))
+    if hash_seed is None:
+        NONE_HASH = BlockHash(hash_fn(TODAY_NONE_HASH_SEED) if _TODAY else os.urandom(32))
     else:
-        NONE_HASH = BlockHash(os.urandom(32))
+        NONE_HASH = BlockHash(hash_fn(hash_seed))
 
 
 def is_today_behaviour() -> bool:
@@ -451,17 +449,15 @@ def generate_block_hash_extra_keys(
 
     upstream: vllm/v1/core/kv_cache_utils.py:517 @ v0.11.0
     """
-    lora_keys: list[Any] = _gen_lora_extra_hash_keys(request)
-    salt_keys: list[Any] = (
-        [request.cache_salt] if start_token_idx == 0 and request.cache_salt else []
-    )
+    lora_keys = _gen_lora_extra_hash_keys(request)
+    salt_keys = [request.cache_salt] if start_token_idx == 0 and request.cache_salt else []
     if _TODAY:
         # Today each key says what it is, so that keys of different kinds cannot collide
         # (a salt equal to an adapter's name, say). The LoRA key names the adapter and its
         # path; mini_vllm's LoRARequest loads nothing and may have no path.
         lora = request.lora_request
         lora_keys = [("lora", lora.lora_name, getattr(lora, "lora_path", None))] if lora else []
-        salt_keys = [("cache_salt", key) for key in salt_keys]
+        salt_keys = [("cache_salt", salt) for salt in salt_keys]
     extra_keys: list[Any] = lora_keys + salt_keys
     if not extra_keys:
         return None, start_mm_idx
