@@ -118,14 +118,19 @@ def test_the_solved_stretch_passes_its_tests(solved_lab):
     assert "2 skipped" in done.stdout, done.stdout[-2000:]
 
 
-def test_an_untouched_stretch_is_skipped_with_a_sentence(tmp_path):
-    folder = tmp_path / "lab-01-block-allocator"
-    folder.mkdir()
-    for name in ("starter.py", "stretch.py", "test_stretch.py"):
-        shutil.copy(LAB / name, folder / name)
-    done = run_stretch_tests(folder)
-    assert done.returncode == 0 and "passed" not in done.stdout, done.stdout[-2000:]
-    assert "set STARTED = True in stretch.py when you start it" in done.stdout
+def test_an_untouched_stretch_is_skipped_with_a_sentence(monkeypatch):
+    monkeypatch.setenv("LAB_IMPL", "starter")
+    for name in ("lab_02_01_stretch", "lab_02_01_starter_for_stretch"):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # the lab's own files, fresh
+    spec = importlib.util.spec_from_file_location("lab_02_01_test_stretch_untouched",
+                                                  LAB / "test_stretch.py")
+    tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tests)
+    with pytest.raises(pytest.skip.Exception,
+                       match="set STARTED = True in stretch.py when you start it"):
+        tests.pieces()
+    for name in ("lab_02_01_stretch", "lab_02_01_starter_for_stretch"):
+        sys.modules.pop(name, None)
 
 
 # --------------------------------------------------------------------------------------------
