@@ -17,7 +17,7 @@ integer event hashes, prefix-cache metrics and everything about sizing KV-cache 
 One switch, :func:`use_today_behaviour` (off by default: v0.11.0's behaviour is what the labs
 grade), turns on what the newest upstream release does instead: a fixed :data:`NONE_HASH`,
 tagged extra keys, unhashed blocks freed to the front of the free queue (``BlockPool``) and block
-hashes taken at a granularity finer than the block (``BlockPool(hash_block_size=...)``).
+hashes taken at a granularity finer than the block (``BlockPool.hash_block_size``).
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "NONE_HASH",
+    "TODAY_NONE_HASH_SEED",
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",
     "get_request_block_hasher",
     "hash_block_tokens",
     "init_none_hash",
+    "is_today_behaviour",
     "make_block_hash_with_group_id",
     "need_extra_keys",
     "sha256",
-    "is_today_behaviour",
     "today_behaviour",
     "use_today_behaviour",
 ]
@@ -444,8 +445,8 @@ def generate_block_hash_extra_keys(
     The LoRA id goes into every block; the cache salt only into the first block (the chain
     carries it to every later block). With today's behaviour on (:func:`use_today_behaviour`)
     the keys are tagged: ``("lora", lora_name, lora_path)`` and ``("cache_salt", salt)``.
-    Returns ``(keys or None, start_mm_idx)``; the multimodal
-    index is passed through unchanged because mini_vllm has no multimodal inputs.
+    Returns ``(keys or None, start_mm_idx)``; the multimodal index is passed through unchanged
+    because mini_vllm has no multimodal inputs.
 
     upstream: vllm/v1/core/kv_cache_utils.py:517 @ v0.11.0
     """
