@@ -13,6 +13,11 @@ paged block allocator needs, for one KV-cache group (full attention):
 
 Left out (see ``upstream_refs/left_out/block_pool.md``): multimodal extra keys, the CBOR hash,
 integer event hashes, prefix-cache metrics and everything about sizing KV-cache groups.
+
+One switch, :func:`use_today_behaviour` (off by default: v0.11.0's behaviour is what the labs
+grade), turns on what the newest upstream release does instead: a fixed :data:`NONE_HASH`,
+tagged extra keys, unhashed blocks freed to the front of the free queue (``BlockPool``) and block
+hashes taken at a granularity finer than the block (``BlockPool.hash_block_size``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NewType, Protocol
 
@@ -31,15 +37,19 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "NONE_HASH",
+    "TODAY_NONE_HASH_SEED",
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",
     "get_request_block_hasher",
     "hash_block_tokens",
     "init_none_hash",
+    "is_today_behaviour",
     "make_block_hash_with_group_id",
     "need_extra_keys",
     "sha256",
+    "today_behaviour",
+    "use_today_behaviour",
 ]
 
 # A block hash is the raw digest of the hash function (32 bytes for sha256). A distinct type
@@ -96,22 +106,75 @@ def sha256(input: Any) -> bytes:  # noqa: A002 - upstream's parameter name
 # goes stale when init_none_hash runs again.
 NONE_HASH: BlockHash
 
+# The switch between the pinned release's behaviour (False, the default and what every lab
+# grades) and the newest release's (True). Read through is_today_behaviour(); set through
+# use_today_behaviour(), which also re-derives NONE_HASH.
+_TODAY = False
+
+# Today's seed of NONE_HASH when PYTHONHASHSEED is not set. It is the value upstream uses, so
+# that a chain hashed here with upstream's pickle-based sha256 names the same blocks as there.
+TODAY_NONE_HASH_SEED = "vllm-none-hash"
+
 
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     """Set :data:`NONE_HASH`: ``hash_fn(PYTHONHASHSEED)`` if that variable is set, else 32 random
-    bytes.
+    bytes (v0.11.0), or ``hash_fn(TODAY_NONE_HASH_SEED)`` with today's behaviour on.
 
-    A random seed makes block hashes unpredictable to other tenants; a fixed PYTHONHASHSEED
-    lets several processes agree on the same hashes.
+    A random seed makes block hashes unpredictable to other tenants; a fixed seed lets several
+    processes (and a cache shared between instances) agree on the same hashes. Upstream moved
+    to the fixed seed for collision-resistant hash functions such as sha256, where guessing the
+    seed does not help an attacker find colliding blocks.
 
     upstream: vllm/v1/core/kv_cache_utils.py:81 @ v0.11.0
     """
     global NONE_HASH
     hash_seed = os.getenv("PYTHONHASHSEED")
     if hash_seed is None:
-        NONE_HASH = BlockHash(os.urandom(32))
+        NONE_HASH = BlockHash(hash_fn(TODAY_NONE_HASH_SEED) if _TODAY else os.urandom(32))
     else:
         NONE_HASH = BlockHash(hash_fn(hash_seed))
+
+
+def is_today_behaviour() -> bool:
+    """Whether today's upstream behaviour is on (see :func:`use_today_behaviour`).
+
+    upstream: none (course-only: the switch between the pinned release and the newest one)
+    """
+    return _TODAY
+
+
+def use_today_behaviour(on: bool = True) -> bool:
+    """Switch between v0.11.0's behaviour (``on=False``, the default) and the newest release's.
+
+    With it on: :data:`NONE_HASH` is derived from a fixed seed (re-derived now, with
+    :func:`sha256`), extra hash keys are tagged (``("cache_salt", salt)``,
+    ``("lora", name, path)``), and a :class:`~mini_vllm.block_pool.BlockPool` built afterwards
+    frees blocks without a hash to the *front* of the free queue. Returns the previous setting.
+    Hashes taken before a switch do not match hashes taken after it.
+
+    upstream: none (course-only: the switch between the pinned release and the newest one)
+    """
+    global _TODAY
+    previous, _TODAY = _TODAY, bool(on)
+    init_none_hash(sha256)
+    return previous
+
+
+@contextmanager
+def today_behaviour(on: bool = True) -> Iterator[None]:
+    """``with today_behaviour():`` runs its body with the switch set, then restores the setting
+    and :data:`NONE_HASH` as they were.
+
+    upstream: none (course-only: the switch between the pinned release and the newest one)
+    """
+    global NONE_HASH
+    saved_hash = NONE_HASH
+    previous = use_today_behaviour(on)
+    try:
+        yield
+    finally:
+        use_today_behaviour(previous)
+        NONE_HASH = saved_hash
 
 
 init_none_hash(sha256)
@@ -305,6 +368,26 @@ class FreeKVCacheBlockQueue:
         self.fake_free_list_tail.prev_free_block = last
         self.num_free_blocks += len(blocks)
 
+    def _prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Link ``blocks`` in at the front, in the given order (the first is evicted first).
+
+        Only today's behaviour uses it (``BlockPool`` frees blocks without a hash here, see
+        :func:`use_today_behaviour`); upstream names it ``prepend_n``. Private so that the
+        lab's API stays v0.11.0's.
+        """
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        assert first is not None, "the head sentinel lost its next_free_block"
+        prev = self.fake_free_list_head
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All blocks in the queue, front to back (walks the list: for tests and pictures).
 
@@ -360,13 +443,22 @@ def generate_block_hash_extra_keys(
     """Extra keys for the block covering tokens ``[start_token_idx, end_token_idx)``.
 
     The LoRA id goes into every block; the cache salt only into the first block (the chain
-    carries it to every later block). Returns ``(keys or None, start_mm_idx)``; the multimodal
-    index is passed through unchanged because mini_vllm has no multimodal inputs.
+    carries it to every later block). With today's behaviour on (:func:`use_today_behaviour`)
+    the keys are tagged: ``("lora", lora_name, lora_path)`` and ``("cache_salt", salt)``.
+    Returns ``(keys or None, start_mm_idx)``; the multimodal index is passed through unchanged
+    because mini_vllm has no multimodal inputs.
 
     upstream: vllm/v1/core/kv_cache_utils.py:517 @ v0.11.0
     """
     lora_keys = _gen_lora_extra_hash_keys(request)
     salt_keys = [request.cache_salt] if start_token_idx == 0 and request.cache_salt else []
+    if _TODAY:
+        # Today each key says what it is, so that keys of different kinds cannot collide
+        # (a salt equal to an adapter's name, say). The LoRA key names the adapter and its
+        # path; mini_vllm's LoRARequest loads nothing and may have no path.
+        lora = request.lora_request
+        lora_keys = [("lora", lora.lora_name, getattr(lora, "lora_path", None))] if lora else []
+        salt_keys = [("cache_salt", salt) for salt in salt_keys]
     extra_keys: list[Any] = lora_keys + salt_keys
     if not extra_keys:
         return None, start_mm_idx
