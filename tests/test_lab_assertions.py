@@ -13,6 +13,7 @@ values for each kind of failure.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -23,11 +24,18 @@ from pathlib import Path
 
 import pytest
 
-from course.labs.assertions import first_sentence, sentence
+from course.labs.assertions import (
+    TASKS_PATH,
+    first_sentence,
+    published_task_functions,
+    sentence,
+)
 from course.labs.catalog import REPO_ROOT, discover
 
 LAB_TEST_FILES = {
-    f"{lab.id}/{p.name}": p for lab in discover(REPO_ROOT) for p in sorted(lab.path.glob("test_*.py"))
+    f"{lab.id}/{p.name}": p
+    for lab in discover(REPO_ROOT)
+    for p in sorted(lab.path.glob("test_*.py"))
 }
 MIN_NAME_WORDS = 3  # "test_fork_counts_holders": a name that reads as the rule it checks
 
@@ -117,6 +125,16 @@ def test_reference_code_a_starter_calls_into_has_no_bare_assert(path):
         f"{path.relative_to(REPO_ROOT)} has a bare assert at line(s) {bare}: a student's piece "
         f"that breaks it gets an AssertionError with no words; say which invariant broke, "
         f"with the values, and which of the student's methods to look at"
+    )
+
+
+def test_the_table_of_task_functions_matches_the_starters():
+    """The report names only the student's tasks, read from course/labs/task_functions.json
+    (a student's starter no longer marks the tasks done): it must list the published ones."""
+    recorded = json.loads(TASKS_PATH.read_text(encoding="utf-8"))
+    assert recorded == published_task_functions(REPO_ROOT), (
+        "course/labs/task_functions.json is not the starters' task functions; after changing "
+        "a starter's tasks, write it anew with `python -m course.labs.assertions`"
     )
 
 

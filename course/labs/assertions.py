@@ -13,28 +13,58 @@ failure in a lab's test file this plugin puts one line above pytest's explanatio
   helper is named too. The course's tests are named as sentences for this
   (``tests/test_lab_assertions.py`` keeps it so: a bare ``assert`` only directly in a test, every
   other assertion with a message of its own);
-- the student's function is the deepest frame of the traceback in the lab's ``starter.py`` when
-  the failure came out of it; otherwise the functions ``starter.py`` defines that the failing
-  test reaches (its calls, those of the test file's helpers it calls, and those that the reached
-  starter functions call), the ones in the failing statement first, then the latest called.
+- the student's function is the deepest frame of the traceback in a task of the lab's
+  ``starter.py`` when the failure came out of it; otherwise the tasks of ``starter.py`` that the
+  failing test reaches (its calls, those of the test file's helpers it calls, and those that the
+  reached starter functions call), the ones in the failing statement first, then the latest
+  called before it. The tasks are the functions the published starter leaves to the student,
+  recorded in ``task_functions.json`` beside this file (``python -m course.labs.assertions``
+  writes it anew; ``tests/test_lab_assertions.py`` fails when it is stale).
 
 An assertion that carries a message of its own keeps it as its first line, and gets
-``(the test: <invariant>; look at your ...)`` on the line after it. Nothing is rendered or imported for a passing
+``(the test: <invariant>; look at your ...)`` on the line after it. Nothing runs for a passing
 test: the work happens once per failure, and a file is parsed once per run.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
-from course.labs.catalog import Lab, lab_for_path
+from course.labs.catalog import REPO_ROOT, Lab, discover, lab_for_path
+from course.labs.tasks import tasks_in_source
 
 MAX_FUNCTIONS = 3  # student functions named in the line; more reached ones are counted
+# The task functions of every lab's starter as published ({lab id: [qualified names]}): a
+# student's starter no longer marks the tasks it has done, and only those are "your" code.
+TASKS_PATH = Path(__file__).resolve().parent / "task_functions.json"
+
+
+def published_task_functions(root: Path = REPO_ROOT) -> dict[str, list[str]]:
+    """``{lab id: [qualified names]}`` of the functions each starter leaves to the student."""
+    found = {}
+    for lab in discover(root):
+        starter = lab.path / "starter.py"
+        if starter.is_file():
+            tasks = tasks_in_source(starter.read_text(encoding="utf-8"), lab.id)
+            names = sorted({name for task in tasks for name, _ in task.functions})
+            if names:
+                found[lab.id] = names
+    return found
+
+
+@lru_cache(maxsize=1)
+def _task_table() -> dict[str, frozenset[str]]:
+    try:
+        data = json.loads(TASKS_PATH.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {lab_id: frozenset(names) for lab_id, names in data.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,13 +128,40 @@ def _module(path: Path) -> _Module:
     return _parse(str(path), mtime)
 
 
+_CONTAINERS = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+_CONTAINER_CALLS = {"list", "dict", "set", "sorted", "tuple", "Counter", "defaultdict"}
+
+
+def _plain_containers(node: ast.AST) -> set[str]:
+    """Names assigned a list, dict or set in `node`: ``rows.append(x)`` on one of them is not a
+    call into the lab's code, whatever the method's name."""
+    names = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.Assign, ast.AnnAssign)) and sub.value is not None:
+            value = sub.value
+            is_container = isinstance(value, _CONTAINERS) or (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id in _CONTAINER_CALLS
+            )
+            targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+            if is_container:
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
 def _calls(node: ast.AST) -> list[tuple[int, str]]:
     """(line, called name) of every call under `node`, in source order: ``f(...)`` gives f,
-    ``x.y.f(...)`` gives f, ``Cls(...)`` gives Cls."""
+    ``x.y.f(...)`` gives f, ``Cls(...)`` gives Cls; a method of a plain list, dict or set that
+    `node` builds is left out."""
+    containers = _plain_containers(node)
     found = []
     for sub in ast.walk(node):
         if isinstance(sub, ast.Call):
             func = sub.func
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                if func.value.id in containers:
+                    continue
             name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
             if name:
                 found.append((sub.lineno, name))
@@ -172,15 +229,21 @@ def student_functions(item, lab: Lab, tb_frames: list[tuple[str, int, str]]) -> 
     mod = _module(starter)
     if not mod.functions:
         return []
+    tasks = _task_table().get(lab.id)
+    if tasks is None:  # a lab the table does not know yet: every function of its starter
+        tasks = frozenset(f.qualname for f in mod.functions)
     label = {f.qualname: f"{f.qualname} ({starter.name}:{f.node.lineno})" for f in mod.functions}
     ranked: list[str] = []
-    # 1. The failure came out of the student's own code: the deepest frame there.
-    for filename, lineno, _ in reversed(tb_frames):
-        if Path(filename) == starter:
-            func = mod.innermost_at(lineno)
-            if func is not None:
-                ranked.append(f"{func.qualname} ({starter.name}:{lineno})")
-                break
+    # 1. The failure came out of the student's own code: the deepest frame in a task there
+    # (else in the starter's given code).
+    in_starter = [
+        (func, lineno)
+        for filename, lineno, _ in tb_frames
+        if _same_file(filename, starter) and (func := mod.innermost_at(lineno)) is not None
+    ]
+    if in_starter:
+        func, lineno = ([f for f in in_starter if f[0].qualname in tasks] or in_starter)[-1]
+        ranked.append(f"{func.qualname} ({starter.name}:{lineno})")
     # 2. What the test reaches, read from the test file and the starter.
     test_file = str(item.path)
     in_file = [f for f in tb_frames if f[0] == test_file]
@@ -191,12 +254,14 @@ def student_functions(item, lab: Lab, tb_frames: list[tuple[str, int, str]]) -> 
     if not roots and in_file:
         holder = test_mod.innermost_at(in_file[0][1])
         roots = [holder] if holder else []
-    reached = _reached(roots, failing_line, test_mod, mod)
-    for qual in reached:
-        text = label[qual]
-        if not any(r.split(" (", 1)[0] == qual for r in ranked):
-            ranked.append(text)
+    for qual in _reached(roots, failing_line, test_mod, mod):
+        if qual in tasks and not any(r.split(" (", 1)[0] == qual for r in ranked):
+            ranked.append(label[qual])
     return ranked
+
+
+def _same_file(filename: str, path: Path) -> bool:
+    return filename == str(path) or Path(filename).resolve() == path.resolve()
 
 
 def _reached(roots: list[_Function], failing_line: int, test_mod: _Module,
@@ -317,3 +382,9 @@ def pytest_runtest_makereport(item, call):
                 pass
     return (yield)
 
+
+if __name__ == "__main__":
+    TASKS_PATH.write_text(
+        json.dumps(published_task_functions(), indent=1, sort_keys=True) + "\n", encoding="utf-8"
+    )
+    print(f"wrote {TASKS_PATH.relative_to(REPO_ROOT)}: the task functions of every lab's starter")

@@ -1030,7 +1030,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         reviving = sum(1 for b in hits if b.ref_cnt == 0)
         if need > len(self.order) - reviving:
             # Not enough room: the engine would not admit it. The allocation must be refused.
-            assert self._take(len(self.order) + 1) is None
+            assert self._take(len(self.order) + 1) is None, (
+                f"get_new_blocks({len(self.order) + 1}) with {len(self.order)} free must raise "
+                f"ValueError and change nothing"
+            )
             return None
         self.pool.touch((hits,))
         for b in hits:
@@ -1038,7 +1041,9 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.order.remove(b.block_id)  # revived from wherever it was in the queue
             self.refs[b.block_id] += 1
         new = self._take(need)
-        assert new is not None
+        assert new is not None, (
+            f"get_new_blocks({need}) refused with {len(self.order)} blocks in the free queue"
+        )
         seq = Seq(req, hits + new, len(hits), hits=len(hits))
         self._write(seq, len(hits))
         self._cache(seq)
@@ -1108,7 +1113,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         ok = self.pool.reset_prefix_cache()
         assert ok == (not self.seqs), "reset refused with nothing in use, or done with blocks held"
         if not ok:
-            assert snapshot(self.pool) == before
+            assert snapshot(self.pool) == before, (
+                "reset_prefix_cache refused (blocks in use) must change nothing, yet the pool "
+                "changed"
+            )
 
     @invariant()
     def i1_free_queue_is_exactly_the_unreferenced_blocks(self):
@@ -1116,29 +1124,53 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         pool = self.pool
         walk = walk_free(pool.free_block_queue, NUM_BLOCKS)
-        assert pool.free_block_queue.get_all_free_blocks() == walk
+        listed = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         ids = [b.block_id for b in walk]
-        assert len(ids) == len(set(ids)) == pool.get_num_free_blocks()
+        assert listed == ids, (
+            f"get_all_free_blocks {listed} differs from the linked list walked head to tail {ids}"
+        )
+        num_free = pool.get_num_free_blocks()
+        assert len(ids) == len(set(ids)) == num_free, (
+            f"the free queue holds {ids} ({len(set(ids))} distinct) but num_free_blocks is "
+            f"{num_free}"
+        )
         assert ids == self.order, "free queue out of eviction order"
         expected = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
-        assert set(ids) == expected
+        assert set(ids) == expected, (
+            f"the free queue must hold exactly the blocks with ref_cnt 0: missing "
+            f"{sorted(expected - set(ids))}, held yet queued {sorted(set(ids) - expected)}"
+        )
         chain = [pool.free_block_queue.fake_free_list_head, *walk]
         for prev, nxt in zip(chain, chain[1:]):
-            assert nxt.prev_free_block is prev
+            assert nxt.prev_free_block is prev, (
+                f"block {nxt.block_id}'s prev_free_block is not the block before it in the queue "
+                f"({getattr(prev, 'block_id', 'head')}): a link was not updated"
+            )
         for b in pool.blocks:
             if b.block_id not in expected:
-                assert b.prev_free_block is None and b.next_free_block is None
-        assert pool.get_usage() == pytest.approx(1 - len(ids) / (NUM_BLOCKS - 1))
+                assert b.prev_free_block is None and b.next_free_block is None, (
+                    f"block {b.block_id} is out of the free queue but keeps its links; set "
+                    f"prev_free_block and next_free_block to None when removing it"
+                )
+        usage = pool.get_usage()
+        assert usage == pytest.approx(1 - len(ids) / (NUM_BLOCKS - 1)), (
+            f"get_usage {usage} with {len(ids)} of {NUM_BLOCKS - 1} blocks free"
+        )
 
     @invariant()
     def i2_ids_stable_and_reference_counts_match_holders(self):
         if not hasattr(self, "pool"):
             return
-        assert [b.block_id for b in self.pool.blocks] == list(range(NUM_BLOCKS))
+        ids = [b.block_id for b in self.pool.blocks]
+        assert ids == list(range(NUM_BLOCKS)), f"pool.blocks[i] must be block i: {ids}"
         for b in self.pool.blocks[1:]:
-            assert b.ref_cnt == self.refs[b.block_id]
+            assert b.ref_cnt == self.refs[b.block_id], (
+                f"block {b.block_id} has ref_cnt {b.ref_cnt} but {self.refs[b.block_id]} "
+                f"sequence(s) hold it"
+            )
         for seq in self.seqs:
-            assert len({b.block_id for b in seq.blocks}) == len(seq.blocks)
+            held = [b.block_id for b in seq.blocks]
+            assert len(set(held)) == len(held), f"one sequence holds a block twice: {held}"
 
     @invariant()
     def i3_i4_index_matches_full_block_content(self):
@@ -1151,12 +1183,18 @@ class AllocatorMachine(RuleBasedStateMachine):
                 in_index[b.block_id] = k
         for b in self.pool.blocks:
             if b.block_hash is None:
-                assert b.block_id not in in_index
+                assert b.block_id not in in_index, (
+                    f"block {b.block_id} has no hash but the cache index still lists it: "
+                    f"remove it from the index when its hash is reset"
+                )
                 continue
             assert in_index.get(b.block_id) == b.block_hash, "cached block missing from index"
             content = list(self.content[b.block_id])
             assert len(content) % BLOCK_SIZE == 0, "a partial block was cached"
-            assert b.block_hash == key(ref_chain(content, BLOCK_SIZE)[-1])
+            assert b.block_hash == key(ref_chain(content, BLOCK_SIZE)[-1]), (
+                f"block {b.block_id}'s hash is not the hash chain of the tokens it holds: "
+                f"hashed with the wrong parent or the wrong tokens"
+            )
 
 
 TestAllocatorMachine = pytest.mark.points(3)(AllocatorMachine.TestCase)

@@ -65,6 +65,8 @@ def test_shipped_traces_are_seeded_long_tailed_and_fit_the_model():
 
 
 def test_reservation_sizes():
+    """reservation_size(policy, prompt, output, max_model_len) follows its policy: the model's
+    length, the next power of two (capped), or exactly prompt + output."""
     rs = lab.reservation_size
     assert rs("max", 10, 5, 2048) == 2048
     assert rs("oracle", 10, 5, 2048) == 15
@@ -209,6 +211,8 @@ def test_allocator_matches_a_slot_by_slot_model(ops):
 
 
 def test_slot_breakdown():
+    """slot_breakdown(allocated, num_tokens, final_len) splits the allocated slots into
+    (token states, reserved, internal fragmentation), each counted as the README defines it."""
     sb = lab.slot_breakdown
     assert sb(2048, 300, 700) == (300, 400, 1348)  # max reservation
     assert sb(700, 300, 700) == (300, 400, 0)  # oracle

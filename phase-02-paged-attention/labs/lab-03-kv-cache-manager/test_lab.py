@@ -151,10 +151,16 @@ def assert_cached_exactly(manager, req, num_full):
         if i < num_full:
             assert blk.block_hash == keyed(want[i]), f"block {i} is not cached under its hash"
             found = manager.block_pool.get_cached_block(want[i], [0])
-            assert found is not None and found[0].block_hash == keyed(want[i])
+            assert found is not None and found[0].block_hash == keyed(want[i]), (
+                f"block {i} has its hash but the prefix-cache index does not find it under it"
+            )
         else:
             assert blk.block_hash is None, f"block {i} is cached but is not full and computed"
-    assert manager.num_cached_block[req.request_id] == num_full
+    cached = manager.num_cached_block[req.request_id]
+    assert cached == num_full, (
+        f"num_cached_block[{req.request_id!r}] is {cached}, but {num_full} full block(s) are "
+        f"computed and cached"
+    )
 
 
 def message_names(exc_info, *values):
@@ -1097,8 +1103,13 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def _admit(self, seq, chunk):
         req = seq.req
         hit, n = self.m.get_computed_blocks(req)
-        assert n % BLOCK_SIZE == 0 and n < req.num_tokens
-        assert n == len(hit.blocks[0]) * BLOCK_SIZE
+        assert n % BLOCK_SIZE == 0 and n < req.num_tokens, (
+            f"get_computed_blocks hit {n} tokens of {req.num_tokens}: a hit is whole blocks and "
+            f"never the last token"
+        )
+        assert n == len(hit.blocks[0]) * BLOCK_SIZE, (
+            f"get_computed_blocks says {n} tokens hit but returns {len(hit.blocks[0])} block(s)"
+        )
         for blk, h in zip(hit.blocks[0], seq.want()):
             assert blk.block_hash == keyed(h), "a hit block holds other tokens than asked for"
         seq.blocks = []
@@ -1183,9 +1194,10 @@ class CacheManagerMachine(RuleBasedStateMachine):
         done = self.m.reset_prefix_cache()
         assert done == (not self.live), "reset refused with nothing in use, or done while in use"
         if done:
-            assert all(b.block_hash is None for b in self.m.block_pool.blocks)
+            hashed = [b.block_id for b in self.m.block_pool.blocks if b.block_hash is not None]
+            assert not hashed, f"reset_prefix_cache succeeded but blocks {hashed} keep a hash"
         else:
-            assert snapshot(self.m) == before
+            assert snapshot(self.m) == before, "a refused reset_prefix_cache changed the manager"
 
     @invariant()
     def m1_reference_counts_and_the_free_queue(self):
@@ -1193,14 +1205,23 @@ class CacheManagerMachine(RuleBasedStateMachine):
             return
         pool = self.m.block_pool
         free = free_ids(self.m)
-        assert len(free) == len(set(free)) == pool.free_block_queue.num_free_blocks
+        assert len(free) == len(set(free)) == pool.free_block_queue.num_free_blocks, (
+            f"the free queue holds {free} but num_free_blocks is "
+            f"{pool.free_block_queue.num_free_blocks}"
+        )
         holders = Counter(b for s in self.live.values() for b in s.blocks)
         assert 0 not in holders and 0 not in free, "the null block was handed out or freed"
         for blk in pool.blocks[1:]:
             assert blk.ref_cnt == holders[blk.block_id], f"block {blk.block_id}: wrong ref_cnt"
-            assert (blk.block_id in free) == (blk.ref_cnt == 0)
+            assert (blk.block_id in free) == (blk.ref_cnt == 0), (
+                f"block {blk.block_id} has ref_cnt {blk.ref_cnt} but is "
+                f"{'in' if blk.block_id in free else 'not in'} the free queue"
+            )
         assert set(self.m.req_to_blocks) == set(self.live), "tracked requests are the live ones"
-        assert set(self.m.num_cached_block) == set(self.live)
+        assert set(self.m.num_cached_block) == set(self.live), (
+            f"num_cached_block tracks {sorted(self.m.num_cached_block)}, the live requests are "
+            f"{sorted(self.live)}: free() must drop a request's entry"
+        )
 
     @invariant()
     def m2_computed_full_blocks_are_cached_under_their_hashes(self):
@@ -1208,9 +1229,14 @@ class CacheManagerMachine(RuleBasedStateMachine):
             return
         for seq in self.live.values():
             req = seq.req
-            assert req.block_hashes == seq.want()
+            assert req.block_hashes == seq.want(), (
+                f"{req.request_id}'s block hashes are not the hash chain of its tokens"
+            )
             assert ids(table(self.m, req)) == seq.blocks, "a table changed outside allocate"
-            assert len(seq.blocks) >= cdiv(req.num_computed_tokens, BLOCK_SIZE)
+            assert len(seq.blocks) >= cdiv(req.num_computed_tokens, BLOCK_SIZE), (
+                f"{req.request_id} computed {req.num_computed_tokens} tokens but holds only "
+                f"{len(seq.blocks)} block(s)"
+            )
             assert_cached_exactly(self.m, req, req.num_computed_tokens // BLOCK_SIZE)
 
 

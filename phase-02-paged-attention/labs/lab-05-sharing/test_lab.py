@@ -218,7 +218,7 @@ def test_fork_shares_every_block_and_counts_it():
         f"got {counts} (touch the parent's blocks)"
     )
     free = mgr.block_pool.get_num_free_blocks()
-    assert free == free_before, f"fork must not take blocks: {free_before} free before, {free} after"
+    assert free == free_before, f"fork must not take blocks: {free_before} free, then {free}"
     assert mgr.num_cached_block["c"] == mgr.num_cached_block["p"], (
         f"fork: the child has the parent's cached blocks, num_cached_block "
         f"{mgr.num_cached_block['p']}; got {mgr.num_cached_block['c']}"

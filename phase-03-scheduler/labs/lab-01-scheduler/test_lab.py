@@ -106,7 +106,10 @@ def run_by_hand(scheduler, request, computed, outputs=()):
     its first ``computed`` tokens have KV (blocks claimed from the KV cache manager), then the
     runner sampled ``outputs``. Needs only task 1."""
     scheduler.waiting.remove(request)
-    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None
+    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None, (
+        f"set-up: the KV cache manager refused {computed} tokens of request "
+        f"{request.request_id!r}"
+    )
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = computed
     request.num_cached_tokens = 0
@@ -129,24 +132,40 @@ def ids(requests):
 
 def assert_scheduler_empty(scheduler):
     """Port of upstream's assert_scheduler_empty: nothing queued, nothing held."""
-    assert len(scheduler.requests) == 0
-    assert len(scheduler.waiting) == 0
-    assert len(scheduler.running) == 0
-    assert len(scheduler.swapped) == 0
+    left = {
+        "requests": sorted(scheduler.requests),
+        "waiting": ids(scheduler.waiting),
+        "running": ids(scheduler.running),
+        "swapped": ids(scheduler.swapped),
+    }
+    assert not any(left.values()), (
+        f"after every request finished the scheduler must be empty; still there: "
+        f"{ {name: rids for name, rids in left.items() if rids} }"
+    )
     assert free_blocks(scheduler) == usable_blocks(scheduler), "blocks leaked"
     assert not scheduler.kv_cache_manager.req_to_blocks, "a finished request still has a table"
     for block in scheduler.kv_cache_manager.block_pool.blocks[1:]:
-        assert block.ref_cnt == 0
+        assert block.ref_cnt == 0, f"block {block.block_id} kept ref_cnt {block.ref_cnt}"
 
 
 def check_step_invariants(scheduler, so):
     """The invariants that every schedule() must keep."""
     cfg = scheduler.scheduler_config
     total = sum(so.num_scheduled_tokens.values())
-    assert so.total_num_scheduled_tokens == total
-    assert total <= cfg.max_num_batched_tokens, "token budget exceeded"
-    assert all(n >= 1 for n in so.num_scheduled_tokens.values())
-    assert len(scheduler.running) <= cfg.max_num_seqs
+    assert so.total_num_scheduled_tokens == total, (
+        f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}, the per-request counts "
+        f"{so.num_scheduled_tokens} sum to {total}"
+    )
+    assert total <= cfg.max_num_batched_tokens, (
+        f"token budget exceeded: {total} tokens scheduled, max_num_batched_tokens is "
+        f"{cfg.max_num_batched_tokens}"
+    )
+    assert all(n >= 1 for n in so.num_scheduled_tokens.values()), (
+        f"a scheduled request gets at least one token: {so.num_scheduled_tokens}"
+    )
+    assert len(scheduler.running) <= cfg.max_num_seqs, (
+        f"{len(scheduler.running)} requests running, max_num_seqs is {cfg.max_num_seqs}"
+    )
     assert sorted(so.scheduled_req_ids) == sorted(so.num_scheduled_tokens), (
         "scheduled requests and token counts")
     queues = ids(scheduler.running) + ids(scheduler.waiting) + ids(scheduler.swapped)
@@ -154,11 +173,18 @@ def check_step_invariants(scheduler, so):
     held = set(scheduler.kv_cache_manager.req_to_blocks)
     assert held == set(ids(scheduler.running)), "blocks must be held exactly by running requests"
     for r in scheduler.running:
-        assert r.status == RequestStatus.RUNNING
+        assert r.status == RequestStatus.RUNNING, (
+            f"request {r.request_id!r} is in running with status {r.status.name}"
+        )
         table = scheduler.kv_cache_manager.req_to_blocks[r.request_id]
-        assert len(table) * cfg.block_size >= r.num_computed_tokens
+        assert len(table) * cfg.block_size >= r.num_computed_tokens, (
+            f"request {r.request_id!r} computed {r.num_computed_tokens} tokens but holds "
+            f"{len(table)} block(s) of {cfg.block_size}"
+        )
     for r in scheduler.waiting:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
+            f"request {r.request_id!r} is in waiting with status {r.status.name}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +412,7 @@ def _full_cache_of_three(upto, **overrides):
     for request in requests:
         scheduler.add_request(request)
         run_by_hand(scheduler, request, 12, outputs=[5])
-    assert free_blocks(scheduler) == 0
+    assert free_blocks(scheduler) == 0, f"set-up: the cache is full, {free_blocks(scheduler)} free"
     return scheduler, requests
 
 
@@ -549,7 +575,11 @@ def _victim_with_a_cached_prefix(upto):
         scheduler.add_request(request)
         run_by_hand(scheduler, request, 12, outputs=outputs)
     out = scheduler.schedule()
-    assert out.preempted_req_ids == ["2"] and out.num_scheduled_tokens == {"0": 1}
+    assert out.preempted_req_ids == ["2"] and out.num_scheduled_tokens == {"0": 1}, (
+        f"set-up: request 0 needs a block, so the last running request (2) is preempted and 0 "
+        f"alone runs one token; got preempted {out.preempted_req_ids}, scheduled "
+        f"{out.num_scheduled_tokens}"
+    )
     scheduler.finish_requests("1", RequestStatus.FINISHED_ABORTED)
     return scheduler, requests
 

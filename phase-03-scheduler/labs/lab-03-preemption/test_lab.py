@@ -68,7 +68,10 @@ def run_by_hand(scheduler, request, computed, outputs=()):
     """Put an added request into ``running`` as a step would have left it: ``computed`` tokens
     with KV (GPU blocks claimed from the KV cache manager), then ``outputs`` sampled."""
     scheduler.waiting.remove(request)
-    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None
+    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None, (
+        f"set-up: the KV cache manager refused {computed} tokens of request "
+        f"{request.request_id!r}"
+    )
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = computed
     scheduler.running.append(request)
@@ -107,7 +110,11 @@ def check_pools(scheduler):
             owners[b.block_id] = rid
     in_use = {b.block_id for b in kv.block_pool.blocks[1:] if b.ref_cnt > 0}
     assert in_use == set(owners), "a GPU block is in use but in no table, or the reverse"
-    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_gpu_blocks - 1 - len(in_use)
+    gpu_free = kv.block_pool.get_num_free_blocks()
+    assert gpu_free == kv.block_pool.num_gpu_blocks - 1 - len(in_use), (
+        f"{gpu_free} GPU blocks free, but {len(in_use)} of {kv.block_pool.num_gpu_blocks - 1} "
+        f"are in use"
+    )
     swap = scheduler.swap_space
     cpu_owners: dict[int, str] = {}
     for rid, blocks in swap.req_to_cpu_blocks.items():
@@ -115,14 +122,25 @@ def check_pools(scheduler):
             assert b.block_id != 0, "the CPU null block was handed out"
             assert b.block_id not in cpu_owners, f"CPU block {b.block_id} owned twice"
             cpu_owners[b.block_id] = rid
-    assert swap.get_num_free_blocks() == swap.block_pool.num_gpu_blocks - 1 - len(cpu_owners)
+    cpu_free = swap.get_num_free_blocks()
+    assert cpu_free == swap.block_pool.num_gpu_blocks - 1 - len(cpu_owners), (
+        f"{cpu_free} CPU blocks free, but swapped requests hold {len(cpu_owners)} of "
+        f"{swap.block_pool.num_gpu_blocks - 1}"
+    )
     swapped = {r.request_id for r in scheduler.swapped}
     assert set(swap.req_to_cpu_blocks) == swapped, "CPU blocks held exactly by swapped requests"
     for request in scheduler.swapped:
-        assert request.status == RequestStatus.SWAPPED
+        assert request.status == RequestStatus.SWAPPED, (
+            f"request {request.request_id!r} is in swapped with status {request.status.name}"
+        )
         assert request.request_id not in kv.req_to_blocks, "a swapped request kept GPU blocks"
         want = cdiv(request.num_computed_tokens, bs)
-        assert swap.num_swapped_blocks(request.request_id) == want
+        got = swap.num_swapped_blocks(request.request_id)
+        assert got == want, (
+            f"swapped request {request.request_id!r} computed {request.num_computed_tokens} "
+            f"tokens, {want} block(s) of KV, but holds {got} CPU block(s): swap out exactly the "
+            f"filled blocks"
+        )
 
 
 def check_kv(runner, scheduler):
@@ -410,7 +428,9 @@ def _one_swapped_and_room(max_num_seqs=8, budget=64):
         run_by_hand(scheduler, request, 12, outputs=[5])
     swapped_out = swap_out_by_hand(scheduler, requests[2]).blocks_to_swap_out
     scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
-    assert gpu_free(scheduler) == 6
+    assert gpu_free(scheduler) == 6, (
+        f"set-up: r2 swapped out and r0 aborted leave 6 GPU blocks free, not {gpu_free(scheduler)}"
+    )
     return scheduler, requests, swapped_out
 
 
@@ -495,7 +515,11 @@ def test_swapped_requests_come_back_before_new_ones():
         for new in so.scheduled_new_reqs:
             order.append(("admit", new.req_id, step))
         if sch.swapped:
-            assert all(n.req_id != "late" for n in so.scheduled_new_reqs)
+            assert all(n.req_id != "late" for n in so.scheduled_new_reqs), (
+                f"step {step}: the waiting request 'late' was admitted while "
+                f"{[r.request_id for r in sch.swapped]} wait in swapped: swapped requests "
+                f"resume first"
+            )
             if any(r.request_id == "late" for r in sch.waiting):
                 order.append(("late-waits-behind-swapped", "late", step))
 
