@@ -131,7 +131,7 @@ def check_pools(scheduler):
     assert set(swap.req_to_cpu_blocks) == swapped, "CPU blocks held exactly by swapped requests"
     for request in scheduler.swapped:
         assert request.status == RequestStatus.SWAPPED, (
-            f"request {request.request_id!r} is in swapped with status {request.status.name}"
+            f"request {request.request_id!r} is in swapped with status {request.status!r}"
         )
         assert request.request_id not in kv.req_to_blocks, "a swapped request kept GPU blocks"
         want = cdiv(request.num_computed_tokens, bs)
