@@ -168,6 +168,7 @@ def total(xs):
 '''
 
 TESTS = '''
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
@@ -197,6 +198,11 @@ def test_sorted_output_is_descending():
 
 def test_total_takes_negative_numbers():
     assert lab.total([-1, 2]) == 1
+
+
+def test_sorting_refuses_a_string():
+    with pytest.raises(TypeError):
+        lab.sort_desc("abc")
 
 
 class BoxMachine(RuleBasedStateMachine):
@@ -295,6 +301,14 @@ def test_a_failure_inside_the_students_code_names_that_line_first(demo_run):
     own_assert = at("total").replace(")", "").rsplit(":", 1)
     own_assert = f"{own_assert[0]}:{int(own_assert[1]) + 1})"  # the assert, under the def
     assert lines[0] == f"broken: total takes negative numbers; look at your {own_assert}", lines
+
+
+def test_a_missing_error_is_explained_too(demo_run):
+    lines = _e_lines(demo_run, "test_sorting_refuses_a_string")
+    assert lines[0] == "Failed: DID NOT RAISE <class 'TypeError'>", lines
+    assert lines[1] == f"(the test: sorting refuses a string; look at your {at('sort_desc')})", (
+        lines
+    )
 
 
 def test_a_state_machine_is_named_by_its_test_and_described_by_the_machine(demo_run):

@@ -21,7 +21,8 @@ failure in a lab's test file this plugin puts one line above pytest's explanatio
   recorded in ``task_functions.json`` beside this file (``python -m course.labs.assertions``
   writes it anew; ``tests/test_lab_assertions.py`` fails when it is stale).
 
-An assertion that carries a message of its own keeps it as its first line, and gets
+The same goes for pytest's ``Failed`` (``pytest.raises``'s "DID NOT RAISE"). An assertion that
+carries a message of its own keeps it as its first line, and gets
 ``(the test: <invariant>; look at your ...)`` on the line after it. Nothing runs for a passing
 test: the work happens once per failure, and a file is parsed once per run.
 """
@@ -349,8 +350,9 @@ def _lab_of(item) -> Lab | None:
         return None
 
 
-def annotate(item, exc: AssertionError) -> None:
-    """Put the invariant and the student's functions into `exc`'s message (once)."""
+def annotate(item, exc: BaseException) -> None:
+    """Put the invariant and the student's functions into `exc`'s message (once): an
+    AssertionError, or pytest's Failed (``pytest.raises``'s "DID NOT RAISE", ``pytest.fail``)."""
     if getattr(exc, "_course_explained", False) or len(exc.args) > 1:
         return
     lab = _lab_of(item)
@@ -359,14 +361,17 @@ def annotate(item, exc: AssertionError) -> None:
     frames = _frames(exc.__traceback__)
     invariant = invariant_of(item, frames)
     where = where_to_look(item, lab, frames)
-    message = str(exc.args[0]) if exc.args else ""
+    message = str(exc.args[0]) if exc.args and exc.args[0] is not None else ""
     if not message or message.startswith("assert "):  # a bare assert: pytest's values follow
         line = f"broken: {invariant}" + (f"; {where}" if where else "")
-        exc.args = (f"{line}\n{message}" if message else line,)
+        text = f"{line}\n{message}" if message else line
     else:  # the test's own message stays first
         first, _, rest = message.partition("\n")
         line = f"(the test: {invariant}" + (f"; {where})" if where else ")")
-        exc.args = ("\n".join(p for p in (first, line, rest) if p),)
+        text = "\n".join(p for p in (first, line, rest) if p)
+    exc.args = (text,)
+    if isinstance(exc, pytest.fail.Exception):
+        exc.msg = text  # what pytest prints for it
     exc._course_explained = True
 
 
@@ -382,7 +387,11 @@ def pytest_runtest_makereport(item, call):
     """Before any report of a failed call is made (or rendered): explain its assertion."""
     if call.when == "call":
         excinfo = _excinfo(item, call)
-        if excinfo is not None and isinstance(excinfo.value, AssertionError):
+        if (
+            excinfo is not None
+            and isinstance(excinfo.value, (AssertionError, pytest.fail.Exception))
+            and not isinstance(excinfo.value, pytest.xfail.Exception)  # a Failed, not a failure
+        ):
             try:
                 annotate(item, excinfo.value)
             except Exception:  # a courtesy: never lose the failure over its explanation
