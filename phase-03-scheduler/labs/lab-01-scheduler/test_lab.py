@@ -218,14 +218,20 @@ def test_unfinished_requests_counts_every_queue():
     scheduler.waiting.remove(swapped)
     swapped.status = RequestStatus.SWAPPED
     scheduler.swapped.append(swapped)
-    assert scheduler.get_num_unfinished_requests() == 3
-    scheduler.waiting.clear()
-    scheduler.running.clear()
-    assert scheduler.get_num_unfinished_requests() == 1
-    assert scheduler.has_unfinished_requests() is True
-    scheduler.swapped.clear()
-    assert scheduler.get_num_unfinished_requests() == 0
-    assert scheduler.has_unfinished_requests() is False
+    for queues, want in (("waiting, running, swapped", 3), ("swapped", 1), ("", 0)):
+        got = scheduler.get_num_unfinished_requests()
+        assert got == want, (
+            f"get_num_unfinished_requests counts waiting + running + swapped: with one request "
+            f"in each of [{queues}] it is {want}, got {got}"
+        )
+        assert scheduler.has_unfinished_requests() is (want > 0), (
+            f"has_unfinished_requests is {want > 0} with {want} unfinished request(s)"
+        )
+        if want == 3:
+            scheduler.waiting.clear()
+            scheduler.running.clear()
+        else:
+            scheduler.swapped.clear()
 
 
 @pytest.mark.parametrize(
