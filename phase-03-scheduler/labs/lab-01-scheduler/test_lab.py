@@ -1190,13 +1190,31 @@ def test_finish_requests_takes_one_id_as_a_whole_and_keeps_the_others_in_order()
         scheduler.add_request(request)
     scheduler.schedule()  # "1", "2", "12" run; "3", "4", "5" wait
     scheduler.finish_requests("12", RequestStatus.FINISHED_ABORTED)
-    assert ids(scheduler.running) == ["1", "2"] and ids(scheduler.waiting) == ["3", "4", "5"]
+    queues = (ids(scheduler.running), ids(scheduler.waiting))
+    assert queues == (["1", "2"], ["3", "4", "5"]), (
+        f"finish_requests('12') finishes request '12' (one id as a whole, not '1' and '2'); "
+        f"running, waiting: {queues}"
+    )
     scheduler.finish_requests(iter(["4", "4", "1"]), RequestStatus.FINISHED_STOPPED)
-    assert ids(scheduler.running) == ["2"] and ids(scheduler.waiting) == ["3", "5"]
-    assert requests[4].status == RequestStatus.FINISHED_STOPPED
-    assert sorted(scheduler.requests) == ["2", "3", "5"]
-    assert free_blocks(scheduler) == usable_blocks(scheduler) - 2
-    assert scheduler.schedule().finished_req_ids == {"12", "4", "1"}
+    queues = (ids(scheduler.running), ids(scheduler.waiting))
+    assert queues == (["2"], ["3", "5"]), (
+        f"finishing '4' (twice) and '1' from any iterable keeps the others in order; running, "
+        f"waiting: {queues}"
+    )
+    assert requests[4].status == RequestStatus.FINISHED_STOPPED, (
+        f"a finished request takes the given status, got {requests[4].status!r}"
+    )
+    assert sorted(scheduler.requests) == ["2", "3", "5"], (
+        f"finished requests leave scheduler.requests: {sorted(scheduler.requests)}"
+    )
+    free = free_blocks(scheduler)
+    assert free == usable_blocks(scheduler) - 2, (
+        f"the finished requests' blocks are freed: only '2' holds 2 blocks, {free} free"
+    )
+    finished = scheduler.schedule().finished_req_ids
+    assert finished == {"12", "4", "1"}, (
+        f"the next step reports every request finished since the last one: {finished}"
+    )
 
 
 @pytest.mark.parametrize("status", [RequestStatus.RUNNING, RequestStatus.WAITING,

@@ -209,12 +209,23 @@ def test_swap_in_returns_the_same_cpu_blocks_in_order():
     mapping = space.swap_out("a", [5, 3, 9])
     cpu = [c for _, c in mapping]
     back = space.swap_in("a", [11, 12, 13])
-    assert back == [(cpu[0], 11), (cpu[1], 12), (cpu[2], 13)]
-    assert space.get_num_free_blocks() == 7 and space.num_swapped_blocks("a") == 0
-    assert "a" not in space.req_to_cpu_blocks
+    want = [(cpu[0], 11), (cpu[1], 12), (cpu[2], 13)]
+    assert back == want, (
+        f"swap_in returns (cpu, gpu) pairs: the request's CPU blocks {cpu}, in the order "
+        f"swap_out gave them, into the new GPU blocks [11, 12, 13]; expected {want}, got {back}"
+    )
+    free, held = space.get_num_free_blocks(), space.num_swapped_blocks("a")
+    assert free == 7 and held == 0, (
+        f"swap_in frees the request's CPU blocks: 7 free and 0 held expected, got {free} free, "
+        f"{held} held"
+    )
+    assert "a" not in space.req_to_cpu_blocks, "swap_in forgets the request's CPU block list"
     # Swapped out again, it gets CPU blocks again (the freed ones are reusable).
     again = space.swap_out("a", [1, 2, 3, 4, 5, 6, 7])
-    assert sorted(c for _, c in again) == list(range(1, 8))
+    got = sorted(c for _, c in again)
+    assert got == list(range(1, 8)), (
+        f"after swap_in every CPU block 1..7 is free again and reusable; swap_out got {got}"
+    )
 
 
 def test_swap_in_of_one_request_leaves_the_others_parked():
@@ -286,18 +297,33 @@ def test_only_the_blocks_with_computed_tokens_travel(computed, blocks):
     scheduler.add_request(request)
     scheduler.waiting.remove(request)
     kv = scheduler.kv_cache_manager
-    assert kv.allocate_slots(request, computed, num_lookahead_tokens=16 - computed) is not None
+    assert kv.allocate_slots(request, computed, num_lookahead_tokens=16 - computed) is not None, (
+        "set-up: the KV cache manager refused 16 slots"
+    )
     table = kv.get_block_ids("r0")[0]
-    assert len(table) == 4
+    assert len(table) == 4, f"set-up: a table of 4 blocks, got {table}"
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = computed
     scheduler.running.append(request)
     step = swap_out_by_hand(scheduler, request)
-    assert [g for g, _ in step.blocks_to_swap_out] == table[:blocks]
-    assert scheduler.swap_space.num_swapped_blocks("r0") == blocks
-    assert request.num_computed_tokens == computed
-    assert gpu_free(scheduler) == 9
-    assert list(scheduler.swapped) == [request] and scheduler.running == []
+    moved = [g for g, _ in step.blocks_to_swap_out]
+    assert moved == table[:blocks], (
+        f"{computed} computed tokens fill the first {blocks} of the table {table} (the last one "
+        f"maybe partly): exactly those are swapped out, in order; got {moved}"
+    )
+    held = scheduler.swap_space.num_swapped_blocks("r0")
+    assert held == blocks, f"the request holds {blocks} CPU block(s), got {held}"
+    assert request.num_computed_tokens == computed, (
+        f"swapping keeps the computed tokens ({computed}), got {request.num_computed_tokens}"
+    )
+    assert gpu_free(scheduler) == 9, (
+        f"all 4 GPU blocks are freed, lookahead ones too: 9 free, got {gpu_free(scheduler)}"
+    )
+    assert list(scheduler.swapped) == [request] and scheduler.running == [], (
+        f"the request moves from running to swapped: swapped "
+        f"{[r.request_id for r in scheduler.swapped]}, running "
+        f"{[r.request_id for r in scheduler.running]}"
+    )
     check_pools(scheduler)
 
 
@@ -463,7 +489,11 @@ def test_a_resumed_request_takes_its_tokens_from_the_budget(budget, want):
     scheduler, requests, _ = _one_swapped_and_room(budget=budget)
     scheduler.add_request(requests[3])
     so = scheduler.schedule()
-    assert so.num_scheduled_tokens == want
+    assert so.num_scheduled_tokens == want, (
+        f"budget {budget}: running first, then the swapped request resumes with what is left "
+        f"(its tokens come out of the same budget), then waiting; expected {want}, got "
+        f"{so.num_scheduled_tokens}"
+    )
 
 
 @pytest.mark.parametrize("case", ["seats", "budget", "nothing-to-do", "fcfs"])
