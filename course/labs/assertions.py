@@ -238,8 +238,11 @@ def student_functions(item, lab: Lab, tb_frames: list[tuple[str, int, str]]) -> 
     if not mod.functions:
         return []
     tasks = _task_table().get(lab.id)
-    if tasks is None:  # a lab the table does not know yet: every function of its starter
-        tasks = frozenset(f.qualname for f in mod.functions)
+    if tasks is None:
+        # Not in the table: a CUDA lab, whose tasks are kernels in starter.cu (its starter.py is
+        # given code), or a lab the table does not know yet (every function of its starter).
+        cuda = (lab.path / "starter.cu").is_file()
+        tasks = frozenset() if cuda else frozenset(f.qualname for f in mod.functions)
     label = {f.qualname: f"{f.qualname} ({starter.name}:{f.node.lineno})" for f in mod.functions}
     ranked: list[str] = []
     # 1. The failure came out of the student's own code: the deepest frame in a task there
