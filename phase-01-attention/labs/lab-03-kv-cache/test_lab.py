@@ -523,15 +523,24 @@ def test_cache_counts_reserved_and_used_bytes():
     cache.append(0, k, v)
     cache.append(2, k[:3], v[:3])
     # Measured from the tensors themselves: 2 caches x 3 x 2 x 32 x 8 halves.
-    assert cache.reserved_bytes() == cache.key_cache.nbytes + cache.value_cache.nbytes == 6144
+    reserved = cache.reserved_bytes()
+    assert reserved == cache.key_cache.nbytes + cache.value_cache.nbytes == 6144, (
+        f"reserved_bytes is every slot of both caches, 2 x 3 x 2 x 32 x 8 halves = 6144; got "
+        f"{reserved}"
+    )
     assert cache.used_bytes() == 13 * 2 * 2 * 8 * 2, (
         f"used_bytes {cache.used_bytes()}: 13 tokens x (K and V) x 2 heads x 8 x 2 bytes = 832"
     )
-    assert isinstance(cache.reserved_bytes(), int) and isinstance(cache.used_bytes(), int)
+    assert isinstance(cache.reserved_bytes(), int) and isinstance(cache.used_bytes(), int), (
+        f"byte counts are Python ints, got {type(cache.reserved_bytes()).__name__} and "
+        f"{type(cache.used_bytes()).__name__}"
+    )
     report = lab.memory_report([10, 0, 3], 32, num_kv_heads=2, head_size=8, dtype=torch.float16)
-    assert (report.reserved_bytes, report.used_bytes) == (
-        cache.reserved_bytes(),
-        cache.used_bytes(),
+    got = (report.reserved_bytes, report.used_bytes)
+    want = (cache.reserved_bytes(), cache.used_bytes())
+    assert got == want, (
+        f"memory_report([10, 0, 3], ...) counts what a cache holding those lengths reserves and "
+        f"uses (each sequence's own tokens, not padded to the longest): {want}, got {got}"
     )
 
 

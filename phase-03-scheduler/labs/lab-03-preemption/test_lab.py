@@ -338,9 +338,19 @@ def test_victims_join_the_back_of_swapped_and_add_to_the_step():
     for request in (requests[2], requests[0]):
         scheduler.running.remove(request)
         scheduler._preempt(request, step)
-    assert [r.request_id for r in scheduler.swapped] == ["r2", "r0"]
-    assert len(step.blocks_to_swap_out) == 5 and step.blocks_to_swap_out[0] == (99, 99)
-    assert scheduler.stats.num_blocks_swapped_out == 4
+    swapped = [r.request_id for r in scheduler.swapped]
+    assert swapped == ["r2", "r0"], (
+        f"each victim joins the back of swapped, in the order preempted (r2, then r0); got "
+        f"{swapped}"
+    )
+    pairs = step.blocks_to_swap_out
+    assert len(pairs) == 5 and pairs[0] == (99, 99), (
+        f"the victims' 4 (gpu, cpu) pairs are appended after the step's earlier one (99, 99); "
+        f"got {pairs}"
+    )
+    assert scheduler.stats.num_blocks_swapped_out == 4, (
+        f"4 blocks swapped out, stats count {scheduler.stats.num_blocks_swapped_out}"
+    )
     check_pools(scheduler)
 
 
@@ -518,11 +528,22 @@ def test_swapped_requests_wait_when_they_cannot_resume(case):
     elif case == "fcfs":
         run_by_hand(scheduler, r3, 8, outputs=[5])  # 2 blocks: 4 free, "r1" needs 5, "r2" 2
     so = scheduler.schedule()
-    assert [r.request_id for r in scheduler.swapped] == ["r1", "r2"]
-    assert so.blocks_to_swap_in == [] and not any(so.scheduled_cached_reqs.resumed_from_preemption)
+    swapped = [r.request_id for r in scheduler.swapped]
+    assert swapped == ["r1", "r2"], (
+        f"case {case!r}: nobody may resume, so r1 and r2 stay swapped in order; swapped: {swapped}"
+    )
+    resumed = so.scheduled_cached_reqs.resumed_from_preemption
+    assert so.blocks_to_swap_in == [] and not any(resumed), (
+        f"case {case!r}: nothing swapped in: blocks_to_swap_in {so.blocks_to_swap_in}, resumed "
+        f"{resumed}"
+    )
     assert so.scheduled_new_reqs == [], "nobody is admitted while requests are swapped out"
-    assert scheduler.stats.num_blocks_swapped_in == 0
-    assert r1.status == r2.status == RequestStatus.SWAPPED
+    assert scheduler.stats.num_blocks_swapped_in == 0, (
+        f"no block swapped in, stats count {scheduler.stats.num_blocks_swapped_in}"
+    )
+    assert r1.status == r2.status == RequestStatus.SWAPPED, (
+        f"both stay SWAPPED: r1 {r1.status!r}, r2 {r2.status!r}"
+    )
     check_pools(scheduler)
 
 
