@@ -224,9 +224,9 @@ test_a_box_counts_its_puts = BoxMachine.TestCase
 '''
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("assertions") / "course-repo"
+def run_demo_lab(tmp_path: Path) -> str:
+    """The demo lab's tests run as a student would run them; their output."""
+    root = tmp_path / "course-repo"
     root.mkdir()
     shutil.copytree(
         REPO_ROOT / "course", root / "course", ignore=shutil.ignore_patterns("__pycache__")
@@ -269,50 +269,51 @@ def at(name: str) -> str:
     return f"{name} (starter.py:{line})"
 
 
-def test_a_bare_assert_is_explained_by_the_docstring_and_the_students_function(demo_run):
-    lines = _e_lines(demo_run, "test_put_stores_one_item_per_call")
-    assert lines[0] == (
+def test_the_report_names_the_invariant_and_the_students_function(tmp_path):
+    """Every kind of failure of the demo lab, from one run (one subprocess: the cases would
+    otherwise start it once per xdist worker)."""
+    out = run_demo_lab(tmp_path)
+
+    # A bare assert: the docstring's first sentence and the functions, above pytest's values.
+    lines = _e_lines(out, "test_put_stores_one_item_per_call")
+    assert lines[:2] == [
         f"broken: Box.put stores each item once; look at your {at('Box.put')}, "
-        f"{at('Box.__init__')}"
-    ), lines
-    assert lines[1] == "assert 2 == 1", f"pytest's own values follow the line: {lines}"
+        f"{at('Box.__init__')}",
+        "assert 2 == 1",
+    ], lines
 
+    # An assert with a message keeps it first; the test's name, read as a sentence, follows.
+    lines = _e_lines(out, "test_sorting_gives_the_largest_first")
+    assert lines[:3] == [
+        "sort_desc puts the largest first",
+        f"(the test: sorting gives the largest first; look at your {at('sort_desc')})",
+        "assert [1, 2, 3] == [3, 2, 1]",
+    ], lines
 
-def test_an_assert_with_a_message_keeps_it_first_and_gets_the_test_name(demo_run):
-    lines = _e_lines(demo_run, "test_sorting_gives_the_largest_first")
-    assert lines[0] == "sort_desc puts the largest first", lines
-    assert lines[1] == (
-        f"(the test: sorting gives the largest first; look at your {at('sort_desc')})"
-    ), lines
-    assert lines[2] == "assert [1, 2, 3] == [3, 2, 1]", lines
-
-
-def test_an_assert_in_a_helper_names_the_helper(demo_run):
-    lines = _e_lines(demo_run, "test_sorted_output_is_descending")
-    assert lines[0] == "[1, 2, 5] is not descending", lines
-    assert lines[1] == (
+    # An assert in a helper of the test file names the helper.
+    lines = _e_lines(out, "test_sorted_output_is_descending")
+    assert lines[:2] == [
+        "[1, 2, 5] is not descending",
         "(the test: sorted output is descending (checked in check_descending); "
-        f"look at your {at('sort_desc')})"
+        f"look at your {at('sort_desc')})",
+    ], lines
+
+    # A failure inside the student's code names that line (the assert under `def total`).
+    lines = _e_lines(out, "test_total_takes_negative_numbers")
+    name, line = at("total").rstrip(")").rsplit(":", 1)
+    assert lines[0] == (
+        f"broken: total takes negative numbers; look at your {name}:{int(line) + 1})"
     ), lines
 
+    # pytest.raises's DID NOT RAISE is explained too.
+    lines = _e_lines(out, "test_sorting_refuses_a_string")
+    assert lines[:2] == [
+        "Failed: DID NOT RAISE <class 'TypeError'>",
+        f"(the test: sorting refuses a string; look at your {at('sort_desc')})",
+    ], lines
 
-def test_a_failure_inside_the_students_code_names_that_line_first(demo_run):
-    lines = _e_lines(demo_run, "test_total_takes_negative_numbers")
-    own_assert = at("total").replace(")", "").rsplit(":", 1)
-    own_assert = f"{own_assert[0]}:{int(own_assert[1]) + 1})"  # the assert, under the def
-    assert lines[0] == f"broken: total takes negative numbers; look at your {own_assert}", lines
-
-
-def test_a_missing_error_is_explained_too(demo_run):
-    lines = _e_lines(demo_run, "test_sorting_refuses_a_string")
-    assert lines[0] == "Failed: DID NOT RAISE <class 'TypeError'>", lines
-    assert lines[1] == f"(the test: sorting refuses a string; look at your {at('sort_desc')})", (
-        lines
-    )
-
-
-def test_a_state_machine_is_named_by_its_test_and_described_by_the_machine(demo_run):
-    lines = _e_lines(demo_run, "test_a_box_counts_its_puts.runTest")
+    # A state machine: named by the variable holding its TestCase, described by the machine.
+    lines = _e_lines(out, "test_a_box_counts_its_puts.runTest")
     assert lines[:2] == [
         "one item per put",
         f"(the test: Every put adds exactly one item (checked in BoxMachine.add); "
