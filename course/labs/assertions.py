@@ -41,6 +41,7 @@ from course.labs.catalog import REPO_ROOT, Lab, discover, lab_for_path
 from course.labs.tasks import tasks_in_source
 
 MAX_FUNCTIONS = 3  # student functions named in the line; more reached ones are counted
+Frames = "list[tuple[str, int, str]] | tuple[()]"  # (file, line, function) per traceback entry
 # The task functions of every lab's starter as published ({lab id: [qualified names]}): a
 # student's starter no longer marks the tasks it has done, and only those are "your" code.
 TASKS_PATH = Path(__file__).resolve().parent / "task_functions.json"
@@ -230,9 +231,12 @@ def _starter_path(lab: Lab) -> Path:
     return lab.path / "starter.py"
 
 
-def student_functions(item, lab: Lab, tb_frames: list[tuple[str, int, str]]) -> list[str]:
+def student_functions(
+    item, lab: Lab, tb_frames: list[tuple[str, int, str]], cause_frames: Frames = ()
+) -> list[str]:
     """The functions of the lab's starter.py this failure points at, most likely first, each as
-    ``Qual.name (starter.py:LINE)``."""
+    ``Qual.name (starter.py:LINE)``. ``cause_frames``: the traceback of the error the test turned
+    into this one (``raise AssertionError(...) from exc``), searched for the student's line too."""
     starter = _starter_path(lab)
     mod = _module(starter)
     if not mod.functions:
@@ -249,7 +253,7 @@ def student_functions(item, lab: Lab, tb_frames: list[tuple[str, int, str]]) -> 
     # (else in the starter's given code).
     in_starter = [
         (func, lineno)
-        for filename, lineno, _ in tb_frames
+        for filename, lineno, _ in [*cause_frames, *tb_frames]
         if _same_file(filename, starter) and (func := mod.innermost_at(lineno)) is not None
     ]
     if in_starter:
@@ -319,9 +323,11 @@ def _constructors(name: str, mod: _Module) -> list[_Function]:
     return [f for f in mod.functions if f.qualname == f"{name}.__init__"]
 
 
-def where_to_look(item, lab: Lab, tb_frames: list[tuple[str, int, str]]) -> str:
+def where_to_look(
+    item, lab: Lab, tb_frames: list[tuple[str, int, str]], cause_frames: Frames = ()
+) -> str:
     """"look at your F (starter.py:L), G (...)", or "" when the test reaches none."""
-    functions = student_functions(item, lab, tb_frames)
+    functions = student_functions(item, lab, tb_frames, cause_frames)
     if not functions:
         return ""
     shown = ", ".join(functions[:MAX_FUNCTIONS])
@@ -362,8 +368,10 @@ def annotate(item, exc: BaseException) -> None:
     if lab is None:
         return
     frames = _frames(exc.__traceback__)
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    cause_frames = _frames(cause.__traceback__) if cause is not None else []
     invariant = invariant_of(item, frames)
-    where = where_to_look(item, lab, frames)
+    where = where_to_look(item, lab, frames, cause_frames)
     message = str(exc.args[0]) if exc.args and exc.args[0] is not None else ""
     if not message or message.startswith("assert "):  # a bare assert: pytest's values follow
         line = f"broken: {invariant}" + (f"; {where}" if where else "")
