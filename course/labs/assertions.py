@@ -41,7 +41,7 @@ from course.labs.catalog import REPO_ROOT, Lab, discover, lab_for_path
 from course.labs.tasks import tasks_in_source
 
 MAX_FUNCTIONS = 3  # student functions named in the line; more reached ones are counted
-Frames = "list[tuple[str, int, str]] | tuple[()]"  # (file, line, function) per traceback entry
+Frames = list[tuple[str, int, str]]  # (file, line, function) of each traceback entry
 # The task functions of every lab's starter as published ({lab id: [qualified names]}): a
 # student's starter no longer marks the tasks it has done, and only those are "your" code.
 TASKS_PATH = Path(__file__).resolve().parent / "task_functions.json"
@@ -82,7 +82,6 @@ class _Function:
     @property
     def lines(self) -> range:
         return range(self.node.lineno, (self.node.end_lineno or self.node.lineno) + 1)
-
 
 
 @dataclass
@@ -211,7 +210,7 @@ def first_sentence(doc: str) -> str:
     return head if stop else paragraph.rstrip(".")
 
 
-def invariant_of(item, tb_frames: list[tuple[str, int, str]]) -> str:
+def invariant_of(item, tb_frames: Frames) -> str:
     """The rule a failing test checks, in words; with the helper of the test file that holds the
     failing line when it is not the test itself."""
     name, doc = _test_function(item)
@@ -232,7 +231,7 @@ def _starter_path(lab: Lab) -> Path:
 
 
 def student_functions(
-    item, lab: Lab, tb_frames: list[tuple[str, int, str]], cause_frames: Frames = ()
+    item, lab: Lab, tb_frames: Frames, cause_frames: Frames | None = None
 ) -> list[str]:
     """The functions of the lab's starter.py this failure points at, most likely first, each as
     ``Qual.name (starter.py:LINE)``. ``cause_frames``: the traceback of the error the test turned
@@ -253,7 +252,7 @@ def student_functions(
     # (else in the starter's given code).
     in_starter = [
         (func, lineno)
-        for filename, lineno, _ in [*cause_frames, *tb_frames]
+        for filename, lineno, _ in [*(cause_frames or []), *tb_frames]
         if _same_file(filename, starter) and (func := mod.innermost_at(lineno)) is not None
     ]
     if in_starter:
@@ -262,13 +261,15 @@ def student_functions(
     # 2. What the test reaches, read from the test file and the starter.
     test_file = str(item.path)
     in_file = [f for f in tb_frames if f[0] == test_file]
-    failing_line = in_file[-1][1] if in_file else 0
     test_mod = _module(Path(test_file))
     test_name = _test_function(item)[0]
     roots = test_mod.by_name(test_name) or []
     if not roots and in_file:
         holder = test_mod.innermost_at(in_file[0][1])
         roots = [holder] if holder else []
+    # The line of the test itself that failed (or called the helper that failed).
+    in_root = [f for f in in_file if f[2] in {r.node.name for r in roots}]
+    failing_line = in_root[-1][1] if in_root else 0
     for qual in _reached(roots, failing_line, test_mod, mod):
         if qual in tasks and not any(r.split(" (", 1)[0] == qual for r in ranked):
             ranked.append(label[qual])
@@ -324,7 +325,7 @@ def _constructors(name: str, mod: _Module) -> list[_Function]:
 
 
 def where_to_look(
-    item, lab: Lab, tb_frames: list[tuple[str, int, str]], cause_frames: Frames = ()
+    item, lab: Lab, tb_frames: Frames, cause_frames: Frames | None = None
 ) -> str:
     """"look at your F (starter.py:L), G (...)", or "" when the test reaches none."""
     functions = student_functions(item, lab, tb_frames, cause_frames)
@@ -340,7 +341,7 @@ def where_to_look(
 # ---------------------------------------------------------------------------------------------
 
 
-def _frames(tb) -> list[tuple[str, int, str]]:
+def _frames(tb) -> Frames:
     frames = []
     while tb is not None:
         code = tb.tb_frame.f_code
