@@ -333,11 +333,11 @@ class BlockPool:
                 # per block is the main cost of this loop.
                 if block._block_hash is not None:
                     self._maybe_evict_cached_block(block)
-                assert block.ref_cnt == 0
+                assert block.ref_cnt == 0, _in_use_but_queued(block)
                 block.ref_cnt = 1
         else:
             for block in ret:
-                assert block.ref_cnt == 0
+                assert block.ref_cnt == 0, _in_use_but_queued(block)
                 block.ref_cnt = 1
         return ret
 
@@ -514,3 +514,13 @@ class BlockPool:
         events = self.kv_event_queue
         self.kv_event_queue = []
         return events
+
+
+def _in_use_but_queued(block: KVCacheBlock) -> str:
+    """The message for a block that left the free queue although a table still holds it."""
+    return (
+        f"get_new_blocks: block {block.block_id} came out of the free queue with ref_cnt "
+        f"{block.ref_cnt}, but only blocks no table holds (ref_cnt 0) may be queued; look at the "
+        f"code that queued or revived it (free_blocks queues a block only when its count "
+        f"reaches 0, touch takes a revived block out of the queue)"
+    )

@@ -80,4 +80,17 @@ BUGS = [
         find="if num_tokens > self.max_model_len:",
         replace="if num_tokens >= self.max_model_len:",
     ),
+    PlantedBug(
+        name="append-new-blocks-not-clamped",
+        description="append_slots takes the new-block count without max(0, ...): a forked "
+        "request that holds lookahead blocks counts -1 new blocks, so 2 copies pass the check "
+        "with one block free and the copy raises half-way instead of returning None",
+        file=_MGR,
+        find="num_new_blocks = max(\n"
+        "            0, self._get_num_blocks_to_allocate(request_id, num_tokens_need_slot, [])\n"
+        "        )",
+        replace="num_new_blocks = self._get_num_blocks_to_allocate(\n"
+        "            request_id, num_tokens_need_slot, []\n"
+        "        )",
+    ),
 ]

@@ -270,19 +270,35 @@ def test_popleft_n_follows_queue_order_not_block_ids():
     blocks = [lab.KVCacheBlock(i) for i in range(6)]
     order = [blocks[i] for i in (1, 3, 5, 4, 0, 2)]
     queue = lab.FreeKVCacheBlockQueue(order)
-    assert queue.popleft_n(0) == [] and queue.num_free_blocks == 6
+    assert queue.popleft_n(0) == [] and queue.num_free_blocks == 6, "popleft_n(0) takes nothing"
     got = queue.popleft_n(1)
-    assert got == [blocks[1]] and queue.num_free_blocks == 5
+    assert got == [blocks[1]] and queue.num_free_blocks == 5, (
+        f"popleft_n(1) takes the front block (1), got {[b.block_id for b in got]}"
+    )
     got += queue.popleft_n(2)
-    assert [b.block_id for b in got] == [1, 3, 5] and queue.num_free_blocks == 3
-    assert queue.fake_free_list_head.next_free_block is blocks[4]
-    assert blocks[4].prev_free_block is queue.fake_free_list_head
+    assert [b.block_id for b in got] == [1, 3, 5] and queue.num_free_blocks == 3, (
+        f"the queue order is 1, 3, 5, 4, 0, 2 (not block ids): got {[b.block_id for b in got]}, "
+        f"{queue.num_free_blocks} left"
+    )
+    assert queue.fake_free_list_head.next_free_block is blocks[4], (
+        "after popleft_n the head sentinel links to the new front block (4)"
+    )
+    assert blocks[4].prev_free_block is queue.fake_free_list_head, (
+        "the new front block (4) links back to the head sentinel"
+    )
     got += queue.popleft_n(3)
-    assert [b.block_id for b in got] == [1, 3, 5, 4, 0, 2]
-    assert all(b.prev_free_block is None and b.next_free_block is None for b in got)
-    assert queue.num_free_blocks == 0
-    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
-    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
+    assert [b.block_id for b in got] == [1, 3, 5, 4, 0, 2], (
+        f"all six in queue order 1, 3, 5, 4, 0, 2: {[b.block_id for b in got]}"
+    )
+    stale = [b.block_id for b in got if (b.prev_free_block, b.next_free_block) != (None, None)]
+    assert not stale, f"popped blocks keep links into the queue: {stale} (set them to None)"
+    assert queue.num_free_blocks == 0, f"an emptied queue counts 0, not {queue.num_free_blocks}"
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail, (
+        "an emptied queue links the head sentinel to the tail sentinel"
+    )
+    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head, (
+        "an emptied queue links the tail sentinel back to the head sentinel"
+    )
 
 
 def test_popleft_n_more_than_free_raises_and_changes_nothing():
@@ -308,11 +324,18 @@ def test_popleft_n_of_everything_leaves_the_sentinels_linked():
 def test_remove_from_the_middle_relinks_both_neighbours():
     blocks, queue = queue_of(5)
     queue.remove(blocks[2])
-    assert blocks[1].next_free_block is blocks[3]
-    assert blocks[3].prev_free_block is blocks[1]
-    assert blocks[2].prev_free_block is None and blocks[2].next_free_block is None
-    assert queue.num_free_blocks == 4
-    assert walk_free(queue, 1000) == blocks[:2] + blocks[3:]
+    assert blocks[1].next_free_block is blocks[3], (
+        "remove(block 2) links its front neighbour (1) forward to its back neighbour (3)"
+    )
+    assert blocks[3].prev_free_block is blocks[1], (
+        "remove(block 2) links its back neighbour (3) back to its front neighbour (1)"
+    )
+    assert blocks[2].prev_free_block is None and blocks[2].next_free_block is None, (
+        "a removed block keeps no links into the queue"
+    )
+    assert queue.num_free_blocks == 4, f"4 left after one remove, got {queue.num_free_blocks}"
+    walked = [b.block_id for b in walk_free(queue, 1000)]
+    assert walked == [0, 1, 3, 4], f"the queue from the head must be [0, 1, 3, 4]: {walked}"
 
 
 def test_remove_first_and_last_relinks_the_sentinels():
@@ -379,19 +402,32 @@ def test_append_n_keeps_the_given_order():
     queue = lab.FreeKVCacheBlockQueue([])
     blocks = [lab.KVCacheBlock(i) for i in range(6)]
     queue.append_n([])
-    assert queue.num_free_blocks == 0
-    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    assert queue.num_free_blocks == 0, f"append_n([]) adds nothing: {queue.num_free_blocks} free"
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail, (
+        "append_n([]) must leave the empty queue's head linked to its tail"
+    )
     queue.append_n(blocks[0:1])
-    assert blocks[0].prev_free_block is queue.fake_free_list_head
-    assert blocks[0].next_free_block is queue.fake_free_list_tail
+    assert blocks[0].prev_free_block is queue.fake_free_list_head, (
+        "after append_n([b0]) into an empty queue, b0.prev_free_block is the head sentinel"
+    )
+    assert blocks[0].next_free_block is queue.fake_free_list_tail, (
+        "after append_n([b0]) into an empty queue, b0.next_free_block is the tail sentinel"
+    )
     queue.append_n(blocks[4:6])
     queue.append_n(blocks[1:4])
-    assert queue.num_free_blocks == 6
-    assert [b.block_id for b in walk_free(queue, 1000)] == [0, 4, 5, 1, 2, 3]
+    assert queue.num_free_blocks == 6, f"6 blocks appended, num_free_blocks {queue.num_free_blocks}"
+    walked = [b.block_id for b in walk_free(queue, 1000)]
+    assert walked == [0, 4, 5, 1, 2, 3], (
+        f"append_n puts blocks at the back in the given order: [0, 4, 5, 1, 2, 3] from the "
+        f"head, walked {walked} (link the last old block and the tail sentinel to the new run)"
+    )
     order = [queue.fake_free_list_head] + [blocks[i] for i in (0, 4, 5, 1, 2, 3)]
     order.append(queue.fake_free_list_tail)
     for prev, nxt in zip(order, order[1:]):
-        assert prev.next_free_block is nxt and nxt.prev_free_block is prev
+        assert prev.next_free_block is nxt and nxt.prev_free_block is prev, (
+            f"the links between {prev.block_id} and {nxt.block_id} (-1: a sentinel) do not "
+            f"point at each other both ways"
+        )
 
 
 def test_popleft_never_returns_a_sentinel():
@@ -411,11 +447,17 @@ def test_popleft_never_returns_a_sentinel():
 
 def test_fresh_pool_reserves_block_0_as_the_null_block():
     pool = lab.BlockPool(num_gpu_blocks=10, enable_caching=True)
-    assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
-    assert [b.block_id for b in pool.blocks] == list(range(10))
-    assert free_ids(pool) == list(range(1, 10))
-    assert pool.get_num_free_blocks() == 9
-    assert pool.get_usage() == 0.0
+    assert pool.null_block is pool.blocks[0] and pool.null_block.is_null, (
+        "BlockPool.__init__ takes block 0 as the null block (is_null True)"
+    )
+    ids = [b.block_id for b in pool.blocks]
+    assert ids == list(range(10)), f"pool.blocks[i] is block i: {ids}"
+    assert free_ids(pool) == list(range(1, 10)), (
+        f"a fresh pool queues blocks 1..9 in order and never the null block 0: {free_ids(pool)}"
+    )
+    free = pool.get_num_free_blocks()
+    assert free == 9, f"9 free (all but the null block), got {free}"
+    assert pool.get_usage() == 0.0, f"a fresh pool's usage is 0, got {pool.get_usage()}"
 
 
 def test_get_new_blocks_takes_the_front_with_one_reference():
@@ -434,24 +476,40 @@ def test_free_blocks_appends_in_the_given_order():
     a = pool.get_new_blocks(3)
     b = pool.get_new_blocks(2)
     pool.free_blocks(reversed(a))  # any iterable
-    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1]
-    assert all(x.ref_cnt == 0 for x in a)
+    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1], (
+        f"free_blocks(reversed([1, 2, 3])) appends 3, 2, 1 in that order behind 6..9; the "
+        f"free queue is {free_ids(pool)}"
+    )
+    assert all(x.ref_cnt == 0 for x in a), f"freed blocks have ref_cnt {[x.ref_cnt for x in a]}"
     pool.free_blocks(b)
-    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1, 4, 5]
-    assert pool.get_num_free_blocks() == 9 and pool.get_usage() == 0.0
+    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1, 4, 5], (
+        f"free_blocks([4, 5]) appends 4 then 5; the free queue is {free_ids(pool)}"
+    )
+    assert pool.get_num_free_blocks() == 9 and pool.get_usage() == 0.0, (
+        f"all 9 blocks free, usage 0: {pool.get_num_free_blocks()} free, usage "
+        f"{pool.get_usage()}"
+    )
 
 
 def test_a_shared_block_returns_only_with_its_last_reference():
     pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True)
     (blk,) = pool.get_new_blocks(1)
     pool.touch(([blk],))
-    assert blk.ref_cnt == 2
+    assert blk.ref_cnt == 2, f"get_new_blocks then touch: 2 holders, ref_cnt is {blk.ref_cnt}"
     pool.free_blocks([blk])
-    assert blk.ref_cnt == 1 and blk.block_id not in free_ids(pool)
-    assert pool.get_num_free_blocks() == 4
+    assert blk.ref_cnt == 1 and blk.block_id not in free_ids(pool), (
+        f"free_blocks drops one of 2 references: ref_cnt 1 and not queued while a holder is "
+        f"left; got ref_cnt {blk.ref_cnt}, free queue {free_ids(pool)}"
+    )
+    assert pool.get_num_free_blocks() == 4, (
+        f"the block is still held: 4 free, got {pool.get_num_free_blocks()}"
+    )
     pool.free_blocks([blk])
-    assert blk.ref_cnt == 0 and free_ids(pool)[-1] == blk.block_id
-    assert pool.get_num_free_blocks() == 5
+    assert blk.ref_cnt == 0 and free_ids(pool)[-1] == blk.block_id, (
+        f"the last reference dropped: ref_cnt 0 and the block at the back of the free queue; "
+        f"got ref_cnt {blk.ref_cnt}, free queue {free_ids(pool)}"
+    )
+    assert pool.get_num_free_blocks() == 5, f"5 free again, got {pool.get_num_free_blocks()}"
 
 
 def test_a_block_freed_twice_in_one_call_drops_two_references_and_links_once():
@@ -614,13 +672,23 @@ def test_evicting_one_duplicate_keeps_the_other():
         blk.block_hash = h
         pool.cached_block_hash_to_block.insert(h, blk)
     b0, b1, b2, b3 = pool.blocks
-    assert pool._maybe_evict_cached_block(b1) is True
-    assert index_ids(pool) == {h0: [0, 3], h2: [2]} and b1.block_hash is None
-    assert pool._maybe_evict_cached_block(b0) is True
-    assert index_ids(pool) == {h0: [3], h2: [2]}
-    assert pool._maybe_evict_cached_block(b0) is False
-    assert pool._maybe_evict_cached_block(b2) and pool._maybe_evict_cached_block(b3)
-    assert index_ids(pool) == {}
+    assert pool._maybe_evict_cached_block(b1) is True, "evicting a cached block returns True"
+    assert index_ids(pool) == {h0: [0, 3], h2: [2]} and b1.block_hash is None, (
+        f"evicting block 1 drops its entry and its hash only; index {index_ids(pool)}, block 1's "
+        f"hash {b1.block_hash}"
+    )
+    assert pool._maybe_evict_cached_block(b0) is True, "evicting a cached block returns True"
+    assert index_ids(pool) == {h0: [3], h2: [2]}, (
+        f"block 0 and block 3 share hash h0: evicting 0 must keep 3 under h0; index "
+        f"{index_ids(pool)}"
+    )
+    assert pool._maybe_evict_cached_block(b0) is False, (
+        "a block without a hash is not in the index: evicting it returns False"
+    )
+    assert pool._maybe_evict_cached_block(b2) and pool._maybe_evict_cached_block(b3), (
+        "evicting the last cached blocks returns True"
+    )
+    assert index_ids(pool) == {}, f"every block evicted, the index still holds {index_ids(pool)}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,15 +797,27 @@ def test_freed_cached_blocks_stay_findable_and_revive_from_the_middle():
     req = FakeRequest(list(range(12)), block_size=4)
     blocks = allocate_and_cache(pool, req)  # 1, 2, 3
     pool.free_blocks(reversed(blocks))
-    assert free_ids(pool) == [4, 5, 6, 7, 3, 2, 1]
-    assert all(b.block_hash is not None for b in blocks)
+    assert free_ids(pool) == [4, 5, 6, 7, 3, 2, 1], (
+        f"freed cached blocks join the free queue's back in the given order: {free_ids(pool)}"
+    )
+    assert all(b.block_hash is not None for b in blocks), (
+        "freeing a cached block keeps its hash: it stays findable until it is reused"
+    )
     hit = pool.get_cached_block(req.block_hashes[1], [0])
-    assert hit == [blocks[1]]
+    assert hit == [blocks[1]], f"get_cached_block of block 2's hash finds block 2, got {hit}"
     pool.touch((hit,))
-    assert blocks[1].ref_cnt == 1 and blocks[1].block_hash == key(req.block_hashes[1])
-    assert free_ids(pool) == [4, 5, 6, 7, 3, 1]
-    assert blocks[3 - 1].next_free_block is blocks[0]  # block 3 now links to block 1
-    assert pool.get_num_free_blocks() == 6
+    assert blocks[1].ref_cnt == 1 and blocks[1].block_hash == key(req.block_hashes[1]), (
+        f"touch revives the free cached block: ref_cnt 1, hash kept; got ref_cnt "
+        f"{blocks[1].ref_cnt}"
+    )
+    assert free_ids(pool) == [4, 5, 6, 7, 3, 1], (
+        f"touch takes the revived block 2 out of the middle of the free queue: {free_ids(pool)}"
+    )
+    assert blocks[3 - 1].next_free_block is blocks[0], (
+        "after block 2 left the queue, block 3 must link to block 1"
+    )
+    free = pool.get_num_free_blocks()
+    assert free == 6, f"6 free after the revival, got {free}"
 
 
 def test_touch_revives_in_o1_without_walking_the_queue():
@@ -790,15 +870,30 @@ def test_reusing_a_cached_block_evicts_its_index_entry():
     req = FakeRequest(list(range(8)), block_size=4)
     blocks = allocate_and_cache(pool, req)  # 1, 2
     pool.free_blocks(blocks)
-    assert free_ids(pool) == [3, 1, 2]
+    assert free_ids(pool) == [3, 1, 2], f"free queue after freeing 1, 2: {free_ids(pool)}"
     (fresh, evicted) = pool.get_new_blocks(2)
-    assert (fresh.block_id, evicted.block_id) == (3, 1)
-    assert evicted.block_hash is None
-    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
-    assert pool.get_cached_block(req.block_hashes[1], [0]) == [blocks[1]]
-    assert index_ids(pool) == {key(req.block_hashes[1]): [2]}
+    assert (fresh.block_id, evicted.block_id) == (3, 1), (
+        f"get_new_blocks takes from the front: 3, then the cached block 1; got "
+        f"{(fresh.block_id, evicted.block_id)}"
+    )
+    assert evicted.block_hash is None, (
+        "a cached block handed out again must lose its hash (evict it from the prefix cache)"
+    )
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None, (
+        "the reused block's hash must leave the index: get_cached_block still finds it"
+    )
+    assert pool.get_cached_block(req.block_hashes[1], [0]) == [blocks[1]], (
+        "the block not reused (2) stays cached and findable"
+    )
+    assert index_ids(pool) == {key(req.block_hashes[1]): [2]}, (
+        f"only block 2 stays in the index: {index_ids(pool)}"
+    )
     pool.get_new_blocks(1)
-    assert index_ids(pool) == {} and all(b.block_hash is None for b in pool.blocks)
+    hashed = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    assert index_ids(pool) == {} and not hashed, (
+        f"every cached block reused: the index must be empty ({index_ids(pool)}) and no block "
+        f"keep a hash ({hashed})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,12 +904,20 @@ def test_reusing_a_cached_block_evicts_its_index_entry():
 def test_hash_block_tokens_hashes_parent_tokens_and_extras():
     parent = b"123"
     got = lab.hash_block_tokens(lab.sha256, parent, (1, 2, 3), ("key1", "key2"))
-    assert got == lab.sha256((parent, (1, 2, 3), ("key1", "key2")))
-    assert got == ref_hash(parent, [1, 2, 3], ("key1", "key2"))
+    assert got == lab.sha256((parent, (1, 2, 3), ("key1", "key2"))), (
+        "hash_block_tokens hashes the tuple (parent hash, token tuple, extra keys), parent first"
+    )
+    assert got == ref_hash(parent, [1, 2, 3], ("key1", "key2")), (
+        "hash_block_tokens differs from upstream's hash of the same block"
+    )
     # A list hashes like the tuple; no parent (None or b"") means NONE_HASH; extra_keys
     # defaults to None.
-    assert lab.hash_block_tokens(lab.sha256, None, [1, 2, 3]) == ref_hash(None, [1, 2, 3])
-    assert lab.hash_block_tokens(lab.sha256, b"", [1, 2, 3]) == ref_hash(None, [1, 2, 3])
+    assert lab.hash_block_tokens(lab.sha256, None, [1, 2, 3]) == ref_hash(None, [1, 2, 3]), (
+        "a first block (parent None) hashes with NONE_HASH as its parent, tokens as a tuple"
+    )
+    assert lab.hash_block_tokens(lab.sha256, b"", [1, 2, 3]) == ref_hash(None, [1, 2, 3]), (
+        "an empty parent hash (b'') counts as no parent: NONE_HASH"
+    )
 
 
 def test_hash_block_tokens_reads_none_hash_when_called():
@@ -1030,7 +1133,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         reviving = sum(1 for b in hits if b.ref_cnt == 0)
         if need > len(self.order) - reviving:
             # Not enough room: the engine would not admit it. The allocation must be refused.
-            assert self._take(len(self.order) + 1) is None
+            assert self._take(len(self.order) + 1) is None, (
+                f"get_new_blocks({len(self.order) + 1}) with {len(self.order)} free must raise "
+                f"ValueError and change nothing"
+            )
             return None
         self.pool.touch((hits,))
         for b in hits:
@@ -1038,7 +1144,9 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.order.remove(b.block_id)  # revived from wherever it was in the queue
             self.refs[b.block_id] += 1
         new = self._take(need)
-        assert new is not None
+        assert new is not None, (
+            f"get_new_blocks({need}) refused with {len(self.order)} blocks in the free queue"
+        )
         seq = Seq(req, hits + new, len(hits), hits=len(hits))
         self._write(seq, len(hits))
         self._cache(seq)
@@ -1108,7 +1216,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         ok = self.pool.reset_prefix_cache()
         assert ok == (not self.seqs), "reset refused with nothing in use, or done with blocks held"
         if not ok:
-            assert snapshot(self.pool) == before
+            assert snapshot(self.pool) == before, (
+                "reset_prefix_cache refused (blocks in use) must change nothing, yet the pool "
+                "changed"
+            )
 
     @invariant()
     def i1_free_queue_is_exactly_the_unreferenced_blocks(self):
@@ -1116,29 +1227,53 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         pool = self.pool
         walk = walk_free(pool.free_block_queue, NUM_BLOCKS)
-        assert pool.free_block_queue.get_all_free_blocks() == walk
+        listed = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         ids = [b.block_id for b in walk]
-        assert len(ids) == len(set(ids)) == pool.get_num_free_blocks()
+        assert listed == ids, (
+            f"get_all_free_blocks {listed} differs from the linked list walked head to tail {ids}"
+        )
+        num_free = pool.get_num_free_blocks()
+        assert len(ids) == len(set(ids)) == num_free, (
+            f"the free queue holds {ids} ({len(set(ids))} distinct) but num_free_blocks is "
+            f"{num_free}"
+        )
         assert ids == self.order, "free queue out of eviction order"
         expected = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
-        assert set(ids) == expected
+        assert set(ids) == expected, (
+            f"the free queue must hold exactly the blocks with ref_cnt 0: missing "
+            f"{sorted(expected - set(ids))}, held yet queued {sorted(set(ids) - expected)}"
+        )
         chain = [pool.free_block_queue.fake_free_list_head, *walk]
         for prev, nxt in zip(chain, chain[1:]):
-            assert nxt.prev_free_block is prev
+            assert nxt.prev_free_block is prev, (
+                f"block {nxt.block_id}'s prev_free_block is not the block before it in the queue "
+                f"({getattr(prev, 'block_id', 'head')}): a link was not updated"
+            )
         for b in pool.blocks:
             if b.block_id not in expected:
-                assert b.prev_free_block is None and b.next_free_block is None
-        assert pool.get_usage() == pytest.approx(1 - len(ids) / (NUM_BLOCKS - 1))
+                assert b.prev_free_block is None and b.next_free_block is None, (
+                    f"block {b.block_id} is out of the free queue but keeps its links; set "
+                    f"prev_free_block and next_free_block to None when removing it"
+                )
+        usage = pool.get_usage()
+        assert usage == pytest.approx(1 - len(ids) / (NUM_BLOCKS - 1)), (
+            f"get_usage {usage} with {len(ids)} of {NUM_BLOCKS - 1} blocks free"
+        )
 
     @invariant()
     def i2_ids_stable_and_reference_counts_match_holders(self):
         if not hasattr(self, "pool"):
             return
-        assert [b.block_id for b in self.pool.blocks] == list(range(NUM_BLOCKS))
+        ids = [b.block_id for b in self.pool.blocks]
+        assert ids == list(range(NUM_BLOCKS)), f"pool.blocks[i] must be block i: {ids}"
         for b in self.pool.blocks[1:]:
-            assert b.ref_cnt == self.refs[b.block_id]
+            assert b.ref_cnt == self.refs[b.block_id], (
+                f"block {b.block_id} has ref_cnt {b.ref_cnt} but {self.refs[b.block_id]} "
+                f"sequence(s) hold it"
+            )
         for seq in self.seqs:
-            assert len({b.block_id for b in seq.blocks}) == len(seq.blocks)
+            held = [b.block_id for b in seq.blocks]
+            assert len(set(held)) == len(held), f"one sequence holds a block twice: {held}"
 
     @invariant()
     def i3_i4_index_matches_full_block_content(self):
@@ -1151,12 +1286,18 @@ class AllocatorMachine(RuleBasedStateMachine):
                 in_index[b.block_id] = k
         for b in self.pool.blocks:
             if b.block_hash is None:
-                assert b.block_id not in in_index
+                assert b.block_id not in in_index, (
+                    f"block {b.block_id} has no hash but the cache index still lists it: "
+                    f"remove it from the index when its hash is reset"
+                )
                 continue
             assert in_index.get(b.block_id) == b.block_hash, "cached block missing from index"
             content = list(self.content[b.block_id])
             assert len(content) % BLOCK_SIZE == 0, "a partial block was cached"
-            assert b.block_hash == key(ref_chain(content, BLOCK_SIZE)[-1])
+            assert b.block_hash == key(ref_chain(content, BLOCK_SIZE)[-1]), (
+                f"block {b.block_id}'s hash is not the hash chain of the tokens it holds: "
+                f"hashed with the wrong parent or the wrong tokens"
+            )
 
 
 TestAllocatorMachine = pytest.mark.points(3)(AllocatorMachine.TestCase)

@@ -65,15 +65,21 @@ def test_shipped_traces_are_seeded_long_tailed_and_fit_the_model():
 
 
 def test_reservation_sizes():
+    """reservation_size(policy, prompt, output, max_model_len) follows its policy: the model's
+    length, the next power of two (capped), or exactly prompt + output."""
     rs = lab.reservation_size
-    assert rs("max", 10, 5, 2048) == 2048
-    assert rs("oracle", 10, 5, 2048) == 15
-    assert rs("pow2", 10, 5, 2048) == 16
-    assert rs("pow2", 10, 6, 2048) == 16  # an exact power of two is not doubled
-    assert rs("pow2", 10, 7, 2048) == 32
-    assert rs("pow2", 1, 1, 2048) == 2
-    assert rs("pow2", 1500, 100, 2048) == 2048  # capped at the model's length
-    assert rs("oracle", 2000, 48, 2048) == 2048
+    for args, want, why in (
+        (("max", 10, 5, 2048), 2048, "max reserves the model's length"),
+        (("oracle", 10, 5, 2048), 15, "oracle reserves exactly prompt + output"),
+        (("pow2", 10, 5, 2048), 16, "15 rounds up to the next power of two"),
+        (("pow2", 10, 6, 2048), 16, "an exact power of two is not doubled"),
+        (("pow2", 10, 7, 2048), 32, "17 rounds up to 32"),
+        (("pow2", 1, 1, 2048), 2, "2 is a power of two"),
+        (("pow2", 1500, 100, 2048), 2048, "capped at the model's length"),
+        (("oracle", 2000, 48, 2048), 2048, "exactly the model's length"),
+    ):
+        got = rs(*args)
+        assert got == want, f"reservation_size{args} is {want} ({why}), got {got}"
 
 
 def test_reservation_sizes_at_the_edges():
@@ -110,21 +116,25 @@ def test_reservation_size_rejects_bad_input(args, named):
 
 def test_allocator_first_fit_and_merging():
     a = lab.ContiguousAllocator(100)
-    assert [a.allocate(n) for n in (10, 20, 30)] == [0, 10, 30]
+    starts = [a.allocate(n) for n in (10, 20, 30)]
+    assert starts == [0, 10, 30], f"10, 20, 30 slots from an empty 100: [0, 10, 30], got {starts}"
     a.free(10)  # hole [10, 30)
     assert a.allocate(25) == 60, "first fit: the 20-slot hole is too small"
     assert a.allocate(15) == 10, "first fit: the lowest hole that fits"
-    assert a.holes == [(25, 5), (85, 15)]
-    a.free(0)
-    assert a.holes == [(0, 10), (25, 5), (85, 15)]
-    a.free(10)  # joins the holes on both sides
-    assert a.holes == [(0, 30), (85, 15)]
-    a.free(60)  # joins the hole after it
-    assert a.holes == [(0, 30), (60, 40)]
-    a.free(30)
-    assert a.holes == [(0, 100)] and a.allocated == {}
-    assert a.free_slots() == a.largest_hole() == 100
-    assert a.allocate(101) is None
+    assert a.holes == [(25, 5), (85, 15)], f"holes (start, size) after the fits: {a.holes}"
+    for start, want, why in (
+        (0, [(0, 10), (25, 5), (85, 15)], "a freed run between allocations is a hole of its own"),
+        (10, [(0, 30), (85, 15)], "freeing [10, 25) joins the holes on both sides"),
+        (60, [(0, 30), (60, 40)], "freeing [60, 85) joins the hole after it"),
+        (30, [(0, 100)], "freeing the last run leaves one hole"),
+    ):
+        a.free(start)
+        assert a.holes == want, f"free({start}): {why}; holes {want} expected, got {a.holes}"
+    assert a.allocated == {}, f"everything freed, yet allocated is {a.allocated}"
+    assert a.free_slots() == a.largest_hole() == 100, (
+        f"free_slots {a.free_slots()} and largest_hole {a.largest_hole()} of an empty 100"
+    )
+    assert a.allocate(101) is None, "101 slots never fit in 100: allocate returns None"
 
 
 def test_allocator_exact_fits():
@@ -209,15 +219,25 @@ def test_allocator_matches_a_slot_by_slot_model(ops):
 
 
 def test_slot_breakdown():
+    """slot_breakdown(allocated, num_tokens, final_len) splits the allocated slots into
+    (token states, reserved, internal fragmentation), each counted as the README defines it."""
     sb = lab.slot_breakdown
-    assert sb(2048, 300, 700) == (300, 400, 1348)  # max reservation
-    assert sb(700, 300, 700) == (300, 400, 0)  # oracle
-    assert sb(1024, 700, 700) == (700, 0, 324)  # pow2, at the last token
-    assert sb(48, 37, 40) == (37, 3, 8)  # paging, block 16: the last block will stop at 40
-    assert sb(48, 37, 900) == (37, 11, 0)  # paging: the rest of the block will be used
-    assert sb(48, 0, 40) == (0, 40, 8)  # nothing written yet
-    assert sb(40, 40, 40) == (40, 0, 0)  # full, at its last token
-    assert sb(16, 16, 900) == (16, 0, 0)  # paging, the block just filled
+    for args, want, why in (
+        ((2048, 300, 700), (300, 400, 1348), "max reservation"),
+        ((700, 300, 700), (300, 400, 0), "oracle"),
+        ((1024, 700, 700), (700, 0, 324), "pow2, at the last token"),
+        ((48, 37, 40), (37, 3, 8), "paging, block 16: the last block will stop at 40"),
+        ((48, 37, 900), (37, 11, 0), "paging: the rest of the block will be used"),
+        ((48, 0, 40), (0, 40, 8), "nothing written yet"),
+        ((40, 40, 40), (40, 0, 0), "full, at its last token"),
+        ((16, 16, 900), (16, 0, 0), "paging, the block just filled"),
+    ):
+        got = sb(*args)
+        assert got == want, (
+            f"slot_breakdown{args} ({why}) is (token states, reserved, internal) = {want}: "
+            f"reserved are the slots it will still write, internal the ones it never will; "
+            f"got {got}"
+        )
     for bad in ((10, 11, 20), (10, 5, 4), (10, -1, 5), (3, 4, 4)):
         with pytest.raises(ValueError) as exc:
             sb(*bad)

@@ -151,10 +151,16 @@ def assert_cached_exactly(manager, req, num_full):
         if i < num_full:
             assert blk.block_hash == keyed(want[i]), f"block {i} is not cached under its hash"
             found = manager.block_pool.get_cached_block(want[i], [0])
-            assert found is not None and found[0].block_hash == keyed(want[i])
+            assert found is not None and found[0].block_hash == keyed(want[i]), (
+                f"block {i} has its hash but the prefix-cache index does not find it under it"
+            )
         else:
             assert blk.block_hash is None, f"block {i} is cached but is not full and computed"
-    assert manager.num_cached_block[req.request_id] == num_full
+    cached = manager.num_cached_block[req.request_id]
+    assert cached == num_full, (
+        f"num_cached_block[{req.request_id!r}] is {cached}, but {num_full} full block(s) are "
+        f"computed and cached"
+    )
 
 
 def message_names(exc_info, *values):
@@ -174,13 +180,19 @@ COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16
 def test_hasher_hashes_full_blocks_only_and_keeps_up_with_appends():
     tokens = list(range(10))
     req = make_request("r", tokens, 4, own_hasher=True)
-    assert req.block_hashes == expected_hashes(tokens, 4)  # 2 full blocks, 2 tokens left over
+    assert req.block_hashes == expected_hashes(tokens, 4), (  # 2 full blocks, 2 tokens left over
+        f"10 tokens in blocks of 4: the hashes of the 2 full blocks, chained; got "
+        f"{len(req.block_hashes)} hash(es), not those of the chain"
+    )
     req.append_output_token_ids(10)
     assert len(req.block_hashes) == 2, "a block with 3 of 4 tokens must not be hashed"
-    req.append_output_token_ids(11)
-    assert req.block_hashes == expected_hashes(list(range(12)), 4)
-    req.append_output_token_ids([12, 13, 14, 15, 16])
-    assert req.block_hashes == expected_hashes(list(range(17)), 4)
+    for appended, total in (([11], 12), ([12, 13, 14, 15, 16], 17)):
+        req.append_output_token_ids(appended)
+        want = expected_hashes(list(range(total)), 4)
+        assert req.block_hashes == want, (
+            f"after appending up to {total} tokens: {len(want)} full blocks hashed, each with "
+            f"its parent's hash; got {len(req.block_hashes)} hash(es), not those of the chain"
+        )
 
 
 def test_hasher_chains_parents():
@@ -192,18 +204,28 @@ def test_hasher_chains_parents():
 
 def test_hasher_extra_keys_lora_on_every_block_salt_on_the_first():
     tokens = list(range(12))
-    req = make_request("r", tokens, 4, salt="s1", lora_id=7, own_hasher=True)
-    assert req.block_hashes == expected_hashes(tokens, 4, salt="s1", lora_id=7)
-    salted = make_request("s", tokens, 4, salt="s1", own_hasher=True)
-    assert salted.block_hashes == expected_hashes(tokens, 4, salt="s1")
-    lora = make_request("l", tokens, 4, lora_id=7, own_hasher=True)
-    assert lora.block_hashes == expected_hashes(tokens, 4, lora_id=7)
     plain = make_request("p", tokens, 4, own_hasher=True)
-    assert plain.block_hashes == expected_hashes(tokens, 4)
+    for rid, salt, lora_id, keys in (
+        ("r", "s1", 7, "LoRA id 7 on every block, then salt 's1' on block 0 only"),
+        ("s", "s1", None, "salt 's1' on block 0 only"),
+        ("l", None, 7, "LoRA id 7 on every block"),
+        ("p", None, None, "no extra keys (None, not an empty tuple)"),
+    ):
+        req = make_request(rid, tokens, 4, salt=salt, lora_id=lora_id, own_hasher=True)
+        want = expected_hashes(tokens, 4, salt=salt, lora_id=lora_id)
+        wrong = [i for i, (a, b) in enumerate(zip(req.block_hashes, want)) if a != b]
+        assert req.block_hashes == want, (
+            f"extra keys: {keys}; the hashes of block(s) {wrong or 'count'} differ "
+            f"({len(req.block_hashes)} hashes, {len(want)} expected)"
+        )
+    salted = make_request("s2", tokens, 4, salt="s1", own_hasher=True)
     # The salt enters block 0 only, but the chain carries it into every later block.
-    assert all(x != y for x, y in zip(salted.block_hashes, plain.block_hashes))
+    assert all(x != y for x, y in zip(salted.block_hashes, plain.block_hashes)), (
+        "a salted request's blocks must all differ from the unsalted ones (through the chain)"
+    )
     # An empty salt is no salt.
-    assert make_request("e", tokens, 4, salt="", own_hasher=True).block_hashes == plain.block_hashes
+    empty = make_request("e", tokens, 4, salt="", own_hasher=True).block_hashes
+    assert empty == plain.block_hashes, "an empty cache salt is no salt: the hashes must match"
 
 
 def test_hasher_uses_the_given_hash_function_once_per_block():
@@ -275,11 +297,14 @@ def test_lookup_stops_at_the_first_miss():
     m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
     first, second, third = seed_cache(m, list(range(13)))
     # Drop block 1 of the chain from the index (what eviction does); blocks 0 and 2 stay.
-    assert m.block_pool._maybe_evict_cached_block(second)
-    assert third.block_hash is not None
+    assert m.block_pool._maybe_evict_cached_block(second), "set-up: block 1 evicted"
+    assert third.block_hash is not None, "set-up: block 2 stays cached"
     hit, n = m.get_computed_blocks(make_request("r", list(range(13)), 4))
-    assert hit.get_block_ids() == ([first.block_id],) and n == 4
-    assert m.block_pool._maybe_evict_cached_block(first)
+    assert hit.get_block_ids() == ([first.block_id],) and n == 4, (
+        f"blocks 0 and 2 of the prompt are cached, block 1 is not: the hit is block 0 alone "
+        f"(a hit is a prefix: stop at the first miss); got {hit.get_block_ids()}, {n} tokens"
+    )
+    assert m.block_pool._maybe_evict_cached_block(first), "set-up: block 0 evicted"
     hit, n = m.get_computed_blocks(make_request("s", list(range(13)), 4))
     assert hit.get_block_ids() == ([],) and n == 0, "a cached block behind a miss was served"
 
@@ -290,7 +315,11 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(prompt_len, expect_
     seed_cache(m, list(range(64)))
     req = make_request("r", list(range(prompt_len)), 16)
     hit, n = m.get_computed_blocks(req)
-    assert n == expect_hit and len(hit.blocks[0]) * 16 == n
+    assert n == expect_hit and len(hit.blocks[0]) * 16 == n, (
+        f"a prompt of {prompt_len} cached tokens hits {expect_hit} (whole blocks, and never the "
+        f"last token, which must be computed for its logits); got {n} tokens in "
+        f"{len(hit.blocks[0])} block(s)"
+    )
 
 
 def test_find_longest_cache_hit_respects_max_length():
@@ -317,10 +346,16 @@ def test_lookup_counts_requests_queries_and_hits():
     m.get_computed_blocks(make_request("a", list(range(11)), 4))  # 11 queried, 8 hit
     m.get_computed_blocks(make_request("b", [9] * 6, 4))  # 6 queried, 0 hit
     stats = m.make_prefix_cache_stats()
-    assert (stats.requests, stats.queries, stats.hits) == (2, 17, 8)
+    got = (stats.requests, stats.queries, stats.hits)
+    assert got == (2, 17, 8), (
+        f"two lookups (11 tokens queried, 8 hit; 6 queried, 0 hit) add up to (requests, "
+        f"queries, hits) = (2, 17, 8), got {got}: add to the counts, do not overwrite them"
+    )
     off = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
     off.get_computed_blocks(make_request("c", list(range(11)), 4))
-    assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None
+    assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None, (
+        "without log_stats there are no prefix-cache stats (None)"
+    )
 
 
 def test_lookup_rejects_a_request_without_matching_hashes_before_counting():
@@ -353,17 +388,27 @@ def test_blocks_to_allocate_for_a_new_request():
     free_hits = seed_cache(m, list(range(8)))  # ref_cnt 0, in the free queue
     held_hits = seed_cache(m, [5] * 8, hold=True)  # ref_cnt 1
     before = snapshot(m)
-    assert m._get_num_blocks_to_allocate("new", 9, []) == 3
-    assert m._get_num_blocks_to_allocate("new", 8, []) == 2  # exactly two blocks
-    assert m._get_num_blocks_to_allocate("new", 1, []) == 1
-    # Held hit blocks cost nothing; free ones leave the free queue like new blocks.
-    assert m._get_num_blocks_to_allocate("new", 9, held_hits) == 1
-    assert m._get_num_blocks_to_allocate("new", 9, free_hits) == 3
-    assert m._get_num_blocks_to_allocate("new", 9, [held_hits[0], free_hits[1]]) == 2
-    # The null block is never an eviction candidate.
-    assert m._get_num_blocks_to_allocate("new", 4, [m.block_pool.null_block]) == 0
+    cases = [  # (tokens, hit blocks, what they are, blocks taken from the free queue)
+        (9, [], "no hits", 3),
+        (8, [], "no hits, exactly two blocks", 2),
+        (1, [], "no hits", 1),
+        # Held hit blocks cost nothing; free ones leave the free queue like new blocks.
+        (9, held_hits, "2 held hits (ref_cnt 1)", 1),
+        (9, free_hits, "2 free hits (ref_cnt 0, in the free queue)", 3),
+        (9, [held_hits[0], free_hits[1]], "1 held and 1 free hit", 2),
+        # The null block is never an eviction candidate.
+        (4, [m.block_pool.null_block], "the null block", 0),
+    ]
+    for tokens, hits, what, want in cases:
+        got = m._get_num_blocks_to_allocate("new", tokens, hits)
+        assert got == want, (
+            f"a new request of {tokens} tokens with {what}: {want} block(s) leave the free "
+            f"queue (new blocks plus hits revived from the queue), got {got}"
+        )
     assert snapshot(m) == before, "counting must not create a table entry or change anything"
-    assert "new" not in m.req_to_blocks and "new" not in m.num_cached_block
+    assert "new" not in m.req_to_blocks and "new" not in m.num_cached_block, (
+        "counting blocks for a new request must not start tracking it"
+    )
 
 
 def test_blocks_to_allocate_for_a_tracked_request():
@@ -371,12 +416,16 @@ def test_blocks_to_allocate_for_a_tracked_request():
     req = make_request("r", range(8), 4)
     track(m, req, 2)
     before = snapshot(m)
-    assert m._get_num_blocks_to_allocate("r", 9, []) == 1
-    assert m._get_num_blocks_to_allocate("r", 8, []) == 0
-    assert m._get_num_blocks_to_allocate("r", 17, []) == 3
+    for tokens, want in ((9, 1), (8, 0), (17, 3)):
+        got = m._get_num_blocks_to_allocate("r", tokens, [])
+        assert got == want, (
+            f"a request holding 2 blocks of 4 needs {want} more for {tokens} tokens (count the "
+            f"blocks it holds), got {got}"
+        )
     # Holding more than it needs (lookahead slots from an earlier step): nothing to take.
-    assert m._get_num_blocks_to_allocate("r", 3, []) <= 0
-    assert snapshot(m) == before
+    got = m._get_num_blocks_to_allocate("r", 3, [])
+    assert got <= 0, f"2 blocks held, 3 tokens need 1: nothing to take, got {got}"
+    assert snapshot(m) == before, "counting blocks must change nothing"
 
 
 # --------------------------------------------------------------------------- 4. allocation
@@ -415,12 +464,14 @@ def test_a_chunk_shorter_than_the_rest_of_the_prompt():
     """Chunked prefill: slots are counted from the tokens computed so far, not the prompt."""
     m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
     req = make_request("r", range(10), 4)
-    assert m.allocate_slots(req, 3).get_block_ids() == ([1],)
-    req.num_computed_tokens = 3
-    assert m.allocate_slots(req, 5).get_block_ids() == ([2],)
-    req.num_computed_tokens = 8
-    assert m.allocate_slots(req, 2).get_block_ids() == ([3],)
-    assert m.get_block_ids("r") == ([1, 2, 3],)
+    for computed, chunk, new_block in ((0, 3, 1), (3, 5, 2), (8, 2, 3)):
+        req.num_computed_tokens = computed
+        new = m.allocate_slots(req, chunk).get_block_ids()
+        assert new == ([new_block],), (
+            f"{computed} tokens computed, a chunk of {chunk}: {computed + chunk} slots need "
+            f"block {new_block} as the one new block; allocate_slots returned {new}"
+        )
+    assert m.get_block_ids("r") == ([1, 2, 3],), f"the table after 3 chunks: {m.get_block_ids('r')}"
 
 
 def test_an_allocation_that_fits_exactly_succeeds():
@@ -485,13 +536,18 @@ def test_hits_are_claimed_before_new_blocks_are_taken():
     others = pool.get_new_blocks(2)  # blocks 3, 4
     pool.free_blocks(reversed(hits))
     pool.free_blocks(others)
-    assert free_ids(m) == [2, 1, 3, 4]
+    assert free_ids(m) == [2, 1, 3, 4], f"set-up: the free queue {free_ids(m)}"
     req = make_request("r", list(range(8)) + [5] * 7, 4)
     hit, n = m.get_computed_blocks(req)
     new = m.allocate_slots(req, req.num_tokens - n, n, hit, delay_cache_blocks=True)
-    assert new.get_block_ids() == ([3, 4],)
-    assert m.get_block_ids("r") == ([1, 2, 3, 4],)
-    assert [b.block_hash for b in hits] == [keyed(h) for h in req.block_hashes[:2]]
+    assert new.get_block_ids() == ([3, 4],), (
+        f"the hit blocks 1, 2 are claimed (touched) first, so the new blocks are 3, 4 from the "
+        f"queue; allocate_slots returned {new.get_block_ids()}"
+    )
+    assert m.get_block_ids("r") == ([1, 2, 3, 4],), f"the table: {m.get_block_ids('r')}"
+    assert [b.block_hash for b in hits] == [keyed(h) for h in req.block_hashes[:2]], (
+        "the claimed hit blocks keep their hashes (they were not evicted as new blocks)"
+    )
 
 
 def test_lookahead_slots_and_the_model_length_cap():
@@ -756,16 +812,22 @@ def test_free_returns_blocks_tail_first_and_forgets_the_request():
     m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
     r = make_request("r", range(14), 4)
     schedule_prompt(m, r)
-    assert m.get_block_ids("r") == ([1, 2, 3, 4],)
+    assert m.get_block_ids("r") == ([1, 2, 3, 4],), f"set-up: the table {m.get_block_ids('r')}"
     cached = [b.block_hash for b in table(m, r)]
     m.free(r)
-    assert free_ids(m) == [5, 6, 7, 4, 3, 2, 1]
-    assert "r" not in m.req_to_blocks and "r" not in m.num_cached_block
+    assert free_ids(m) == [5, 6, 7, 4, 3, 2, 1], (
+        f"free returns the table tail first (4, 3, 2, 1) behind the free blocks, so the prefix "
+        f"the next request most likely shares is evicted last; the free queue is {free_ids(m)}"
+    )
+    assert "r" not in m.req_to_blocks and "r" not in m.num_cached_block, (
+        f"free forgets the request in both dicts: req_to_blocks has it: "
+        f"{'r' in m.req_to_blocks}, num_cached_block has it: {'r' in m.num_cached_block}"
+    )
     assert [b.block_hash for b in m.block_pool.blocks[1:5]] == cached, "freeing keeps hashes"
     before = snapshot(m)
     m.free(r)  # not tracked any more: nothing happens
     m.free(make_request("never", range(3), 4))
-    assert snapshot(m) == before
+    assert snapshot(m) == before, "free of a request the manager does not track changes nothing"
 
 
 def test_free_leaves_blocks_shared_with_others():
@@ -1097,8 +1159,13 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def _admit(self, seq, chunk):
         req = seq.req
         hit, n = self.m.get_computed_blocks(req)
-        assert n % BLOCK_SIZE == 0 and n < req.num_tokens
-        assert n == len(hit.blocks[0]) * BLOCK_SIZE
+        assert n % BLOCK_SIZE == 0 and n < req.num_tokens, (
+            f"get_computed_blocks hit {n} tokens of {req.num_tokens}: a hit is whole blocks and "
+            f"never the last token"
+        )
+        assert n == len(hit.blocks[0]) * BLOCK_SIZE, (
+            f"get_computed_blocks says {n} tokens hit but returns {len(hit.blocks[0])} block(s)"
+        )
         for blk, h in zip(hit.blocks[0], seq.want()):
             assert blk.block_hash == keyed(h), "a hit block holds other tokens than asked for"
         seq.blocks = []
@@ -1183,9 +1250,10 @@ class CacheManagerMachine(RuleBasedStateMachine):
         done = self.m.reset_prefix_cache()
         assert done == (not self.live), "reset refused with nothing in use, or done while in use"
         if done:
-            assert all(b.block_hash is None for b in self.m.block_pool.blocks)
+            hashed = [b.block_id for b in self.m.block_pool.blocks if b.block_hash is not None]
+            assert not hashed, f"reset_prefix_cache succeeded but blocks {hashed} keep a hash"
         else:
-            assert snapshot(self.m) == before
+            assert snapshot(self.m) == before, "a refused reset_prefix_cache changed the manager"
 
     @invariant()
     def m1_reference_counts_and_the_free_queue(self):
@@ -1193,14 +1261,23 @@ class CacheManagerMachine(RuleBasedStateMachine):
             return
         pool = self.m.block_pool
         free = free_ids(self.m)
-        assert len(free) == len(set(free)) == pool.free_block_queue.num_free_blocks
+        assert len(free) == len(set(free)) == pool.free_block_queue.num_free_blocks, (
+            f"the free queue holds {free} but num_free_blocks is "
+            f"{pool.free_block_queue.num_free_blocks}"
+        )
         holders = Counter(b for s in self.live.values() for b in s.blocks)
         assert 0 not in holders and 0 not in free, "the null block was handed out or freed"
         for blk in pool.blocks[1:]:
             assert blk.ref_cnt == holders[blk.block_id], f"block {blk.block_id}: wrong ref_cnt"
-            assert (blk.block_id in free) == (blk.ref_cnt == 0)
+            assert (blk.block_id in free) == (blk.ref_cnt == 0), (
+                f"block {blk.block_id} has ref_cnt {blk.ref_cnt} but is "
+                f"{'in' if blk.block_id in free else 'not in'} the free queue"
+            )
         assert set(self.m.req_to_blocks) == set(self.live), "tracked requests are the live ones"
-        assert set(self.m.num_cached_block) == set(self.live)
+        assert set(self.m.num_cached_block) == set(self.live), (
+            f"num_cached_block tracks {sorted(self.m.num_cached_block)}, the live requests are "
+            f"{sorted(self.live)}: free() must drop a request's entry"
+        )
 
     @invariant()
     def m2_computed_full_blocks_are_cached_under_their_hashes(self):
@@ -1208,9 +1285,14 @@ class CacheManagerMachine(RuleBasedStateMachine):
             return
         for seq in self.live.values():
             req = seq.req
-            assert req.block_hashes == seq.want()
+            assert req.block_hashes == seq.want(), (
+                f"{req.request_id}'s block hashes are not the hash chain of its tokens"
+            )
             assert ids(table(self.m, req)) == seq.blocks, "a table changed outside allocate"
-            assert len(seq.blocks) >= cdiv(req.num_computed_tokens, BLOCK_SIZE)
+            assert len(seq.blocks) >= cdiv(req.num_computed_tokens, BLOCK_SIZE), (
+                f"{req.request_id} computed {req.num_computed_tokens} tokens but holds only "
+                f"{len(seq.blocks)} block(s)"
+            )
             assert_cached_exactly(self.m, req, req.num_computed_tokens // BLOCK_SIZE)
 
 

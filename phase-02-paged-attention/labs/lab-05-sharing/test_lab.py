@@ -72,6 +72,22 @@ def snapshot(mgr):
     )
 
 
+SNAPSHOT_PARTS = ("block tables", "num_cached_block", "ref_cnt of every block", "free blocks")
+
+
+def assert_unchanged(mgr, before, call: str) -> None:
+    """``call`` (refused, or raising) left the manager as ``before``: names what it changed."""
+    now = snapshot(mgr)
+    for part, old, new in zip(SNAPSHOT_PARTS, before, now):
+        assert old == new, (
+            f"{call} must change nothing, but it changed the {part}: before {old}, after {new}"
+        )
+
+
+def ref_counts(mgr, block_ids) -> list[int]:
+    return [mgr.block_pool.blocks[b].ref_cnt for b in block_ids]
+
+
 class Sim:
     """A KV cache manager, its live requests, and a token-level model of the cache contents."""
 
@@ -184,7 +200,7 @@ class Sim:
 def test_fork_shares_every_block_and_counts_it():
     mgr = make_manager()
     parent = make_request("p", list(range(10)))  # 10 tokens: blocks of 4, 4, 2
-    assert mgr.allocate_slots(parent, 10) is not None
+    assert mgr.allocate_slots(parent, 10) is not None, "the given allocate_slots refused 10 tokens"
     parent.num_computed_tokens = 10
     parent.append_output_token_ids(7)
     free_before = mgr.block_pool.get_num_free_blocks()
@@ -192,12 +208,26 @@ def test_fork_shares_every_block_and_counts_it():
     child = make_child(parent, "c", 8)
     mgr.fork(parent, child)
 
-    assert table(mgr, "c") == table(mgr, "p")
-    assert [mgr.block_pool.blocks[b].ref_cnt for b in table(mgr, "p")] == [2, 2, 2]
-    assert mgr.block_pool.get_num_free_blocks() == free_before, "fork must not take blocks"
-    assert mgr.num_cached_block["c"] == mgr.num_cached_block["p"]
+    assert table(mgr, "c") == table(mgr, "p"), (
+        f"fork: the child's table {table(mgr, 'c')} must list the parent's blocks "
+        f"{table(mgr, 'p')}, in order"
+    )
+    counts = ref_counts(mgr, table(mgr, "p"))
+    assert counts == [2, 2, 2], (
+        f"fork: each shared block is held by 2 tables (parent, child), so its ref_cnt is 2; "
+        f"got {counts} (touch the parent's blocks)"
+    )
+    free = mgr.block_pool.get_num_free_blocks()
+    assert free == free_before, f"fork must not take blocks: {free_before} free, then {free}"
+    assert mgr.num_cached_block["c"] == mgr.num_cached_block["p"], (
+        f"fork: the child has the parent's cached blocks, num_cached_block "
+        f"{mgr.num_cached_block['p']}; got {mgr.num_cached_block['c']}"
+    )
     # The child's table is its own list: replacing an entry of one never changes the other.
-    assert mgr.req_to_blocks["c"] is not mgr.req_to_blocks["p"]
+    assert mgr.req_to_blocks["c"] is not mgr.req_to_blocks["p"], (
+        "fork: the child's req_to_blocks entry is the parent's list object; give it a copy "
+        "(copy-on-write later replaces entries of one table only)"
+    )
 
 
 def test_fork_of_a_fork_counts_three_holders():
@@ -205,9 +235,12 @@ def test_fork_of_a_fork_counts_three_holders():
     parent = sim.admit([1, 2, 3, 4, 5, 6], 9)
     child = sim.fork(parent, 10)
     grandchild = sim.fork(child, 11)
-    assert table(sim.mgr, grandchild.request_id) == table(sim.mgr, parent.request_id)
+    assert table(sim.mgr, grandchild.request_id) == table(sim.mgr, parent.request_id), (
+        "fork of a fork: the grandchild's table must list the same blocks as the parent's"
+    )
     sim.check_counts()
-    assert {sim.mgr.block_pool.blocks[b].ref_cnt for b in table(sim.mgr, parent.request_id)} == {3}
+    counts = ref_counts(sim.mgr, table(sim.mgr, parent.request_id))
+    assert set(counts) == {3}, f"fork of a fork: 3 tables hold each block, ref_cnts are {counts}"
 
 
 def _prefilled(mgr, prompt, *, lookahead=0, salt=None):
@@ -215,7 +248,9 @@ def _prefilled(mgr, prompt, *, lookahead=0, salt=None):
         f"p{len(mgr.req_to_blocks)}", list(prompt), lab.SamplingParams(), eos_token_id=None,
         cache_salt=salt, block_hasher=lab.get_request_block_hasher(BS, lab.sha256),
     )
-    assert mgr.allocate_slots(req, len(prompt), num_lookahead_tokens=lookahead) is not None
+    assert mgr.allocate_slots(req, len(prompt), num_lookahead_tokens=lookahead) is not None, (
+        f"the given allocate_slots refused a prompt of {len(prompt)} tokens"
+    )
     req.num_computed_tokens = len(prompt)
     req.append_output_token_ids(9)
     return req
@@ -224,20 +259,25 @@ def _prefilled(mgr, prompt, *, lookahead=0, salt=None):
 def test_fork_refuses_a_parent_whose_cached_blocks_run_ahead():
     mgr = make_manager()
     parent = make_request("p", list(range(8)))
-    assert mgr.allocate_slots(parent, 8) is not None  # caches 2 blocks; computed still 0
-    assert mgr.num_cached_block["p"] == 2 and parent.num_computed_tokens == 0
+    # caches 2 blocks; computed still 0
+    assert mgr.allocate_slots(parent, 8) is not None, "the given allocate_slots refused 8 tokens"
+    assert (mgr.num_cached_block["p"], parent.num_computed_tokens) == (2, 0), (
+        "set-up: the given allocate_slots caches 2 full blocks before any is computed"
+    )
     child = make_request("c", list(range(8)))  # the same tokens, 0 of them computed
     before = snapshot(mgr)
     with pytest.raises(ValueError):
         mgr.fork(parent, child)
-    assert snapshot(mgr) == before
+    assert_unchanged(mgr, before, "fork of a parent with 8 cached tokens and 0 computed")
     parent.num_computed_tokens = child.num_computed_tokens = 4  # half-way: 8 cached, 4 computed
     with pytest.raises(ValueError):
         mgr.fork(parent, child)
-    assert snapshot(mgr) == before
+    assert_unchanged(mgr, before, "fork of a parent with 8 cached tokens and 4 computed")
     parent.num_computed_tokens = child.num_computed_tokens = 8  # after the step: fine
     mgr.fork(parent, child)
-    assert table(mgr, "c") == table(mgr, "p")
+    assert table(mgr, "c") == table(mgr, "p"), (
+        "fork after the step that computed the cached blocks must share the parent's table"
+    )
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -254,10 +294,12 @@ def test_fork_compares_block_hashes_only_with_caching_on(caching):
     if caching:
         with pytest.raises(ValueError):
             mgr.fork(parent, child)
-        assert snapshot(mgr) == before
+        assert_unchanged(mgr, before, "fork of a child whose block hashes differ")
     else:
         mgr.fork(parent, child)
-        assert table(mgr, "salted") == table(mgr, parent.request_id)
+        assert table(mgr, "salted") == table(mgr, parent.request_id), (
+            "fork without prefix caching ignores block hashes: the child shares the table"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,9 +314,14 @@ def test_positions_to_copy_after_a_fork():
     child = make_child(parent, "c", 10)
     mgr.fork(parent, child)
     before = snapshot(mgr)
-    assert mgr._get_blocks_to_copy_on_write(child) == [1], "the shared partial block"
-    assert mgr._get_blocks_to_copy_on_write(parent) == [1]
-    assert snapshot(mgr) == before, "finding the positions changes nothing"
+    assert mgr._get_blocks_to_copy_on_write(child) == [1], (
+        "6 computed tokens: the next write lands in block 1 (6 // 4), the partial block the "
+        "child shares with its parent, so position 1 needs a copy"
+    )
+    assert mgr._get_blocks_to_copy_on_write(parent) == [1], (
+        "the parent's partial block is shared with the child too: position 1 needs a copy"
+    )
+    assert_unchanged(mgr, before, "_get_blocks_to_copy_on_write (it only looks)")
     boundary = _prefilled(mgr, [7, 7, 7, 7, 8, 8, 8, 8])
     mgr.fork(boundary, make_child(boundary, "b", 1))
     assert mgr._get_blocks_to_copy_on_write(boundary) == [], "full blocks are never written"
@@ -283,12 +330,17 @@ def test_positions_to_copy_after_a_fork():
 def test_positions_to_copy_include_shared_lookahead_blocks():
     mgr = make_manager()
     parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6], lookahead=6)  # 3 blocks for 12 slots
-    assert len(table(mgr, parent.request_id)) == 3
+    assert len(table(mgr, parent.request_id)) == 3, "set-up: 6 tokens + 6 lookahead = 3 blocks"
     child = make_child(parent, "c", 10)
     mgr.fork(parent, child)
-    assert mgr._get_blocks_to_copy_on_write(child) == [1, 2]
+    assert mgr._get_blocks_to_copy_on_write(child) == [1, 2], (
+        "6 computed tokens: the next write lands in block 1; block 2 (lookahead) is written "
+        "later and is shared too, so both positions need a copy"
+    )
     child.num_computed_tokens = 8  # as if it had written tokens 6 and 7 in place
-    assert mgr._get_blocks_to_copy_on_write(child) == [2]
+    assert mgr._get_blocks_to_copy_on_write(child) == [2], (
+        "8 computed tokens: the next write starts at block 2 (8 // 4); block 1 is full"
+    )
 
 
 def test_positions_to_copy_follow_the_reference_counts():
@@ -297,7 +349,11 @@ def test_positions_to_copy_follow_the_reference_counts():
     kids = [make_child(parent, f"k{i}", i) for i in range(2)]
     for kid in kids:
         mgr.fork(parent, kid)
-    assert [mgr._get_blocks_to_copy_on_write(r) for r in (parent, *kids)] == [[1], [1], [1]]
+    positions = [mgr._get_blocks_to_copy_on_write(r) for r in (parent, *kids)]
+    assert positions == [[1], [1], [1]], (
+        f"3 tables hold the partial block 1: parent and both children must copy it; got "
+        f"{positions} for (parent, child 0, child 1)"
+    )
     mgr.free(kids[0])
     mgr.free(kids[1])
     assert mgr._get_blocks_to_copy_on_write(parent) == [], "the last holder writes in place"
@@ -317,14 +373,35 @@ def test_copy_on_write_replaces_only_the_writers_block():
     front = mgr.block_pool.free_block_queue.get_all_free_blocks()[0].block_id
     free_before = mgr.block_pool.get_num_free_blocks()
     before = snapshot(mgr)
-    assert mgr._copy_on_write("c", []) == [] and snapshot(mgr) == before
-    assert mgr._copy_on_write("c", [1]) == [(shared, front)], "(src, dst), from the queue front"
-    assert table(mgr, "c") == [table(mgr, parent.request_id)[0], front]
-    assert table(mgr, parent.request_id)[1] == shared, "the other holder keeps the block"
+    copies = mgr._copy_on_write("c", [])
+    assert copies == [], f"_copy_on_write of no positions copies nothing, got {copies}"
+    assert_unchanged(mgr, before, "_copy_on_write of no positions")
+    copies = mgr._copy_on_write("c", [1])
+    assert copies == [(shared, front)], (
+        f"one (src, dst) pair: the shared block {shared} into the free queue's front block "
+        f"{front}; got {copies}"
+    )
+    expected = [table(mgr, parent.request_id)[0], front]
+    assert table(mgr, "c") == expected, (
+        f"the writer's table must get the fresh block at position 1: expected {expected}, "
+        f"got {table(mgr, 'c')}"
+    )
+    assert table(mgr, parent.request_id)[1] == shared, (
+        f"the other holder keeps block {shared}; the parent's table is now "
+        f"{table(mgr, parent.request_id)}"
+    )
     blocks = mgr.block_pool.blocks
-    assert (blocks[shared].ref_cnt, blocks[front].ref_cnt) == (1, 1)
+    assert (blocks[shared].ref_cnt, blocks[front].ref_cnt) == (1, 1), (
+        f"after the copy the shared block {shared} has one holder fewer (the parent only: "
+        f"ref_cnt 1) and the fresh block {front} one holder (ref_cnt 1); got ref_cnt "
+        f"{blocks[shared].ref_cnt} and {blocks[front].ref_cnt} (free the writer's reference "
+        f"to the shared block)"
+    )
     assert blocks[table(mgr, "c")[0]].ref_cnt == 2, "unwritten positions stay shared"
-    assert mgr.block_pool.get_num_free_blocks() == free_before - 1
+    free = mgr.block_pool.get_num_free_blocks()
+    assert free == free_before - 1, (
+        f"one copy takes exactly one free block: {free_before} free before, {free} after"
+    )
 
 
 def test_copy_on_write_of_several_positions_pairs_them_in_order():
@@ -334,9 +411,20 @@ def test_copy_on_write_of_several_positions_pairs_them_in_order():
     mgr.fork(parent, child)
     shared = table(mgr, "c")[1:]
     front = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()[:2]]
-    assert mgr._copy_on_write("c", [1, 2]) == list(zip(shared, front))
-    assert table(mgr, "c")[1:] == front and table(mgr, parent.request_id)[1:] == shared
-    assert [mgr.block_pool.blocks[b].ref_cnt for b in shared + front] == [1, 1, 1, 1]
+    copies = mgr._copy_on_write("c", [1, 2])
+    assert copies == list(zip(shared, front)), (
+        f"positions [1, 2] pair with the free queue's first two blocks in order: expected "
+        f"{list(zip(shared, front))}, got {copies}"
+    )
+    assert table(mgr, "c")[1:] == front, f"the child's table must end in {front}: {table(mgr, 'c')}"
+    assert table(mgr, parent.request_id)[1:] == shared, (
+        f"the parent's table must still end in {shared}: {table(mgr, parent.request_id)}"
+    )
+    counts = ref_counts(mgr, shared + front)
+    assert counts == [1, 1, 1, 1], (
+        f"after both copies each old and each fresh block has one holder; ref_cnt of "
+        f"{shared + front} is {counts}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,18 +441,33 @@ def test_writing_into_a_shared_partial_block_copies_it():
 
     copies = sim.step(child, 20)
 
-    assert len(copies) == 1
+    assert copies is not None and len(copies) == 1, (
+        f"append_slots into the shared partial block {shared_tail} must return one "
+        f"(src, dst) copy; got {copies}"
+    )
     src, dst = copies[0]
-    assert src == shared_tail, "the source of the copy is the shared block"
-    assert dst != shared_tail and table(sim.mgr, child.request_id)[-1] == dst
+    assert src == shared_tail, f"the source of the copy is the shared block {shared_tail}: {src}"
+    child_table = table(sim.mgr, child.request_id)
+    assert dst != shared_tail and child_table[-1] == dst, (
+        f"the copy's destination {dst} must be a fresh block, now last in the child's table "
+        f"{child_table}"
+    )
     assert table(sim.mgr, parent.request_id)[-1] == shared_tail, "the parent keeps its block"
     assert sim.mgr.block_pool.blocks[shared_tail].ref_cnt == 1, "the old block lost one holder"
-    assert sim.mgr.block_pool.blocks[dst].ref_cnt == 1
-    assert sim.mgr.block_pool.get_num_free_blocks() == free_before - 1
+    assert sim.mgr.block_pool.blocks[dst].ref_cnt == 1, (
+        f"the fresh block {dst} has one holder, ref_cnt {sim.mgr.block_pool.blocks[dst].ref_cnt}"
+    )
+    free = sim.mgr.block_pool.get_num_free_blocks()
+    assert free == free_before - 1, (
+        f"one copy takes exactly one free block: {free_before} free before, {free} after"
+    )
     # The first full block is still shared: it is never written again.
-    assert table(sim.mgr, child.request_id)[0] == table(sim.mgr, parent.request_id)[0]
+    assert child_table[0] == table(sim.mgr, parent.request_id)[0], (
+        "the first (full) block is never written again, so it stays shared, not copied"
+    )
     # The parent is now the block's only holder: it writes in place, no copy.
-    assert sim.step(parent, 21) == []
+    copies = sim.step(parent, 21)
+    assert copies == [], f"the block's last holder writes in place (no copy); got {copies}"
     sim.check_reads()
     sim.check_counts()
 
@@ -374,11 +477,18 @@ def test_copy_on_write_with_three_holders():
     parent = sim.admit([1, 2, 3, 4, 5], 9)
     kids = [sim.fork(parent, 10 + i) for i in range(2)]
     tail = table(sim.mgr, parent.request_id)[-1]
-    assert sim.mgr.block_pool.blocks[tail].ref_cnt == 3
+    assert sim.mgr.block_pool.blocks[tail].ref_cnt == 3, "fork: 3 tables hold the tail block"
     for expected_count, req in ((2, kids[0]), (1, kids[1])):
         copies = sim.step(req, 30)
-        assert [c[0] for c in copies] == [tail]
-        assert sim.mgr.block_pool.blocks[tail].ref_cnt == expected_count
+        assert copies is not None and [c[0] for c in copies] == [tail], (
+            f"{req.request_id} writes into the tail block {tail} that others hold: one copy "
+            f"from it; got {copies}"
+        )
+        count = sim.mgr.block_pool.blocks[tail].ref_cnt
+        assert count == expected_count, (
+            f"each copy drops one holder of block {tail}: ref_cnt {expected_count} expected "
+            f"after {req.request_id}'s copy, got {count}"
+        )
     assert sim.step(parent, 31) == [], "the last holder writes in place"
     sim.check_reads()
     sim.check_counts()
@@ -389,9 +499,15 @@ def test_no_copy_at_a_block_boundary():
     parent = sim.admit([1, 2, 3, 4, 5, 6, 7, 8], 9)  # two full blocks: nothing partial to share
     child = sim.fork(parent, 10)
     free_before = sim.mgr.block_pool.get_num_free_blocks()
-    assert sim.step(child, 11) == []
+    copies = sim.step(child, 11)
+    assert copies == [], (
+        f"after two full blocks the next token starts a new block: no shared block is written, "
+        f"no copy; got {copies}"
+    )
     assert sim.mgr.block_pool.get_num_free_blocks() == free_before - 1, "one new block, no copy"
-    assert table(sim.mgr, child.request_id)[:2] == table(sim.mgr, parent.request_id)[:2]
+    assert table(sim.mgr, child.request_id)[:2] == table(sim.mgr, parent.request_id)[:2], (
+        "full blocks stay shared"
+    )
     sim.check_reads()
     sim.check_counts()
 
@@ -403,8 +519,12 @@ def test_prefix_cache_sharing_never_copies():
     b = sim.admit([1, 2, 3, 4, 5, 6, 7, 8, 9], 51)
     assert table(sim.mgr, a.request_id)[:2] == table(sim.mgr, b.request_id)[:2], "a cache hit"
     for _ in range(6):
-        assert sim.step(a, 52) == []
-        assert sim.step(b, 53) == []
+        for req, token in ((a, 52), (b, 53)):
+            copies = sim.step(req, token)
+            assert copies == [], (
+                f"{req.request_id} shares only full cached blocks, which are never written: "
+                f"no copy, got {copies}"
+            )
     sim.check_reads()
     sim.check_counts()
 
@@ -416,7 +536,11 @@ def test_counts_return_to_zero_when_all_finish():
     family = [root]
     for step in range(12):
         for req in list(family):
-            assert sim.step(req, rng.randrange(100)) is not None
+            copies = sim.step(req, rng.randrange(100))
+            assert copies is not None, (
+                f"append_slots refused {req.request_id} at step {step} with "
+                f"{sim.mgr.block_pool.get_num_free_blocks()} of 39 blocks free"
+            )
         if step % 3 == 0:
             family.append(sim.fork(rng.choice(family), rng.randrange(100)))
         sim.check_reads()
@@ -427,9 +551,13 @@ def test_counts_return_to_zero_when_all_finish():
         sim.check_reads()
         sim.check_counts()
     blocks = sim.mgr.block_pool.blocks
-    assert all(b.ref_cnt == 0 for b in blocks[1:]), "every block must be back at ref_cnt 0"
-    assert sim.mgr.block_pool.get_num_free_blocks() == sim.num_blocks - 1
-    assert sim.mgr.req_to_blocks == {}
+    held = {b.block_id: b.ref_cnt for b in blocks[1:] if b.ref_cnt}
+    assert not held, f"every block must be back at ref_cnt 0 when all finish; still held: {held}"
+    free = sim.mgr.block_pool.get_num_free_blocks()
+    assert free == sim.num_blocks - 1, f"all {sim.num_blocks - 1} blocks free again, got {free}"
+    assert sim.mgr.req_to_blocks == {}, (
+        f"free() of every request leaves no block table; left: {sorted(sim.mgr.req_to_blocks)}"
+    )
 
 
 def test_freeing_the_parent_first_keeps_the_children_going():
@@ -443,7 +571,10 @@ def test_freeing_the_parent_first_keeps_the_children_going():
     sim.check_counts()
     for _ in range(5):
         for kid in kids:
-            assert sim.step(kid, 40) is not None
+            assert sim.step(kid, 40) is not None, (
+                f"append_slots refused {kid.request_id} with "
+                f"{sim.mgr.block_pool.get_num_free_blocks()} blocks free"
+            )
     sim.check_reads()
     sim.check_counts()
 
@@ -456,11 +587,11 @@ def test_freeing_the_parent_first_keeps_the_children_going():
 def _forkable():
     mgr = make_manager()
     parent = make_request("p", [1, 2, 3, 4, 5, 6])
-    assert mgr.allocate_slots(parent, 6) is not None
+    assert mgr.allocate_slots(parent, 6) is not None, "the given allocate_slots refused 6 tokens"
     parent.num_computed_tokens = 6
     parent.append_output_token_ids(9)
     other = make_request("q", [7, 7, 7])
-    assert mgr.allocate_slots(other, 3) is not None
+    assert mgr.allocate_slots(other, 3) is not None, "the given allocate_slots refused 3 tokens"
     other.num_computed_tokens = 3
     return mgr, parent
 
@@ -472,7 +603,7 @@ def test_fork_an_unknown_parent_is_an_error():
     before = snapshot(mgr)
     with pytest.raises(ValueError, match="x"):
         mgr.fork(stranger, make_child(stranger, "c", 1))
-    assert snapshot(mgr) == before
+    assert_unchanged(mgr, before, "fork of an unknown parent")
 
 
 @pytest.mark.parametrize("child_id", ["q", "p"])
@@ -481,7 +612,7 @@ def test_fork_into_an_id_in_use_is_an_error(child_id):
     before = snapshot(mgr)
     with pytest.raises(ValueError, match="already in use"):
         mgr.fork(parent, make_child(parent, child_id, 1))
-    assert snapshot(mgr) == before
+    assert_unchanged(mgr, before, f"fork into the id {child_id!r} in use")
 
 
 def test_fork_a_child_that_differs_is_an_error():
@@ -494,7 +625,7 @@ def test_fork_a_child_that_differs_is_an_error():
     for child in (wrong_tokens, behind):
         with pytest.raises(ValueError, match="fork"):
             mgr.fork(parent, child)
-        assert snapshot(mgr) == before
+        assert_unchanged(mgr, before, f"fork of a child ({child.request_id}) that differs")
 
 
 def test_append_slots_bad_input_is_an_error():
@@ -509,9 +640,12 @@ def test_append_slots_bad_input_is_an_error():
         mgr.append_slots(parent, 1, num_lookahead_tokens=-1)
     with pytest.raises(ValueError, match="max_model_len"):
         mgr.append_slots(parent, 300)
-    assert snapshot(mgr) == before
+    assert_unchanged(mgr, before, "append_slots with bad input")
     bare = lab.Request("bare", [1, 2, 3, 4, 5], lab.SamplingParams(), eos_token_id=None)
-    assert mgr.allocate_slots(bare, 5, delay_cache_blocks=True) is not None  # no hashes
+    # no hashes
+    assert mgr.allocate_slots(bare, 5, delay_cache_blocks=True) is not None, (
+        "the given allocate_slots refused 5 tokens"
+    )
     bare.num_computed_tokens = 5
     twin = lab.Request("bare2", [1, 2, 3, 4, 5], lab.SamplingParams(), None)
     twin.num_computed_tokens = 5
@@ -519,7 +653,7 @@ def test_append_slots_bad_input_is_an_error():
     before = snapshot(mgr)
     with pytest.raises(ValueError):
         mgr.append_slots(bare, 1)  # its hashes do not match its tokens: before any copy
-    assert snapshot(mgr) == before
+    assert_unchanged(mgr, before, "append_slots of a request whose hashes do not match")
 
 
 def test_append_slots_that_fits_exactly():
@@ -528,8 +662,11 @@ def test_append_slots_that_fits_exactly():
     child = sim.fork(parent, 10)
     sim.mgr.block_pool.get_new_blocks(1)  # somebody else holds one: 1 free
     copies = sim.mgr.append_slots(child, 1)
-    assert copies is not None and len(copies) == 1, "one copy, one free block: it fits"
-    assert sim.mgr.block_pool.get_num_free_blocks() == 0
+    assert copies is not None and len(copies) == 1, (
+        f"one copy, one free block: it fits, so append_slots returns one copy; got {copies}"
+    )
+    free = sim.mgr.block_pool.get_num_free_blocks()
+    assert free == 0, f"the copy takes the one free block; {free} left"
 
 
 def test_append_slots_up_to_exactly_max_model_len():
@@ -537,8 +674,11 @@ def test_append_slots_up_to_exactly_max_model_len():
     parent = _prefilled(mgr, list(range(10)))  # blocks of 4, 4, 2
     mgr.fork(parent, make_child(parent, "c", 1))
     copies = mgr.append_slots(parent, 2, num_lookahead_tokens=3)  # 12 tokens: exactly the limit
-    assert copies is not None and len(copies) == 1, "12 tokens of max_model_len=12 fit"
-    assert len(table(mgr, parent.request_id)) == 3, "lookahead slots stop at max_model_len"
+    assert copies is not None and len(copies) == 1, (
+        f"12 tokens of max_model_len=12 fit: one copy of the shared tail expected, got {copies}"
+    )
+    held = table(mgr, parent.request_id)
+    assert len(held) == 3, f"lookahead slots stop at max_model_len: 3 blocks, got {held}"
 
 
 @pytest.mark.parametrize("num_blocks", [5, 6])
@@ -553,42 +693,67 @@ def test_append_slots_reserves_lookahead_slots(num_blocks):
     before = snapshot(mgr)
     copies = mgr.append_slots(child, 1, num_lookahead_tokens=6)
     if num_blocks == 5:  # 2 free
-        assert copies is None, "1 copy + 2 lookahead blocks need 3 free blocks, 2 are free"
-        assert snapshot(mgr) == before
+        assert copies is None, (
+            f"1 copy + 2 lookahead blocks need 3 free blocks, 2 are free: append_slots must "
+            f"return None, got {copies}"
+        )
+        assert_unchanged(mgr, before, "a refused append_slots")
     else:  # 3 free: exactly enough
-        assert copies is not None and len(copies) == 1
+        assert copies is not None and len(copies) == 1, (
+            f"1 copy + 2 lookahead blocks fit in 3 free blocks: one copy expected, got {copies}"
+        )
         assert len(table(mgr, "c")) == 4, (
             f"the child's table must cover 13 slots (4 blocks), got {table(mgr, 'c')}"
         )
-        assert mgr.block_pool.get_num_free_blocks() == 0
+        free = mgr.block_pool.get_num_free_blocks()
+        assert free == 0, f"the step takes all 3 free blocks; {free} left"
 
 
-def test_append_slots_counts_lookahead_blocks_it_already_holds_as_no_new_blocks():
+@pytest.mark.parametrize("num_free", [0, 1])
+def test_append_slots_counts_lookahead_blocks_it_already_holds_as_no_new_blocks(num_free):
     """A request holding more blocks than its next tokens need (lookahead) needs no new block,
-    but its shared lookahead blocks still need copies: with no free block that is a refusal,
-    not an error half-way."""
-    mgr = make_manager(num_blocks=4)  # 3 usable blocks
-    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6], lookahead=6)  # all 3 blocks
+    but its shared lookahead blocks still need copies: with fewer free blocks than copies that
+    is a refusal, not an error half-way.
+
+    With one block free the count matters: the table holds one block more than 7 tokens need, so
+    "blocks to allocate" is -1, and 2 copies - 1 = 1 "fits" in the one free block unless the
+    new-block count is clamped at 0 (then 2 copies + 0 > 1: refused)."""
+    mgr = make_manager(num_blocks=4 + num_free)  # 3 usable blocks, plus the free ones
+    parent = _prefilled(mgr, [1, 2, 3, 4, 5, 6], lookahead=6)  # 3 blocks: 12 slots
     child = make_child(parent, "c", 10)
     mgr.fork(parent, child)
-    assert mgr.block_pool.get_num_free_blocks() == 0
+    assert mgr.block_pool.get_num_free_blocks() == num_free, f"set-up: {num_free} block(s) free"
     before = snapshot(mgr)
-    assert mgr.append_slots(child, 1) is None
-    assert snapshot(mgr) == before
+    try:
+        copies = mgr.append_slots(child, 1)
+    except ValueError as exc:
+        raise AssertionError(
+            f"append_slots raised where it must return None: the child shares blocks 1 and 2 "
+            f"(2 copies) and already holds more blocks than 7 tokens need (0 new blocks, not "
+            f"-1), {num_free} free; count the new blocks as max(0, ...). It raised: {exc}"
+        ) from exc
+    assert copies is None, (
+        f"2 copies of shared blocks need 2 free blocks, {num_free} free: append_slots must "
+        f"return None, got {copies}"
+    )
+    assert_unchanged(mgr, before, "a refused append_slots")
 
 
 def test_append_slots_without_room_returns_none_and_changes_nothing():
     sim = Sim(num_blocks=4)  # 3 usable blocks
     parent = sim.admit([1, 2, 3, 4, 5, 6], 9)  # takes 2
     child = sim.fork(parent, 10)
-    assert sim.step(child, 11) is not None  # copy-on-write takes the last free block
+    # copy-on-write takes the last free block
+    assert sim.step(child, 11) is not None, "append_slots refused a copy into the last free block"
     before = snapshot(sim.mgr)
-    assert sim.mgr.append_slots(parent, 3) is None  # needs a new block: none left
-    assert snapshot(sim.mgr) == before
+    copies = sim.mgr.append_slots(parent, 3)  # needs a new block: none left
+    assert copies is None, f"3 more tokens need a new block and none is free; got {copies}"
+    assert_unchanged(sim.mgr, before, "a refused append_slots (no block for new tokens)")
     grandchild = sim.fork(child, 12)
     before = snapshot(sim.mgr)
-    assert sim.mgr.append_slots(grandchild, 1) is None  # needs a copy: no block for it
-    assert snapshot(sim.mgr) == before
+    copies = sim.mgr.append_slots(grandchild, 1)  # needs a copy: no block for it
+    assert copies is None, f"the write needs a copy and no block is free; got {copies}"
+    assert_unchanged(sim.mgr, before, "a refused append_slots (no block for the copy)")
     sim.check_reads()
     sim.check_counts()
 
@@ -643,7 +808,8 @@ class SharingMachine(RuleBasedStateMachine):
         for req in list(self.sim.live.values()):
             self.sim.finish(req)
         self.sim.check_counts()
-        assert all(b.ref_cnt == 0 for b in self.sim.mgr.block_pool.blocks[1:])
+        held = {b.block_id: b.ref_cnt for b in self.sim.mgr.block_pool.blocks[1:] if b.ref_cnt}
+        assert not held, f"every request freed, yet blocks are still held (id: ref_cnt): {held}"
 
 
 test_random_workloads_keep_every_sequence_isolated = SharingMachine.TestCase
@@ -700,7 +866,7 @@ def test_paged_attention_over_forked_sequences_equals_unshared_attention():
             assert_close(out[s : s + 1], expected, msg=f"sequence {rid}")
 
     parent = make_request("p", list(range(7)))  # 7 tokens: the second block is partly filled
-    assert mgr.allocate_slots(parent, 7) is not None
+    assert mgr.allocate_slots(parent, 7) is not None, "the given allocate_slots refused 7 tokens"
     live["p"] = parent
     prompt_k, prompt_v = torch.randn(2, 7, num_kv_heads, head_size)
     write(parent, prompt_k, prompt_v)
@@ -712,7 +878,7 @@ def test_paged_attention_over_forked_sequences_equals_unshared_attention():
         for rid in sorted(live):
             req = live[rid]
             copies = mgr.append_slots(req, 1)
-            assert copies is not None
+            assert copies is not None, f"append_slots refused {rid} with 40 blocks in the cache"
             num_copies += len(copies)
             if copies:
                 lab.copy_blocks([key_cache], [value_cache], torch.tensor(copies, dtype=torch.int64))

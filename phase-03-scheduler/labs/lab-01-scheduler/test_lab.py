@@ -106,7 +106,10 @@ def run_by_hand(scheduler, request, computed, outputs=()):
     its first ``computed`` tokens have KV (blocks claimed from the KV cache manager), then the
     runner sampled ``outputs``. Needs only task 1."""
     scheduler.waiting.remove(request)
-    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None
+    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None, (
+        f"set-up: the KV cache manager refused {computed} tokens of request "
+        f"{request.request_id!r}"
+    )
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = computed
     request.num_cached_tokens = 0
@@ -129,24 +132,40 @@ def ids(requests):
 
 def assert_scheduler_empty(scheduler):
     """Port of upstream's assert_scheduler_empty: nothing queued, nothing held."""
-    assert len(scheduler.requests) == 0
-    assert len(scheduler.waiting) == 0
-    assert len(scheduler.running) == 0
-    assert len(scheduler.swapped) == 0
+    left = {
+        "requests": sorted(scheduler.requests),
+        "waiting": ids(scheduler.waiting),
+        "running": ids(scheduler.running),
+        "swapped": ids(scheduler.swapped),
+    }
+    assert not any(left.values()), (
+        f"after every request finished the scheduler must be empty; still there: "
+        f"{ {name: rids for name, rids in left.items() if rids} }"
+    )
     assert free_blocks(scheduler) == usable_blocks(scheduler), "blocks leaked"
     assert not scheduler.kv_cache_manager.req_to_blocks, "a finished request still has a table"
     for block in scheduler.kv_cache_manager.block_pool.blocks[1:]:
-        assert block.ref_cnt == 0
+        assert block.ref_cnt == 0, f"block {block.block_id} kept ref_cnt {block.ref_cnt}"
 
 
 def check_step_invariants(scheduler, so):
     """The invariants that every schedule() must keep."""
     cfg = scheduler.scheduler_config
     total = sum(so.num_scheduled_tokens.values())
-    assert so.total_num_scheduled_tokens == total
-    assert total <= cfg.max_num_batched_tokens, "token budget exceeded"
-    assert all(n >= 1 for n in so.num_scheduled_tokens.values())
-    assert len(scheduler.running) <= cfg.max_num_seqs
+    assert so.total_num_scheduled_tokens == total, (
+        f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}, the per-request counts "
+        f"{so.num_scheduled_tokens} sum to {total}"
+    )
+    assert total <= cfg.max_num_batched_tokens, (
+        f"token budget exceeded: {total} tokens scheduled, max_num_batched_tokens is "
+        f"{cfg.max_num_batched_tokens}"
+    )
+    assert all(n >= 1 for n in so.num_scheduled_tokens.values()), (
+        f"a scheduled request gets at least one token: {so.num_scheduled_tokens}"
+    )
+    assert len(scheduler.running) <= cfg.max_num_seqs, (
+        f"{len(scheduler.running)} requests running, max_num_seqs is {cfg.max_num_seqs}"
+    )
     assert sorted(so.scheduled_req_ids) == sorted(so.num_scheduled_tokens), (
         "scheduled requests and token counts")
     queues = ids(scheduler.running) + ids(scheduler.waiting) + ids(scheduler.swapped)
@@ -154,11 +173,18 @@ def check_step_invariants(scheduler, so):
     held = set(scheduler.kv_cache_manager.req_to_blocks)
     assert held == set(ids(scheduler.running)), "blocks must be held exactly by running requests"
     for r in scheduler.running:
-        assert r.status == RequestStatus.RUNNING
+        assert r.status == RequestStatus.RUNNING, (
+            f"request {r.request_id!r} is in running with status {r.status!r}"
+        )
         table = scheduler.kv_cache_manager.req_to_blocks[r.request_id]
-        assert len(table) * cfg.block_size >= r.num_computed_tokens
+        assert len(table) * cfg.block_size >= r.num_computed_tokens, (
+            f"request {r.request_id!r} computed {r.num_computed_tokens} tokens but holds "
+            f"{len(table)} block(s) of {cfg.block_size}"
+        )
     for r in scheduler.waiting:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
+            f"request {r.request_id!r} is in waiting with status {r.status!r}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,14 +218,20 @@ def test_unfinished_requests_counts_every_queue():
     scheduler.waiting.remove(swapped)
     swapped.status = RequestStatus.SWAPPED
     scheduler.swapped.append(swapped)
-    assert scheduler.get_num_unfinished_requests() == 3
-    scheduler.waiting.clear()
-    scheduler.running.clear()
-    assert scheduler.get_num_unfinished_requests() == 1
-    assert scheduler.has_unfinished_requests() is True
-    scheduler.swapped.clear()
-    assert scheduler.get_num_unfinished_requests() == 0
-    assert scheduler.has_unfinished_requests() is False
+    for queues, want in (("waiting, running, swapped", 3), ("swapped", 1), ("", 0)):
+        got = scheduler.get_num_unfinished_requests()
+        assert got == want, (
+            f"get_num_unfinished_requests counts waiting + running + swapped: with one request "
+            f"in each of [{queues}] it is {want}, got {got}"
+        )
+        assert scheduler.has_unfinished_requests() is (want > 0), (
+            f"has_unfinished_requests is {want > 0} with {want} unfinished request(s)"
+        )
+        if want == 3:
+            scheduler.waiting.clear()
+            scheduler.running.clear()
+        else:
+            scheduler.swapped.clear()
 
 
 @pytest.mark.parametrize(
@@ -305,8 +337,8 @@ def test_num_new_tokens(prompt, outputs, computed, threshold, budget, max_model_
 
 
 def test_running_requests_are_scheduled_oldest_first_within_the_budget():
-    """Three running requests each lack 4 tokens of their prompt; a budget of 6 gives the oldest
-    4, the next 2 and the newest nothing, and the next step continues from there. A request with
+    """Three running requests each lack 4 tokens of their prompt; a budget of 5 gives the oldest
+    4, the next 1 and the newest nothing, and the next step continues from there. A request with
     nothing to do (its prompt is computed, its token not sampled yet) is passed over."""
     scheduler = make_scheduler(upto=2, block_size=4)
     requests = create_requests(3, num_tokens=8, block_size=4)
@@ -316,26 +348,46 @@ def test_running_requests_are_scheduled_oldest_first_within_the_budget():
     scheduler.max_num_scheduled_tokens = 5  # the budget of every following step
 
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": 4, "1": 1}
-    assert out.scheduled_cached_reqs.req_ids == ["0", "1"]
-    assert out.scheduled_cached_reqs.num_computed_tokens == [4, 4]
-    assert out.scheduled_cached_reqs.resumed_from_preemption == [False, False]
-    assert out.scheduled_new_reqs == []
-    assert ids(scheduler.running) == ["0", "1", "2"]
+    assert out.num_scheduled_tokens == {"0": 4, "1": 1}, (
+        f"step 1, budget 5, oldest first: 0 gets its 4, 1 the last 1, 2 nothing (take each "
+        f"request's tokens out of the budget); got {out.num_scheduled_tokens}"
+    )
+    cached = out.scheduled_cached_reqs
+    assert cached.req_ids == ["0", "1"], f"step 1's running requests, in order: {cached.req_ids}"
+    assert cached.num_computed_tokens == [4, 4], (
+        f"the output carries the counts before the step: [4, 4], got {cached.num_computed_tokens}"
+    )
+    assert cached.resumed_from_preemption == [False, False], "no request resumed in step 1"
+    assert out.scheduled_new_reqs == [], "no waiting request: no new request scheduled"
+    assert ids(scheduler.running) == ["0", "1", "2"], f"running: {ids(scheduler.running)}"
     # Advanced once (by schedule(), after packaging the output), not twice.
-    assert [r.num_computed_tokens for r in requests] == [8, 5, 4]
+    computed = [r.num_computed_tokens for r in requests]
+    assert computed == [8, 5, 4], (
+        f"schedule() advances num_computed_tokens once by what it scheduled: [8, 5, 4], got "
+        f"{computed}"
+    )
 
     out = scheduler.schedule()  # "0" has nothing to do; the ones behind it still run
-    assert out.num_scheduled_tokens == {"1": 3, "2": 2}
-    assert ids(scheduler.running) == ["0", "1", "2"]
-    assert [r.num_computed_tokens for r in requests] == [8, 8, 6]
+    assert out.num_scheduled_tokens == {"1": 3, "2": 2}, (
+        f"step 2: 0 has nothing to do and is passed over (not a reason to stop), 1 gets its "
+        f"last 3 and 2 the remaining 2; got {out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.running) == ["0", "1", "2"], f"running: {ids(scheduler.running)}"
+    computed = [r.num_computed_tokens for r in requests]
+    assert computed == [8, 8, 6], f"after step 2 the counts are [8, 8, 6], got {computed}"
 
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"2": 2}
+    assert out.num_scheduled_tokens == {"2": 2}, (
+        f"step 3: only 2 has tokens left (2 of them), got {out.num_scheduled_tokens}"
+    )
 
     out = scheduler.schedule()  # nobody has anything to do
-    assert out.num_scheduled_tokens == {} and out.total_num_scheduled_tokens == 0
-    assert ids(scheduler.running) == ["0", "1", "2"]
+    assert out.num_scheduled_tokens == {} and out.total_num_scheduled_tokens == 0, (
+        f"nobody has anything to do: an empty step, got {out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.running) == ["0", "1", "2"], (
+        f"requests with nothing to do stay running: {ids(scheduler.running)}"
+    )
 
 
 def test_a_request_with_nothing_to_do_does_not_block_the_others():
@@ -386,20 +438,31 @@ def _full_cache_of_three(upto, **overrides):
     for request in requests:
         scheduler.add_request(request)
         run_by_hand(scheduler, request, 12, outputs=[5])
-    assert free_blocks(scheduler) == 0
+    assert free_blocks(scheduler) == 0, f"set-up: the cache is full, {free_blocks(scheduler)} free"
     return scheduler, requests
 
 
 def test_out_of_blocks_preempts_the_newest_and_retries():
     scheduler, requests = _full_cache_of_three(upto=2)
     out = scheduler.schedule()
-    assert out.preempted_req_ids == ["2"]
-    assert out.num_scheduled_tokens == {"0": 1, "1": 1}
-    assert ids(scheduler.running) == ["0", "1"]
-    assert requests[2].status == RequestStatus.PREEMPTED
-    assert scheduler.stats.num_preemptions == 1
-    assert "2" not in out.scheduled_req_ids
-    assert free_blocks(scheduler) == 1  # 3 freed, 2 claimed
+    assert out.preempted_req_ids == ["2"], (
+        f"out of blocks, the newest running request (2, the back of running) is preempted; "
+        f"preempted: {out.preempted_req_ids}"
+    )
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1}, (
+        f"after the preemption the step retries: 0 and 1 get one token each, got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.running) == ["0", "1"], f"running: {ids(scheduler.running)}"
+    assert requests[2].status == RequestStatus.PREEMPTED, (
+        f"the victim's status is PREEMPTED, not {requests[2].status!r}"
+    )
+    assert scheduler.stats.num_preemptions == 1, (
+        f"one preemption counted, got {scheduler.stats.num_preemptions}"
+    )
+    assert "2" not in out.scheduled_req_ids, "the victim is not scheduled in the step it left"
+    free = free_blocks(scheduler)
+    assert free == 1, f"the victim's 3 blocks freed, 2 claimed: 1 free, got {free}"
 
 
 def test_the_victim_is_the_last_of_running_not_the_latest_arrival():
@@ -510,13 +573,20 @@ def test_the_victim_comes_back_first_with_its_whole_table():
     for request in requests:
         scheduler.add_request(request)
     out = scheduler.schedule()  # 3 x 12 tokens = 9 blocks: the cache is full
-    assert free_blocks(scheduler) == 0
+    free = free_blocks(scheduler)
+    assert free == 0, f"3 prompts of 12 fill all 9 blocks; {free} free"
     scheduler.update_from_output(out, make_output(out, default=5))
     scheduler.add_request(late)
     out = scheduler.schedule()  # everyone needs a 4th block for token 13
-    assert out.preempted_req_ids == ["2"]
-    assert ids(scheduler.running) == ["0", "1"]
-    assert ids(scheduler.waiting) == ["2", "3"]
+    assert out.preempted_req_ids == ["2"], (
+        f"everyone needs a 4th block and none is free: the newest (2) is preempted; preempted: "
+        f"{out.preempted_req_ids}"
+    )
+    assert ids(scheduler.running) == ["0", "1"], f"running: {ids(scheduler.running)}"
+    assert ids(scheduler.waiting) == ["2", "3"], (
+        f"the victim waits at the head of waiting, before the later arrival 3: "
+        f"{ids(scheduler.waiting)}"
+    )
     resumed_at = admitted_late_at = None
     for step in range(100):
         scheduler.update_from_output(out, make_output(out, default=5))
@@ -528,12 +598,22 @@ def test_the_victim_comes_back_first_with_its_whole_table():
         if "2" in cached.req_ids and cached.resumed_from_preemption[cached.req_ids.index("2")]:
             resumed_at = resumed_at if resumed_at is not None else step
             ids_now = cached.new_block_ids[cached.req_ids.index("2")][0]
-            assert ids_now == scheduler.kv_cache_manager.get_block_ids("2")[0]
+            table = scheduler.kv_cache_manager.get_block_ids("2")[0]
+            assert ids_now == table, (
+                f"a resumed request's new_block_ids is its whole new table {table}, got {ids_now}"
+            )
         if any(n.req_id == "3" for n in out.scheduled_new_reqs):
             admitted_late_at = step
-    assert resumed_at is not None and admitted_late_at is not None
-    assert resumed_at <= admitted_late_at
-    assert all(len(r.output_token_ids) == 8 for r in requests)
+    assert resumed_at is not None and admitted_late_at is not None, (
+        f"the victim must come back as resumed (step {resumed_at}) and the late request be "
+        f"admitted (step {admitted_late_at}); None: it never happened"
+    )
+    assert resumed_at <= admitted_late_at, (
+        f"the victim resumed at step {resumed_at}, after the later arrival (step "
+        f"{admitted_late_at}): it waits at the head of waiting"
+    )
+    outputs = [len(r.output_token_ids) for r in requests]
+    assert outputs == [8, 8, 8], f"every request ends with max_tokens=8 tokens, got {outputs}"
     assert_scheduler_empty(scheduler)
 
 
@@ -549,7 +629,11 @@ def _victim_with_a_cached_prefix(upto):
         scheduler.add_request(request)
         run_by_hand(scheduler, request, 12, outputs=outputs)
     out = scheduler.schedule()
-    assert out.preempted_req_ids == ["2"] and out.num_scheduled_tokens == {"0": 1}
+    assert out.preempted_req_ids == ["2"] and out.num_scheduled_tokens == {"0": 1}, (
+        f"set-up: request 0 needs a block, so the last running request (2) is preempted and 0 "
+        f"alone runs one token; got preempted {out.preempted_req_ids}, scheduled "
+        f"{out.num_scheduled_tokens}"
+    )
     scheduler.finish_requests("1", RequestStatus.FINISHED_ABORTED)
     return scheduler, requests
 
@@ -561,10 +645,19 @@ def test_preempted_blocks_stay_in_the_prefix_cache():
     scheduler, requests = _victim_with_a_cached_prefix(upto=3)
     out = scheduler.schedule()
     cached = out.scheduled_cached_reqs
-    assert cached.req_ids == ["2"] and cached.resumed_from_preemption == [True]
-    assert cached.num_computed_tokens == [8]
-    assert out.num_scheduled_tokens == {"2": 5}
-    assert requests[2].num_computed_tokens == 13
+    assert cached.req_ids == ["2"] and cached.resumed_from_preemption == [True], (
+        f"the victim comes back as a resumed request: req_ids {cached.req_ids}, resumed "
+        f"{cached.resumed_from_preemption}"
+    )
+    assert cached.num_computed_tokens == [8], (
+        f"its first two blocks (8 tokens) are prefix-cache hits, got {cached.num_computed_tokens}"
+    )
+    assert out.num_scheduled_tokens == {"2": 5}, (
+        f"it computes only the other 5 of its 13 tokens, got {out.num_scheduled_tokens}"
+    )
+    assert requests[2].num_computed_tokens == 13, (
+        f"after the step it has computed 13 tokens, got {requests[2].num_computed_tokens}"
+    )
 
 
 def test_preempt_during_execution():
@@ -876,12 +969,24 @@ def test_the_length_cap_wins_over_a_stop_on_the_last_allowed_token(last):
     request, out = _one_running(scheduler, max_tokens=3, stop_token_ids=[13])
     final = EOS if last == "eos" else 13
     outputs = scheduler.update_from_output(out, make_output(out, {"0": [7, 8, final, 9]}))
-    assert list(request.output_token_ids) == [7, 8, final]
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert request.get_finished_reason() == FinishReason.LENGTH
-    assert request.stop_reason is None
-    assert outputs[0].finish_reason == FinishReason.LENGTH and outputs[0].stop_reason is None
-    assert outputs[0].new_token_ids == [7, 8, final]
+    assert list(request.output_token_ids) == [7, 8, final], (
+        f"the request keeps its 3 allowed tokens, got {list(request.output_token_ids)}"
+    )
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        f"the length cap is checked before EOS and stop tokens: FINISHED_LENGTH_CAPPED, got "
+        f"{request.status!r}"
+    )
+    assert request.get_finished_reason() == FinishReason.LENGTH, "the finish reason is LENGTH"
+    assert request.stop_reason is None, (
+        f"a length-capped request records no stop reason, got {request.stop_reason!r}"
+    )
+    assert outputs[0].finish_reason == FinishReason.LENGTH and outputs[0].stop_reason is None, (
+        f"the output says LENGTH and no stop reason: {outputs[0].finish_reason}, "
+        f"{outputs[0].stop_reason!r}"
+    )
+    assert outputs[0].new_token_ids == [7, 8, final], (
+        f"the output carries the 3 tokens, got {outputs[0].new_token_ids}"
+    )
 
 
 def test_stop_at_max_tokens_and_ignore_eos():
@@ -1085,13 +1190,31 @@ def test_finish_requests_takes_one_id_as_a_whole_and_keeps_the_others_in_order()
         scheduler.add_request(request)
     scheduler.schedule()  # "1", "2", "12" run; "3", "4", "5" wait
     scheduler.finish_requests("12", RequestStatus.FINISHED_ABORTED)
-    assert ids(scheduler.running) == ["1", "2"] and ids(scheduler.waiting) == ["3", "4", "5"]
+    queues = (ids(scheduler.running), ids(scheduler.waiting))
+    assert queues == (["1", "2"], ["3", "4", "5"]), (
+        f"finish_requests('12') finishes request '12' (one id as a whole, not '1' and '2'); "
+        f"running, waiting: {queues}"
+    )
     scheduler.finish_requests(iter(["4", "4", "1"]), RequestStatus.FINISHED_STOPPED)
-    assert ids(scheduler.running) == ["2"] and ids(scheduler.waiting) == ["3", "5"]
-    assert requests[4].status == RequestStatus.FINISHED_STOPPED
-    assert sorted(scheduler.requests) == ["2", "3", "5"]
-    assert free_blocks(scheduler) == usable_blocks(scheduler) - 2
-    assert scheduler.schedule().finished_req_ids == {"12", "4", "1"}
+    queues = (ids(scheduler.running), ids(scheduler.waiting))
+    assert queues == (["2"], ["3", "5"]), (
+        f"finishing '4' (twice) and '1' from any iterable keeps the others in order; running, "
+        f"waiting: {queues}"
+    )
+    assert requests[4].status == RequestStatus.FINISHED_STOPPED, (
+        f"a finished request takes the given status, got {requests[4].status!r}"
+    )
+    assert sorted(scheduler.requests) == ["2", "3", "5"], (
+        f"finished requests leave scheduler.requests: {sorted(scheduler.requests)}"
+    )
+    free = free_blocks(scheduler)
+    assert free == usable_blocks(scheduler) - 2, (
+        f"the finished requests' blocks are freed: only '2' holds 2 blocks, {free} free"
+    )
+    finished = scheduler.schedule().finished_req_ids
+    assert finished == {"12", "4", "1"}, (
+        f"the next step reports every request finished since the last one: {finished}"
+    )
 
 
 @pytest.mark.parametrize("status", [RequestStatus.RUNNING, RequestStatus.WAITING,

@@ -68,7 +68,10 @@ def run_by_hand(scheduler, request, computed, outputs=()):
     """Put an added request into ``running`` as a step would have left it: ``computed`` tokens
     with KV (GPU blocks claimed from the KV cache manager), then ``outputs`` sampled."""
     scheduler.waiting.remove(request)
-    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None
+    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None, (
+        f"set-up: the KV cache manager refused {computed} tokens of request "
+        f"{request.request_id!r}"
+    )
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = computed
     scheduler.running.append(request)
@@ -107,7 +110,11 @@ def check_pools(scheduler):
             owners[b.block_id] = rid
     in_use = {b.block_id for b in kv.block_pool.blocks[1:] if b.ref_cnt > 0}
     assert in_use == set(owners), "a GPU block is in use but in no table, or the reverse"
-    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_gpu_blocks - 1 - len(in_use)
+    gpu_free = kv.block_pool.get_num_free_blocks()
+    assert gpu_free == kv.block_pool.num_gpu_blocks - 1 - len(in_use), (
+        f"{gpu_free} GPU blocks free, but {len(in_use)} of {kv.block_pool.num_gpu_blocks - 1} "
+        f"are in use"
+    )
     swap = scheduler.swap_space
     cpu_owners: dict[int, str] = {}
     for rid, blocks in swap.req_to_cpu_blocks.items():
@@ -115,14 +122,25 @@ def check_pools(scheduler):
             assert b.block_id != 0, "the CPU null block was handed out"
             assert b.block_id not in cpu_owners, f"CPU block {b.block_id} owned twice"
             cpu_owners[b.block_id] = rid
-    assert swap.get_num_free_blocks() == swap.block_pool.num_gpu_blocks - 1 - len(cpu_owners)
+    cpu_free = swap.get_num_free_blocks()
+    assert cpu_free == swap.block_pool.num_gpu_blocks - 1 - len(cpu_owners), (
+        f"{cpu_free} CPU blocks free, but swapped requests hold {len(cpu_owners)} of "
+        f"{swap.block_pool.num_gpu_blocks - 1}"
+    )
     swapped = {r.request_id for r in scheduler.swapped}
     assert set(swap.req_to_cpu_blocks) == swapped, "CPU blocks held exactly by swapped requests"
     for request in scheduler.swapped:
-        assert request.status == RequestStatus.SWAPPED
+        assert request.status == RequestStatus.SWAPPED, (
+            f"request {request.request_id!r} is in swapped with status {request.status!r}"
+        )
         assert request.request_id not in kv.req_to_blocks, "a swapped request kept GPU blocks"
         want = cdiv(request.num_computed_tokens, bs)
-        assert swap.num_swapped_blocks(request.request_id) == want
+        got = swap.num_swapped_blocks(request.request_id)
+        assert got == want, (
+            f"swapped request {request.request_id!r} computed {request.num_computed_tokens} "
+            f"tokens, {want} block(s) of KV, but holds {got} CPU block(s): swap out exactly the "
+            f"filled blocks"
+        )
 
 
 def check_kv(runner, scheduler):
@@ -191,12 +209,23 @@ def test_swap_in_returns_the_same_cpu_blocks_in_order():
     mapping = space.swap_out("a", [5, 3, 9])
     cpu = [c for _, c in mapping]
     back = space.swap_in("a", [11, 12, 13])
-    assert back == [(cpu[0], 11), (cpu[1], 12), (cpu[2], 13)]
-    assert space.get_num_free_blocks() == 7 and space.num_swapped_blocks("a") == 0
-    assert "a" not in space.req_to_cpu_blocks
+    want = [(cpu[0], 11), (cpu[1], 12), (cpu[2], 13)]
+    assert back == want, (
+        f"swap_in returns (cpu, gpu) pairs: the request's CPU blocks {cpu}, in the order "
+        f"swap_out gave them, into the new GPU blocks [11, 12, 13]; expected {want}, got {back}"
+    )
+    free, held = space.get_num_free_blocks(), space.num_swapped_blocks("a")
+    assert free == 7 and held == 0, (
+        f"swap_in frees the request's CPU blocks: 7 free and 0 held expected, got {free} free, "
+        f"{held} held"
+    )
+    assert "a" not in space.req_to_cpu_blocks, "swap_in forgets the request's CPU block list"
     # Swapped out again, it gets CPU blocks again (the freed ones are reusable).
     again = space.swap_out("a", [1, 2, 3, 4, 5, 6, 7])
-    assert sorted(c for _, c in again) == list(range(1, 8))
+    got = sorted(c for _, c in again)
+    assert got == list(range(1, 8)), (
+        f"after swap_in every CPU block 1..7 is free again and reusable; swap_out got {got}"
+    )
 
 
 def test_swap_in_of_one_request_leaves_the_others_parked():
@@ -268,18 +297,33 @@ def test_only_the_blocks_with_computed_tokens_travel(computed, blocks):
     scheduler.add_request(request)
     scheduler.waiting.remove(request)
     kv = scheduler.kv_cache_manager
-    assert kv.allocate_slots(request, computed, num_lookahead_tokens=16 - computed) is not None
+    assert kv.allocate_slots(request, computed, num_lookahead_tokens=16 - computed) is not None, (
+        "set-up: the KV cache manager refused 16 slots"
+    )
     table = kv.get_block_ids("r0")[0]
-    assert len(table) == 4
+    assert len(table) == 4, f"set-up: a table of 4 blocks, got {table}"
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = computed
     scheduler.running.append(request)
     step = swap_out_by_hand(scheduler, request)
-    assert [g for g, _ in step.blocks_to_swap_out] == table[:blocks]
-    assert scheduler.swap_space.num_swapped_blocks("r0") == blocks
-    assert request.num_computed_tokens == computed
-    assert gpu_free(scheduler) == 9
-    assert list(scheduler.swapped) == [request] and scheduler.running == []
+    moved = [g for g, _ in step.blocks_to_swap_out]
+    assert moved == table[:blocks], (
+        f"{computed} computed tokens fill the first {blocks} of the table {table} (the last one "
+        f"maybe partly): exactly those are swapped out, in order; got {moved}"
+    )
+    held = scheduler.swap_space.num_swapped_blocks("r0")
+    assert held == blocks, f"the request holds {blocks} CPU block(s), got {held}"
+    assert request.num_computed_tokens == computed, (
+        f"swapping keeps the computed tokens ({computed}), got {request.num_computed_tokens}"
+    )
+    assert gpu_free(scheduler) == 9, (
+        f"all 4 GPU blocks are freed, lookahead ones too: 9 free, got {gpu_free(scheduler)}"
+    )
+    assert list(scheduler.swapped) == [request] and scheduler.running == [], (
+        f"the request moves from running to swapped: swapped "
+        f"{[r.request_id for r in scheduler.swapped]}, running "
+        f"{[r.request_id for r in scheduler.running]}"
+    )
     check_pools(scheduler)
 
 
@@ -294,9 +338,19 @@ def test_victims_join_the_back_of_swapped_and_add_to_the_step():
     for request in (requests[2], requests[0]):
         scheduler.running.remove(request)
         scheduler._preempt(request, step)
-    assert [r.request_id for r in scheduler.swapped] == ["r2", "r0"]
-    assert len(step.blocks_to_swap_out) == 5 and step.blocks_to_swap_out[0] == (99, 99)
-    assert scheduler.stats.num_blocks_swapped_out == 4
+    swapped = [r.request_id for r in scheduler.swapped]
+    assert swapped == ["r2", "r0"], (
+        f"each victim joins the back of swapped, in the order preempted (r2, then r0); got "
+        f"{swapped}"
+    )
+    pairs = step.blocks_to_swap_out
+    assert len(pairs) == 5 and pairs[0] == (99, 99), (
+        f"the victims' 4 (gpu, cpu) pairs are appended after the step's earlier one (99, 99); "
+        f"got {pairs}"
+    )
+    assert scheduler.stats.num_blocks_swapped_out == 4, (
+        f"4 blocks swapped out, stats count {scheduler.stats.num_blocks_swapped_out}"
+    )
     check_pools(scheduler)
 
 
@@ -410,7 +464,9 @@ def _one_swapped_and_room(max_num_seqs=8, budget=64):
         run_by_hand(scheduler, request, 12, outputs=[5])
     swapped_out = swap_out_by_hand(scheduler, requests[2]).blocks_to_swap_out
     scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
-    assert gpu_free(scheduler) == 6
+    assert gpu_free(scheduler) == 6, (
+        f"set-up: r2 swapped out and r0 aborted leave 6 GPU blocks free, not {gpu_free(scheduler)}"
+    )
     return scheduler, requests, swapped_out
 
 
@@ -443,7 +499,11 @@ def test_a_resumed_request_takes_its_tokens_from_the_budget(budget, want):
     scheduler, requests, _ = _one_swapped_and_room(budget=budget)
     scheduler.add_request(requests[3])
     so = scheduler.schedule()
-    assert so.num_scheduled_tokens == want
+    assert so.num_scheduled_tokens == want, (
+        f"budget {budget}: running first, then the swapped request resumes with what is left "
+        f"(its tokens come out of the same budget), then waiting; expected {want}, got "
+        f"{so.num_scheduled_tokens}"
+    )
 
 
 @pytest.mark.parametrize("case", ["seats", "budget", "nothing-to-do", "fcfs"])
@@ -468,11 +528,22 @@ def test_swapped_requests_wait_when_they_cannot_resume(case):
     elif case == "fcfs":
         run_by_hand(scheduler, r3, 8, outputs=[5])  # 2 blocks: 4 free, "r1" needs 5, "r2" 2
     so = scheduler.schedule()
-    assert [r.request_id for r in scheduler.swapped] == ["r1", "r2"]
-    assert so.blocks_to_swap_in == [] and not any(so.scheduled_cached_reqs.resumed_from_preemption)
+    swapped = [r.request_id for r in scheduler.swapped]
+    assert swapped == ["r1", "r2"], (
+        f"case {case!r}: nobody may resume, so r1 and r2 stay swapped in order; swapped: {swapped}"
+    )
+    resumed = so.scheduled_cached_reqs.resumed_from_preemption
+    assert so.blocks_to_swap_in == [] and not any(resumed), (
+        f"case {case!r}: nothing swapped in: blocks_to_swap_in {so.blocks_to_swap_in}, resumed "
+        f"{resumed}"
+    )
     assert so.scheduled_new_reqs == [], "nobody is admitted while requests are swapped out"
-    assert scheduler.stats.num_blocks_swapped_in == 0
-    assert r1.status == r2.status == RequestStatus.SWAPPED
+    assert scheduler.stats.num_blocks_swapped_in == 0, (
+        f"no block swapped in, stats count {scheduler.stats.num_blocks_swapped_in}"
+    )
+    assert r1.status == r2.status == RequestStatus.SWAPPED, (
+        f"both stay SWAPPED: r1 {r1.status!r}, r2 {r2.status!r}"
+    )
     check_pools(scheduler)
 
 
@@ -495,7 +566,11 @@ def test_swapped_requests_come_back_before_new_ones():
         for new in so.scheduled_new_reqs:
             order.append(("admit", new.req_id, step))
         if sch.swapped:
-            assert all(n.req_id != "late" for n in so.scheduled_new_reqs)
+            assert all(n.req_id != "late" for n in so.scheduled_new_reqs), (
+                f"step {step}: the waiting request 'late' was admitted while "
+                f"{[r.request_id for r in sch.swapped]} wait in swapped: swapped requests "
+                f"resume first"
+            )
             if any(r.request_id == "late" for r in sch.waiting):
                 order.append(("late-waits-behind-swapped", "late", step))
 

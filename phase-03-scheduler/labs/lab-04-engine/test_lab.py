@@ -97,7 +97,10 @@ def run_by_hand(prompt_list, params, **config):
             break
         so = scheduler.schedule()
         mro = runner.execute_model(so)
-        assert mro.req_ids == runner.batch_req_ids or so.total_num_scheduled_tokens == 0
+        assert mro.req_ids == runner.batch_req_ids or so.total_num_scheduled_tokens == 0, (
+            f"execute_model's output lists requests {mro.req_ids}, the runner's batch is "
+            f"{runner.batch_req_ids}: the output follows the batch order"
+        )
         scheduler.update_from_output(so, mro)
     else:
         pytest.fail("the run did not finish within 2000 steps")
