@@ -183,6 +183,7 @@ STEP_FIELDS = {
     "waiting": "waiting queue",
     "swapped": "swapped queue",
     "batch": "the runner's batch order",
+    "nan": "rows of the model's output holding NaN",
 }
 
 
@@ -246,6 +247,7 @@ class StepRecorder:
             "waiting": [r.request_id for r in scheduler.waiting],
             "swapped": [r.request_id for r in getattr(scheduler, "swapped", ())],
             "batch": None,
+            "nan": 0,
             "given": given,
             "cut": cut,
         }
@@ -348,6 +350,7 @@ class Exam:
     def __init__(self, reference_stats: dict[str, list[dict]] | None = None) -> None:
         self.model = tiny_model()
         self._fp8_model: LlamaForCausalLM | None = None
+        self._watch_nan(self.model)
         self._oracle: dict[tuple, Completion] = {}
         self.reference_stats = reference_stats
         self._cpu_free: dict[int, int] = {}
@@ -393,7 +396,17 @@ class Exam:
             return self.model
         if self._fp8_model is None:
             self._fp8_model = tiny_model(config=TINY_FP8)
+            self._watch_nan(self._fp8_model)
         return self._fp8_model
+
+    def _watch_nan(self, model: LlamaForCausalLM) -> None:
+        """Count, in the running step's record, the rows of the model's output holding NaN
+        (the runner calls the model once per step; the oracle does not call it this way)."""
+        def hook(module, args, output) -> None:
+            if self.current and torch.is_tensor(output):
+                self.current[-1]["nan"] += int(torch.isnan(output).any(dim=-1).sum())
+
+        model.register_forward_hook(hook)
 
     def expected(self, prompt: Sequence[int], params: SamplingParams, max_model_len: int,
                  kv_scales: tuple[tuple[float, float], ...] | None = None):
@@ -625,6 +638,52 @@ def case_preempt_swap(exam: Exam) -> None:
     exam.generate(llm, prompts[::-1], GREEDY)
 
 
+def case_swap_queue(exam: Exam) -> None:
+    """Swapping under pressure with a token budget of 8: victims join the back of ``swapped``
+    while others are parked there, and come back first come first served, mid-prefill, each
+    taking its tokens from what the step's budget has left."""
+    rng = random.Random(14)
+    prompts = _prompts(rng, [18, 12, 20, 9, 10, 25])
+    llm = exam.llm(block_size=2, num_gpu_blocks=20, max_num_batched_tokens=8,
+                   preemption_mode="swap", num_cpu_blocks=128)
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=10,
+                                                     ignore_eos=True))
+    joined = resumed_chunk = False
+    for before, step in zip(run.steps, run.steps[1:]):
+        victims = {rid for rid, _ in step["preempted"]} & set(step["swapped"])
+        joined |= bool(victims) and bool(set(before["swapped"]) & set(step["swapped"]))
+        resumed_chunk |= any(n > 1 for rid, n in step["scheduled"] if rid in before["swapped"])
+    expect(joined, "a request swapped out while another one was parked")
+    expect(resumed_chunk, "a request swapped back in mid-prefill, with several tokens")
+
+
+LOOKAHEAD = 3  # slots reserved past the scheduled tokens in the lookahead case
+
+
+def case_swap_with_lookahead(exam: Exam) -> None:
+    """Slots reserved ahead of the scheduled tokens (``num_lookahead_tokens``, as speculative
+    decoding reserves them for draft tokens): a block table holds blocks with no KV yet, and a
+    swap moves only the blocks that hold computed tokens (all of the table is freed)."""
+    rng = random.Random(15)
+    prompts = _prompts(rng, [13, 9, 17, 6, 11])
+    llm = exam.llm(block_size=2, num_gpu_blocks=36, max_num_batched_tokens=16,
+                   preemption_mode="swap", num_cpu_blocks=128)
+    manager = llm.engine.scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
+
+    def allocate_with_lookahead(request, num_new_tokens, *args, **kwargs):
+        kwargs.setdefault("num_lookahead_tokens", LOOKAHEAD)
+        return allocate(request, num_new_tokens, *args, **kwargs)
+
+    manager.allocate_slots = allocate_with_lookahead
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                     ignore_eos=True))
+    freed = trace_counters(run.steps)["num_blocks_freed_by_preemption"]
+    expect(0 < run.stats.num_blocks_swapped_out < freed,
+           f"swaps of tables longer than their KV ({run.stats.num_blocks_swapped_out} blocks "
+           f"swapped out, {freed} freed)")
+
+
 def case_parallel_sampling(exam: Exam) -> None:
     """``n > 1`` with a seed: three seeded samples per prompt (seeds s, s+1, s+2), each equal to
     the oracle's draw from its own generator; the children share the prompt's cached blocks."""
@@ -799,6 +858,8 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("preempt-recompute", case_preempt_recompute),
         Case("preempt-recompute-no-cache", case_preempt_recompute_no_cache),
         Case("preempt-swap", case_preempt_swap),
+        Case("swap-queue", case_swap_queue),
+        Case("swap-with-lookahead", case_swap_with_lookahead),
         Case("parallel-sampling", case_parallel_sampling),
         Case("stop-tokens-min-tokens", case_stop_tokens_and_min_tokens),
         Case("several-generate-calls", case_several_generate_calls),
