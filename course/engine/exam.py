@@ -321,16 +321,17 @@ def diagnosis(call: int, mine: dict, reference: dict, finished: bool = True
         detail.append(f"step {step} of generate call {call} is the first that differs:")
         detail += [f"  {line}" for line in lines]
         fields = [line.split(":")[0] for line in lines if not line.startswith("the same")]
-        summary = f"they first differ at step {step} ({', '.join(fields[:3])})"
+        summary = (f"your engine's steps first differ from the reference's at step {step} "
+                   f"({', '.join(fields[:3])})")
     elif not finished:
-        summary = (f"its {len(mine['steps'])} step(s) before the error were the reference "
-                   "engine's")
+        summary = (f"your engine's {len(mine['steps'])} step(s) before the error were the "
+                   "reference's")
         detail.append(f"steps 1 to {len(mine['steps'])} of generate call {call} equal the "
                       "reference engine's; the error came in the next one")
     else:
         summary = ""
     if counters and not summary:
-        summary = f"{len(counters)} counter(s) differ"
+        summary = f"{len(counters)} counter(s) differ from the reference engine's"
     return summary, detail
 
 
@@ -442,11 +443,11 @@ class Exam:
             return run
         summary, detail = diagnosis(call + 1, self.recorded[-1], want)
         if problem:
-            raise ExamFailure(problem, detail)
+            raise ExamFailure(f"{problem}; {summary}" if summary else problem, detail)
         if summary:
             raise ExamFailure(
-                f"generate call {call + 1}: right tokens, but not the reference engine's "
-                f"steps: {summary}; fix that first, in the lab the bisection names",
+                f"generate call {call + 1}: right tokens, but {summary}; fix that first, in "
+                "the lab the bisection names",
                 detail,
             )
         return run
