@@ -7,6 +7,13 @@ and seeded sampling with the same generator), with the same finish reason. Each 
 that the mechanism it is named after really happened (a prefix hit, a chunked prefill, a preemption,
 a swap), and that no KV block is still held once every request has finished.
 
+Against the reference engine (``python -m course engine --exam`` runs it first), an engine must
+also take the same steps: each step's scheduled tokens, preemptions, swaps, block tables, queues
+and the runner's batch order are recorded (:class:`StepRecorder`) and compared, and so are the
+mechanism counters of each call (COUNTERS). A failure then names every counter that differs and
+the first step where the two engines part, with both values: the diagnosis is computed, never
+guessed.
+
 The model is a tiny random Llama (vocabulary 64, two layers, GQA) whose weights are scaled up so
 that its logits are far apart: a choice never hinges on float rounding, so any difference from the
 oracle is a logic error in the engine, not noise.
@@ -184,6 +191,7 @@ STEP_FIELDS = {
     "swapped": "swapped queue",
     "batch": "the runner's batch order",
     "nan": "rows of the model's output holding NaN",
+    "unreadable": "the step's output, which the exam could not read",
 }
 
 
@@ -206,7 +214,11 @@ class StepRecorder:
 
         def recorded_schedule():
             output = schedule()
-            self.steps.append(self._record(scheduler, output))
+            try:
+                record = self._record(scheduler, output)
+            except Exception as exc:  # an output the exam cannot read: shown as the difference
+                record = {"unreadable": f"{type(exc).__name__}: {exc}"}
+            self.steps.append(record)
             return output
 
         def recorded_step():
@@ -283,21 +295,23 @@ def counter_differences(mine: dict, reference: dict) -> list[str]:
             if key in mine and key in reference and mine[key] != reference[key]]
 
 
-def first_divergence(mine: list[dict], reference: list[dict]) -> tuple[int, list[str]] | None:
-    """The first step (1-based) where the two engines' recorded steps differ, with a line per
-    field that differs there (both values), or None when the records are equal. A run that
-    stopped early (it raised) is compared over the steps it made."""
+def first_divergence(mine: list[dict], reference: list[dict]
+                     ) -> tuple[int, list[str], list[str]] | None:
+    """The first step (1-based) where the two engines' recorded steps differ, the labels of the
+    fields that differ there and a line per field (both values), or None when the records are
+    equal. A run that stopped early (it raised) is compared over the steps it made."""
     for i, (a, b) in enumerate(zip(mine, reference)):
-        lines = [f"{label}: yours {_show(a.get(key))}, reference {_show(b.get(key))}"
-                 for key, label in STEP_FIELDS.items() if a.get(key) != b.get(key)]
+        differ = [key for key in STEP_FIELDS if a.get(key) != b.get(key)]
+        lines = [f"{STEP_FIELDS[key]}: yours {_show(a.get(key))}, reference {_show(b.get(key))}"
+                 for key in differ]
         if lines:
             same = [f"{STEP_FIELDS[key]} {_show(a[key])}" for key in ("scheduled", "preempted")
                     if a.get(key) and a.get(key) == b.get(key)]
             if same:
                 lines.append("the same in both: " + "; ".join(same))
-            return i + 1, lines
+            return i + 1, [STEP_FIELDS[key] for key in differ], lines
     if len(mine) > len(reference):
-        return len(reference) + 1, [f"yours runs {len(mine)} steps, the reference "
+        return len(reference) + 1, ["steps"], [f"yours runs {len(mine)} steps, the reference "
                                     f"{len(reference)}; yours scheduled "
                                     f"{_show(mine[len(reference)]['scheduled'])}"]
     return None
@@ -317,10 +331,9 @@ def diagnosis(call: int, mine: dict, reference: dict, finished: bool = True
         detail += [f"  {line}" for line in counters]
     where = first_divergence(mine["steps"], reference["steps"])
     if where is not None:
-        step, lines = where
+        step, fields, lines = where
         detail.append(f"step {step} of generate call {call} is the first that differs:")
         detail += [f"  {line}" for line in lines]
-        fields = [line.split(":")[0] for line in lines if not line.startswith("the same")]
         summary = (f"your engine's steps first differ from the reference's at step {step} "
                    f"({', '.join(fields[:3])})")
     elif not finished:
