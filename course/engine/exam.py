@@ -658,9 +658,9 @@ def case_swap_queue(exam: Exam) -> None:
     taking its tokens from what the step's budget has left."""
     rng = random.Random(14)
     prompts = _prompts(rng, [18, 12, 20, 9, 10, 25])
-    llm = exam.llm(block_size=2, num_gpu_blocks=20, max_num_batched_tokens=8,
+    llm = exam.llm(block_size=2, num_gpu_blocks=18, max_num_batched_tokens=8,
                    preemption_mode="swap", num_cpu_blocks=128)
-    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=10,
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=6,
                                                      ignore_eos=True))
     joined = resumed_chunk = False
     for before, step in zip(run.steps, run.steps[1:]):
@@ -680,7 +680,7 @@ def case_swap_with_lookahead(exam: Exam) -> None:
     swap moves only the blocks that hold computed tokens (all of the table is freed)."""
     rng = random.Random(15)
     prompts = _prompts(rng, [13, 9, 17, 6, 11])
-    llm = exam.llm(block_size=2, num_gpu_blocks=36, max_num_batched_tokens=16,
+    llm = exam.llm(block_size=2, num_gpu_blocks=24, max_num_batched_tokens=16,
                    preemption_mode="swap", num_cpu_blocks=128)
     manager = llm.engine.scheduler.kv_cache_manager
     allocate = manager.allocate_slots
@@ -690,7 +690,7 @@ def case_swap_with_lookahead(exam: Exam) -> None:
         return allocate(request, num_new_tokens, *args, **kwargs)
 
     manager.allocate_slots = allocate_with_lookahead
-    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16,
+    run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8,
                                                      ignore_eos=True))
     freed = trace_counters(run.steps)["num_blocks_freed_by_preemption"]
     expect(0 < run.stats.num_blocks_swapped_out < freed,

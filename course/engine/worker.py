@@ -11,9 +11,9 @@ The parent passes a JSON job on the command line; the worker appends one JSON ob
 ``job["out"]`` as the work goes, so a case that hangs or kills the process leaves every result
 before it. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode`` ("generate" or
 "exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam ``cases`` (names),
-``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect``, and optionally
-``reference`` (a JSON file of reference statistics and oracle completions to reuse; written there
-when missing).
+``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun every failing case
+with one lab at a time the student's), and optionally ``reference`` (a JSON file of the reference
+engine's records and the oracle's completions to reuse; written there when missing).
 """
 
 from __future__ import annotations
