@@ -465,7 +465,7 @@ def _print_bisection(bisections: list[dict] | None, student: list[str]) -> None:
     for blamed, group in groups.items():
         names = ", ".join(b["case"] for b in group)
         if blamed:
-            message = group[0]["alone"][blamed[0]]["message"]
+            message = group[0]["alone"][blamed[0]]["message"].split("; fix that first")[0]
             print(f"  {names}: fails with only lab {' or only lab '.join(blamed)} yours "
                   f"({message})")
         else:

@@ -179,19 +179,22 @@ TRACE_COUNTERS = ("num_tokens_scheduled", "num_prefill_chunks", "num_blocks_give
                   "num_blocks_freed_by_preemption")
 
 # What the exam records of each engine step, in the order a difference is reported (causes
-# first): what the scheduler decided, then the queues it left, then the runner's batch.
+# first): what the scheduler decided, then the queues it left, then the runner's batch and the
+# model's output. Each field has a short name (for a headline) and a label (for the detail).
 STEP_FIELDS = {
-    "scheduled": "scheduled (request:tokens)",
-    "preempted": "preempted (request:blocks it held)",
-    "swap_out": "blocks swapped out",
-    "swap_in": "blocks swapped in",
-    "tables": "block-table lengths (request:blocks)",
-    "running": "running queue",
-    "waiting": "waiting queue",
-    "swapped": "swapped queue",
-    "batch": "the runner's batch order",
-    "nan": "rows of the model's output holding NaN",
-    "unreadable": "the step's output, which the exam could not read",
+    "admitted": ("cached tokens at admission",
+                 "admitted or resumed, with the tokens already cached (request:tokens)"),
+    "scheduled": ("tokens scheduled", "scheduled (request:tokens)"),
+    "preempted": ("preemptions", "preempted (request:blocks it held)"),
+    "swap_out": ("blocks swapped out", "blocks swapped out"),
+    "swap_in": ("blocks swapped in", "blocks swapped in"),
+    "tables": ("block tables", "block-table lengths (request:blocks)"),
+    "running": ("running queue", "running queue"),
+    "waiting": ("waiting queue", "waiting queue"),
+    "swapped": ("swapped queue", "swapped queue"),
+    "batch": ("batch order", "the runner's batch order"),
+    "nan": ("NaN in the model's output", "rows of the model's output holding NaN"),
+    "unreadable": ("an unreadable step", "the step's output, which the exam could not read"),
 }
 
 
@@ -236,11 +239,15 @@ class StepRecorder:
         freed = [[rid, self.tables.pop(rid, 0)] for rid in output.preempted_req_ids]
         for new in output.scheduled_new_reqs:
             self.tables[new.req_id] = len(new.block_ids[0])
+        # A request placed this step: a prefix hit, or a swapped request's kept progress.
+        admitted = [[new.req_id, new.num_computed_tokens] for new in output.scheduled_new_reqs]
         cached = output.scheduled_cached_reqs
-        for rid, resumed, ids in zip(cached.req_ids, cached.resumed_from_preemption,
-                                     cached.new_block_ids):
+        for rid, resumed, ids, computed in zip(cached.req_ids, cached.resumed_from_preemption,
+                                               cached.new_block_ids, cached.num_computed_tokens):
             added = len(ids[0]) if ids else 0
             self.tables[rid] = added if resumed else self.tables.get(rid, 0) + added
+            if resumed:
+                admitted.append([rid, computed])
         given = sum(len(new.block_ids[0]) for new in output.scheduled_new_reqs) + sum(
             len(ids[0]) if ids else 0 for ids in cached.new_block_ids)
         scheduled = [[rid, int(n)] for rid, n in output.num_scheduled_tokens.items()]
@@ -250,6 +257,7 @@ class StepRecorder:
             if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
                 cut += 1
         return {
+            "admitted": admitted,
             "scheduled": scheduled,
             "preempted": freed,
             "swap_out": len(output.blocks_to_swap_out),
@@ -302,14 +310,14 @@ def first_divergence(mine: list[dict], reference: list[dict]
     equal. A run that stopped early (it raised) is compared over the steps it made."""
     for i, (a, b) in enumerate(zip(mine, reference)):
         differ = [key for key in STEP_FIELDS if a.get(key) != b.get(key)]
-        lines = [f"{STEP_FIELDS[key]}: yours {_show(a.get(key))}, reference {_show(b.get(key))}"
-                 for key in differ]
+        lines = [f"{STEP_FIELDS[key][1]}: yours {_show(a.get(key))}, reference "
+                 f"{_show(b.get(key))}" for key in differ]
         if lines:
-            same = [f"{STEP_FIELDS[key]} {_show(a[key])}" for key in ("scheduled", "preempted")
+            same = [f"{STEP_FIELDS[key][1]} {_show(a[key])}" for key in ("scheduled", "preempted")
                     if a.get(key) and a.get(key) == b.get(key)]
             if same:
                 lines.append("the same in both: " + "; ".join(same))
-            return i + 1, [STEP_FIELDS[key] for key in differ], lines
+            return i + 1, [STEP_FIELDS[key][0] for key in differ], lines
     if len(mine) > len(reference):
         return len(reference) + 1, ["steps"], [f"yours runs {len(mine)} steps, the reference "
                                     f"{len(reference)}; yours scheduled "
