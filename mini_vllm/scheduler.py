@@ -256,18 +256,53 @@ class Scheduler:
         """
         step = _Step(token_budget=self.max_num_scheduled_tokens)
         self._schedule_running(step)
+        self._check_step(step, "_schedule_running")
         if not step.preempted_reqs and self.swapped:
             self._schedule_swapped(step)
+            self._check_step(step, "_schedule_swapped")
         # Swapped requests go before new ones (as in V0), so admit nothing while any is parked.
         if not step.preempted_reqs and not self.swapped:
             self._schedule_waiting(step)
+            self._check_step(step, "_schedule_waiting")
 
         total = sum(step.num_scheduled_tokens.values())
-        assert total <= self.max_num_scheduled_tokens and step.token_budget >= 0
-        assert len(self.running) <= self.max_num_running_reqs
         output = self._make_output(step, total)
         self._update_after_schedule(output)
         return output
+
+    # Where each part of a step is written in the course, for the messages of _check_step.
+    _WRITTEN_IN = {"_schedule_running": "lab 03-01", "_schedule_swapped": "lab 03-03",
+                   "_schedule_waiting": "lab 03-01"}
+
+    def _check_step(self, step: _Step, method: str) -> None:
+        """Check the step's invariants right after ``method`` returned, so that a broken one
+        names the method that broke it: the tokens scheduled fit ``max_num_batched_tokens``,
+        ``step.token_budget`` is exactly what they leave, and at most ``max_num_seqs`` run.
+
+        Raises ``AssertionError`` (always, not an ``assert`` that ``python -O`` drops).
+        """
+        total = sum(step.num_scheduled_tokens.values())
+        limit = self.max_num_scheduled_tokens
+        where = f"Scheduler.{method} ({self._WRITTEN_IN.get(method, 'the scheduler')})"
+        tokens = ", ".join(f"{rid}: {n}" for rid, n in step.num_scheduled_tokens.items())
+        if total > limit:
+            raise AssertionError(
+                f"{where} overspent the token budget: the step schedules {total} tokens, "
+                f"max_num_batched_tokens={limit} ({tokens}); each request's tokens must come "
+                "out of what step.token_budget has left"
+            )
+        if step.token_budget != limit - total:
+            raise AssertionError(
+                f"{where} left step.token_budget={step.token_budget}, but {total} of the "
+                f"{limit} tokens are scheduled ({tokens}), which leaves {limit - total}: lower "
+                "step.token_budget by every request's tokens, exactly once"
+            )
+        if len(self.running) > self.max_num_running_reqs:
+            raise AssertionError(
+                f"{where} left {len(self.running)} requests running, more than "
+                f"max_num_seqs={self.max_num_running_reqs}: stop taking requests when that "
+                "many run"
+            )
 
     def _schedule_running(self, step: _Step) -> None:
         """Give each RUNNING request the tokens it lacks, preempting the newest when out of KV.
@@ -348,7 +383,11 @@ class Scheduler:
 
         upstream: vllm/core/scheduler.py:1824 @ v0.10.2
         """
-        assert self.swap_space is not None
+        if self.swap_space is None:
+            raise AssertionError(
+                "Scheduler._preempt_by_swap called without a swap space (preemption_mode="
+                f"{self.preemption_mode!r}): _preempt may swap only in preemption_mode='swap'"
+            )
         num_blocks = cdiv(request.num_computed_tokens, self.block_size)
         gpu_block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0][:num_blocks]
         mapping = self.swap_space.swap_out(request.request_id, gpu_block_ids)
@@ -366,7 +405,12 @@ class Scheduler:
 
         upstream: vllm/core/scheduler.py:812 @ v0.10.2
         """
-        assert self.swap_space is not None
+        if self.swap_space is None:
+            raise AssertionError(
+                "Scheduler._schedule_swapped called without a swap space (preemption_mode="
+                f"{self.preemption_mode!r}): only preemption_mode='swap' parks requests in "
+                "`swapped`"
+            )
         while self.swapped and step.token_budget > 0:
             if len(self.running) == self.max_num_running_reqs:
                 break

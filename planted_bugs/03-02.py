@@ -110,4 +110,26 @@ BUGS = [
         find="acc = torch.float64 if query.dtype == torch.float64 else torch.float32",
         replace="acc = query.dtype",
     ),
+    PlantedBug(
+        name="nan-values-not-masked",
+        description="the keys and values of whole blocks are read and only the scores are "
+        "masked: the slots past seq_len hold junk, and a softmax weight of 0 times a NaN value "
+        "is NaN",
+        file=ATTN,
+        find="""        keys = keys[:, :seq_len].to(acc).transpose(1, 2)  # [g, KVH, seq_len, D]
+        values = values[:, :seq_len].to(acc).transpose(1, 2)
+        flat = torch.cat([torch.arange(starts[s], starts[s] + q_len, device=dev) for s in seqs])
+        q = query[flat].to(acc).view(len(seqs), q_len, num_heads, head_size).transpose(1, 2)
+        # Query row i is at position ctx + i; key j is visible iff j <= it.
+        q_pos = ctx + torch.arange(q_len, device=dev)
+        visible = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+""",
+        replace="""        keys = keys.to(acc).transpose(1, 2)  # [g, KVH, n_blk * block_size, D]
+        values = values.to(acc).transpose(1, 2)
+        flat = torch.cat([torch.arange(starts[s], starts[s] + q_len, device=dev) for s in seqs])
+        q = query[flat].to(acc).view(len(seqs), q_len, num_heads, head_size).transpose(1, 2)
+        q_pos = ctx + torch.arange(q_len, device=dev)
+        visible = torch.arange(keys.shape[2], device=dev)[None, :] <= q_pos[:, None]
+""",
+    ),
 ]

@@ -97,4 +97,13 @@ BUGS = [
         replace="""        request.status = RequestStatus.SWAPPED
         self.swapped.appendleft(request)""",
     ),
+    PlantedBug(
+        name="swap-out-whole-table",
+        description="the whole block table is swapped out, not only the blocks that hold "
+        "computed tokens: blocks reserved ahead (lookahead slots) travel too and take CPU blocks",
+        file=SCHED,
+        find="gpu_block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]"
+        "[:num_blocks]",
+        replace="gpu_block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]",
+    ),
 ]

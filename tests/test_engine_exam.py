@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,11 @@ FORGETS_CACHED_COUNT = [
     ("        self.num_cached_block[request_id] = len(new_computed_blocks)",
      "        self.num_cached_block.setdefault(request_id, len(new_computed_blocks))"),
 ]
+
+
+# A second mistake, in another lab: running requests ignore long_prefill_token_threshold, so only
+# the case that sets one (chunked-shared-prefix) sees it.
+IGNORES_THRESHOLD = [("        if threshold > 0:\n            n = min(n, threshold)\n", "")]
 
 
 def _course_copy(tmp_path: Path, labs=STUDENT_LABS) -> Path:
@@ -105,21 +111,105 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path, monke
     assert "Running the tests" not in again.stderr and again.returncode == 0
 
 
-def test_an_integration_mistake_fails_the_exam_and_bisection_names_the_lab(tmp_path):
+def test_every_failing_case_is_bisected_and_the_diagnosis_is_computed(tmp_path):
+    """Two mistakes in two labs, each failing its own case: each case is bisected and blamed on
+    its lab (bisecting only the first failure hid the second mistake), and the first failure
+    shows every counter that differs with both values and the first step that differs, never
+    a stock guess."""
     root = _course_copy(tmp_path)
     _plant(root / LABS["02-03"].rel / "starter.py", FORGETS_CACHED_COUNT)
+    _plant(root / LABS["03-01"].rel / "starter.py", IGNORES_THRESHOLD)
     report = tmp_path / "exam.json"
     proc = _run(root, "engine", "--exam", "--labs", ",".join(STUDENT_LABS), "--case",
-                "preempt-recompute", "--case", "prefix-odd-lengths", "--json", str(report),
-                cache=tmp_path / "cache")
+                "preempt-recompute", "--case", "prefix-odd-lengths", "--case",
+                "chunked-shared-prefix", "--json", str(report), cache=tmp_path / "cache")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
     outcomes = {c["case"]: c["outcome"] for c in data["cases"]}
-    assert outcomes == {"prefix-odd-lengths": "passed", "preempt-recompute": "failed"}
-    assert data["bisection"]["blamed"] == ["02-03"]
-    assert "The failure comes from lab 02-03" in proc.stdout
-    assert ("Reproduce it: python -m course engine --exam --case preempt-recompute --labs "
-            "02-01,02-03,02-04,03-01") in proc.stdout
+    assert outcomes == {"prefix-odd-lengths": "passed", "chunked-shared-prefix": "failed",
+                        "preempt-recompute": "failed"}
+    blamed = {b["case"]: b["blamed"] for b in data["bisections"]}
+    assert blamed == {"chunked-shared-prefix": ["03-01"], "preempt-recompute": ["02-03"]}
+    out = proc.stdout
+    assert "2 separate mistakes" in out and "labs 03-01, 02-03" in out, out
+    first = next(c for c in data["cases"] if c["outcome"] == "failed")
+    assert first["case"] == "chunked-shared-prefix"
+    # The headline says where the steps part; the detail gives both values of each difference.
+    assert "first differ from the reference's at step" in first["message"], first
+    assert any(line.startswith("step ") for line in first["detail"]), first["detail"]
+    assert any("yours" in line and "reference" in line for line in first["detail"])
+    assert "hashed too early" not in out and "unhashed" not in out
+    assert ("Reproduce it: python -m course engine --exam --case chunked-shared-prefix --labs "
+            "02-01,02-03,02-04,03-01") in out
+    recompute = next(c for c in data["cases"] if c["case"] == "preempt-recompute")
+    # The mistake (new full blocks never hashed after a preemption) recomputes prompt tokens.
+    counts = [re.fullmatch(r"  prompt tokens computed: yours (\d+), reference (\d+)", line)
+              for line in recompute["detail"]]
+    yours, ref = next(m for m in counts if m).groups()
+    assert int(yours) > int(ref), recompute["detail"]
+
+
+def _record(steps: list[dict], **counters) -> dict:
+    from course.engine.exam import COUNTERS, STEP_FIELDS
+
+    full = [{key: [] for key in STEP_FIELDS} | {"swap_out": 0, "swap_in": 0, "nan": 0} | step
+            for step in steps]
+    return {"counters": {key: 0 for key in COUNTERS} | counters, "steps": full}
+
+
+def test_the_diagnosis_lists_each_differing_counter_and_the_first_differing_step():
+    from course.engine.exam import diagnosis
+
+    reference = _record(
+        [{"scheduled": [["0-0", 4], ["1-0", 4]]},
+         {"scheduled": [["0-0", 1]], "preempted": [["1-0", 2]], "swap_out": 2,
+          "swapped": ["1-0"]}],
+        num_preemptions=1, num_blocks_swapped_out=2, num_blocks_swapped_in=2)
+    mine = _record(
+        [{"scheduled": [["0-0", 4], ["1-0", 4]]},
+         {"scheduled": [["0-0", 1]], "preempted": [["1-0", 2]], "waiting": ["1-0"]}],
+        num_preemptions=1, prefix_cache_hits=8)
+    summary, detail = diagnosis(1, mine, reference)
+    assert summary == ("your engine's steps first differ from the reference's at step 2 "
+                       "(blocks swapped out, waiting queue, swapped queue)")
+    assert detail == [
+        "counters that differ:",
+        "  blocks swapped out: yours 0, reference 2",
+        "  blocks swapped in: yours 0, reference 2",
+        "  prefix-cache hit tokens: yours 8, reference 0",
+        "step 2 of generate call 1 is the first that differs:",
+        "  blocks swapped out: yours 0, reference 2",
+        "  waiting queue: yours 1-0, reference none",
+        "  swapped queue: yours none, reference 1-0",
+        "  the same in both: scheduled (request:tokens) 0-0:1; preempted (request:blocks it "
+        "held) 1-0:2",
+    ]
+    assert diagnosis(1, reference, reference) == ("", [])
+    # A run that raised: only the steps it made are compared.
+    summary, detail = diagnosis(1, _record(reference["steps"][:1]), reference, finished=False)
+    assert summary == "your engine's 1 step(s) before the error were the reference's"
+
+
+def test_a_scheduler_method_that_breaks_the_budget_is_named_with_the_numbers():
+    from mini_vllm.config import SchedulerConfig
+    from mini_vllm.request import Request
+    from mini_vllm.sampling_params import SamplingParams
+    from mini_vllm.scheduler import Scheduler
+
+    class Overspends(Scheduler):
+        def _schedule_waiting(self, step):
+            super()._schedule_waiting(step)
+            step.token_budget += 3  # forgets to take one request's tokens off the budget
+
+    config = SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_gpu_blocks=16,
+                             max_model_len=64, enable_prefix_caching=False)
+    scheduler = Overspends(config)
+    scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2), None))
+    with pytest.raises(AssertionError) as info:
+        scheduler.schedule()
+    assert str(info.value).startswith(
+        "Scheduler._schedule_waiting (lab 03-01) left step.token_budget=8, but 3 of the 8 tokens "
+        "are scheduled (a: 3), which leaves 5")
 
 
 def test_a_hung_piece_is_a_timeout_not_a_hang(tmp_path):

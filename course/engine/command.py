@@ -410,9 +410,12 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     failing = [r for r in report["cases"] if r["outcome"] != "passed"]
     if failing and student:
         first = failing[0]
-        print(f"\nFirst failure: {first['case']}: {first['message']}\nParts yours: "
-              f"{', '.join(student)}. Reproduce it: {_reproduce(student, first['case'])}")
-        _print_bisection(report.get("bisection"), student)
+        print(f"\nFirst failure: {first['case']}: {first['message']}")
+        for line in first.get("detail", []):
+            print(f"    {line}")
+        print(f"Parts yours: {', '.join(student)}. Reproduce it: "
+              f"{_reproduce(student, first['case'])}")
+        _print_bisection(report.get("bisections"), student)
     elif failing:
         print("\nThe reference engine fails the exam: that is a bug of the course, not yours.")
     if args.json:
@@ -436,40 +439,53 @@ def run_exam_job(job: dict, timeout_s: float, root: Path = REPO_ROOT) -> dict:
             r = {"case": name, "outcome": "not run",
                  "message": error or "the exam stopped at an earlier failure"}
         cases.append(r)
-    bisection = None
-    if result.of("bisect"):
-        alone = {r["lab"]: r for r in result.of("bisect")}
-        bisection = {
-            "case": result.of("bisect-start")[0]["case"],
-            "alone": {lab: {"outcome": r["outcome"], "message": r["message"]}
-                      for lab, r in alone.items()},
-            "blamed": [lab for lab, r in alone.items() if r["outcome"] != "passed"],
-        }
+    alone: dict[str, dict[str, dict]] = {}  # case -> lab -> its outcome with only that lab yours
+    for r in result.of("bisect"):
+        alone.setdefault(r["case"], {})[r["lab"]] = {"outcome": r["outcome"],
+                                                     "message": r["message"]}
+    bisections = [{"case": case, "alone": labs,
+                   "blamed": [lab for lab, r in labs.items() if r["outcome"] != "passed"]}
+                  for case, labs in alone.items()]
     composition_error = any(r.get("composition") is False for r in result.of("error"))
     return {"student_labs": job["labs"], "composition": rows, "cases": cases,
             "passed": sum(c["outcome"] == "passed" for c in cases), "total": len(cases),
-            "bisection": bisection, "error": error, "composition_error": composition_error,
+            "bisection": bisections[0] if bisections else None, "bisections": bisections,
+            "error": error, "composition_error": composition_error,
             "seconds": round(result.seconds, 1)}
 
 
-def _print_bisection(bisection: dict | None, student: list[str]) -> None:
-    if not bisection:
+def _print_bisection(bisections: list[dict] | None, student: list[str]) -> None:
+    """Which lab each failing case comes from: cases blamed on the same labs are one line."""
+    if not bisections:
         return
     if len(student) == 1:
-        print(f"Only lab {student[0]} is yours here: the failure comes from its pieces.")
+        print(f"Only lab {student[0]} is yours here: the failures come from its pieces.")
         return
-    print(f"Bisecting: {bisection['case']} with one of your labs at a time:")
-    for lab, r in bisection["alone"].items():
-        verdict = "passes" if r["outcome"] == "passed" else f"FAILS: {r['message']}"
-        print(f"  only {lab} yours: {verdict}")
-    blamed = bisection["blamed"]
-    if blamed:
+    groups: dict[tuple[str, ...], list[dict]] = {}
+    for b in bisections:
+        groups.setdefault(tuple(b["blamed"]), []).append(b)
+    print(f"Bisecting {len(bisections)} failing case(s), one of your labs at a time:")
+    for blamed, group in groups.items():
+        names = ", ".join(b["case"] for b in group)
+        if blamed:
+            message = group[0]["alone"][blamed[0]]["message"].split("; fix that first")[0]
+            print(f"  {names}: fails with only lab {' or only lab '.join(blamed)} yours "
+                  f"({message})")
+        else:
+            print(f"  {names}: passes with each lab alone")
+    culprits = [b for b in groups if b]
+    if len(culprits) == 1:
+        blamed = culprits[0]
         print(f"\nThe failure comes from lab {', '.join(blamed)}: "
-              f"{'it fails' if len(blamed) == 1 else 'each fails'} the case with the reference's "
+              f"{'it fails' if len(blamed) == 1 else 'each fails'} with the reference's "
               "pieces around it. When a lab's own tests pass, the mistake is in what the other "
               "pieces expect of it: reread the lab's README on how the engine uses it.")
-    else:
-        print("\nEvery lab passes alone: the failure needs several of your pieces together "
+    elif culprits:
+        print(f"\n{len(culprits)} separate mistakes: the cases above fail in labs "
+              f"{', '.join(', '.join(b) for b in culprits)}, each with the reference's pieces "
+              "around it. Fix one lab at a time (`--case` reruns one case).")
+    if () in groups:
+        print("\nA case that passes with each lab alone needs several of your pieces together "
               "(one lab relies on another doing something the reference does).")
 
 

@@ -11,9 +11,9 @@ The parent passes a JSON job on the command line; the worker appends one JSON ob
 ``job["out"]`` as the work goes, so a case that hangs or kills the process leaves every result
 before it. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode`` ("generate" or
 "exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam ``cases`` (names),
-``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect``, and optionally
-``reference`` (a JSON file of reference statistics and oracle completions to reuse; written there
-when missing).
+``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun every failing case
+with one lab at a time the student's), and optionally ``reference`` (a JSON file of the reference
+engine's records and the oracle's completions to reuse; written there when missing).
 """
 
 from __future__ import annotations
@@ -187,21 +187,23 @@ def run_exam(job: dict, out) -> None:
         _emit(out, record)
     if why:
         _emit(out, {"type": "error", "message": why})
-    failed = [r for r in records if r.get("type") == "case" and r["outcome"] != "passed"]
+    # Every failing case is bisected (one failure can hide a second mistake in another lab),
+    # except those that name an unwritten task: their message already says where to look.
+    failed = [r["case"] for r in records if r.get("type") == "case"
+              and r["outcome"] != "passed" and not r["message"].startswith("not implemented")]
     if not (failed and job.get("bisect") and labs):
         return
-    if failed[0]["message"].startswith("not implemented"):
-        return  # the message names the unwritten task: nothing to bisect
-    first = failed[0]["case"]
-    _emit(out, {"type": "bisect-start", "case": first})
-    for lab_id in labs:
-        sub, why = exam_in_child([lab_id], {first}, True)
-        case = [r for r in sub if r.get("type") == "case"]
+    _emit(out, {"type": "bisect-start", "case": failed[0], "cases": failed})
+    for lab_id in labs:  # one engine per lab, running every failing case
+        sub, why = exam_in_child([lab_id], set(failed), False)
+        ran = {r["case"]: r for r in sub if r.get("type") == "case"}
         errors = [r["message"] for r in sub if r.get("type") == "error"]
-        outcome = case[0]["outcome"] if case else "error"
-        message = case[0]["message"] if case else (why or "; ".join(errors) or "no result")
-        _emit(out, {"type": "bisect", "lab": lab_id, "case": first, "outcome": outcome,
-                    "message": message})
+        for name in failed:
+            r = ran.get(name)
+            _emit(out, {"type": "bisect", "lab": lab_id, "case": name,
+                        "outcome": r["outcome"] if r else "error",
+                        "message": r["message"] if r else (why or "; ".join(errors)
+                                                           or "no result")})
 
 
 def main(argv: list[str] | None = None) -> int:
