@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mini_vllm.llm import LLM, EngineCoreBase, RequestOutput, _Tracked
+from mini_vllm.llm import LLM, EngineCoreBase, RequestOutput, _Tracked, child_sampling_params
 from mini_vllm.loggers import EngineLoad, PrometheusStatLogger
 from mini_vllm.output_processor import (
     IterationStats,
@@ -192,14 +192,7 @@ class AsyncLLM:
         extra_eos = [t for t in self.llm.extra_eos_token_ids if t not in params.stop_token_ids]
         requests = []
         for j in range(params.n):
-            changes: dict[str, Any] = {}
-            if params.n > 1:
-                changes["n"] = 1
-                if params.seed is not None:
-                    changes["seed"] = params.seed + j
-            if extra_eos and not params.ignore_eos:
-                changes["stop_token_ids"] = [*params.stop_token_ids, *extra_eos]
-            child = dataclasses.replace(params, **changes) if changes else params
+            child = child_sampling_params(params, j, extra_eos)
             rid = ParentRequest.child_id(request_id, j, params.n)
             requests.append(self.engine_core.make_request(rid, ids, child))
         return requests

@@ -572,6 +572,20 @@ class _Tracked:
     logprobs: LogprobsProcessor | None = None  # when the request asks for log-probabilities
 
 
+
+def child_sampling_params(params: SamplingParams, j: int, extra_eos: list[int]) -> SamplingParams:
+    """The parameters of child `j` of a request asking for `params.n` outputs. Children of one
+    prompt differ: a seeded parent gives seed + j (as upstream). generation_config.json's other
+    EOS ids (`extra_eos`) stop like EOS unless EOS is ignored (as upstream)."""
+    changes: dict[str, Any] = {}
+    if params.n > 1:
+        changes["n"] = 1
+        if params.seed is not None:
+            changes["seed"] = params.seed + j
+    if extra_eos and not params.ignore_eos:
+        changes["stop_token_ids"] = [*params.stop_token_ids, *extra_eos]
+    return dataclasses.replace(params, **changes) if changes else params
+
 class LLM:
     """Generate text with mini_vllm.
 
@@ -904,16 +918,7 @@ class LLM:
                     )
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             for j in range(params.n):
-                changes: dict[str, Any] = {}
-                if params.n > 1:
-                    # Children of one prompt differ; a seeded parent gives seed + j (as upstream).
-                    changes["n"] = 1
-                    if params.seed is not None:
-                        changes["seed"] = params.seed + j
-                if extra and not params.ignore_eos:
-                    # generation_config.json's other EOS ids stop like EOS (as upstream).
-                    changes["stop_token_ids"] = [*params.stop_token_ids, *extra]
-                child = dataclasses.replace(params, **changes) if changes else params
+                child = child_sampling_params(params, j, extra)
                 rid = f"{self._counter + i}-{j}"
                 t = _Tracked(i, j, self.engine.make_request(rid, ids, child))
                 if params.logprobs is not None or params.prompt_logprobs is not None:
