@@ -576,7 +576,9 @@ class _Tracked:
 def child_sampling_params(params: SamplingParams, j: int, extra_eos: list[int]) -> SamplingParams:
     """The parameters of child `j` of a request asking for `params.n` outputs. Children of one
     prompt differ: a seeded parent gives seed + j (as upstream). generation_config.json's other
-    EOS ids (`extra_eos`) stop like EOS unless EOS is ignored (as upstream)."""
+    EOS ids (`extra_eos`) stop like EOS unless EOS is ignored (as upstream).
+
+    upstream: vllm/v1/engine/parallel_sampling.py:12 @ v0.11.0 (ParentRequest)"""
     changes: dict[str, Any] = {}
     if params.n > 1:
         changes["n"] = 1
