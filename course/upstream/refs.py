@@ -8,6 +8,7 @@ qualname (the upstream piece that holds the line, which `today.py` follows to to
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,15 +46,20 @@ class Ref:
         return (self.file, self.line, self.version)
 
 
+def toml_files(folder: Path, problems: list[str], label: str = "") -> Iterator[tuple[Path, dict]]:
+    """Each ``*.toml`` file of ``folder``, parsed, in name order. A file that is not valid TOML is
+    added to ``problems`` (named ``label`` + its name), never raised."""
+    for path in sorted(folder.glob("*.toml")):
+        try:
+            yield path, tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            problems.append(f"{label}{path.name}: not valid TOML ({exc})")
+
+
 def load_map(root: Path = REPO_ROOT) -> tuple[list[Ref], list[str]]:
     """All map entries, and the problems found while reading them."""
     refs, problems = [], []
-    for path in sorted((root / "upstream_refs" / "map").glob("*.toml")):
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            problems.append(f"{path.name}: not valid TOML ({exc})")
-            continue
+    for path, data in toml_files(root / "upstream_refs" / "map", problems):
         for i, entry in enumerate(data.get("ref", [])):
             missing = {"symbol", "file", "line", "version", "text"} - set(entry)
             if missing:

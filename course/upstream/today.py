@@ -37,7 +37,7 @@ from pathlib import Path
 import tomllib
 
 from course.labs.catalog import REPO_ROOT
-from course.upstream.refs import Ref, find_uses, load_map
+from course.upstream.refs import Ref, find_uses, load_map, toml_files
 from course.upstream.symbols import Symbol, enclosing, symbols_of
 
 CHANGES = ("signature", "behaviour")
@@ -88,12 +88,7 @@ def today_version(root: Path = REPO_ROOT) -> str | None:
 def load_pieces(root: Path = REPO_ROOT) -> tuple[list[Piece], list[str]]:
     """All ``[[piece]]`` records, and the problems found while reading them."""
     pieces, problems = [], []
-    for path in sorted((root / "upstream_refs" / "today").glob("*.toml")):
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            problems.append(f"today/{path.name}: not valid TOML ({exc})")
-            continue
+    for path, data in toml_files(root / "upstream_refs" / "today", problems, "today/"):
         for i, entry in enumerate(data.get("piece", [])):
             where = f"today/{path.name}: piece {i} ({entry.get('at', '?')})"
             missing = {"at", "version", "today"} - set(entry)
