@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -378,7 +379,7 @@ def read_bandwidth_gbps(l2_bytes: int, flush: torch.Tensor, reps: int = 20,
     n = max(8 * l2_bytes, 256 << 20) // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     total = torch.empty((), dtype=torch.float32, device=device)
-    us = (timer or time_gpu)(lambda: torch.sum(src, out=total), flush, 3, reps)
+    us = (timer or time_gpu)(lambda: torch.sum(src, 0, out=total), flush, 3, reps)
     return src.numel() * 4 / (us * 1e-6) / 1e9
 
 
@@ -595,6 +596,8 @@ def main(argv: list[str] | None = None,
     kernels.update(torch_kernels())
     results = bench(shapes, kernels, args.warmup, args.reps, set(args.kernels or ()))
     if args.json:
+        command = ["python", "benchmarks/paged_attention.py", *(sys.argv[1:] if argv is None else argv)]
+        results = {"command": shlex.join(command), **results}
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
         plot = draw_roofline(results, roofline_path(args.json))
         print(f"wrote {args.json} and {plot}")

@@ -55,7 +55,7 @@ struct SoftmaxStats {
 // blocks handled, and later one fp32 partial output row per warp (the buffer is reused).
 template <int HEAD_SIZE, int NUM_THREADS>
 __host__ __device__ constexpr int attention_smem_bytes(int num_token_slots) {
-  return 4 * const_max(num_token_slots, (NUM_THREADS / kWarpSize) * HEAD_SIZE);
+  return float_smem_bytes(const_max(num_token_slots, (NUM_THREADS / kWarpSize) * HEAD_SIZE));
 }
 
 // Static shared memory of attend_blocks: the scaled query row and the two reduction scratch

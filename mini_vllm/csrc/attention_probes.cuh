@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(NUM_THREADS) softmax_probe_kernel(const Softma
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 Status launch_qk_logits_probe_for(const PagedAttentionParams& p, const QkLogitsProbe& probe,
                                   cudaStream_t stream) {
-  const int smem = 4 * probe.range_tokens;
+  const int smem = float_smem_bytes(probe.range_tokens);
   if (smem > kProbeMaxSmem) return unsupported("the probe's range is too long (48 KB of logits)");
   const auto kernel = qk_logits_probe_kernel<T, HEAD_SIZE, BLOCK_SIZE, kProbeThreads>;
   MINI_VLLM_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs, probe.num_ranges), kProbeThreads, smem,

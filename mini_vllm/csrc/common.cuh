@@ -22,6 +22,12 @@ __host__ __device__ constexpr int div_round_up(int a, int b) { return (a + b - 1
 __host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
 
+// Bytes of a dynamic shared array of `n` floats, rounded up to whole 16-byte groups. nvcc may
+// read the last 1-3 floats of such an array with one 16-byte LDS.128 (partition_reduce_kernel's
+// tail loop does, for sm_90), and that read must stay inside the launch's allocation:
+// compute-sanitizer on an H200 reported it as an out-of-bounds shared read before this padding.
+__host__ __device__ constexpr int float_smem_bytes(int n) { return 16 * div_round_up(n, 4); }
+
 // ---- element conversions: all arithmetic is done in fp32 -----------------------------------
 
 __device__ __forceinline__ float to_float(float v) { return v; }

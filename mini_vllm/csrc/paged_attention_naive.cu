@@ -102,7 +102,7 @@ Status launch_naive(const PagedAttentionParams& p, cudaStream_t stream) {
   }
   const auto kernel = paged_attention_naive_kernel<T, HEAD_SIZE, BLOCK_SIZE, kNaiveThreads>;
   const dim3 grid(p.num_heads, p.num_seqs);
-  MINI_VLLM_LAUNCH(kernel, grid, kNaiveThreads, 4 * p.max_seq_len, stream)(p);
+  MINI_VLLM_LAUNCH(kernel, grid, kNaiveThreads, float_smem_bytes(p.max_seq_len), stream)(p);
   return cuda_status(cudaGetLastError());
 }
 

@@ -58,7 +58,7 @@ template <typename T, int HEAD_SIZE, int NUM_THREADS>
 Status launch_partition_reduce(const PagedAttentionParams& p, cudaStream_t stream) {
   const int parts_needed = div_round_up(p.max_seq_len, partition_size_of(p));
   const dim3 grid(p.num_heads, p.num_seqs);
-  const size_t smem = sizeof(float) * parts_needed;
+  const size_t smem = float_smem_bytes(parts_needed);
   const auto kernel = partition_reduce_kernel<T, HEAD_SIZE, NUM_THREADS>;
   MINI_VLLM_LAUNCH(kernel, grid, NUM_THREADS, smem, stream)(p);
   return cuda_status(cudaGetLastError());

@@ -300,8 +300,8 @@ Status launch_naive(const PagedAttentionParams& p, cudaStream_t stream) {
         "shared memory: about 12K tokens); use paged_attention_v1 or v2");
   }
   const auto kernel = paged_attention_naive_kernel<T, HEAD_SIZE, BLOCK_SIZE, kThreads>;
-  MINI_VLLM_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs), kThreads, 4 * p.max_seq_len,
-                   stream)(p);
+  MINI_VLLM_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs), kThreads,
+                   float_smem_bytes(p.max_seq_len), stream)(p);
   return cuda_status(cudaGetLastError());
 }
 
