@@ -29,6 +29,21 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _check_int(owner: str, name: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is an int (not a bool), worded for ``owner.name``."""
+    if not _is_int(value):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {value!r}.")
+
+
+def _check_finite(owner: str, name: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is a number, ``ValueError`` unless it is finite."""
+    if not _is_real(value):
+        raise TypeError(
+            f"{owner}: {name} must be a number, got {type(value).__name__} {value!r}.")
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be finite, got {value}.")
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request.
@@ -108,21 +123,9 @@ class SamplingParams:
         upstream: vllm/sampling_params.py:373 @ v0.11.0
         """
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise TypeError(
-                    f"SamplingParams: {name} must be an int, got {type(value).__name__} "
-                    f"{value!r}."
-                )
+            _check_int("SamplingParams", name, getattr(self, name))
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not _is_real(value):
-                raise TypeError(
-                    f"SamplingParams: {name} must be a number, got {type(value).__name__} "
-                    f"{value!r}."
-                )
-            if not math.isfinite(value):
-                raise ValueError(f"SamplingParams: {name} must be finite, got {value}.")
+            _check_finite("SamplingParams", name, getattr(self, name))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
@@ -219,22 +222,11 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if not _is_int(value):
-                raise TypeError(
-                    f"BeamSearchParams: {name} must be an int, got {type(value).__name__} "
-                    f"{value!r}."
-                )
+            _check_int("BeamSearchParams", name, value)
             if value < 1:
                 raise ValueError(f"BeamSearchParams: {name} must be an int >= 1, got {value}.")
         for name in ("temperature", "length_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value):
-                raise TypeError(
-                    f"BeamSearchParams: {name} must be a number, got {type(value).__name__} "
-                    f"{value!r}."
-                )
-            if not math.isfinite(value):
-                raise ValueError(f"BeamSearchParams: {name} must be finite, got {value}.")
+            _check_finite("BeamSearchParams", name, getattr(self, name))
         if self.temperature < 0.0:
             raise ValueError(
                 f"BeamSearchParams: temperature must be >= 0 (0 means greedy), "
