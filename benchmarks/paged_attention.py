@@ -596,7 +596,8 @@ def main(argv: list[str] | None = None,
     kernels.update(torch_kernels())
     results = bench(shapes, kernels, args.warmup, args.reps, set(args.kernels or ()))
     if args.json:
-        command = ["python", "benchmarks/paged_attention.py", *(sys.argv[1:] if argv is None else argv)]
+        given = sys.argv[1:] if argv is None else argv
+        command = ["python", "benchmarks/paged_attention.py", *given]
         results = {"command": shlex.join(command), **results}
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
         plot = draw_roofline(results, roofline_path(args.json))

@@ -32,17 +32,9 @@ WEAK = [] if os.geteuid() == 0 else ["--allow-weak-isolation"]
 
 
 @pytest.fixture
-def demo(tmp_path: Path) -> Path:
+def demo(course_skeleton) -> Path:
     """A course with one lab (09-01) and the real tooling."""
-    root = tmp_path / "course-repo"
-    root.mkdir()
-    shutil.copytree(
-        REPO_ROOT / "course", root / "course", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copy(REPO_ROOT / "conftest.py", root)
-    (root / "pyproject.toml").write_text(
-        '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib -p no:cacheprovider"\n'
-    )
+    root = course_skeleton()
     shutil.copytree(FIXTURE, root / LAB)
     (root / "planted_bugs").mkdir()
     shutil.copy(FIXTURE.parent / "demo_planted_bugs.py", root / "planted_bugs" / "09-01.py")

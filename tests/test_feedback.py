@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -107,17 +106,8 @@ README = """# Lab 09-01: Feedback
 
 
 @pytest.fixture
-def course(tmp_path: Path) -> Path:
-    root = tmp_path / "course-repo"
-    root.mkdir()
-    shutil.copytree(
-        REPO_ROOT / "course", root / "course", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copy(REPO_ROOT / "conftest.py", root)
-    (root / "pyproject.toml").write_text(
-        '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib"\n'
-        'cache_dir = "$COURSE_PYTEST_CACHE"\n'
-    )
+def course(course_skeleton) -> Path:
+    root = course_skeleton(pytest_cache=True)
     lab = root / LAB
     lab.mkdir(parents=True)
     for name, text in {

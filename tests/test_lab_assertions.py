@@ -16,7 +16,6 @@ import ast
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -224,18 +223,9 @@ test_a_box_counts_its_puts = BoxMachine.TestCase
 '''
 
 
-def run_demo_lab(tmp_path: Path) -> str:
-    """The demo lab's tests run as a student would run them; their output."""
-    root = tmp_path / "course-repo"
-    root.mkdir()
-    shutil.copytree(
-        REPO_ROOT / "course", root / "course", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copy(REPO_ROOT / "conftest.py", root)
-    (root / "pyproject.toml").write_text(
-        '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib"\n'
-        'cache_dir = "$COURSE_PYTEST_CACHE"\n'
-    )
+def run_demo_lab(root: Path) -> str:
+    """The demo lab's tests run as a student would run them, in the course at `root`; their
+    output."""
     lab = root / LAB
     lab.mkdir(parents=True)
     for name, text in {"starter.py": STARTER, "solution.py": STARTER, "test_lab.py": TESTS,
@@ -269,10 +259,10 @@ def at(name: str) -> str:
     return f"{name} (starter.py:{line})"
 
 
-def test_the_report_names_the_invariant_and_the_students_function(tmp_path):
+def test_the_report_names_the_invariant_and_the_students_function(course_skeleton):
     """Every kind of failure of the demo lab, from one run (one subprocess: the cases would
     otherwise start it once per xdist worker)."""
-    out = run_demo_lab(tmp_path)
+    out = run_demo_lab(course_skeleton(pytest_cache=True))
 
     # A bare assert: the docstring's first sentence and the functions, above pytest's values.
     lines = _e_lines(out, "test_put_stores_one_item_per_call")

@@ -22,14 +22,9 @@ LAB = "phase-09-demo/labs/lab-01-demo"
 
 
 @pytest.fixture
-def course(tmp_path: Path, monkeypatch) -> Path:
+def course(tmp_path: Path, monkeypatch, course_skeleton) -> Path:
     """A course with one lab (09-01), the real tooling and a stand-in mini_vllm package."""
-    root = tmp_path / "course-repo"
-    shutil.copytree(REPO_ROOT / "course", root / "course",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO_ROOT / "conftest.py", root)
-    (root / "pyproject.toml").write_text(
-        '[tool.pytest.ini_options]\naddopts = "--import-mode=importlib -p no:cacheprovider"\n')
+    root = course_skeleton()
     (root / "mini_vllm").mkdir()
     (root / "mini_vllm" / "__init__.py").write_text("VERSION = 1\n")
     shutil.copytree(FIXTURE, root / LAB)
