@@ -232,8 +232,9 @@ class EngineStats:
     are taken inside each step, right after scheduling, before finished requests free their
     blocks: the largest count, and the sum over steps (block-steps). They see what a request
     that finishes within its step held (a beam-search step's one-token requests), which the
-    after-step counts miss. The prefix-cache hit rate is over every lookup (tokens hit /
-    tokens queried).
+    after-step counts miss. ``EngineCore.step`` takes them; a step written in lab 03-04 need
+    not call ``_record_blocks_in_step``, and then they read 0. The prefix-cache hit rate is
+    over every lookup (tokens hit / tokens queried).
 
     upstream: none (vLLM reports these through vllm/v1/metrics)
     """
