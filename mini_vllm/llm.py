@@ -228,8 +228,13 @@ class EngineStats:
     """What the engine did, for people (``python -m mini_vllm``) and benchmarks.
 
     ``kv_blocks_in_use`` is the count after the last step; ``peak_kv_blocks_in_use`` the
-    largest count seen after any step. The prefix-cache hit rate is over every lookup (tokens
-    hit / tokens queried).
+    largest count seen after any step. ``peak_kv_blocks_in_step`` and ``num_kv_block_steps``
+    are taken inside each step, right after scheduling, before finished requests free their
+    blocks: the largest count, and the sum over steps (block-steps). They see what a request
+    that finishes within its step held (a beam-search step's one-token requests), which the
+    after-step counts miss. ``EngineCore.step`` takes them; a step written in lab 03-04 need
+    not call ``_record_blocks_in_step``, and then they read 0. The prefix-cache hit rate is
+    over every lookup (tokens hit / tokens queried).
 
     upstream: none (vLLM reports these through vllm/v1/metrics)
     """
@@ -243,6 +248,8 @@ class EngineStats:
     kv_blocks_total: int = 0
     kv_blocks_in_use: int = 0
     peak_kv_blocks_in_use: int = 0
+    peak_kv_blocks_in_step: int = 0
+    num_kv_block_steps: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
@@ -319,6 +326,8 @@ class EngineCoreBase:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.peak_blocks_in_use = 0
+        self.peak_blocks_in_step = 0
+        self.num_block_steps = 0
 
     def add_request(self, request: Request) -> None:
         """Queue a request (made with :meth:`make_request`) for scheduling.
@@ -343,6 +352,13 @@ class EngineCoreBase:
             self.prefix_cache_queries += stats.queries
             self.prefix_cache_hits += stats.hits
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
+
+    def _record_blocks_in_step(self) -> None:
+        """Right after scheduling: count the blocks the step's batch holds (one subtraction),
+        before ``update_from_output`` frees those of requests that finish in this step."""
+        in_use = self.num_blocks_in_use
+        self.num_block_steps += in_use
+        self.peak_blocks_in_step = max(self.peak_blocks_in_step, in_use)
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -371,6 +387,7 @@ class EngineCore(EngineCoreBase):
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        self._record_blocks_in_step()
         model_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self._record_stats()
@@ -961,7 +978,8 @@ class LLM:
         start_in = runner_stats.num_blocks_swapped_in
         start_prompt_computed = runner_stats.num_prompt_tokens_computed
         start_q, start_h = engine.prefix_cache_queries, engine.prefix_cache_hits
-        engine.peak_blocks_in_use = 0
+        engine.peak_blocks_in_use = engine.peak_blocks_in_step = 0
+        start_block_steps = engine.num_block_steps
 
         t0 = time.perf_counter()
         by_id = {t.request.request_id: t for t in tracked}
@@ -1049,6 +1067,8 @@ class LLM:
             kv_blocks_total=pool.num_gpu_blocks - 1,
             kv_blocks_in_use=engine.num_blocks_in_use,
             peak_kv_blocks_in_use=engine.peak_blocks_in_use,
+            peak_kv_blocks_in_step=engine.peak_blocks_in_step,
+            num_kv_block_steps=engine.num_block_steps - start_block_steps,
             prefix_cache_queries=engine.prefix_cache_queries - start_q,
             prefix_cache_hits=engine.prefix_cache_hits - start_h,
             num_preemptions=sched_stats.num_preemptions - start_preempt,
@@ -1203,8 +1223,8 @@ def _add_stats(total: EngineStats, step: EngineStats) -> None:
     the rest (sizes, the last state) is the latest call's."""
     for f in dataclasses.fields(EngineStats):
         value = getattr(step, f.name)
-        if f.name == "peak_kv_blocks_in_use":
-            value = max(value, total.peak_kv_blocks_in_use)
+        if f.name.startswith("peak_"):
+            value = max(value, getattr(total, f.name))
         elif f.name.startswith("num_") or f.name in ("elapsed_s", "prefix_cache_queries",
                                                     "prefix_cache_hits"):
             value += getattr(total, f.name)
