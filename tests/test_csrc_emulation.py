@@ -297,6 +297,18 @@ def test_a_race_between_blocks():
     assert "different blocks of a launch run in no particular order" in message, message
 
 
+def test_dynamic_shared_memory_must_end_on_a_16_byte_boundary():
+    """nvcc may read a shared array's tail with one 16-byte load (seen on an H200 with
+    compute-sanitizer); the emulation cannot run SASS, so it refuses the size that allows it."""
+    run("dynamic_shared_tail", out_out=torch.zeros(32), bytes=128)
+    message = failure("dynamic_shared_tail", out_out=torch.zeros(32), bytes=132)
+    cells = line("MINI_VLLM_DYNAMIC_SHARED(float, cells)")
+    assert message.startswith(
+        "dynamic_shared_tail: the launch gives 132 bytes of dynamic shared memory (cells at "
+        f"emulation_cases.cu:{cells}), not a whole number of 16-byte groups"), message
+    assert "float_smem_bytes(n)" in message, message
+
+
 def test_static_shared_memory_past_48_kb():
     message = failure("big_static_shared", out_out=torch.zeros(32))
     assert "56000 bytes of static shared memory" in message, message

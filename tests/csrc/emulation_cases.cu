@@ -352,6 +352,13 @@ MINI_VLLM_EMU_OP(big_static_shared) {
 
 // The shared-memory opt-in, as a launcher does it: out = [opt-in limit, error of launching with
 // `bytes` dynamic bytes without opting in, error of opting in, error of the launch after it].
+// A launch whose dynamic shared memory does not end on a 16-byte boundary.
+MINI_VLLM_EMU_OP(dynamic_shared_tail) {
+  const int bytes = static_cast<int>(req.integer("bytes"));
+  MINI_VLLM_LAUNCH(dynamic_shared_user, 1, 32, bytes, nullptr)(static_cast<float*>(req.buffer("out")));
+  mini_vllm_emu::report_status(0, "");
+}
+
 MINI_VLLM_EMU_OP(dynamic_shared_optin) {
   const int bytes = static_cast<int>(req.integer("bytes"));
   int* result = static_cast<int*>(req.buffer("result"));

@@ -988,6 +988,17 @@ void* dynamic_shared(size_t align, const char* name, const char* file, int line)
   if (g_launch == nullptr) fail(std::string("shared memory used outside a kernel: ") + name);
   NotAnAccess quiet;
   if (g_block.dynamic.data == nullptr) {
+    // nvcc may read the last elements of a shared array with one 16-byte load (LDS.128), which
+    // runs past an end that is not on a 16-byte boundary: compute-sanitizer reported exactly
+    // that for the partition merge on an H200. The emulation runs the source, not the SASS, so
+    // it asks for the size that makes such a load safe.
+    if (g_launch->dynamic_smem % 16 != 0) {
+      fail(format("the launch gives %zu bytes of dynamic shared memory (", g_launch->dynamic_smem) +
+           name + " at " + basename(file) + ":" + std::to_string(line) +
+           "), not a whole number of 16-byte groups: nvcc may read the end of a shared array "
+           "with one 16-byte load, past such a size; round the launch's size up, e.g. "
+           "float_smem_bytes(n) from common.cuh (" + where() + ")");
+    }
     g_block.dynamic = fresh_shared(g_launch->dynamic_smem, align, std::string("shared ") + name);
     check_smem_budget(name, file, line);
   }

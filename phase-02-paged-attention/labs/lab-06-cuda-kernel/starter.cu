@@ -342,7 +342,7 @@ Status launch_v2(const PagedAttentionParams& p, cudaStream_t stream) {
   const Status status = cuda_status(cudaGetLastError());
   if (status.code != StatusCode::kOk) return status;
   const auto reduce = partition_reduce_kernel<T, HEAD_SIZE, kThreads>;
-  MINI_VLLM_LAUNCH(reduce, dim3(p.num_heads, p.num_seqs), kThreads, sizeof(float) * parts,
+  MINI_VLLM_LAUNCH(reduce, dim3(p.num_heads, p.num_seqs), kThreads, float_smem_bytes(parts),
                    stream)(p);
   return cuda_status(cudaGetLastError());
 }
