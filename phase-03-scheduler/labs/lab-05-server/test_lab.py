@@ -25,6 +25,9 @@ lab = load_lab(__file__)
 
 TOK = ByteTokenizer()
 MAX_MODEL_LEN = 128
+# An abort is applied before the engine's next step (milliseconds with the tiny model): seconds
+# of waiting for the engine to go idle is ample and keeps a failing run short.
+IDLE_TIMEOUT = 5.0
 
 
 # ---------------------------------------------------------------------------- task 1
@@ -187,7 +190,8 @@ def test_stream_equals_generate_token_for_token(engine, reference, params):
         assert got.get(comp.index) == comp.token_ids, (
             f"choice {comp.index}: the stream's tokens {got.get(comp.index)} differ from "
             f"LLM.generate's {comp.token_ids}: yield every output of the collector, in order")
-    assert wait_idle(engine) is None
+    held = wait_idle(engine, IDLE_TIMEOUT)
+    assert held is None, held
 
 
 async def _read_then_close(engine, params, k):
@@ -233,7 +237,7 @@ def test_a_consumer_that_goes_away_aborts_the_request_and_frees_its_blocks(engin
         run(_read_then_close(engine, params, 3))
     else:
         run(_read_then_cancel(engine, params, 3))
-    held = wait_idle(engine)
+    held = wait_idle(engine, IDLE_TIMEOUT)
     assert held is None, f"{held}: generate must call self.abort(request_id) on its way out"
     assert steps(engine) - before < longest, (
         f"the request ran to its end after its consumer went away ({how}): generate must "
@@ -254,7 +258,8 @@ def test_bad_input_raises_and_queues_nothing(engine):
     too_long = "x" * (MAX_MODEL_LEN + 4)
     with pytest.raises(ValueError):
         run(collect(engine, too_long, lab.SamplingParams(max_tokens=4)))
-    assert wait_idle(engine, timeout=2) is None
+    held = wait_idle(engine, IDLE_TIMEOUT)
+    assert held is None, f"{held}: a refused request must leave nothing in the engine"
 
 
 # ---------------------------------------------------------------------------- task 3
@@ -375,7 +380,7 @@ def test_the_real_server_streams_generate_s_tokens_and_frees_a_dropped_stream(re
             for i, _ in enumerate(stream):
                 if i == 3:
                     break
-        held = wait_idle(eng)
+        held = wait_idle(eng, IDLE_TIMEOUT)
         assert held is None, f"{held}: a client that hangs up must leave no block behind"
     finally:
         server.stop()
