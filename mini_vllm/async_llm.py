@@ -232,7 +232,9 @@ class AsyncLLMBase:
 
     async def _output_handler_loop(self) -> None:
         """Turn each step's outputs into deltas for the collectors (on the event loop)."""
-        assert self._outputs is not None
+        if self._outputs is None:
+            raise RuntimeError("AsyncLLM: the output handler runs only after "
+                               "_run_output_handler() made its queue; call that first")
         while True:
             result = await self._outputs.get()
             if result.error is not None:
