@@ -29,14 +29,6 @@ BUGS = [
         replace="self.read_offset = len(self.token_ids)",
     ),
     PlantedBug(
-        name="final-flush-drops-a-cut-character",
-        description="a request that ends inside a character never shows its last bytes, unlike "
-        "LLM.generate's whole decode",
-        file="mini_vllm/detokenizer.py",
-        find="if not final and (window_text.endswith(REPLACEMENT_CHAR)",
-        replace="if (window_text.endswith(REPLACEMENT_CHAR)",
-    ),
-    PlantedBug(
         name="abort-never-sent",
         description="a consumer that goes away leaves its request running in the engine: it "
         "keeps its KV blocks until max_tokens",
@@ -70,25 +62,11 @@ BUGS = [
         replace="        return",
     ),
     PlantedBug(
-        name="held-back-delta-sent",
-        description="a delta with no text and no finish reason is sent as an empty chunk",
-        file="mini_vllm/entrypoints/openai/serving_completion.py",
-        find="if not comp.text and comp.finish_reason is None and not ids:",
-        replace="if False:",
-    ),
-    PlantedBug(
         name="usage-counts-the-last-delta",
         description="the usage chunk counts only the last delta's tokens, not the whole "
         "completion's",
         file="mini_vllm/entrypoints/openai/serving_completion.py",
         find="completion_tokens += len(comp.token_ids)",
         replace="completion_tokens = len(comp.token_ids)",
-    ),
-    PlantedBug(
-        name="prompt-ids-in-every-chunk",
-        description="with return_token_ids every chunk repeats the prompt's token ids",
-        file="mini_vllm/entrypoints/openai/serving_completion.py",
-        find="if comp.index not in started:",
-        replace="if True:",
     ),
 ]
