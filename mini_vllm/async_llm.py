@@ -53,7 +53,7 @@ from mini_vllm.request import Request, RequestStatus
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler_output import EngineCoreOutput
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError"]
+__all__ = ["AsyncLLM", "AsyncLLMBase", "EngineDeadError", "EngineGenerateError"]
 
 
 class EngineGenerateError(RuntimeError):
@@ -84,8 +84,11 @@ class _StepResult:
 _SHUTDOWN = object()  # the core thread's signal to stop
 
 
-class AsyncLLM:
+class AsyncLLMBase:
     """Serve many requests at once from one engine, streaming each one's output as it is made.
+
+    Everything but the per-request stream, ``generate``, which is :class:`AsyncLLM`'s (lab 03-05
+    gives this part: requests in, the core thread, the output handler, abort, shutdown).
 
     Build it from an :class:`~mini_vllm.llm.LLM` (which loads the model and checks the engine
     knobs): ``AsyncLLM(LLM(...))`` or ``AsyncLLM.from_engine_args(model=..., **knobs)``. Once
@@ -122,7 +125,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, model: Any = None, *, model_name: str = "mini_vllm",
-                         **llm_kwargs: Any) -> AsyncLLM:
+                         **llm_kwargs: Any) -> AsyncLLMBase:
         """Load the model and build the engine as ``LLM(model, **llm_kwargs)`` does.
 
         upstream: vllm/v1/engine/async_llm.py:221 @ v0.11.0
@@ -197,30 +200,6 @@ class AsyncLLM:
             requests.append(self.engine_core.make_request(rid, ids, child))
         return requests
 
-    async def generate(self, prompt: Any, sampling_params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output as deltas (new text and token ids per completion) until
-        the last one, which has ``finished=True``.
-
-        Bad input raises before anything is queued. If the caller stops iterating (a client
-        disconnect cancels the task; an abandoned generator is closed) the request is aborted.
-
-        upstream: vllm/v1/engine/async_llm.py:323 @ v0.11.0
-        """
-        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self._run_output_handler()
-        collector = self.add_request(request_id, prompt, sampling_params)
-        finished = False
-        try:
-            while not finished:
-                # Take what is ready without a task switch; wait only when nothing is.
-                out = collector.get_nowait() or await collector.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
-
     def abort(self, request_id: str) -> None:
         """Stop a user request: no more outputs; its engine requests are finished in the
         scheduler (blocks freed) before the next step. Unknown or finished ids are ignored.
@@ -253,7 +232,9 @@ class AsyncLLM:
 
     async def _output_handler_loop(self) -> None:
         """Turn each step's outputs into deltas for the collectors (on the event loop)."""
-        assert self._outputs is not None
+        if self._outputs is None:
+            raise RuntimeError("AsyncLLM: the output handler runs only after "
+                               "_run_output_handler() made its queue; call that first")
         while True:
             result = await self._outputs.get()
             if result.error is not None:
@@ -419,3 +400,34 @@ class AsyncLLM:
             self._core_thread.join(timeout=60)
         if self.output_handler is not None:
             self.output_handler.cancel()
+
+
+class AsyncLLM(AsyncLLMBase):
+    """:class:`AsyncLLMBase` with its per-request stream: the engine a server runs on.
+
+    upstream: vllm/v1/engine/async_llm.py:52 @ v0.11.0
+    """
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output as deltas (new text and token ids per completion) until
+        the last one, which has ``finished=True``.
+
+        Bad input raises before anything is queued. If the caller stops iterating (a client
+        disconnect cancels the task; an abandoned generator is closed) the request is aborted.
+
+        upstream: vllm/v1/engine/async_llm.py:323 @ v0.11.0
+        """
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self._run_output_handler()
+        collector = self.add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                # Take what is ready without a task switch; wait only when nothing is.
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)

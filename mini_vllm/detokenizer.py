@@ -28,14 +28,19 @@ from typing import Any
 from mini_vllm.llm import check_stop_strings
 from mini_vllm.sampling_params import SamplingParams
 
-__all__ = ["IncrementalDetokenizer", "REPLACEMENT_CHAR"]
+__all__ = ["IncrementalDetokenizer", "IncrementalDetokenizerBase", "REPLACEMENT_CHAR"]
 
 # What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT_CHAR = "\ufffd"
 
 
-class IncrementalDetokenizer:
-    """The text of one request's output tokens, built a token at a time.
+class IncrementalDetokenizerBase:
+    """The text of one request's output tokens, built a token at a time (all but the window step).
+
+    Lab 03-05 gives this part: the state, ``update`` (tokens in, stop tokens and stop strings)
+    and ``get_next_output_text`` (the stream's deltas, the stop-string hold-back). The step that
+    turns the tokens after ``read_offset`` into text, ``decode_next``, is
+    :class:`IncrementalDetokenizer`'s.
 
     Invariants: ``output_text`` is the decoded text of ``token_ids[:read_offset]`` (minus the
     final stop token when the request ended on one, and cut at a stop string when one matched);
@@ -71,25 +76,6 @@ class IncrementalDetokenizer:
             return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
         except TypeError:  # a user tokenizer without that keyword
             return self.tokenizer.decode(list(ids))
-
-    def decode_next(self, final: bool = False) -> str:
-        """The new text of the tokens after ``read_offset``, and advance the window past them.
-
-        Returns ``""`` (and keeps the tokens unread) while the window's text ends in an
-        incomplete character, unless ``final``: then the tokenizer's rendering of the leftover
-        bytes (U+FFFD) is returned, as a whole-output decode would show it.
-
-        upstream: vllm/transformers_utils/detokenizer_utils.py:110 @ v0.11.0
-        """
-        if self.read_offset == len(self.token_ids):
-            return ""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        window_text = self._decode(self.token_ids[self.prefix_offset:])
-        if not final and (window_text.endswith(REPLACEMENT_CHAR)
-                          or len(window_text) <= len(prefix_text)):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return window_text[len(prefix_text):]
 
     def update(self, new_token_ids: Sequence[int], *, stop_terminated: bool = False,
                finished: bool = False) -> str | None:
@@ -147,3 +133,29 @@ class IncrementalDetokenizer:
         piece = self.output_text[self._sent:ready]
         self._sent = ready
         return piece
+
+
+class IncrementalDetokenizer(IncrementalDetokenizerBase):
+    """:class:`IncrementalDetokenizerBase` with its window step: what a server detokenizes with.
+
+    upstream: vllm/v1/engine/detokenizer.py:68 @ v0.11.0
+    """
+
+    def decode_next(self, final: bool = False) -> str:
+        """The new text of the tokens after ``read_offset``, and advance the window past them.
+
+        Returns ``""`` (and keeps the tokens unread) while the window's text ends in an
+        incomplete character, unless ``final``: then the tokenizer's rendering of the leftover
+        bytes (U+FFFD) is returned, as a whole-output decode would show it.
+
+        upstream: vllm/transformers_utils/detokenizer_utils.py:110 @ v0.11.0
+        """
+        if self.read_offset == len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        window_text = self._decode(self.token_ids[self.prefix_offset:])
+        if not final and (window_text.endswith(REPLACEMENT_CHAR)
+                          or len(window_text) <= len(prefix_text)):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return window_text[len(prefix_text):]

@@ -10,15 +10,15 @@ the engine as it was; a client that goes away mid-request must leave no KV block
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from course.labs.serving import ServerThread, wait_idle
 from mini_vllm.async_llm import AsyncLLM
-from mini_vllm.entrypoints.openai.api_server import bind_socket, build_app, make_server
+from mini_vllm.entrypoints.openai.api_server import build_app
 from mini_vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from mini_vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from mini_vllm.llm import LLM
@@ -33,43 +33,24 @@ TEMPLATE = (
 MAX_MODEL_LEN = 256
 
 
-class Served:
-    """The running server: its address, its engine, and a reference LLM on the same weights."""
+class Served(ServerThread):
+    """The running server (``course/labs/serving.py``), its engine, and a reference LLM on the
+    same weights."""
 
     def __init__(self) -> None:
         self.reference = LLM(max_model_len=MAX_MODEL_LEN)
         self.engine = AsyncLLM(LLM(self.reference.model, max_model_len=MAX_MODEL_LEN),
                                model_name=MODEL)
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.port = self.sock.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(build_app(self.engine, chat_template=TEMPLATE),
-                                  port=self.port)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def client(self, timeout: float = 60) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0,
-                             timeout=timeout)
+        super().__init__(build_app(self.engine, chat_template=TEMPLATE))
 
     @property
     def pool(self):
         return self.engine.engine_core.scheduler.kv_cache_manager.block_pool
 
     def wait_idle(self, timeout: float = 20.0) -> None:
-        """Wait until the engine holds no request and no block (the loop applies aborts between
-        steps, so this takes at most a step or two); fail with what is still held."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            core = self.engine.engine_core
-            if not core.scheduler.requests and core.num_blocks_in_use == 0 \
-                    and not self.engine.output_processor.request_states:
-                return
-            time.sleep(0.01)
-        core = self.engine.engine_core
-        pytest.fail(f"the engine still holds {len(core.scheduler.requests)} request(s) and "
-                    f"{core.num_blocks_in_use} KV block(s) {timeout:.0f} s after the last client "
-                    "finished or went away: an abort or a finish did not free them")
+        """Wait until the engine holds no request and no block; fail with what is still held."""
+        if (held := wait_idle(self.engine, timeout)) is not None:
+            pytest.fail(held)
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics by name (labels other than model_name folded in)."""
@@ -85,16 +66,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served():
-    s = Served()
-    s.thread.start()
-    deadline = time.monotonic() + 30
-    while not s.server.started:
-        assert s.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
+    s = Served().start()
     yield s
-    s.server.should_exit = True
-    s.thread.join(timeout=30)
-    s.sock.close()
+    s.stop()
 
 
 def expected(served: Served, prompt: str, **params) -> list:

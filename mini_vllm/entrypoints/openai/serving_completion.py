@@ -23,11 +23,15 @@ from mini_vllm.entrypoints.openai.serving_engine import (
 )
 from mini_vllm.llm import RequestOutput
 
-__all__ = ["OpenAIServingCompletion"]
+__all__ = ["OpenAIServingCompletion", "OpenAIServingCompletionBase"]
 
 
-class OpenAIServingCompletion(OpenAIServing):
+class OpenAIServingCompletionBase(OpenAIServing):
     """Completions: one prompt (text or token ids), ``n`` samples, streamed or not.
+
+    All but the stream's framing, ``completion_stream_generator``, which is
+    :class:`OpenAIServingCompletion`'s (lab 03-05 gives this part: the checks, the first-output
+    handshake, the whole response).
 
     Invariant: the text of each choice, whole or concatenated over the stream's chunks, is the
     text ``LLM.generate`` returns for the same prompt and parameters.
@@ -63,6 +67,35 @@ class OpenAIServingCompletion(OpenAIServing):
                 request, outputs, request_id, self.created()))
         return await self.completion_full(outputs, request_id, self.created(), params.n,
                                           request.return_token_ids)
+
+    async def completion_full(self, outputs: AsyncIterator[RequestOutput], request_id: str,
+                              created: int, n: int, return_token_ids: bool = False) -> Response:
+        """Collect the stream into one response (the client waits for all of it).
+
+        upstream: vllm/entrypoints/openai/serving_completion.py:496 @ v0.11.0
+        """
+        try:
+            got = await collect_choices(outputs, n)
+        except RuntimeError as exc:  # the engine failed (EngineGenerateError)
+            return error_response(f"the engine failed while generating: {exc}",
+                                  HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+        return JSONResponse({
+            "id": request_id, "object": "text_completion", "created": created,
+            "model": self.model_name,
+            "choices": [{"index": i, "text": got.texts[i], "logprobs": None,
+                         "finish_reason": got.finish_reasons[i],
+                         "stop_reason": got.stop_reasons[i],
+                         **({"token_ids": got.token_ids[i], "prompt_token_ids": got.prompt_ids}
+                            if return_token_ids else {})} for i in range(n)],
+            "usage": usage(got.prompt_tokens, got.completion_tokens),
+        })
+
+
+class OpenAIServingCompletion(OpenAIServingCompletionBase):
+    """:class:`OpenAIServingCompletionBase` with its SSE stream: what ``/v1/completions`` runs.
+
+    upstream: vllm/entrypoints/openai/serving_completion.py:47 @ v0.11.0
+    """
 
     async def completion_stream_generator(self, request: CompletionRequest,
                                           outputs: AsyncIterator[RequestOutput],
@@ -103,25 +136,3 @@ class OpenAIServingCompletion(OpenAIServing):
         except RuntimeError as exc:  # the engine failed mid-stream (EngineGenerateError)
             yield engine_error_event(exc)
         yield sse_event("[DONE]")
-
-    async def completion_full(self, outputs: AsyncIterator[RequestOutput], request_id: str,
-                              created: int, n: int, return_token_ids: bool = False) -> Response:
-        """Collect the stream into one response (the client waits for all of it).
-
-        upstream: vllm/entrypoints/openai/serving_completion.py:496 @ v0.11.0
-        """
-        try:
-            got = await collect_choices(outputs, n)
-        except RuntimeError as exc:  # the engine failed (EngineGenerateError)
-            return error_response(f"the engine failed while generating: {exc}",
-                                  HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
-        return JSONResponse({
-            "id": request_id, "object": "text_completion", "created": created,
-            "model": self.model_name,
-            "choices": [{"index": i, "text": got.texts[i], "logprobs": None,
-                         "finish_reason": got.finish_reasons[i],
-                         "stop_reason": got.stop_reasons[i],
-                         **({"token_ids": got.token_ids[i], "prompt_token_ids": got.prompt_ids}
-                            if return_token_ids else {})} for i in range(n)],
-            "usage": usage(got.prompt_tokens, got.completion_tokens),
-        })

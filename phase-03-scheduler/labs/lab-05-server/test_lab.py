@@ -1,0 +1,386 @@
+"""Graded tests of lab 03-05: the incremental detokenizer step, the request stream and its abort,
+and the server-sent events of a streamed completion.
+
+Tasks 1 and 3 are tested without a model or a server (a byte tokenizer; hand-made outputs), task
+2 on the shipped tiny model in this process, and the three together in a real uvicorn server
+driven by the official ``openai`` client (``course/labs/serving.py``, over a Unix socket so that
+it also runs where the network is cut off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from course.labs.loader import load_lab
+from course.labs.serving import ServerThread, wait_idle
+from mini_vllm.llm import LLM
+from mini_vllm.tokenizer import ByteTokenizer
+
+lab = load_lab(__file__)
+
+TOK = ByteTokenizer()
+MAX_MODEL_LEN = 128
+# An abort is applied before the engine's next step (milliseconds with the tiny model): seconds
+# of waiting for the engine to go idle is ample and keeps a failing run short.
+IDLE_TIMEOUT = 5.0
+
+
+# ---------------------------------------------------------------------------- task 1
+
+
+class CountingTokenizer(ByteTokenizer):
+    """A byte tokenizer that records how many tokens each decode call was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        ids = list(token_ids)
+        self.calls.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def stream_text(ids, *, chunk=1, tokenizer=TOK, **params):
+    """Feed ``ids`` ``chunk`` tokens per step through the lab's detokenizer, as the engine does;
+    return (the pieces a client gets, the detokenizer, the stop string found)."""
+    detok = lab.IncrementalDetokenizer(tokenizer, lab.SamplingParams(temperature=0.0, **params))
+    pieces, found = [], None
+    steps = [ids[i:i + chunk] for i in range(0, len(ids), chunk)] or [[]]
+    for n, step in enumerate(steps):
+        last = n == len(steps) - 1
+        found = detok.update(step, finished=last)
+        pieces.append(detok.get_next_output_text(finished=last or found is not None, delta=True))
+        if found is not None:
+            break
+    return pieces, detok, found
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+@pytest.mark.parametrize("text", ["HAMLET. To be", "naïve café", "東京 🙂 ok", "🙂🙂"])
+def test_pieces_add_up_to_the_text_and_never_split_a_character(text, chunk):
+    pieces, detok, _ = stream_text(TOK.encode(text), chunk=chunk)
+    assert "".join(pieces) == text, (
+        f"the streamed pieces of {text!r} do not add up to its text: decode_next must return "
+        f"exactly the text the new tokens add, once; pieces {pieces!r}")
+    for piece in pieces:
+        assert lab.REPLACEMENT_CHAR not in piece, (
+            f"a piece of {text!r} holds U+FFFD, half a character: decode_next must return '' "
+            f"while the window's text ends in U+FFFD; pieces {pieces!r}")
+    assert detok.prefix_offset <= detok.read_offset == len(detok.token_ids), (
+        f"after the last token the window is prefix_offset={detok.prefix_offset}, "
+        f"read_offset={detok.read_offset} over {len(detok.token_ids)} tokens: read_offset must "
+        "reach the end once the text is complete")
+
+
+@given(st.text(max_size=24), st.integers(1, 3))
+def test_any_text_streams_back_whole(text, chunk):
+    pieces, _, _ = stream_text(TOK.encode(text), chunk=chunk)
+    assert "".join(pieces) == text, (
+        f"the streamed pieces of {text!r} do not add up to its text (chunk {chunk}): "
+        f"pieces {pieces!r}")
+    assert all(lab.REPLACEMENT_CHAR not in p for p in pieces) or lab.REPLACEMENT_CHAR in text, (
+        f"a piece of {text!r} holds half a character: {pieces!r}")
+
+
+def test_an_incomplete_character_is_held_and_the_window_stays():
+    detok = lab.IncrementalDetokenizer(TOK, lab.SamplingParams(temperature=0.0))
+    smile = TOK.encode("🙂")  # four bytes, four tokens
+    detok.token_ids.extend(TOK.encode("ab"))
+    assert detok.decode_next() == "ab"
+    assert (detok.prefix_offset, detok.read_offset) == (0, 2), (
+        f"after 'ab' the window is ({detok.prefix_offset}, {detok.read_offset}): prefix_offset "
+        "takes the old read_offset (0) and read_offset the number of tokens (2)")
+    for i, byte in enumerate(smile[:-1]):
+        detok.token_ids.append(byte)
+        got = detok.decode_next()
+        assert got == "", (
+            f"after {i + 1} of the 4 bytes of 🙂 decode_next returned {got!r}: it must return "
+            "'' while the window's text ends in U+FFFD")
+        assert (detok.prefix_offset, detok.read_offset) == (0, 2), (
+            "decode_next moved the window while the character was incomplete: it must keep "
+            "the bytes unread so that the next call decodes them with the rest")
+    detok.token_ids.append(smile[-1])
+    assert detok.decode_next() == "🙂"
+    assert (detok.prefix_offset, detok.read_offset) == (2, 6)
+    assert detok.decode_next() == "", "with no new token decode_next must return ''"
+
+
+def test_a_cut_character_at_the_end_is_flushed_as_the_whole_decode_shows_it():
+    ids = TOK.encode("ab") + TOK.encode("🙂")[:2]
+    pieces, detok, _ = stream_text(ids)
+    assert "".join(pieces) == TOK.decode(ids), (
+        f"a request that ends inside a character streamed {''.join(pieces)!r}, but "
+        f"LLM.generate shows {TOK.decode(ids)!r}: with final=True decode_next returns the "
+        "leftover text, U+FFFD included")
+
+
+def test_each_step_decodes_a_short_window_not_the_whole_output():
+    text = "naïve café — 東京 🙂 " * 12  # 1- to 4-byte characters, 250+ tokens
+    tok = CountingTokenizer()
+    pieces, _, _ = stream_text(TOK.encode(text), tokenizer=tok)
+    assert "".join(pieces) == text
+    assert max(tok.calls) <= 8, (
+        f"a decode call was given {max(tok.calls)} tokens of {len(TOK.encode(text))}: "
+        "decode_next must decode only token_ids[prefix_offset:], and move prefix_offset on")
+
+
+def test_stop_string_cuts_the_stream_and_is_never_shown():
+    pieces, _, found = stream_text(TOK.encode("to be or not to be"), stop=["not"])
+    assert found == "not"
+    assert "".join(pieces) == "to be or ", (
+        f"with stop='not' the stream showed {''.join(pieces)!r}; it must end before the stop "
+        "string")
+
+
+# ---------------------------------------------------------------------------- task 2
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def engine(reference):
+    """The lab's AsyncLLM on the reference's weights (one for the module: loading is the slow
+    part). Each test runs its own event loop; the engine's loop follows it."""
+    eng = lab.AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN))
+    yield eng
+    eng.shutdown()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+async def collect(engine, prompt, params, request_id=None):
+    """Every delta of one request, in order."""
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def steps(engine) -> int:
+    return engine.engine_core.scheduler.stats.num_steps
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.0, max_tokens=20),
+    dict(temperature=0.8, seed=7, n=2, max_tokens=12),
+], ids=["greedy", "seeded-n2"])
+def test_stream_equals_generate_token_for_token(engine, reference, params):
+    sp = lab.SamplingParams(**params)
+    outs = run(collect(engine, "HAMLET.\n", sp))
+    want = reference.generate("HAMLET.\n", sp, use_tqdm=False)[0].outputs
+    assert outs and outs[-1].finished, (
+        "the stream ended without an output with finished=True: generate must yield until the "
+        "last output and then stop")
+    assert [o.finished for o in outs].count(True) == 1, (
+        "the stream went on after the finished output: stop right after yielding it")
+    got: dict[int, list[int]] = {}
+    for out in outs:
+        for comp in out.outputs:
+            got.setdefault(comp.index, []).extend(comp.token_ids)
+    for comp in want:
+        assert got.get(comp.index) == comp.token_ids, (
+            f"choice {comp.index}: the stream's tokens {got.get(comp.index)} differ from "
+            f"LLM.generate's {comp.token_ids}: yield every output of the collector, in order")
+    held = wait_idle(engine, IDLE_TIMEOUT)
+    assert held is None, held
+
+
+async def _read_then_close(engine, params, k):
+    agen = engine.generate("ROMEO.\n", params)
+    outs = []
+    async for out in agen:
+        outs.append(out)
+        if len(outs) == k:
+            break
+    await agen.aclose()  # what `async for` leaves to the garbage collector, made explicit
+    return outs
+
+
+async def _read_then_cancel(engine, params, k):
+    got = asyncio.Event()
+
+    async def consume():
+        n = 0
+        async for _ in engine.generate("ROMEO.\n", params):
+            n += 1
+            if n == k:
+                got.set()
+
+    task = asyncio.create_task(consume())
+    waiter = asyncio.create_task(got.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        task.result()  # the stream ended or failed before its third output: say why
+        pytest.fail("the request finished before its consumer went away: max_tokens too small")
+    task.cancel()  # what a client disconnect does to the request's task
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("how", ["close", "cancel"])
+def test_a_consumer_that_goes_away_aborts_the_request_and_frees_its_blocks(engine, how):
+    longest = MAX_MODEL_LEN - 16
+    params = lab.SamplingParams(temperature=0.0, max_tokens=longest, ignore_eos=True)
+    before = steps(engine)
+    if how == "close":
+        run(_read_then_close(engine, params, 3))
+    else:
+        run(_read_then_cancel(engine, params, 3))
+    held = wait_idle(engine, IDLE_TIMEOUT)
+    assert held is None, f"{held}: generate must call self.abort(request_id) on its way out"
+    assert steps(engine) - before < longest, (
+        f"the request ran to its end after its consumer went away ({how}): generate must "
+        "abort it")
+
+
+def test_a_finished_request_is_not_aborted(engine, monkeypatch):
+    aborted = []
+    monkeypatch.setattr(engine, "abort", aborted.append)
+    run(collect(engine, "HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=4),
+                request_id="done-1"))
+    assert aborted == [], (
+        f"generate aborted {aborted} after its last output: only a request whose finished "
+        "output was not yielded is aborted")
+
+
+def test_bad_input_raises_and_queues_nothing(engine):
+    too_long = "x" * (MAX_MODEL_LEN + 4)
+    with pytest.raises(ValueError):
+        run(collect(engine, too_long, lab.SamplingParams(max_tokens=4)))
+    held = wait_idle(engine, IDLE_TIMEOUT)
+    assert held is None, f"{held}: a refused request must leave nothing in the engine"
+
+
+# ---------------------------------------------------------------------------- task 3
+
+
+def delta(index, text, ids, finish=None, prompt_ids=(1, 2, 3), stop_reason=None):
+    comp = lab.CompletionOutput(index, text, list(ids), finish, stop_reason)
+    return lab.RequestOutput("r", None, list(prompt_ids), [comp], finished=finish is not None)
+
+
+async def replay(outputs, error=None):
+    for out in outputs:
+        await asyncio.sleep(0)
+        yield out
+    if error is not None:
+        raise error
+
+
+def sse(outputs, error=None, **request):
+    """The events the lab's stream generator makes for ``outputs`` (then ``error``)."""
+    serving = lab.OpenAIServingCompletion(None, "tiny")
+    req = lab.CompletionRequest(prompt="x", stream=True, **request)
+
+    async def go():
+        gen = serving.completion_stream_generator(req, replay(outputs, error), "cmpl-1", 99)
+        return [event async for event in gen]
+
+    return run(go())
+
+
+def payloads(events):
+    """The JSON of every event but the last ([DONE]), after checking the framing."""
+    for event in events:
+        assert event.startswith("data: ") and event.endswith("\n\n") and \
+            event.count("\n") == 2, (
+                f"{event!r} is not one server-sent event: use sse_event(payload), which "
+                "writes 'data: <json>' and a blank line")
+    assert events and events[-1] == "data: [DONE]\n\n", (
+        f"the stream ends with {events[-1:]!r}: its last event must be sse_event('[DONE]'), "
+        "where OpenAI clients stop reading")
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+@pytest.mark.points(2)
+def test_each_delta_is_one_chunk_and_the_stream_ends_with_done():
+    chunks = payloads(sse([delta(0, "He", [72, 101]), delta(0, "", [240]),
+                           delta(0, "llo", [159, 108], finish="length")]))
+    assert [c["choices"][0]["text"] for c in chunks] == ["He", "llo"], (
+        f"chunks {chunks}: one chunk per delta that says something; a delta with no text and "
+        "no finish_reason (text held back) sends nothing")
+    assert chunks[0] == {
+        "id": "cmpl-1", "object": "text_completion", "created": 99, "model": "tiny",
+        "choices": [{"index": 0, "text": "He", "logprobs": None, "finish_reason": None,
+                     "stop_reason": None}],
+    }
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_choices_usage_and_token_ids():
+    outs = [delta(1, "a", [97]), delta(0, "b", [98]), delta(0, "", [99]),
+            delta(1, "c", [100], finish="stop", stop_reason="\n"),
+            delta(0, "d", [101], finish="length")]
+    chunks = payloads(sse(outs, return_token_ids=True, stream_options={"include_usage": True}))
+    assert [(c["choices"][0]["index"], c["choices"][0]["token_ids"]) for c in chunks[:-1]] == \
+        [(1, [97]), (0, [98]), (0, [99]), (1, [100]), (0, [101])], (
+            "with return_token_ids every delta is a chunk, its token ids included")
+    firsts = [c["choices"][0]["index"] for c in chunks[:-1]
+              if "prompt_token_ids" in c["choices"][0]]
+    assert firsts == [1, 0], (
+        f"prompt_token_ids went with the chunks of choices {firsts}: only each choice's first")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}, (
+        f"the last chunk is {chunks[-1]}: with include_usage it has no choices and the usage "
+        "(prompt length, every delta's token ids)")
+    assert chunks[3]["choices"][0]["stop_reason"] == "\n"
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event_then_done():
+    chunks = payloads(sse([delta(0, "ab", [97, 98])], error=RuntimeError("boom")))
+    assert len(chunks) == 2 and "error" in chunks[1] and "boom" in chunks[1]["error"]["message"], (
+        f"events {chunks}: an exception from the outputs is sent as engine_error_event(exc), "
+        "then [DONE]")
+
+
+@pytest.mark.points(3)
+def test_the_real_server_streams_generate_s_tokens_and_frees_a_dropped_stream(reference,
+                                                                             monkeypatch):
+    # The server with this lab's three pieces in place of the reference's.
+    monkeypatch.setattr("mini_vllm.output_processor.IncrementalDetokenizer",
+                        lab.IncrementalDetokenizer)
+    monkeypatch.setattr("mini_vllm.entrypoints.openai.api_server.OpenAIServingCompletion",
+                        lab.OpenAIServingCompletion)
+    from mini_vllm.entrypoints.openai.api_server import build_app
+
+    eng = lab.AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN), model_name="tiny")
+    # Each piece once in this process first: an unwritten task says so here, not as a 500.
+    stream_text(TOK.encode("ok"))
+    run(collect(eng, "HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=1)))
+    sse([delta(0, "ok", [111, 107], finish="stop")])
+    server = ServerThread(build_app(eng), uds=True).start()
+    try:
+        client = server.client(timeout=60)
+        want = reference.generate("HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=24),
+                                  use_tqdm=False)[0].outputs[0]
+        text, ids = "", []
+        for chunk in client.completions.create(model="tiny", prompt="HAMLET.\n", max_tokens=24,
+                                               temperature=0.0, stream=True,
+                                               extra_body={"return_token_ids": True}):
+            for choice in chunk.choices:
+                text += choice.text
+                ids += getattr(choice, "token_ids", None) or []
+        assert (ids, text) == (want.token_ids, want.text), (
+            f"the openai client read {text!r} from the stream; LLM.generate says {want.text!r}")
+        longest = MAX_MODEL_LEN - 16
+        with client.completions.create(model="tiny", prompt="ROMEO.\n", max_tokens=longest,
+                                       temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True}) as stream:
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    break
+        held = wait_idle(eng, IDLE_TIMEOUT)
+        assert held is None, f"{held}: a client that hangs up must leave no block behind"
+    finally:
+        server.stop()
