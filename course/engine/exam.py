@@ -127,6 +127,69 @@ def reference_completion(
             return Completion(out, "stop")
 
 
+Beam = tuple[list[int], float]  # a beam of the brute force: (tokens, prompt first; cum_logprob)
+
+
+def beam_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None,
+               length_penalty: float) -> float:
+    """The brute force's own ranking score: ``cum_logprob / length ** length_penalty``, where
+    ``length`` counts the prompt and every generated token but a final EOS."""
+    length = len(tokens) - (1 if tokens[-1] == eos_token_id else 0)
+    return cum_logprob / length ** length_penalty
+
+
+@torch.no_grad()
+def last_logprobs(model: LlamaForCausalLM, sequences: list[list[int]]) -> torch.Tensor:
+    """``log_softmax`` (float64) of each sequence's next-token logits, with no cache: one forward
+    over all of them, right-padded (causal attention: padding after a position cannot change
+    it)."""
+    longest = max(map(len, sequences))
+    ids = torch.tensor([seq + [0] * (longest - len(seq)) for seq in sequences])
+    logits = model.forward_reference(ids)
+    last = logits[torch.arange(len(sequences)), torch.tensor([len(s) - 1 for s in sequences])]
+    return torch.log_softmax(last.double(), dim=-1)
+
+
+def brute_force_beam_search(
+    next_logprobs: Callable[[list[list[int]]], torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    width: int,
+    max_tokens: int,
+    eos_token_id: int | None,
+    *,
+    ignore_eos: bool = False,
+    length_penalty: float = 1.0,
+) -> list[list[Beam]]:
+    """Per prompt, the best ``width`` beams ``(tokens, cum_logprob)``, best first, by v0.11.0's
+    beam search written from its statement (not from mini_vllm): each step every live beam
+    proposes its ``2 * width`` likeliest next tokens (``next_logprobs`` gives one row of
+    log-probabilities per sequence, recomputed from scratch); candidates ending in EOS (unless
+    ``ignore_eos``) are complete and wait; the best ``width`` others by :func:`beam_score` live
+    on; at the end completed and live beams are ranked together."""
+    def key(beam: Beam) -> float:
+        return beam_score(beam[0], beam[1], eos_token_id, length_penalty)
+
+    live: list[list[Beam]] = [[(list(prompt), 0.0)] for prompt in prompts]
+    completed: list[list[Beam]] = [[] for _ in prompts]
+    for _ in range(max_tokens):
+        beams = [beam for per_prompt in live for beam in per_prompt]
+        if not beams:
+            break
+        rows = iter(next_logprobs([tokens for tokens, _ in beams]))
+        for i, per_prompt in enumerate(live):
+            candidates = []
+            for tokens, cum in per_prompt:
+                row = next(rows)
+                top = row.topk(min(2 * width, row.numel()))
+                for token, value in zip(top.indices.tolist(), top.values.tolist()):
+                    child = (tokens + [token], cum + value)
+                    done = token == eos_token_id and not ignore_eos
+                    (completed[i] if done else candidates).append(child)
+            live[i] = sorted(candidates, key=key, reverse=True)[:width]
+    return [sorted(done + alive, key=key, reverse=True)[:width]
+            for done, alive in zip(completed, live)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Running one engine and comparing it with the oracle
 # ----------------------------------------------------------------------------------------------
