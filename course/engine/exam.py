@@ -24,6 +24,7 @@ Run it with ``python -m course engine --exam``; this module holds the cases and 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import signal
 import time
@@ -785,6 +786,46 @@ def case_parallel_sampling(exam: Exam) -> None:
     expect(run.stats.prefix_cache_hits > 0, "the children reuse the prompt's blocks")
 
 
+# The beam case's prompts: with these, beams that end in EOS make the final ranking, so that each
+# of lab 03-04's planted beam bugs (planted_bugs/03-04.py) changes the result.
+BEAM_SEED = 27
+
+
+def case_beam_search(exam: Exam) -> None:
+    """``LLM.beam_search`` through the engine (lab 03-04's beam step, every beam a one-token
+    request with ``2 * width`` log-probabilities): the same beams, in the same order, with the
+    same cumulative log-probabilities as a brute-force search that recomputes every beam with
+    no cache; beams that end with EOS compete for the final ranking, and the beams' common full
+    blocks come from the prefix cache."""
+    from mini_vllm.sampling_params import BeamSearchParams
+
+    rng = random.Random(BEAM_SEED)
+    prompts = _prompts(rng, [rng.randint(1, 12) for _ in range(6)])
+    llm = exam.llm(block_size=4, num_gpu_blocks=256, max_num_batched_tokens=256)
+    width, max_tokens = 4, 5
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
+    wanted = brute_force_beam_search(lambda seqs: last_logprobs(exam.model, seqs), prompts,
+                                     width, max_tokens, EOS)
+    for i, (out, want, prompt) in enumerate(zip(outputs, wanted, prompts)):
+        got = [beam.tokens[len(prompt):] for beam in out.sequences]
+        if got != [tokens[len(prompt):] for tokens, _ in want]:
+            raise ExamFailure(
+                f"beam search, width {width}, prompt {i} ({len(prompt)} tokens): your beams "
+                f"{got}, the brute force's {[t[len(prompt):] for t, _ in want]} (look at "
+                "lab 03-04's expand_beams, finish_beams and the beam score)")
+        for beam, (_, cum) in zip(out.sequences, want):
+            if not math.isclose(beam.cum_logprob, cum, rel_tol=1e-4, abs_tol=1e-3):
+                raise ExamFailure(
+                    f"beam search, prompt {i}: cumulative logprob {beam.cum_logprob:.5f} for "
+                    f"{beam.tokens[len(prompt):]}, the brute force's {cum:.5f}")
+    held = llm.engine.num_blocks_in_use
+    if held:
+        raise ExamFailure(f"{held} KV block(s) still held after beam search finished")
+    expect(any(b.tokens[-1] == EOS for o in outputs for b in o.sequences),
+           "a beam completed with EOS among the results")
+    expect(llm.last_stats.prefix_cache_hits > 0, "beams reuse their common blocks")
+
+
 def case_stop_tokens_and_min_tokens(exam: Exam) -> None:
     """Stop tokens, EOS and ``min_tokens``: stops are banned before ``min_tokens``; a stop arriving
     as the last allowed token is a length cap (the length check comes first)."""
@@ -946,6 +987,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("swap-queue", case_swap_queue),
         Case("swap-with-lookahead", case_swap_with_lookahead),
         Case("parallel-sampling", case_parallel_sampling),
+        Case("beam-search", case_beam_search),
         Case("stop-tokens-min-tokens", case_stop_tokens_and_min_tokens),
         Case("several-generate-calls", case_several_generate_calls),
         Case("long-context-v2", case_long_context),
