@@ -121,8 +121,8 @@ BUGS = [
     PlantedBug(
         name="length-penalty-on-generated-tokens",
         description="the sort key divides by the generated length only, not the whole sequence "
-        "with its prompt, so a beam that ended early ranks against the others by the wrong "
-        "length",
+        "with its prompt (today's upstream rule, not v0.11.0's that the lab grades), so a beam "
+        "that ended early ranks against the others by the wrong length",
         file="mini_vllm/beam_search.py",
         find="return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, "
         "length_penalty)",
