@@ -226,7 +226,8 @@ def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float,
     length ** length_penalty`` where ``length`` counts every token of ``tokens``, the prompt's
     included, except a final ``eos_token_id`` (an EOS that ends a beam is not part of its text;
     an EOS elsewhere, or any token when ``eos_token_id`` is None, counts). ``length_penalty``
-    0 ranks by the sum alone; above 0 it favours longer beams (their sums are more negative).
+    0 ranks by the sum alone (shorter beams win: fewer negative terms); the larger it is, the
+    more it favours longer beams.
     Pure: changes nothing. Cost: O(1).
     """
     raise NotImplementedError(
@@ -275,8 +276,8 @@ def expand_beams(
     Afterwards ``instance.beams`` holds the best ``beam_width`` other candidates by ``sort_key``
     (descending; ties keep the order in which they were made: beam by beam, and within a beam
     in its dict's order), and ``instance.history`` has one more entry, the token lists of the
-    new live beams in that order. Raises ``ValueError`` naming both counts when ``answers`` and
-    the live beams differ in number. Cost: O(c log c) for c candidates.
+    new live beams in that order. Raises ``ValueError`` naming both counts, before changing
+    anything, when ``answers`` and the live beams differ in number. Cost: O(c log c) for c candidates.
     """
     raise NotImplementedError(
         "lab 03-04, task 7: implement expand_beams (hint: python -m course hint 03-04 7)"
