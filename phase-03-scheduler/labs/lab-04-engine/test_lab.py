@@ -293,8 +293,8 @@ def test_sample_hands_its_rows_to_the_given_logprob_gathering():
     hidden = torch.randn(10, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
     sampled = runner._sample(hidden, meta)
     assert list(runner.step_logprobs) == ["c"], (
-        "only a request that asks for logprobs gets them: call "
-        "self._gather_sample_logprobs(logits, states, tokens) with the sampling rows only")
+        "only \"c\" asks for logprobs: after drawing, pass the sampling rows' logits, their "
+        "states and the drawn tokens to self._gather_sample_logprobs(logits, states, tokens)")
     want = torch.log_softmax(tiny_model().compute_logits(hidden[9:10]).double(), -1)[0]
     (ids,), (values,), _ = runner.step_logprobs["c"]
     assert ids[0] == sampled[2][0] and ids[1:] == want.topk(2).indices.tolist()
