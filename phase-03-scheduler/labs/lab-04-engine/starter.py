@@ -277,7 +277,8 @@ def expand_beams(
     (descending; ties keep the order in which they were made: beam by beam, and within a beam
     in its dict's order), and ``instance.history`` has one more entry, the token lists of the
     new live beams in that order. Raises ``ValueError`` naming both counts, before changing
-    anything, when ``answers`` and the live beams differ in number. Cost: O(c log c) for c candidates.
+    anything, when ``answers`` and the live beams differ in number. Cost: O(c log c) for c
+    candidates.
     """
     raise NotImplementedError(
         "lab 03-04, task 7: implement expand_beams (hint: python -m course hint 03-04 7)"
