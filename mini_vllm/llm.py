@@ -1158,11 +1158,11 @@ class LLM:
         raise RuntimeError(
             f"request {req.request_id} asked for log-probabilities but got {got} of "
             f"{req.num_output_tokens} generated-token rows and misses "
-            f"{lp.num_prompt_rows_missing} prompt rows. The model runner computes them in "
-            "_sample (sampled tokens) and execute_model (prompt positions), and a prompt that "
-            "asks for prompt_logprobs must not be served from the prefix cache "
-            "(KVCacheManager.get_computed_blocks); a runner written before log-probabilities "
-            "existed produces none."
+            f"{lp.num_prompt_rows_missing} prompt rows: make the model runner gather them "
+            "(lab 03-04: _sample calls the given self._gather_sample_logprobs(logits, states, "
+            "tokens), execute_model returns self._with_logprobs(output, hidden, meta)). A "
+            "prompt that asks for prompt_logprobs must also not be served from the prefix cache "
+            "(KVCacheManager.get_computed_blocks)."
         )
 
     # ------------------------------------------------------------------ failures

@@ -502,6 +502,20 @@ class ModelRunnerBase:
         self.sample_logprobs_outbox, self.prompt_logprobs_outbox = {}, {}
         return out
 
+    def _with_logprobs(self, output: ModelRunnerOutput, hidden: torch.Tensor,
+                       meta: AttentionMetadata) -> ModelRunnerOutput:
+        """``output`` with the step's log-probabilities attached and kept for ``LLM``.
+
+        Attaches what ``_gather_sample_logprobs`` recorded during ``_sample`` and the prompt
+        positions this step computed (from ``hidden``, one row per token of the batch), puts
+        both in the outbox (:meth:`take_logprobs`) and starts the next step with none recorded.
+        Given code in lab 03-04: the runner's step only has to call it.
+        """
+        output.logprobs = self.step_logprobs
+        output.prompt_logprobs_dict = self._gather_prompt_logprobs(hidden, meta)
+        self.step_logprobs = {}
+        return self._keep_logprobs(output)
+
     def _keep_logprobs(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Put ``output``'s log-probabilities in the outbox (see :meth:`take_logprobs`)."""
         for req_id, rows in output.logprobs.items():
@@ -513,7 +527,8 @@ class ModelRunnerBase:
     def _gather_sample_logprobs(self, logits: torch.Tensor, states: list[CachedRequestState],
                                 tokens: torch.Tensor) -> None:
         """Into ``step_logprobs``: for each state whose request asks for ``logprobs``, its
-        sampled token (row ``i`` of ``tokens``) and top-k, from row ``i`` of the raw ``logits``."""
+        sampled token (row ``i`` of ``tokens``) and top-k, from row ``i`` of the raw ``logits``.
+        Given code in lab 03-04: ``_sample`` calls it once the tokens are drawn."""
         wanted = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
         if not wanted:
             return
@@ -618,15 +633,13 @@ class ModelRunner(ModelRunnerBase):
         hidden = self.model(
             input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
         )
-        self.step_logprobs = {}
         sampled = self._sample(hidden, meta)
-        return self._keep_logprobs(ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=list(meta.req_ids),
             req_id_to_index={r: i for i, r in enumerate(meta.req_ids)},
             sampled_token_ids=sampled,
-            logprobs=self.step_logprobs,
-            prompt_logprobs_dict=self._gather_prompt_logprobs(hidden, meta),
-        ))
+        )
+        return self._with_logprobs(output, hidden, meta)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to ``self.requests`` (see the module docstring, step 1).

@@ -117,4 +117,41 @@ BUGS = [
         find="            banned_token_ids=[self._stop_token_ids(s) for s in states],\n",
         replace="",
     ),
+    # The beam step (tasks 6 and 7).
+    PlantedBug(
+        name="length-penalty-on-generated-tokens",
+        description="the sort key divides by the generated length only, not the whole sequence "
+        "with its prompt (today's upstream rule, not v0.11.0's that the lab grades), so a beam "
+        "that ended early ranks against the others by the wrong length",
+        file="mini_vllm/beam_search.py",
+        find="return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, "
+        "length_penalty)",
+        replace="return get_beam_search_score(beam.tokens[-len(beam.logprobs):], "
+        "beam.cum_logprob, eos_token_id, length_penalty)",
+    ),
+    PlantedBug(
+        name="completed-beams-dropped",
+        description="the final ranking takes the live beams only: every beam that ended with "
+        "EOS is lost, however well it scored",
+        file="mini_vllm/beam_search.py",
+        find="ranked = sorted([*instance.completed, *instance.beams], key=sort_key, "
+        "reverse=True)",
+        replace="ranked = sorted(instance.beams, key=sort_key, reverse=True)",
+    ),
+    PlantedBug(
+        name="duplicate-candidates-from-two-beams",
+        description="a nested loop where a zip belongs: every live beam is extended by every "
+        "beam's answer, so a token two beams both propose makes the same candidate twice",
+        file="mini_vllm/beam_search.py",
+        find="for beam, answer in zip(instance.beams, answers):",
+        replace="for beam, answer in [(b, a) for b in instance.beams for a in answers]:",
+    ),
+    PlantedBug(
+        name="eos-counted-as-a-token",
+        description="the score counts a final EOS in the length, so completed beams are "
+        "divided by one token too many",
+        file="mini_vllm/beam_search.py",
+        find="        length -= 1\n",
+        replace="        pass\n",
+    ),
 ]

@@ -1,6 +1,7 @@
 """``LLM.beam_search`` equals a brute-force beam search that recomputes every beam with no cache.
 
-The brute force here is written from the algorithm's statement (v0.11.0's ``LLM.beam_search``),
+The brute force (``course.engine.exam.brute_force_beam_search``, which lab 03-04's tests and the
+engine exam use too) is written from the algorithm's statement (v0.11.0's ``LLM.beam_search``),
 not from ``mini_vllm.beam_search``: each step it runs the whole model over every live beam, takes
 each beam's ``2 * width`` most likely next tokens as candidates, moves those ending in EOS to the
 completed list, keeps the best ``width`` of the rest by ``cum_logprob / len(tokens) **
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from course.engine.exam import brute_force_beam_search, last_logprobs
 from course.labs.numerics import tolerances
 from mini_vllm import __main__ as cli
 from mini_vllm.llm import LLM
@@ -28,44 +30,11 @@ WIDTHS = range(1, 9)
 SHIPPED_MAX_TOKENS = 3
 
 
-def score(tokens: list[int], cum: float, eos: int | None, length_penalty: float) -> float:
-    length = len(tokens) - (1 if tokens[-1] == eos else 0)
-    return cum / length ** length_penalty
-
-
-@torch.no_grad()
-def last_logprobs(model, sequences: list[list[int]]) -> torch.Tensor:
-    """``log_softmax`` of each sequence's last-position logits, no cache: one forward over all of
-    them, right-padded (causal attention: padding after a position cannot change it)."""
-    longest = max(map(len, sequences))
-    ids = torch.tensor([seq + [0] * (longest - len(seq)) for seq in sequences])
-    logits = model.forward_reference(ids)
-    last = logits[torch.arange(len(sequences)), torch.tensor([len(s) - 1 for s in sequences])]
-    return torch.log_softmax(last.double(), dim=-1)
-
-
 def brute_force(model, prompts, width, max_tokens, eos, *, ignore_eos=False, length_penalty=1.0):
     """Per prompt ``[(tokens, cum_logprob)]`` best first, every step recomputed from scratch."""
-    def key(beam):
-        return score(beam[0], beam[1], eos, length_penalty)
-
-    live = [[(list(prompt), 0.0)] for prompt in prompts]
-    completed: list[list] = [[] for _ in prompts]
-    for _ in range(max_tokens):
-        beams = [beam for per_prompt in live for beam in per_prompt]
-        if not beams:
-            break
-        logprobs = iter(last_logprobs(model, [tokens for tokens, _ in beams]))
-        for i, per_prompt in enumerate(live):
-            candidates = []
-            for tokens, cum in per_prompt:
-                top = next(logprobs).topk(min(2 * width, model.config.vocab_size))
-                for token, value in zip(top.indices.tolist(), top.values.tolist()):
-                    child = (tokens + [token], cum + value)
-                    (completed[i] if token == eos and not ignore_eos else candidates).append(child)
-            live[i] = sorted(candidates, key=key, reverse=True)[:width]
-    return [sorted(done + alive, key=key, reverse=True)[:width]
-            for done, alive in zip(completed, live)]
+    return brute_force_beam_search(lambda seqs: last_logprobs(model, seqs), prompts, width,
+                                   max_tokens, eos, ignore_eos=ignore_eos,
+                                   length_penalty=length_penalty)
 
 
 def assert_same_beams(outputs, prompts, model, width, max_tokens, eos, **kwargs):

@@ -24,6 +24,7 @@ Run it with ``python -m course engine --exam``; this module holds the cases and 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import signal
 import time
@@ -125,6 +126,69 @@ def reference_completion(
             return Completion(out, "length")
         if token in stops:
             return Completion(out, "stop")
+
+
+Beam = tuple[list[int], float]  # a beam of the brute force: (tokens, prompt first; cum_logprob)
+
+
+def beam_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None,
+               length_penalty: float) -> float:
+    """The brute force's own ranking score: ``cum_logprob / length ** length_penalty``, where
+    ``length`` counts the prompt and every generated token but a final EOS."""
+    length = len(tokens) - (1 if tokens[-1] == eos_token_id else 0)
+    return cum_logprob / length ** length_penalty
+
+
+@torch.no_grad()
+def last_logprobs(model: LlamaForCausalLM, sequences: list[list[int]]) -> torch.Tensor:
+    """``log_softmax`` (float64) of each sequence's next-token logits, with no cache: one forward
+    over all of them, right-padded (causal attention: padding after a position cannot change
+    it)."""
+    longest = max(map(len, sequences))
+    ids = torch.tensor([seq + [0] * (longest - len(seq)) for seq in sequences])
+    logits = model.forward_reference(ids)
+    last = logits[torch.arange(len(sequences)), torch.tensor([len(s) - 1 for s in sequences])]
+    return torch.log_softmax(last.double(), dim=-1)
+
+
+def brute_force_beam_search(
+    next_logprobs: Callable[[list[list[int]]], torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    width: int,
+    max_tokens: int,
+    eos_token_id: int | None,
+    *,
+    ignore_eos: bool = False,
+    length_penalty: float = 1.0,
+) -> list[list[Beam]]:
+    """Per prompt, the best ``width`` beams ``(tokens, cum_logprob)``, best first, by v0.11.0's
+    beam search written from its statement (not from mini_vllm): each step every live beam
+    proposes its ``2 * width`` likeliest next tokens (``next_logprobs`` gives one row of
+    log-probabilities per sequence, recomputed from scratch); candidates ending in EOS (unless
+    ``ignore_eos``) are complete and wait; the best ``width`` others by :func:`beam_score` live
+    on; at the end completed and live beams are ranked together."""
+    def key(beam: Beam) -> float:
+        return beam_score(beam[0], beam[1], eos_token_id, length_penalty)
+
+    live: list[list[Beam]] = [[(list(prompt), 0.0)] for prompt in prompts]
+    completed: list[list[Beam]] = [[] for _ in prompts]
+    for _ in range(max_tokens):
+        beams = [beam for per_prompt in live for beam in per_prompt]
+        if not beams:
+            break
+        rows = iter(next_logprobs([tokens for tokens, _ in beams]))
+        for i, per_prompt in enumerate(live):
+            candidates = []
+            for tokens, cum in per_prompt:
+                row = next(rows)
+                top = row.topk(min(2 * width, row.numel()))
+                for token, value in zip(top.indices.tolist(), top.values.tolist()):
+                    child = (tokens + [token], cum + value)
+                    done = token == eos_token_id and not ignore_eos
+                    (completed[i] if done else candidates).append(child)
+            live[i] = sorted(candidates, key=key, reverse=True)[:width]
+    return [sorted(done + alive, key=key, reverse=True)[:width]
+            for done, alive in zip(completed, live)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,6 +786,46 @@ def case_parallel_sampling(exam: Exam) -> None:
     expect(run.stats.prefix_cache_hits > 0, "the children reuse the prompt's blocks")
 
 
+# The beam case's prompts: with these, beams that end in EOS make the final ranking, so that each
+# of lab 03-04's planted beam bugs (planted_bugs/03-04.py) changes the result.
+BEAM_SEED = 27
+
+
+def case_beam_search(exam: Exam) -> None:
+    """``LLM.beam_search`` through the engine (lab 03-04's beam step, every beam a one-token
+    request with ``2 * width`` log-probabilities): the same beams, in the same order, with the
+    same cumulative log-probabilities as a brute-force search that recomputes every beam with
+    no cache; beams that end with EOS compete for the final ranking, and the beams' common full
+    blocks come from the prefix cache."""
+    from mini_vllm.sampling_params import BeamSearchParams
+
+    rng = random.Random(BEAM_SEED)
+    prompts = _prompts(rng, [rng.randint(1, 12) for _ in range(6)])
+    llm = exam.llm(block_size=4, num_gpu_blocks=256, max_num_batched_tokens=256)
+    width, max_tokens = 4, 5
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
+    wanted = brute_force_beam_search(lambda seqs: last_logprobs(exam.model, seqs), prompts,
+                                     width, max_tokens, EOS)
+    for i, (out, want, prompt) in enumerate(zip(outputs, wanted, prompts)):
+        got = [beam.tokens[len(prompt):] for beam in out.sequences]
+        if got != [tokens[len(prompt):] for tokens, _ in want]:
+            raise ExamFailure(
+                f"beam search, width {width}, prompt {i} ({len(prompt)} tokens): your beams "
+                f"{got}, the brute force's {[t[len(prompt):] for t, _ in want]} (look at "
+                "lab 03-04's expand_beams, finish_beams and the beam score)")
+        for beam, (_, cum) in zip(out.sequences, want):
+            if not math.isclose(beam.cum_logprob, cum, rel_tol=1e-4, abs_tol=1e-3):
+                raise ExamFailure(
+                    f"beam search, prompt {i}: cumulative logprob {beam.cum_logprob:.5f} for "
+                    f"{beam.tokens[len(prompt):]}, the brute force's {cum:.5f}")
+    held = llm.engine.num_blocks_in_use
+    if held:
+        raise ExamFailure(f"{held} KV block(s) still held after beam search finished")
+    expect(any(b.tokens[-1] == EOS for o in outputs for b in o.sequences),
+           "a beam completed with EOS among the results")
+    expect(llm.last_stats.prefix_cache_hits > 0, "beams reuse their common blocks")
+
+
 def case_stop_tokens_and_min_tokens(exam: Exam) -> None:
     """Stop tokens, EOS and ``min_tokens``: stops are banned before ``min_tokens``; a stop arriving
     as the last allowed token is a length cap (the length check comes first)."""
@@ -883,6 +987,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("swap-queue", case_swap_queue),
         Case("swap-with-lookahead", case_swap_with_lookahead),
         Case("parallel-sampling", case_parallel_sampling),
+        Case("beam-search", case_beam_search),
         Case("stop-tokens-min-tokens", case_stop_tokens_and_min_tokens),
         Case("several-generate-calls", case_several_generate_calls),
         Case("long-context-v2", case_long_context),

@@ -1,6 +1,7 @@
-"""Lab 03-04 reference: re-exports the engine step loop and the model runner's step.
+"""Lab 03-04 reference: re-exports the engine step loop, the model runner's step and the beam
+search step.
 
-The code lives once, in ``mini_vllm`` (``model_runner.py`` and ``llm.py``).
+The code lives once, in ``mini_vllm`` (``model_runner.py``, ``llm.py`` and ``beam_search.py``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,18 @@ from mini_vllm.attention.metadata import (
     build_attention_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
+from mini_vllm.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchSequence,
+    create_sort_beams_key_function,
+    expand_beams,
+    finish_beams,
+    get_beam_search_score,
+)
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.llm import EngineCore
+from mini_vllm.logprobs import Logprob
 from mini_vllm.model_runner import CachedRequestState, ModelRunner
 from mini_vllm.sampler import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
@@ -24,9 +35,13 @@ from mini_vllm.scheduler_output import (
 
 __all__ = [
     "AttentionMetadata",
+    "BeamSearchInstance",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "CachedRequestData",
     "CachedRequestState",
     "EngineCore",
+    "Logprob",
     "ModelRunner",
     "ModelRunnerOutput",
     "NewRequestData",
@@ -35,5 +50,9 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "build_attention_metadata",
+    "create_sort_beams_key_function",
+    "expand_beams",
+    "finish_beams",
+    "get_beam_search_score",
     "reorder_batch_to_split_decodes_and_prefills",
 ]

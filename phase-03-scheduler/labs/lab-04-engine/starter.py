@@ -4,8 +4,11 @@ Every piece the step needs exists already: the scheduler (labs 03-01..03-03), th
 metadata builder (lab 03-02), PagedAttention and the cache ops (phase 02), the model, the sampler.
 You write the code that makes them one engine: the model runner's step (tasks 1-4) and the
 engine's step (task 5). ``ModelRunnerBase`` (the KV cache tensors, swaps and copies, the attention
-backend, the per-request record) and ``EngineCoreBase`` (the scheduler, the runner, requests in,
-statistics) are given.
+backend, the per-request record, the gathering of log-probabilities) and ``EngineCoreBase`` (the
+scheduler, the runner, requests in, statistics) are given. Then beam search runs on your engine:
+you write its step: the score that ranks beams (task 6) and the expansion of the live beams with
+the bookkeeping of completed ones (task 7); ``LLM.beam_search`` (given) submits every live beam
+to the engine as a one-token request with ``2 * beam_width`` log-probabilities and calls them.
 
 Each docstring is a contract: what goes in, what comes out, what must hold afterwards. How to get
 there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint 03-04 N`` (a
@@ -19,6 +22,8 @@ Run the graded tests against this file with::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from mini_vllm.attention.metadata import (
@@ -26,8 +31,14 @@ from mini_vllm.attention.metadata import (
     build_attention_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
+from mini_vllm.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchSequence,
+)
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.llm import EngineCoreBase
+from mini_vllm.logprobs import Logprob
 from mini_vllm.model_runner import CachedRequestState, ModelRunnerBase
 from mini_vllm.sampler import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
@@ -41,9 +52,13 @@ from mini_vllm.scheduler_output import (
 
 __all__ = [
     "AttentionMetadata",
+    "BeamSearchInstance",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "CachedRequestData",
     "CachedRequestState",
     "EngineCore",
+    "Logprob",
     "ModelRunner",
     "ModelRunnerOutput",
     "NewRequestData",
@@ -52,6 +67,10 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "build_attention_metadata",
+    "create_sort_beams_key_function",
+    "expand_beams",
+    "finish_beams",
+    "get_beam_search_score",
     "reorder_batch_to_split_decodes_and_prefills",
 ]
 
@@ -64,8 +83,10 @@ class ModelRunner(ModelRunnerBase):
     ``self.attn_backend``, ``self.sampler``, ``self.block_size``, ``self.device``,
     ``self.requests`` (request id -> ``CachedRequestState``), ``self.batch_req_ids`` (the batch
     order of the previous step), ``self._new_request_state(new_request_data)``,
-    ``self._execute_block_ops(scheduler_output)``, ``self._account(metadata)`` and
-    ``self._stop_token_ids(state)``.
+    ``self._execute_block_ops(scheduler_output)``, ``self._account(metadata)``,
+    ``self._stop_token_ids(state)``, and the log-probabilities that ``LLM`` reports and beam
+    search ranks by: ``self._gather_sample_logprobs(logits, states, tokens)`` and
+    ``self._with_logprobs(output, hidden, meta)``.
     """
 
     @torch.no_grad()
@@ -88,7 +109,9 @@ class ModelRunner(ModelRunnerBase):
         counted with ``self._account(meta)``, and the output is ``ModelRunnerOutput(req_ids,
         req_id_to_index, sampled)`` with the requests in batch order (``meta.req_ids``),
         ``req_id_to_index[r]`` the position of ``r`` in it and ``sampled`` what ``_sample``
-        returned.
+        returned, passed through the given ``self._with_logprobs(output, hidden, meta)``: it
+        attaches the step's log-probabilities (those ``_sample`` gathered and those of the
+        prompt positions in ``hidden``) and returns the output.
         """
         raise NotImplementedError(
             "lab 03-04, task 4: implement ModelRunner.execute_model "
@@ -155,6 +178,11 @@ class ModelRunner(ModelRunnerBase):
         batch), and ``self._stop_token_ids(state)`` banned (the stop tokens that ``min_tokens``
         still holds back). The rows of requests that do not sample are never sampled.
 
+        Once drawn, the tokens (the sampler's tensor, one per sampling row), the logits rows they
+        came from and the sampling requests' states, in the same order, go to the given
+        ``self._gather_sample_logprobs(logits, states, tokens)``: it records the
+        log-probabilities of the requests that ask for them (beam search does).
+
         Output: one list per request, in batch order: ``[token]`` or ``[]``. Afterwards each
         sampled token is appended to its request's ``state.token_ids``.
         """
@@ -182,3 +210,90 @@ class EngineCore(EngineCoreBase):
         raise NotImplementedError(
             "lab 03-04, task 5: implement EngineCore.step (hint: python -m course hint 03-04 5)"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Beam search on your engine (tasks 6 and 7)
+# ----------------------------------------------------------------------------------------------
+
+
+def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float,
+                          eos_token_id: int | None, length_penalty: float = 1.0) -> float:
+    """Task 6: the score that ranks beams (higher is better).
+
+    ``tokens`` is the whole sequence, the prompt's tokens first; ``cumulative_logprob`` the sum
+    of the log-probabilities of its generated tokens. The score is ``cumulative_logprob /
+    length ** length_penalty`` where ``length`` counts every token of ``tokens``, the prompt's
+    included, except a final ``eos_token_id`` (an EOS that ends a beam is not part of its text;
+    an EOS elsewhere, or any token when ``eos_token_id`` is None, counts). ``length_penalty``
+    0 ranks by the sum alone (shorter beams win: fewer negative terms); the larger it is, the
+    more it favours longer beams.
+    Pure: changes nothing. Cost: O(1).
+    """
+    raise NotImplementedError(
+        "lab 03-04, task 6: implement get_beam_search_score "
+        "(hint: python -m course hint 03-04 6)"
+    )
+
+
+def create_sort_beams_key_function(
+    eos_token_id: int | None, length_penalty: float
+) -> Callable[[BeamSearchSequence], float]:
+    """Task 6: the key that ranks beams, for ``sorted(beams, key=..., reverse=True)``.
+
+    Returns a function of one ``BeamSearchSequence`` that gives its
+    :func:`get_beam_search_score` over the beam's whole ``tokens`` (prompt included) and its
+    ``cum_logprob``, with this ``eos_token_id`` and ``length_penalty``.
+    """
+    raise NotImplementedError(
+        "lab 03-04, task 6: implement create_sort_beams_key_function "
+        "(hint: python -m course hint 03-04 6)"
+    )
+
+
+def expand_beams(
+    instance: BeamSearchInstance,
+    answers: Sequence[dict[int, Logprob] | None],
+    beam_width: int,
+    eos_token_id: int | None,
+    ignore_eos: bool,
+    sort_key: Callable[[BeamSearchSequence], float],
+) -> None:
+    """Task 7: one step of the search for one prompt, in place.
+
+    Input: ``instance.beams``, the live beams (best first), and ``answers[i]``, the engine's
+    answer for live beam ``i``: a dict ``token id -> Logprob`` of the beam's next position (its
+    top ``2 * beam_width`` tokens, and the sampled one), or ``None`` when that beam's request
+    returned nothing (it was aborted).
+
+    Every token of every answer makes one candidate: a new ``BeamSearchSequence`` with its own
+    parent's tokens plus that token, the parent's ``logprobs`` plus the answer dict, and the
+    parent's ``cum_logprob`` plus the token's ``.logprob``; a beam whose answer is ``None``
+    makes none. Parents are never changed (a child shares no list with them). A candidate
+    whose token is ``eos_token_id`` (unless ``ignore_eos``) is complete: it is appended to
+    ``instance.completed`` (in the order made) and stays there until :func:`finish_beams`.
+
+    Afterwards ``instance.beams`` holds the best ``beam_width`` other candidates by ``sort_key``
+    (descending; ties keep the order in which they were made: beam by beam, and within a beam
+    in its dict's order), and ``instance.history`` has one more entry, the token lists of the
+    new live beams in that order. Raises ``ValueError`` naming both counts, before changing
+    anything, when ``answers`` and the live beams differ in number. Cost: O(c log c) for c
+    candidates.
+    """
+    raise NotImplementedError(
+        "lab 03-04, task 7: implement expand_beams (hint: python -m course hint 03-04 7)"
+    )
+
+
+def finish_beams(instance: BeamSearchInstance, beam_width: int,
+                 sort_key: Callable[[BeamSearchSequence], float]) -> BeamSearchOutput:
+    """Task 7: the search's answer once no step is left.
+
+    The completed beams and the still-live ones are ranked together by ``sort_key``
+    (descending; ties keep completed before live, each in its list's order): a beam that ended
+    with EOS at step 2 competes with the beams that ran to ``max_tokens``. Returns
+    ``BeamSearchOutput(sequences=the best beam_width of them, beam_history=instance.history)``.
+    """
+    raise NotImplementedError(
+        "lab 03-04, task 7: implement finish_beams (hint: python -m course hint 03-04 7)"
+    )

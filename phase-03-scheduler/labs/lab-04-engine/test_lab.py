@@ -13,16 +13,23 @@ Groups, each using only its task and the ones before it:
      and by swap), a step that schedules nothing, the output in batch order
   5. task 5: your EngineCore.step: the same generations through step(), seeded sampling,
      min_tokens, statistics, an idle step
+  6. task 6: the beam score (length penalty over the whole sequence, a final EOS not counted)
+     and the key that ranks beams by it
+  7. task 7: the beam step and the final ranking on synthetic log-probability tables, against
+     the brute-force search of course.engine.exam (with its own score, so these tests need
+     only task 7)
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import random
 
 import pytest
 import torch
 
+from course.engine.exam import beam_score, brute_force_beam_search
 from course.labs.loader import load_lab
 from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
 from mini_vllm.scheduler import Scheduler as ReferenceScheduler
@@ -271,6 +278,29 @@ def test_sample_uses_the_last_row_and_skips_requests_mid_prefill():
     assert runner.requests["c"].token_ids == [9, 10, 11, 12, want_c]
 
 
+def test_sample_hands_its_rows_to_the_given_logprob_gathering():
+    """Request "c" asks for 2 log-probabilities, "a" for none, "b" is mid-prefill: only "c" gets
+    a row, with its sampled token first and the log_softmax of its own logits row."""
+    runner = make_runner()
+    runner._update_states(sched_output(new=[
+        new_req("a", [1, 2, 3], [1]), new_req("b", [4, 5, 6, 7, 8], [2, 3]),
+        _seeded("c", [9, 10, 11, 12], [4], temperature=0.0, logprobs=2),
+    ]))
+    meta = lab.build_attention_metadata(
+        ["a", "b", "c"], {"a": 3, "b": 3, "c": 4}, {"a": 0, "b": 0, "c": 0},
+        {"a": [1], "b": [2, 3], "c": [4]}, 4,
+    )
+    hidden = torch.randn(10, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
+    sampled = runner._sample(hidden, meta)
+    assert list(runner.step_logprobs) == ["c"], (
+        "only \"c\" asks for logprobs: after drawing, pass the sampling rows' logits, their "
+        "states and the drawn tokens to self._gather_sample_logprobs(logits, states, tokens)")
+    want = torch.log_softmax(tiny_model().compute_logits(hidden[9:10]).double(), -1)[0]
+    (ids,), (values,), _ = runner.step_logprobs["c"]
+    assert ids[0] == sampled[2][0] and ids[1:] == want.topk(2).indices.tolist()
+    assert values == pytest.approx(want[ids].tolist(), abs=1e-4)
+
+
 def _seeded(rid, tokens, blocks, **params):
     return lab.NewRequestData(
         req_id=rid, prompt_token_ids=list(tokens),
@@ -381,6 +411,26 @@ def test_execute_model_answers_in_batch_order():
     assert runner.stats.num_forward_passes == 1 and runner.stats.num_tokens_computed == 8
 
 
+def test_execute_model_attaches_the_steps_logprobs():
+    """A request asking for logprobs and prompt_logprobs gets both in the output, through the
+    given self._with_logprobs, and they wait in the runner for LLM (take_logprobs)."""
+    runner = make_runner()
+    prompt = list(range(1, 8))
+    new = [_seeded("p", prompt, [1, 2], temperature=0.0, logprobs=3, prompt_logprobs=1),
+           new_req("q", [9], [3])]
+    out = runner.execute_model(sched_output(new=new, num_scheduled={"p": 7, "q": 1}))
+    assert sorted(out.logprobs) == ["p"] and sorted(out.prompt_logprobs_dict) == ["p"], (
+        "return self._with_logprobs(output, hidden, meta) from execute_model")
+    want = torch.log_softmax(tiny_model().forward_reference(torch.tensor(prompt)).double(), -1)
+    (ids,), (values,), _ = out.logprobs["p"]
+    assert ids[0] == out.sampled_token_ids[1][0] and len(ids) == 4
+    assert values == pytest.approx(want[-1, ids].tolist(), abs=1e-4)
+    first, rows = out.prompt_logprobs_dict["p"]
+    assert first == 1 and [r[0] for r in rows.logprob_token_ids] == prompt[1:]
+    sample, prompt_rows = runner.take_logprobs()
+    assert list(sample) == ["p"] and list(prompt_rows) == ["p"]
+
+
 # ----------------------------------------------------------------------------- task 5
 
 
@@ -476,3 +526,153 @@ def test_min_tokens_holds_back_stop_tokens():
                               stop_token_ids=[first])
     _, out = run_engine([p], held, block_size=4, num_gpu_blocks=32)
     assert len(out[0]) >= 3 and first not in out[0][:3], "no stop token before min_tokens"
+
+
+# ----------------------------------------------------------------------------- task 6
+
+
+def test_beam_score_divides_by_the_whole_length_without_a_final_eos():
+    score = lab.get_beam_search_score
+    assert score([5, 6, 7, 8], -2.0, 9) == pytest.approx(-0.5), "length_penalty defaults to 1"
+    assert score([5, 6, 7, 9], -3.0, 9, 1.0) == pytest.approx(-1.0), (
+        "a final EOS is not counted in the length (3 tokens here, not 4)")
+    assert score([5, 9, 7], -3.0, 9, 1.0) == pytest.approx(-1.0), "an EOS inside counts"
+    assert score([5, 6, 7, 9], -3.0, None, 1.0) == pytest.approx(-0.75), "no EOS id: all count"
+    assert score([1, 2, 3, 9], -3.0, 9, 0.0) == pytest.approx(-3.0), "penalty 0: the sum alone"
+    assert score([1, 2, 9], -4.0, 9, 2.0) == pytest.approx(-1.0), "length ** length_penalty"
+    assert score([1, 2, 3, 4], -2.0, 9, -1.0) == pytest.approx(-8.0)
+
+
+def test_the_sort_key_scores_the_whole_sequence_prompt_included():
+    """A beam of a 3-token prompt and 2 generated tokens has length 5, not 2."""
+    beam = lab.BeamSearchSequence(tokens=[1, 2, 3, 4, 5], logprobs=[{}, {}], cum_logprob=-5.0)
+    assert lab.create_sort_beams_key_function(9, 1.0)(beam) == pytest.approx(-1.0), (
+        "the length counts the prompt too: 5 tokens here, not the 2 generated")
+    ended = lab.BeamSearchSequence(tokens=[1, 2, 3, 4, 9], logprobs=[{}, {}], cum_logprob=-2.0)
+    assert lab.create_sort_beams_key_function(9, 1.0)(ended) == pytest.approx(-0.5)
+    assert lab.create_sort_beams_key_function(9, 2.0)(beam) == pytest.approx(-0.2)
+    assert lab.create_sort_beams_key_function(None, 1.0)(ended) == pytest.approx(-0.4)
+
+
+# ----------------------------------------------------------------------------- task 7
+
+BEAM_VOCAB = 10
+BEAM_EOS = 3
+
+
+def table_logprobs(sequences: list[list[int]]) -> torch.Tensor:
+    """A synthetic model: each sequence's next-token log-probabilities, drawn from a generator
+    seeded by the sequence itself (so a recomputation gives the same row), EOS made likely."""
+    rows = []
+    for seq in sequences:
+        rng = random.Random(repr(seq))
+        logits = [rng.gauss(0.0, 1.5) for _ in range(BEAM_VOCAB)]
+        logits[BEAM_EOS] += 1.0
+        norm = math.log(sum(math.exp(x) for x in logits))
+        rows.append([x - norm for x in logits])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def answer(row: torch.Tensor, k: int) -> dict:
+    """What the engine answers a beam: its top ``k`` tokens, best first, as ``Logprob``s."""
+    top = row.topk(k)
+    return {t: lab.Logprob(v, rank) for rank, (t, v) in
+            enumerate(zip(top.indices.tolist(), top.values.tolist()), 1)}
+
+
+def oracle_key(eos, length_penalty):
+    return lambda beam: beam_score(beam.tokens, beam.cum_logprob, eos, length_penalty)
+
+
+def beam_search_on_table(prompts, width, max_tokens, *, ignore_eos, length_penalty):
+    """Your expand_beams and finish_beams driven as LLM.beam_search drives them."""
+    key = oracle_key(BEAM_EOS, length_penalty)
+    instances = [lab.BeamSearchInstance(list(p)) for p in prompts]
+    for _ in range(max_tokens):
+        for inst in instances:
+            if inst.beams:
+                rows = table_logprobs([b.tokens for b in inst.beams])
+                lab.expand_beams(inst, [answer(r, 2 * width) for r in rows], width, BEAM_EOS,
+                                 ignore_eos, key)
+    return [lab.finish_beams(inst, width, key) for inst in instances]
+
+
+def lp(value):
+    return lab.Logprob(value)
+
+
+def test_expand_beams_makes_each_beams_children_and_completes_eos():
+    """Three live beams of prompt [7]; the third's request was aborted (no answer). Width 2."""
+    inst = lab.BeamSearchInstance([7])
+    a = lab.BeamSearchSequence([7, 1], [{}], -0.5)
+    b = lab.BeamSearchSequence([7, 2], [{}], -1.0)
+    c = lab.BeamSearchSequence([7, 5], [{}], -1.5)
+    inst.beams = [a, b, c]
+    ans_a = {4: lp(-0.1), BEAM_EOS: lp(-0.3), 5: lp(-2.0)}
+    ans_b = {4: lp(-0.2), BEAM_EOS: lp(-0.4), 6: lp(-0.9)}
+    lab.expand_beams(inst, [ans_a, ans_b, None], 2, BEAM_EOS, False, oracle_key(BEAM_EOS, 1.0))
+    got = [(x.tokens, x.cum_logprob) for x in inst.beams]
+    assert got == [([7, 1, 4], pytest.approx(-0.6)), ([7, 2, 4], pytest.approx(-1.2))], (
+        "each beam is extended by its own answer only, and the best two non-EOS children live")
+    assert [(x.tokens, x.cum_logprob) for x in inst.completed] == [
+        ([7, 1, BEAM_EOS], pytest.approx(-0.8)), ([7, 2, BEAM_EOS], pytest.approx(-1.4))], (
+        "a child ending in EOS goes to instance.completed, in the order made")
+    assert inst.beams[0].logprobs == [{}, ans_a] and inst.beams[1].logprobs == [{}, ans_b]
+    assert a.tokens == [7, 1] and a.logprobs == [{}] and a.cum_logprob == -0.5, (
+        "the parent is left as it was")
+    assert inst.history == [[[7, 1, 4], [7, 2, 4]]]
+
+
+def test_expand_beams_with_ignore_eos_keeps_eos_children_live():
+    inst = lab.BeamSearchInstance([7])
+    lab.expand_beams(inst, [{BEAM_EOS: lp(-0.1), 4: lp(-0.2)}], 2, BEAM_EOS, True,
+                     oracle_key(BEAM_EOS, 1.0))
+    assert [x.tokens for x in inst.beams] == [[7, BEAM_EOS], [7, 4]] and inst.completed == []
+
+
+def test_expand_beams_refuses_an_answer_count_that_is_not_the_beam_count():
+    inst = lab.BeamSearchInstance([7])
+    with pytest.raises(ValueError) as err:
+        lab.expand_beams(inst, [{4: lp(-0.1)}, {5: lp(-0.2)}], 2, BEAM_EOS, False,
+                         oracle_key(BEAM_EOS, 1.0))
+    assert "1" in str(err.value) and "2" in str(err.value), "name both counts"
+    assert [x.tokens for x in inst.beams] == [[7]] and inst.history == []
+
+
+def test_finish_beams_ranks_completed_and_live_beams_together():
+    inst = lab.BeamSearchInstance([7])
+    done = lab.BeamSearchSequence([7, 1, BEAM_EOS], [{}, {}], -0.4)  # score -0.2
+    inst.completed = [done]
+    inst.beams = [lab.BeamSearchSequence([7, 1, 4, 4], [{}] * 3, -1.2),   # -0.3
+                  lab.BeamSearchSequence([7, 2, 4, 5], [{}] * 3, -0.6)]   # -0.15
+    inst.history = [[[7, 1]], [[7, 1, 4]], [[7, 1, 4, 4], [7, 2, 4, 5]]]
+    out = lab.finish_beams(inst, 2, oracle_key(BEAM_EOS, 1.0))
+    assert [x.tokens for x in out.sequences] == [[7, 2, 4, 5], [7, 1, BEAM_EOS]], (
+        "a completed beam competes with the live ones for the final ranking")
+    assert out.beam_history == inst.history
+
+
+CASES = [  # (width, length_penalty, ignore_eos)
+    (1, 1.0, False), (2, 1.0, False), (3, 0.0, False), (4, 2.0, False), (5, -1.0, False),
+    (3, 1.0, True),
+]
+
+
+@pytest.mark.parametrize("width, length_penalty, ignore_eos", CASES)
+def test_beam_search_on_a_table_equals_brute_force(width, length_penalty, ignore_eos):
+    rng = random.Random(width)
+    prompts = [[rng.choice([0, 1, 2, 4, 5, 6, 7, 8, 9]) for _ in range(rng.randint(1, 5))]
+               for _ in range(6)]
+    outputs = beam_search_on_table(prompts, width, 4, ignore_eos=ignore_eos,
+                                   length_penalty=length_penalty)
+    wanted = brute_force_beam_search(table_logprobs, prompts, width, 4, BEAM_EOS,
+                                     ignore_eos=ignore_eos, length_penalty=length_penalty)
+    for i, (out, want, prompt) in enumerate(zip(outputs, wanted, prompts)):
+        got = [x.tokens[len(prompt):] for x in out.sequences]
+        assert got == [t[len(prompt):] for t, _ in want], (
+            f"width {width}, length_penalty {length_penalty}, ignore_eos {ignore_eos}, prompt "
+            f"{i} {prompt}: your beams {got}, brute force {[t[len(prompt):] for t, _ in want]}")
+        assert [x.cum_logprob for x in out.sequences] == pytest.approx([c for _, c in want])
+    if not ignore_eos:
+        assert any(x.tokens[-1] == BEAM_EOS for o in outputs for x in o.sequences), (
+            "no completed beam among the results: this case would not test completion")
