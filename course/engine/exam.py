@@ -902,6 +902,69 @@ def case_fp8_kv_cache(exam: Exam) -> None:
     exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12))
 
 
+SERVED_TOKENS = 10  # tokens per streamed completion in the served case
+HANG_UP_TOKENS = 900  # the completion a client abandons: far more than an abort lets through
+
+
+def case_served_over_http(exam: Exam) -> None:
+    """The exam's prompts served over HTTP (lab 03-05): the composed engine runs in AsyncLLM's
+    loop behind the OpenAI-compatible server, on a Unix socket, and the official ``openai``
+    client streams each completion; the token ids it reads equal the oracle's, text pieces
+    included. A client then hangs up mid-stream: the engine must end holding no request and no
+    KV block."""
+    from course.labs.serving import ServerThread, wait_idle
+    from mini_vllm.async_llm import AsyncLLM
+    from mini_vllm.entrypoints.openai.api_server import build_app
+
+    rng = random.Random(35)
+    prompts = _prompts(rng, [13, 4, 21])
+    llm = exam.llm(block_size=16, num_gpu_blocks=80)  # room for the abandoned one
+    params = SamplingParams(temperature=0.0, max_tokens=SERVED_TOKENS)
+    max_model_len = llm.engine.scheduler.max_model_len
+    engine = AsyncLLM(llm, model_name="exam")
+    server = ServerThread(build_app(engine), uds=True).start()
+    try:
+        client = server.client(timeout=30)
+        for i, prompt in enumerate(prompts):
+            ids, text = [], ""
+            for chunk in client.completions.create(
+                    model="exam", prompt=prompt, max_tokens=SERVED_TOKENS, temperature=0.0,
+                    stream=True, extra_body={"return_token_ids": True}):
+                for choice in chunk.choices:
+                    ids += getattr(choice, "token_ids", None) or []
+                    text += choice.text
+            want = exam.expected(prompt, params, max_model_len)
+            if ids != want.token_ids:
+                raise ExamFailure(f"streamed completion {i} (prompt {_show(prompt)}): the "
+                                  f"client read token ids {ids}, the oracle makes "
+                                  f"{want.token_ids}")
+            if text.strip() != IdTokenizer().decode(ids):
+                raise ExamFailure(f"streamed completion {i}: the client read the text "
+                                  f"{text!r}, but its token ids {ids} decode to "
+                                  f"{IdTokenizer().decode(ids)!r}: the pieces a stream sends "
+                                  "must add up to the decoded output")
+        # A client that hangs up at its third chunk of a long completion: the server must abort
+        # the request (its tokens stop well short of max_tokens) and free everything it held.
+        before = engine.stat_logger.generation_tokens
+        with client.completions.create(model="exam", prompt=prompts[0], max_tokens=HANG_UP_TOKENS,
+                                       temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True}) as stream:
+            for k, _ in enumerate(stream):
+                if k == 2:
+                    break
+        held = wait_idle(engine, 20.0)
+        if held is not None:
+            raise ExamFailure(f"{held}: a client that hangs up mid-stream must leave nothing "
+                              "held")
+        made = engine.stat_logger.generation_tokens - before
+        if made >= HANG_UP_TOKENS:
+            raise ExamFailure(f"a client hung up at the third chunk of a {HANG_UP_TOKENS}-token "
+                              f"completion, yet the engine made all {made} tokens: the request "
+                              "must be aborted when its consumer goes away")
+    finally:
+        server.stop()
+
+
 def _block_size_case(block_size: int) -> Callable[[Exam], None]:
     def case(exam: Exam) -> None:
         rng = random.Random(100 + block_size)
@@ -992,6 +1055,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("several-generate-calls", case_several_generate_calls),
         Case("long-context-v2", case_long_context),
         Case("fp8-kv-cache", case_fp8_kv_cache),
+        Case("served-over-http", case_served_over_http),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)
