@@ -10,6 +10,7 @@ upstream: vllm/entrypoints/openai/serving_chat.py:59 @ v0.11.0
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse, Response
@@ -18,8 +19,6 @@ from mini_vllm.async_llm import AsyncLLM
 from mini_vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from mini_vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    SSEResponse,
-    chain,
     collect_choices,
     engine_error_event,
     error_response,
@@ -74,10 +73,8 @@ class OpenAIServingChat(OpenAIServing):
 
         upstream: vllm/entrypoints/openai/serving_chat.py:163 @ v0.11.0
         """
-        if (refused := self.check_model(request.model)) is not None:
+        if (refused := self.refuse(request)) is not None:
             return refused
-        if unsupported := request.unsupported():
-            return error_response(f"{', '.join(unsupported)}: not supported by this server")
         if not request.messages:
             return error_response("messages is empty; give at least one message")
         try:
@@ -88,16 +85,11 @@ class OpenAIServingChat(OpenAIServing):
             params = request.to_sampling_params(max_tokens)
         except (TypeError, ValueError) as exc:
             return error_response(str(exc))
-        request_id = self.new_request_id()
-        started = await self.start(prompt, params, request_id)
-        if isinstance(started, JSONResponse):
-            return started
-        outputs = chain(*started)
-        if request.stream:
-            return SSEResponse(self.chat_completion_stream_generator(
-                request, outputs, request_id, self.created(), params.n))
-        return await self.chat_completion_full(outputs, request_id, self.created(), params.n,
-                                               request.return_token_ids)
+        return await self.respond(
+            prompt, params, request.stream,
+            partial(self.chat_completion_stream_generator, request, n=params.n),
+            partial(self.chat_completion_full, n=params.n,
+                    return_token_ids=request.return_token_ids))
 
     def _chunk(self, request_id: str, created: int, index: int, delta: dict[str, str],
                finish_reason: str | None = None, stop_reason: object = None,

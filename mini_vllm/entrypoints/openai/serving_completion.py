@@ -6,6 +6,7 @@ upstream: vllm/entrypoints/openai/serving_completion.py:47 @ v0.11.0
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse, Response
@@ -13,8 +14,6 @@ from fastapi.responses import JSONResponse, Response
 from mini_vllm.entrypoints.openai.protocol import CompletionRequest
 from mini_vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    SSEResponse,
-    chain,
     collect_choices,
     engine_error_event,
     error_response,
@@ -46,10 +45,8 @@ class OpenAIServingCompletionBase(OpenAIServing):
 
         upstream: vllm/entrypoints/openai/serving_completion.py:82 @ v0.11.0
         """
-        if (refused := self.check_model(request.model)) is not None:
+        if (refused := self.refuse(request)) is not None:
             return refused
-        if unsupported := request.unsupported():
-            return error_response(f"{', '.join(unsupported)}: not supported by this server")
         try:
             prompt = request.single_prompt()
             max_tokens = (request.max_tokens if request.max_tokens is not None
@@ -57,16 +54,10 @@ class OpenAIServingCompletionBase(OpenAIServing):
             params = request.to_sampling_params(max_tokens)
         except (TypeError, ValueError) as exc:
             return error_response(str(exc))
-        request_id = self.new_request_id()
-        started = await self.start(prompt, params, request_id)
-        if isinstance(started, JSONResponse):
-            return started
-        outputs = chain(*started)
-        if request.stream:
-            return SSEResponse(self.completion_stream_generator(
-                request, outputs, request_id, self.created()))
-        return await self.completion_full(outputs, request_id, self.created(), params.n,
-                                          request.return_token_ids)
+        return await self.respond(
+            prompt, params, request.stream,
+            partial(self.completion_stream_generator, request),
+            partial(self.completion_full, n=params.n, return_token_ids=request.return_token_ids))
 
     async def completion_full(self, outputs: AsyncIterator[RequestOutput], request_id: str,
                               created: int, n: int, return_token_ids: bool = False) -> Response:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 import anyio
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -98,6 +98,36 @@ class OpenAIServing:
         return error_response(
             f"The model `{requested}` does not exist; this server serves `{self.model_name}` "
             "(see GET /v1/models).", HTTPStatus.NOT_FOUND, "NotFoundError")
+
+    def refuse(self, request: Any) -> JSONResponse | None:
+        """What every endpoint answers before reading a request's content: a 404 for another
+        model, a 400 for a field this server does not support; ``None`` for neither.
+
+        upstream: none (each of upstream's endpoints makes these checks in its own handler)
+        """
+        if (refused := self.check_model(request.model)) is not None:
+            return refused
+        if unsupported := request.unsupported():
+            return error_response(f"{', '.join(unsupported)}: not supported by this server")
+        return None
+
+    async def respond(self, prompt: Any, params: Any, stream: bool,
+                      streamer: Callable[..., AsyncIterator[str]],
+                      collector: Callable[..., Awaitable[Response]]) -> Response:
+        """Start the request and answer it: the SSE stream of ``streamer(outputs, request_id,
+        created)``, or ``await collector(outputs, request_id, created)``; a 400 when the engine
+        refuses the request before its first output.
+
+        upstream: none (upstream's completion and chat handlers each end this way)
+        """
+        request_id = self.new_request_id()
+        started = await self.start(prompt, params, request_id)
+        if isinstance(started, JSONResponse):
+            return started
+        outputs, created = chain(*started), self.created()
+        if stream:
+            return SSEResponse(streamer(outputs, request_id, created))
+        return await collector(outputs, request_id, created)
 
     def new_request_id(self) -> str:
         return f"{self.request_id_prefix}-{uuid.uuid4().hex}"
