@@ -538,6 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=int, default=None,
                    help="randomized configurations in the exam (default: the graded 8)")
     p.add_argument("--case-timeout", type=float, default=60.0, help="seconds per exam case")
+    p.add_argument("--bisect", choices=("all", "first", "none"), default="all",
+                   help="rerun the failing exam cases with one of your labs at a time, to name "
+                   "the lab at fault: all of them (default), the first only, or none")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds for building and running an engine, beyond the cases")
     p.add_argument("--json", metavar="PATH", help="write the exam's results as JSON")

@@ -219,10 +219,16 @@ def test_a_hung_piece_is_a_timeout_not_a_hang(tmp_path):
     head = "    def _num_new_tokens(self, request: Request, token_budget: int) -> int:\n"
     assert text.count(head) == 1
     starter.write_text(text.replace(head, head + "        while True:\n            pass\n"))
+    report = tmp_path / "exam.json"
     proc = _run(root, "engine", "--exam", "--labs", "03-01", "--case", "prefix-odd-lengths",
-                "--case-timeout", "3", cache=tmp_path / "cache", timeout=120)
+                "--case", "prompt-plus-output", "--case-timeout", "3", "--bisect", "first",
+                "--json", str(report), cache=tmp_path / "cache", timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "TIMEOUT" in proc.stdout and "did not finish within 3 s" in proc.stdout
+    # --bisect first (what the grader asks for): only the first of the two failing cases is
+    # rerun, so a hung piece costs one more case timeout, not one per failing case.
+    bisections = json.loads(report.read_text())["bisections"]
+    assert [b["case"] for b in bisections] == ["prefix-odd-lengths"], bisections
 
 
 def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp_path):

@@ -394,7 +394,7 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
                              "`python -m course engine --list`")
         names = [n for n in names if n in args.case]
     job = {"mode": "exam", "labs": student, "cases": names, "sweep": args.sweep,
-           "timeout": args.case_timeout, "gpu": gpu, "bisect": True}
+           "timeout": args.case_timeout, "gpu": gpu, "bisect": args.bisect}
     who = f"yours: {', '.join(student)}" if student else "all reference"
     print(f"Engine exam: {len(names)} case(s) on your mini_vllm ({who}) ...", file=sys.stderr)
     report = run_exam_job(job, args.timeout + 3 * args.case_timeout * (len(names) + 2))

@@ -11,8 +11,9 @@ The parent passes a JSON job on the command line; the worker appends one JSON ob
 ``job["out"]`` as the work goes, so a case that hangs or kills the process leaves every result
 before it. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode`` ("generate" or
 "exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam ``cases`` (names),
-``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun every failing case
-with one lab at a time the student's), and optionally ``reference`` (a JSON file of the reference
+``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun failing cases with
+one lab at a time the student's: "all" of them, or True; the "first" only; "none", or False),
+and optionally ``reference`` (a JSON file of the reference
 engine's records and the oracle's completions to reuse; written there when missing).
 """
 
@@ -191,7 +192,10 @@ def run_exam(job: dict, out) -> None:
     # except those that name an unwritten task: their message already says where to look.
     failed = [r["case"] for r in records if r.get("type") == "case"
               and r["outcome"] != "passed" and not r["message"].startswith("not implemented")]
-    if not (failed and job.get("bisect") and labs):
+    mode = {True: "all", False: "none", None: "none"}.get(job.get("bisect"), job.get("bisect"))
+    if mode == "first":
+        failed = failed[:1]
+    if not (failed and mode != "none" and labs):
         return
     _emit(out, {"type": "bisect-start", "case": failed[0], "cases": failed})
     for lab_id in labs:  # one engine per lab, running every failing case

@@ -732,8 +732,11 @@ def graded_units(instructor: Instructor) -> list:
     elif exam and needed <= graded:
         units.append(CommandUnit(
             "engine-exam", "The engine exam: your pieces together", exam["points"],
+            # Bisecting only the first failing case: the results are written once the command
+            # ends, so a bisection of every case that ran past the time limit would cost the
+            # student the cases already passed.
             ["{python}", "-m", "course", "engine", "--exam", "--impl", "{impl}", "--labs", "all",
-             "--json", "{json}"],
+             "--bisect", "first", "--json", "{json}"],
             [c.name for c in cases(GRADED_SWEEP)],
             follows=tuple(lab.id for lab in instructor.labs if lab.id in needed),
         ))
