@@ -22,6 +22,7 @@ from mini_vllm.benchmarks.serve import (
     calculate_metrics,
     run_in_process,
     run_trace,
+    sustained_rate,
 )
 
 
@@ -124,3 +125,14 @@ def test_a_short_real_run_through_async_llm():
     assert m["completed"] == 4
     assert m["total_output_tokens"] == sum(r.output_len for r in requests)
     assert llm.engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 16
+
+
+def test_sustained_rate_interpolates_the_first_crossing():
+    points = [{"rate": 1, "normalized_latency": 0.02}, {"rate": 2, "normalized_latency": 0.03},
+              {"rate": 4, "normalized_latency": 0.07}, {"rate": 8, "normalized_latency": 0.01}]
+    # 0.04 lies a quarter of the way from 0.03 (rate 2) to 0.07 (rate 4).
+    assert sustained_rate(points, 0.04) == pytest.approx(2.5)
+    assert sustained_rate(points, 0.03) == pytest.approx(2.0)
+    assert sustained_rate(points[:2], 0.5) == 2  # never reached: the highest rate measured
+    assert sustained_rate(points, 0.01) is None
+    assert sustained_rate([], 0.04) is None

@@ -59,6 +59,7 @@ __all__ = [
     "run_http",
     "run_in_process",
     "run_trace",
+    "sustained_rate",
 ]
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
@@ -263,6 +264,28 @@ def calculate_metrics(results: Sequence[RequestResult], duration: float,
                          ("e2el", [r.e2el for r in done])):
         metrics[name] = _stats(values, percentiles)
     return metrics
+
+
+def sustained_rate(points: Sequence[dict[str, float]], threshold: float) -> float | None:
+    """The request rate a setting sustains at ``threshold`` normalised latency (s/token).
+
+    ``points`` are ``{"rate", "normalized_latency"}`` in increasing rate. The answer is where
+    the curve first reaches ``threshold``, linear between the two measured rates around it; the
+    highest rate when it never does (a lower bound); ``None`` when even the first point is at
+    or above it (nothing sustained).
+
+    upstream: none (the comparison the PagedAttention paper's Figure 12 makes by eye)
+    """
+    previous = None
+    for point in points:
+        if point["normalized_latency"] >= threshold:
+            if previous is None:
+                return None
+            r0, l0 = previous["rate"], previous["normalized_latency"]
+            r1, l1 = point["rate"], point["normalized_latency"]
+            return r0 + (threshold - l0) * (r1 - r0) / (l1 - l0)
+        previous = point
+    return previous["rate"] if previous else None
 
 
 def format_metrics(m: dict[str, Any]) -> str:
