@@ -75,7 +75,7 @@ def arrival_times(
     more regular). ``rate == inf`` sends everything at time 0 (the burst mode). ``ValueError``
     for ``rate <= 0`` or ``burstiness <= 0``.
 
-    upstream: none (as get_request in vllm/benchmarks/serve.py)
+    upstream: vllm/benchmarks/serve.py:142 @ v0.11.0
     """
     if not rate > 0 or not burstiness > 0:
         raise ValueError(f"arrival_times: rate and burstiness must be > 0, got {rate}, "
@@ -234,7 +234,7 @@ def calculate_metrics(results: Sequence[RequestResult], duration: float,
     output token (the PagedAttention paper's y-axis). ``ValueError`` for an unknown SLO name or
     ``duration <= 0``.
 
-    upstream: none (as calculate_metrics in vllm/benchmarks/serve.py)
+    upstream: vllm/benchmarks/serve.py:271 @ v0.11.0
     """
     if duration <= 0:
         raise ValueError(f"calculate_metrics: duration must be > 0, got {duration}")
