@@ -1,28 +1,20 @@
-"""The engine under Orca-style reservation and static batching (SchedulerConfig.kv_reservation,
-static_batching; lab 03-06's baselines), on a scheduler with a small, synthetic KV budget.
-
-The budget: 16 usable blocks of 4 tokens (64 slots), max_model_len 32. Every request has a
-5-token prompt and max_tokens 4 (final length 9). Admitted at once, each claims:
-
-    paged   cdiv(5, 4)  = 2 blocks  -> 8 requests fit
-    oracle  cdiv(9, 4)  = 3 blocks  -> 5 fit (15 blocks)
-    pow2    16 slots    = 4 blocks  -> 4 fit
-    max     32 slots    = 8 blocks  -> 2 fit
+"""The engine's batching baselines for lab 03-06 beside paged memory, on a scheduler with a small,
+synthetic KV budget (16 usable blocks of 4 tokens, max_model_len 32): static batching against
+continuous batching, paged memory growing and preempting, a reservation that cannot fit the
+cache refused at add, bad settings refused. What each reservation policy admits is tested by
+lab 03-06's own tests (phase-03-scheduler/labs/lab-06-under-load/test_lab.py).
 """
-
 from __future__ import annotations
 
 import pytest
 
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.request import Request
-from mini_vllm.reservation import admission_lookahead, reservation_size
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import Scheduler
 from mini_vllm.scheduler_output import ModelRunnerOutput
 
 BLOCK, USABLE, MAX_LEN, PROMPT, MAX_TOKENS = 4, 16, 32, 5, 4
-FITS = {"paged": 8, "oracle": 5, "pow2": 4, "max": 2}
 
 
 def make_scheduler(policy: str, static: bool = False, seats: int = 64) -> Scheduler:
@@ -53,36 +45,6 @@ def step(scheduler: Scheduler) -> list[str]:
 def held_blocks(scheduler: Scheduler) -> dict[str, int]:
     manager = scheduler.kv_cache_manager
     return {r.request_id: len(manager.get_block_ids(r.request_id)[0]) for r in scheduler.running}
-
-
-@pytest.mark.parametrize("policy", list(FITS))
-def test_each_policy_admits_what_its_reservation_leaves_room_for(policy):
-    scheduler = make_scheduler(policy)
-    add(scheduler, 10)
-    scheduler.schedule()
-    admitted = [r.request_id for r in scheduler.running]
-    assert admitted == [f"r{i}" for i in range(FITS[policy])], (
-        f"kv_reservation={policy!r}: 16 free blocks of 4 should admit {FITS[policy]} requests "
-        f"of final length 9 in FCFS order, admitted {admitted}")
-    want = {"paged": 2, "oracle": 3, "pow2": 4, "max": 8}[policy]
-    assert set(held_blocks(scheduler).values()) == {want}
-
-
-@pytest.mark.parametrize("policy", ["oracle", "pow2", "max"])
-def test_a_reserving_request_never_takes_another_block_and_is_never_preempted(policy):
-    scheduler = make_scheduler(policy)
-    add(scheduler, 10)
-    first = None
-    finished: list[str] = []
-    while scheduler.has_unfinished_requests():
-        finished += step(scheduler)
-        held = held_blocks(scheduler)
-        first = first or held
-        for rid, n in held.items():
-            assert n == {"oracle": 3, "pow2": 4, "max": 8}[policy], (rid, held)
-    assert scheduler.stats.num_preemptions == 0
-    assert sorted(finished) == sorted(f"r{i}" for i in range(10))
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == USABLE
 
 
 def test_paged_grows_one_block_at_a_time_and_preempts_when_the_pool_runs_dry():
@@ -127,19 +89,6 @@ def test_a_request_whose_reservation_cannot_fit_the_cache_is_refused_at_add():
     with pytest.raises(ValueError, match="64 tokens = 16 blocks, but the cache has only 8"):
         add(scheduler, 1)
     assert not scheduler.waiting and not scheduler.requests
-
-
-@pytest.mark.parametrize("policy,want", [("paged", 0), ("oracle", 3), ("pow2", 10),
-                                         ("max", 26)])
-def test_admission_lookahead_is_the_reservation_beyond_this_step(policy, want):
-    # Prompt 5, max_tokens 4 (final 9), 6 slots taken by this step, max_model_len 32.
-    assert admission_lookahead(policy, 5, 4, 6, 32) == want
-
-
-def test_admission_lookahead_caps_the_final_length_at_max_model_len():
-    # max_tokens far beyond the model: the reservation covers max_model_len, no more.
-    assert admission_lookahead("oracle", 5, 10_000, 5, 32) == 27
-    assert reservation_size("pow2", 5, 27, 32) == 32
 
 
 def test_bad_reservation_settings_are_refused():
