@@ -28,7 +28,7 @@ STYLES = {
 
 def latency_vs_rate(path: Path = RESULTS) -> Figure:
     """Normalised latency (s per output token) against request rate, one curve per setting,
-    with the threshold at which the sustained rates are compared."""
+    with the threshold at which the sustained rates (in the legend) are compared."""
     run = json.loads(Path(path).read_text(encoding="utf-8"))
     config = run["config"]
     threshold = config["threshold_s_per_token"]
@@ -38,7 +38,11 @@ def latency_vs_rate(path: Path = RESULTS) -> Figure:
         rates = [p["rate"] for p in curve["points"]]
         latency = [p["normalized_latency"] for p in curve["points"]]
         sustained = curve["sustained_rate"]
-        if sustained is not None:
+        if sustained is None:
+            label += f": < {rates[0]:g} req/s"
+        elif all(value < threshold for value in latency):
+            label += f": >= {sustained:g} req/s (never crossed)"
+        else:
             label += f": {sustained:.1f} req/s"
         ax.plot(rates, latency, marker=marker, color=color, label=label)
     ax.axhline(threshold, color="black", linestyle=":", linewidth=1)
