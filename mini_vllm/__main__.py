@@ -56,6 +56,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--kv-cache-memory", type=int, default=None,
         help="KV cache budget in bytes (instead of --num-gpu-blocks): the number of blocks is "
         "what fits")
+    add("--kv-reservation", choices=("paged", "max", "pow2", "oracle"), default="paged",
+        help="paged KV (vLLM) or an Orca-style reservation claimed on admission (lab 03-06)")
+    add("--static-batching", action="store_true",
+        help="admit new requests only when the running batch is done (lab 03-06's baseline)")
     add("--device", default="cpu")
 
 
@@ -170,6 +174,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
         num_cpu_blocks=args.num_cpu_blocks,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory,
+        kv_reservation=args.kv_reservation,
+        static_batching=args.static_batching,
     )
 
 

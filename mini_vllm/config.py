@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mini_vllm.reservation import KV_RESERVATIONS
+
 __all__ = ["PREEMPTION_MODES", "SchedulerConfig"]
 
 # ---------------------------------------------------------------------------------------------
@@ -34,6 +36,12 @@ class SchedulerConfig:
       step, so that one long prompt cannot take the whole budget.
     * ``preemption_mode``: ``"recompute"`` (v1: drop the KV, recompute it later) or ``"swap"``
       (V0: copy the KV to ``num_cpu_blocks`` CPU blocks and back).
+    * ``kv_reservation``: ``"paged"`` (blocks are claimed as a request grows) or an Orca-style
+      policy of :mod:`mini_vllm.reservation` (``"max"``, ``"pow2"``, ``"oracle"``): a request
+      claims the blocks of its whole reservation when it is admitted and keeps them until it
+      finishes. Baselines for lab 03-06, not how vLLM runs.
+    * ``static_batching``: admit new requests only when nothing runs, so a batch runs until its
+      longest request finishes (FasterTransformer's batching; lab 03-06's baseline).
 
     upstream: vllm/config/scheduler.py:26 @ v0.11.0
     """
@@ -47,6 +55,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     preemption_mode: str = "recompute"
     num_cpu_blocks: int = 0
+    kv_reservation: str = "paged"
+    static_batching: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -69,6 +79,16 @@ class SchedulerConfig:
             raise ValueError(
                 f"SchedulerConfig: preemption_mode must be one of {PREEMPTION_MODES}, "
                 f"got {self.preemption_mode!r}"
+            )
+        if self.kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(
+                f"SchedulerConfig: kv_reservation must be one of {KV_RESERVATIONS}, "
+                f"got {self.kv_reservation!r}"
+            )
+        if not isinstance(self.static_batching, bool):
+            raise ValueError(
+                f"SchedulerConfig: static_batching must be True or False, "
+                f"got {self.static_batching!r}"
             )
         if self.preemption_mode == "swap" and self.num_cpu_blocks < 2:
             # The CPU pool reserves block 0 like the GPU pool, so one usable block needs two.

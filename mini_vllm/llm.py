@@ -91,6 +91,9 @@ class EngineConfig:
     * ``kv_scales``: with fp8, one ``(k_scale, v_scale)`` pair for every layer or a list of one
       pair per layer; ``None`` (default): each layer computes its pair once, from the K/V of the
       first step (the first prompts), as upstream's ``calculate_kv_scales``.
+    * ``kv_reservation`` / ``static_batching``: the Orca-style and static-batching baselines of
+      lab 03-06 (see :class:`~mini_vllm.config.SchedulerConfig`); ``"paged"`` and ``False``
+      are how vLLM runs.
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -108,6 +111,8 @@ class EngineConfig:
     use_cuda_ops: bool | None = None
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None
+    kv_reservation: str = "paged"
+    static_batching: bool = False
 
     def __post_init__(self) -> None:
         for name, low, optional in (
@@ -208,6 +213,8 @@ class EngineConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             preemption_mode=self.preemption_mode,
             num_cpu_blocks=self.num_cpu_blocks,
+            kv_reservation=self.kv_reservation,
+            static_batching=self.static_batching,
         )
 
 

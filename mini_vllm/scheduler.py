@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
 from mini_vllm.request import Request, RequestStatus
+from mini_vllm.reservation import admission_lookahead
 from mini_vllm.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -175,6 +176,10 @@ class Scheduler:
                 f"max_model_len={self.max_model_len} leaves no room for an output token"
             )
         longest = min(request.num_tokens + request.max_tokens, self.max_model_len)
+        # A reservation is claimed whole on admission, so it, not the final length, must fit.
+        longest += admission_lookahead(self.scheduler_config.kv_reservation,
+                                       request.num_prompt_tokens, request.max_tokens, longest,
+                                       self.max_model_len)
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         if cdiv(longest, self.block_size) > usable:
             raise ValueError(
@@ -439,8 +444,15 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit WAITING requests in FCFS order, starting from their prefix-cache hits.
 
+        With ``kv_reservation`` other than ``"paged"``, an admitted request also claims the
+        blocks of its whole reservation (:func:`~mini_vllm.reservation.admission_lookahead`);
+        with ``static_batching``, nobody is admitted while any request runs.
+
         upstream: vllm/v1/core/sched/scheduler.py:335 @ v0.11.0
         """
+        config = self.scheduler_config
+        if config.static_batching and self.running:
+            return  # the current batch runs until its longest request is done
         while self.waiting and step.token_budget > 0:
             if len(self.running) == self.max_num_running_reqs:
                 break
@@ -454,8 +466,12 @@ class Scheduler:
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, step.token_budget)
+            lookahead = admission_lookahead(
+                config.kv_reservation, request.num_prompt_tokens, request.max_tokens,
+                num_computed_tokens + num_new_tokens, self.max_model_len,
+            )
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_computed_tokens, new_computed_blocks
+                request, num_new_tokens, num_computed_tokens, new_computed_blocks, lookahead
             )
             if new_blocks is None:
                 break  # FCFS: nobody behind it may overtake it

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from mini_vllm.block_pool import BlockPool
 from mini_vllm.kv_cache_utils import KVCacheBlock
+from mini_vllm.reservation import reservation_size
 
 __all__ = [
     "TRACES_PATH",
@@ -134,26 +135,8 @@ def generate_trace(spec: TraceSpec) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------ task 1
 
 
-def reservation_size(policy: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
-    """KV slots a contiguous-reservation system sets aside for a request on admission.
-
-    ``"max"``: ``max_model_len``; ``"pow2"``: the smallest power of two that holds
-    ``prompt_len + output_len``, capped at ``max_model_len``; ``"oracle"``: exactly
-    ``prompt_len + output_len``. ``ValueError`` for an unknown policy, lengths below 1, or a
-    request longer than ``max_model_len``.
-    """
-    if prompt_len < 1 or output_len < 1:
-        raise ValueError(f"lengths must be >= 1, got prompt {prompt_len}, output {output_len}")
-    final_len = prompt_len + output_len
-    if final_len > max_model_len:
-        raise ValueError(f"request of {final_len} tokens exceeds max_model_len={max_model_len}")
-    if policy == "max":
-        return max_model_len
-    if policy == "pow2":
-        return min(1 << (final_len - 1).bit_length(), max_model_len)
-    if policy == "oracle":
-        return final_len
-    raise ValueError(f"unknown reservation policy {policy!r}; use 'max', 'pow2' or 'oracle'")
+# reservation_size is imported from mini_vllm.reservation above: the policies live once, there,
+# because the engine reserves with them too (lab 03-06).
 
 
 # ------------------------------------------------------------------------------ task 2

@@ -1,0 +1,60 @@
+"""Serving under load (lab 03-06): normalised latency against request rate, one curve per KV
+policy, from the committed run of ``benchmarks/load_latency.py``.
+
+The figure draws measured numbers, not a scenario: it reads
+``benchmarks/results/load_latency.json`` (which holds the command that made it), so it changes
+only when that run is made again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from course.labs.catalog import REPO_ROOT
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "load_latency.json"
+STYLES = {
+    "paged": ("paged + continuous batching (vLLM)", "#1f4e9c", "o"),
+    "oracle": ("reserve the oracle length", "#2ca02c", "s"),
+    "pow2": ("reserve the next power of two", "#ff9f1c", "^"),
+    "max": ("reserve max_model_len (Orca, max)", "#d62728", "v"),
+    "static": ("static batching, reserve max (FasterTransformer)", "#7f7f7f", "x"),
+}
+
+
+def latency_vs_rate(path: Path = RESULTS) -> Figure:
+    """Normalised latency (s per output token) against request rate, one curve per setting,
+    with the threshold at which the sustained rates (in the legend) are compared."""
+    run = json.loads(Path(path).read_text(encoding="utf-8"))
+    config = run["config"]
+    threshold = config["threshold_s_per_token"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for name, curve in run["curves"].items():
+        label, color, marker = STYLES.get(name, (name, "black", "."))
+        rates = [p["rate"] for p in curve["points"]]
+        latency = [p["normalized_latency"] for p in curve["points"]]
+        sustained = curve["sustained_rate"]
+        if sustained is None:
+            label += f": < {rates[0]:g} req/s"
+        elif all(value < threshold for value in latency):
+            label += f": >= {sustained:g} req/s (never crossed)"
+        else:
+            label += f": {sustained:.1f} req/s"
+        ax.plot(rates, latency, marker=marker, color=color, label=label)
+    ax.axhline(threshold, color="black", linestyle=":", linewidth=1)
+    ax.text(ax.get_xlim()[1], threshold, f"threshold {threshold} s/token ",
+            ha="right", va="bottom", fontsize=8)
+    ax.set_ylim(0, 2.5 * threshold)
+    ax.set_xlabel("request rate (req/s, Poisson)")
+    ax.set_ylabel("normalised latency (s / output token)")
+    ax.set_title(
+        f"ShareGPT-shaped trace x{config['scale']}, {config['num_gpu_blocks'] - 1} KV blocks of "
+        f"{config['block_size']} tokens, max_model_len {config['max_model_len']}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

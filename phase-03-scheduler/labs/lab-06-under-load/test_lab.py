@@ -1,0 +1,214 @@
+"""Graded tests of lab 03-06: reservation at admission, arrivals, the serving metrics.
+
+Groups, each using only its task:
+  1. task 1: admission_lookahead's values, then the reference scheduler admitting with yours
+     under a 16-block budget (each policy admits exactly what its reservation leaves room for,
+     and a reserving request never needs another block)
+  2. task 2: arrivals: seeded, the mean gap 1/rate, exponential (Poisson) or gamma gaps, burst
+  3. task 3: the metrics of hand-made results whose answers are known
+  4. task 4: the sustained rate at a threshold
+No timing is asserted: only what the numbers must be given the timestamps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from course.labs.loader import load_lab
+from mini_vllm import scheduler as scheduler_module
+from mini_vllm.config import SchedulerConfig
+from mini_vllm.request import Request
+from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler_output import ModelRunnerOutput
+
+lab = load_lab(__file__)
+
+# ------------------------------------------------------------------------------ task 1
+
+BLOCK, USABLE, MAX_LEN = 4, 16, 32
+# Prompt 5, max_tokens 4 (final 9) under 16 blocks of 4: what each policy claims and admits.
+CLAIMS = {"paged": (2, 8), "oracle": (3, 5), "pow2": (4, 4), "max": (8, 2)}
+
+
+@pytest.mark.parametrize("policy,prompt,max_tokens,after_step,want", [
+    ("paged", 5, 4, 6, 0),
+    ("oracle", 5, 4, 6, 3),
+    ("pow2", 5, 4, 6, 10),
+    ("max", 5, 4, 6, 26),
+    ("oracle", 5, 4, 5, 4),      # a step that takes only the prompt
+    ("pow2", 9, 8, 9, 23),       # final 17 -> 32, not 16
+    ("pow2", 8, 8, 16, 0),       # final 16 is a power of two: exactly it, nothing beyond
+    ("oracle", 5, 10_000, 5, 27),  # max_tokens beyond the model: final length capped at 32
+    ("pow2", 20, 100, 20, 12),   # capped at max_model_len, not 128
+    ("max", 30, 50, 31, 1),
+])
+def test_admission_lookahead(policy, prompt, max_tokens, after_step, want):
+    got = lab.admission_lookahead(policy, prompt, max_tokens, after_step, MAX_LEN)
+    assert got == want, (
+        f"admission_lookahead({policy!r}, prompt {prompt}, max_tokens {max_tokens}, "
+        f"{after_step} slots this step, max_model_len {MAX_LEN}) is {want}, got {got}")
+
+
+def test_admission_lookahead_is_never_negative():
+    # A chunk that already covers the reservation leaves nothing to claim ahead.
+    assert lab.admission_lookahead("oracle", 5, 2, 8, MAX_LEN) == 0
+
+
+def make_scheduler(policy, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "admission_lookahead", lab.admission_lookahead)
+    return scheduler_module.Scheduler(SchedulerConfig(
+        max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=MAX_LEN, block_size=BLOCK,
+        num_gpu_blocks=USABLE + 1, enable_prefix_caching=False, kv_reservation=policy))
+
+
+def add(scheduler, n, max_tokens=4):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(n):
+        scheduler.add_request(Request(f"r{i}", [7] * 5, params, eos_token_id=None))
+
+
+def held(scheduler):
+    manager = scheduler.kv_cache_manager
+    return {r.request_id: len(manager.get_block_ids(r.request_id)[0]) for r in scheduler.running}
+
+
+@pytest.mark.parametrize("policy", list(CLAIMS))
+def test_the_engine_admits_what_each_reservation_leaves_room_for(policy, monkeypatch):
+    scheduler = make_scheduler(policy, monkeypatch)
+    add(scheduler, 10)
+    scheduler.schedule()
+    blocks, fits = CLAIMS[policy]
+    assert held(scheduler) == {f"r{i}": blocks for i in range(fits)}, (
+        f"kv_reservation={policy!r}: 16 free blocks of 4 should admit r0..r{fits - 1} "
+        f"({blocks} blocks each: prompt 5, max_tokens 4), got {held(scheduler)}")
+
+
+@pytest.mark.parametrize("policy", ["oracle", "pow2", "max"])
+def test_a_reserving_request_runs_to_the_end_without_another_block(policy, monkeypatch):
+    scheduler = make_scheduler(policy, monkeypatch)
+    add(scheduler, 6)
+    blocks = CLAIMS[policy][0]
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        for rid, n in held(scheduler).items():
+            assert n == blocks, f"{rid} holds {n} blocks mid-run, its reservation is {blocks}"
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            ids, {r: i for i, r in enumerate(ids)}, [[1] for _ in ids]))
+    assert scheduler.stats.num_preemptions == 0
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == USABLE
+
+
+# ------------------------------------------------------------------------------ task 2
+
+
+def gaps(times):
+    return [b - a for a, b in zip([0.0, *times], times)]
+
+
+def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate():
+    times = lab.arrival_times(4000, 5.0, seed=3)
+    assert len(times) == 4000 and times == sorted(times) and times[0] > 0
+    assert times == lab.arrival_times(4000, 5.0, seed=3)
+    assert times != lab.arrival_times(4000, 5.0, seed=4)
+    g = gaps(times)
+    # 4000 exponential gaps of mean 0.2: the sample mean is within 5%, and so is the spread
+    # (an exponential's standard deviation equals its mean) within 10%.
+    assert statistics.fmean(g) == pytest.approx(0.2, rel=0.05)
+    assert statistics.pstdev(g) == pytest.approx(0.2, rel=0.1)
+
+
+def test_burstiness_keeps_the_mean_and_changes_the_spread():
+    for shape in (0.25, 4.0):
+        g = gaps(lab.arrival_times(4000, 5.0, burstiness=shape, seed=1))
+        assert statistics.fmean(g) == pytest.approx(0.2, rel=0.1), shape
+        # A gamma of shape k has standard deviation mean / sqrt(k).
+        assert statistics.pstdev(g) == pytest.approx(0.2 / math.sqrt(shape), rel=0.15), shape
+
+
+def test_the_burst_sends_everything_at_once_and_bad_rates_are_refused():
+    assert lab.arrival_times(5, math.inf) == [0.0] * 5
+    for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (2.0, 0.0)):
+        with pytest.raises(ValueError) as err:
+            lab.arrival_times(3, rate, burstiness=burstiness)
+        assert str(rate) in str(err.value) and str(burstiness) in str(err.value)
+
+
+# ------------------------------------------------------------------------------ task 3
+
+
+def result(sent, chunks, prompt_len=10, error=None):
+    return lab.RequestResult(prompt_len, sum(n for _, n in chunks), sent, list(chunks), error)
+
+
+# r0: sent at 0, tokens at 1 (one), 2 (two), 4 (one): TTFT 1, e2el 4, TPOT 3/3, ITLs 1, 2.
+# r1: sent at 1, one token at 3: TTFT 2, e2el 2, TPOT 0.  r2 failed.
+RESULTS = [((0.0, [(1.0, 1), (2.0, 2), (4.0, 1)]), {}), ((1.0, [(3.0, 1)]), {"prompt_len": 6}),
+           ((2.0, []), {"error": "boom"})]
+
+
+def results():
+    return [result(*args, **kw) for args, kw in RESULTS]
+
+
+def test_counts_and_throughputs_use_completed_requests_only():
+    m = lab.calculate_metrics(results(), duration=5.0)
+    assert (m["completed"], m["failed"], m["duration_s"]) == (2, 1, 5.0)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (16, 5)
+    assert m["request_throughput"] == pytest.approx(2 / 5)
+    assert m["output_throughput"] == pytest.approx(5 / 5)
+    assert m["total_token_throughput"] == pytest.approx(21 / 5)
+    assert m["request_goodput"] is None
+
+
+def test_latencies_and_their_percentiles():
+    m = lab.calculate_metrics(results(), duration=5.0, percentiles=(50, 90, 99.9))
+    assert m["ttft"] == pytest.approx({"mean": 1.5, "median": 1.5, "p50": 1.0, "p90": 2.0,
+                                       "p99.9": 2.0})
+    assert m["tpot"]["mean"] == pytest.approx(0.5) and m["tpot"]["p50"] == pytest.approx(0.0)
+    assert m["itl"] == pytest.approx({"mean": 1.5, "median": 1.5, "p50": 1.0, "p90": 2.0,
+                                      "p99.9": 2.0})
+    assert m["e2el"]["median"] == pytest.approx(3.0) and m["e2el"]["p50"] == pytest.approx(2.0)
+    # Normalised latency: the mean of e2el / tokens = (4/4 + 2/1) / 2.
+    assert m["normalized_latency"] == pytest.approx(1.5)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    assert lab.calculate_metrics(results(), 5.0, {"ttft": 1.5})["request_goodput"] == \
+        pytest.approx(1 / 5)  # r0 only
+    assert lab.calculate_metrics(results(), 5.0, {"ttft": 2.0})["request_goodput"] == \
+        pytest.approx(2 / 5)  # a limit is met with equality
+    # r0 misses the TPOT limit, r1 the end-to-end one.
+    assert lab.calculate_metrics(results(), 5.0, {"tpot": 0.5, "e2el": 1.5})[
+        "request_goodput"] == 0.0
+
+
+def test_nothing_completed_and_bad_input():
+    m = lab.calculate_metrics([result(0.0, [], error="x")], 1.0)
+    assert m["completed"] == 0 and m["normalized_latency"] is None and m["ttft"] == {}
+    with pytest.raises(ValueError, match="latency"):
+        lab.calculate_metrics(results(), 5.0, {"latency": 1.0})
+    with pytest.raises(ValueError):
+        lab.calculate_metrics(results(), 0.0)
+
+
+# ------------------------------------------------------------------------------ task 4
+
+POINTS = [{"rate": 1, "normalized_latency": 0.02}, {"rate": 2, "normalized_latency": 0.03},
+          {"rate": 4, "normalized_latency": 0.07}, {"rate": 8, "normalized_latency": 0.01}]
+
+
+def test_sustained_rate_interpolates_the_first_crossing():
+    # 0.04 lies a quarter of the way from 0.03 (rate 2) to 0.07 (rate 4).
+    assert lab.sustained_rate(POINTS, 0.04) == pytest.approx(2.5)
+    assert lab.sustained_rate(POINTS, 0.03) == pytest.approx(2.0)
+    assert lab.sustained_rate(POINTS, 0.025) == pytest.approx(1.5)
+
+
+def test_sustained_rate_edges():
+    assert lab.sustained_rate(POINTS[:2], 0.5) == 2  # never reached: the highest rate
+    assert lab.sustained_rate(POINTS, 0.02) is None  # the first point is already there
+    assert lab.sustained_rate([], 0.04) is None
