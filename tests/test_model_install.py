@@ -17,9 +17,10 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
+
+import tomllib
 
 from mini_vllm.gguf_loader import INSTALL_HINT
 
