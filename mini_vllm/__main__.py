@@ -38,6 +38,9 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
                         ".gguf file, or 'smollm2' (default: the shipped Shakespeare model)")
 
 
+WEIGHT_DTYPES = ("auto", "bfloat16")
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--threads", type=int, default=None,
@@ -56,6 +59,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--kv-cache-memory", type=int, default=None,
         help="KV cache budget in bytes (instead of --num-gpu-blocks): the number of blocks is "
         "what fits")
+    add("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
+        help="the linear layers' weights: as loaded (auto) or bfloat16, widened to float32 as "
+        "they are read (half the bytes per decoded token; activations and KV cache stay)")
     add("--device", default="cpu")
 
 
@@ -160,6 +166,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         args.model,
         device=args.device,
         num_threads=args.threads,
+        weight_dtype=args.weight_dtype,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
