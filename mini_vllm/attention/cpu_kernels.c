@@ -307,37 +307,36 @@ static inline __attribute__((always_inline)) void linear_block(
     }
 }
 
-static inline __attribute__((always_inline)) void linear_impl(
+/* Weight rows 4b .. 4b + 3 (fewer at the end) for every token. */
+static inline __attribute__((always_inline)) void linear_rows(
     const int bf, float *out, const float *x, int64_t x_stride, int64_t M, const void *w,
-    const float *bias, int64_t N, int64_t K) {
-  const int64_t row_blocks = (N + 3) / 4;
-  /* Below about 64k multiply-adds a thread's start costs more than it saves. */
-#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
-  for (int64_t b = 0; b < row_blocks; ++b) {
-    const int64_t n = 4 * b;
-    const int full_rows = n + 4 <= N;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      if (full_rows) linear_block(4, 4, bf, out, x, x_stride, w, bias, N, K, n, m);
-      else
-        for (int64_t r = n; r < N; ++r)
-          linear_block(1, 4, bf, out, x, x_stride, w, bias, N, K, r, m);
-    }
-    for (; m < M; ++m) {
-      if (full_rows) linear_block(4, 1, bf, out, x, x_stride, w, bias, N, K, n, m);
-      else
-        for (int64_t r = n; r < N; ++r)
-          linear_block(1, 1, bf, out, x, x_stride, w, bias, N, K, r, m);
-    }
+    const float *bias, int64_t N, int64_t K, int64_t b) {
+  const int64_t n = 4 * b;
+  const int full_rows = n + 4 <= N;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    if (full_rows) linear_block(4, 4, bf, out, x, x_stride, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r) linear_block(1, 4, bf, out, x, x_stride, w, bias, N, K, r, m);
+  }
+  for (; m < M; ++m) {
+    if (full_rows) linear_block(4, 1, bf, out, x, x_stride, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r) linear_block(1, 1, bf, out, x, x_stride, w, bias, N, K, r, m);
   }
 }
 
+/* The parallel loop is written out in each entry point (not in a shared inline function) so
+ * that OpenMP outlines it with `bf` a constant: one branch-free inner loop per weight type.
+ * Below about 64k multiply-adds a thread's start costs more than it saves. */
 void mv_linear_f32(float *out, const float *x, int64_t x_stride, int64_t M, const float *w,
                    const float *bias, int64_t N, int64_t K) {
-  linear_impl(0, out, x, x_stride, M, w, bias, N, K);
+#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
+  for (int64_t b = 0; b < (N + 3) / 4; ++b) linear_rows(0, out, x, x_stride, M, w, bias, N, K, b);
 }
 
 void mv_linear_bf16(float *out, const float *x, int64_t x_stride, int64_t M, const uint16_t *w,
                     const float *bias, int64_t N, int64_t K) {
-  linear_impl(1, out, x, x_stride, M, w, bias, N, K);
+#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
+  for (int64_t b = 0; b < (N + 3) / 4; ++b) linear_rows(1, out, x, x_stride, M, w, bias, N, K, b);
 }

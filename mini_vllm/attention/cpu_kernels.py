@@ -46,7 +46,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -march=native: this CPU's vector width (the cache key includes the CPU, see _build).
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp")
+# -ffp-contract=off: a * b + c rounds twice wherever the compiler puts it, so an output is the
+# same bits whichever loop variant (token block, tail) computed it.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11", "-fopenmp")
 BLOCK_SIZE = 16  # the decode's one block size, as upstream's CPU kernel (BS in cpu_kernels.c)
 MAX_HEAD_SIZE = 256  # MV_MAX_HEAD_SIZE
 _ERRORS = {
@@ -253,9 +255,11 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return out
 
 
-# Rows (tokens) up to which :func:`linear` beats PyTorch's fp32 matmul: a decode step's handful.
-# Past it (a prefill), the product is bound by arithmetic and MKL's blocked GEMM wins.
-LINEAR_MAX_ROWS = 32
+# Rows (tokens) up to which :func:`linear` takes a product, by weight dtype: a decode step's
+# handful. Past a few fp32 rows PyTorch's (MKL's) blocked GEMM is as fast, and a prefill is bound
+# by arithmetic, where it wins; bf16 weights stay here longer, because PyTorch would first have
+# to widen the whole weight (three times the bytes) or use its slow bf16 product.
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 32}
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -265,10 +269,10 @@ def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     upstream: none (vLLM's CPU backend multiplies through oneDNN)
     """
     return (x.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and weight.dtype in LINEAR_MAX_ROWS and weight.dim() == 2
             and weight.device.type == "cpu" and weight.is_contiguous()
-            and x.shape[-1] == weight.shape[1] and x.numel() // max(x.shape[-1], 1)
-            <= LINEAR_MAX_ROWS
+            and x.shape[-1] == weight.shape[1]
+            and x.numel() <= LINEAR_MAX_ROWS[weight.dtype] * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and load() is not None)
 
