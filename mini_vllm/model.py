@@ -192,18 +192,15 @@ def fuse_linears(parts: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor
 
     upstream: vllm/model_executor/layers/linear.py:576 @ v0.11.0
     """
-    def stack(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
-        if any(t is None for t in tensors):
-            return None
-        fused = torch.cat([t.detach() for t in tensors])  # type: ignore[union-attr]
-        start = 0
-        for part in tensors:
-            rows = part.shape[0]  # type: ignore[union-attr]
-            part.data = fused[start:start + rows]  # type: ignore[union-attr]
-            start += rows
+    def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+        fused = torch.cat([t.detach() for t in tensors])
+        for part, rows in zip(tensors, fused.split([t.shape[0] for t in tensors])):
+            part.data = rows
         return fused
 
-    return stack([p.weight for p in parts]), stack([p.bias for p in parts])  # type: ignore[return-value]
+    biases = [p.bias for p in parts]
+    bias = None if any(b is None for b in biases) else stack(biases)  # all or none in Llama
+    return stack([p.weight for p in parts]), bias
 
 
 def fused_weight(fused: tuple[torch.Tensor, torch.Tensor | None] | None,
