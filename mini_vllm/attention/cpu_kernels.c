@@ -21,6 +21,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MV_BF16_UNPACK 1
+#else
+#define MV_BF16_UNPACK 0
+#endif
 
 enum { MV_OK = 0, MV_BAD_SEQ_LEN = 1, MV_BAD_BLOCK = 2, MV_BAD_SLOT = 3, MV_NO_MEMORY = 4 };
 enum { X = 4, BS = 16 };        /* the decode's layout: fp32 (x = 4) and block size 16 */
@@ -307,6 +313,77 @@ static inline __attribute__((always_inline)) void linear_block(
     }
 }
 
+#if MV_BF16_UNPACK
+/* bf16 weights on AVX2, 16 at a time: interleaving zeros below each bf16 number (unpack) makes
+ * fp32 numbers in two instructions, no shifts, but in the order 0-3 8-11 | 4-7 12-15. `xp` holds
+ * every token's x in that same order (see permute_x), so the products pair up as they should.
+ * The last K % 16 columns are summed one by one from x as it is. */
+static inline __attribute__((always_inline)) void linear_block_bf16x16(
+    const int R, const int T, float *restrict out, const float *restrict x, int64_t x_stride,
+    const float *restrict xp, const uint16_t *restrict w, const float *restrict bias, int64_t N,
+    int64_t K, int64_t n, int64_t m) {
+  const int64_t k16 = K / 16 * 16;
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 acc[4][4];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k16; k += 16) {
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n + r) * K + k));
+      lo[r] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv));
+      hi[r] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv));
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m256 xlo = _mm256_loadu_ps(xp + (m + t) * K + k);
+      const __m256 xhi = _mm256_loadu_ps(xp + (m + t) * K + k + 8);
+      for (int r = 0; r < R; ++r)
+        acc[r][t] = _mm256_fmadd_ps(hi[r], xhi, _mm256_fmadd_ps(lo[r], xlo, acc[r][t]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float sum = hsum((v8)acc[r][t]);
+      for (int64_t k = k16; k < K; ++k)
+        sum += scalar_w(w, (n + r) * K + k, 1) * x[(m + t) * x_stride + k];
+      out[(m + t) * N + n + r] = bias ? sum + bias[n + r] : sum;
+    }
+}
+
+/* xp[m, 16j + 0..7] = x[m, 16j + (0-3, 8-11)], xp[m, 16j + 8..15] = x[m, 16j + (4-7, 12-15)]. */
+static void permute_x(float *xp, const float *x, int64_t x_stride, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j + 16 <= K; j += 16) {
+      const float *src = x + m * x_stride + j;
+      float *dst = xp + m * K + j;
+      memcpy(dst, src, 4 * sizeof(float));
+      memcpy(dst + 4, src + 8, 4 * sizeof(float));
+      memcpy(dst + 8, src + 4, 4 * sizeof(float));
+      memcpy(dst + 12, src + 12, 4 * sizeof(float));
+    }
+}
+
+static inline __attribute__((always_inline)) void linear_rows_bf16x16(
+    float *out, const float *x, int64_t x_stride, const float *xp, int64_t M, const uint16_t *w,
+    const float *bias, int64_t N, int64_t K, int64_t b) {
+  const int64_t n = 4 * b;
+  const int full_rows = n + 4 <= N;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    if (full_rows) linear_block_bf16x16(4, 4, out, x, x_stride, xp, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r)
+        linear_block_bf16x16(1, 4, out, x, x_stride, xp, w, bias, N, K, r, m);
+  }
+  for (; m < M; ++m) {
+    if (full_rows) linear_block_bf16x16(4, 1, out, x, x_stride, xp, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r)
+        linear_block_bf16x16(1, 1, out, x, x_stride, xp, w, bias, N, K, r, m);
+  }
+}
+#endif
+
 /* Weight rows 4b .. 4b + 3 (fewer at the end) for every token. */
 static inline __attribute__((always_inline)) void linear_rows(
     const int bf, float *out, const float *x, int64_t x_stride, int64_t M, const void *w,
@@ -337,6 +414,17 @@ void mv_linear_f32(float *out, const float *x, int64_t x_stride, int64_t M, cons
 
 void mv_linear_bf16(float *out, const float *x, int64_t x_stride, int64_t M, const uint16_t *w,
                     const float *bias, int64_t N, int64_t K) {
+#if MV_BF16_UNPACK
+  float *xp = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
+  if (xp) {
+    permute_x(xp, x, x_stride, M, K);
+#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
+    for (int64_t b = 0; b < (N + 3) / 4; ++b)
+      linear_rows_bf16x16(out, x, x_stride, xp, M, w, bias, N, K, b);
+    free(xp);
+    return;
+  }
+#endif
 #pragma omp parallel for schedule(static) if (M * N * K >= 65536)
   for (int64_t b = 0; b < (N + 3) / 4; ++b) linear_rows(1, out, x, x_stride, M, w, bias, N, K, b);
 }
