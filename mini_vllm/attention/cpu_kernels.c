@@ -290,6 +290,16 @@ static inline float hsum(v8 a) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* a * b + c: one fused instruction where the CPU has one (an explicit FMA rounds once,
+ * wherever it stands; the file is compiled with -ffp-contract=off so nothing else is fused). */
+static inline v8 madd(v8 a, v8 b, v8 c) {
+#if MV_BF16_UNPACK
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 /* R weight rows (from n) x T tokens (from m); R and T are constants once inlined. */
 static inline __attribute__((always_inline)) void linear_block(
     const int R, const int T, const int bf, float *restrict out, const float *restrict x,
@@ -302,7 +312,7 @@ static inline __attribute__((always_inline)) void linear_block(
     for (int r = 0; r < R; ++r) wv[r] = load_w(w, (n + r) * K + k, bf);
     for (int t = 0; t < T; ++t) xv[t] = *(const v8u *)(x + (m + t) * x_stride + k);
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) acc[r][t] += wv[r] * xv[t];
+      for (int t = 0; t < T; ++t) acc[r][t] = madd(wv[r], xv[t], acc[r][t]);
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
