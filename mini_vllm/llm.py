@@ -464,6 +464,10 @@ SMALL_MODEL_PARAMS = 20_000_000
 MAX_DEFAULT_THREADS = 8
 
 
+# LLM(weight_dtype=...): the linear layers' storage dtype (None: as loaded).
+WEIGHT_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16}
+
+
 def default_num_threads(model: torch.nn.Module) -> int:
     """The thread count ``LLM`` uses when none is given.
 
@@ -624,6 +628,10 @@ class LLM:
     ``decode``). A model without a tokenizer takes token-id prompts only. EOS: the tokenizer's,
     plus every other id that ``generation_config.json`` lists (as stop tokens).
 
+    ``weight_dtype``: ``"auto"`` (the weights as loaded) or ``"bfloat16"``: the linear layers'
+    weights are stored in bf16 and widened to float32 as they are read (weight-only: the
+    activations, the KV cache, norms and embeddings keep the model's dtype), half the bytes a
+    decode step reads; see :meth:`~mini_vllm.model.LlamaForCausalLM.set_weight_dtype`.
     ``num_threads``: PyTorch CPU threads (default :func:`default_num_threads`). Engine knobs: see
     :class:`EngineConfig`. For what happens on bad input and on failures, see the module docstring.
 
@@ -637,6 +645,7 @@ class LLM:
         tokenizer: object | None = None,
         device: str | torch.device = "cpu",
         num_threads: int | None = None,
+        weight_dtype: str = "auto",
         **config_kwargs: object,
     ) -> None:
         self.config = EngineConfig(**config_kwargs)  # type: ignore[arg-type]
@@ -644,9 +653,15 @@ class LLM:
             not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
         ):
             raise ValueError(f"LLM: num_threads must be an int >= 1, got {num_threads!r}")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"LLM: weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got "
+                             f"{weight_dtype!r}")
         dev = check_device(device)
         loaded = _load_model(model, tokenizer, dev)
         self.model = loaded.model.eval()
+        if WEIGHT_DTYPES[weight_dtype] is not None:
+            self.model.set_weight_dtype(WEIGHT_DTYPES[weight_dtype])
+        self.weight_dtype = weight_dtype
         self.tokenizer = loaded.tokenizer
         self.extra_eos_token_ids = loaded.extra_eos_token_ids
         self.num_threads = num_threads or default_num_threads(self.model)

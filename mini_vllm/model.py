@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mini_vllm.attention import cpu_kernels
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -156,6 +158,72 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x @ weight.T + bias`` in ``x``'s dtype, for a weight stored in that dtype or in bf16
+    (weight-only bf16: widened to ``x``'s dtype as it is read). A decode step's few rows on the
+    CPU go through the compiled kernel (:func:`mini_vllm.attention.cpu_kernels.linear`), the
+    rest through PyTorch.
+
+    upstream: vllm/model_executor/layers/linear.py:188 @ v0.11.0
+    """
+    if cpu_kernels.linear_supported(x, weight):
+        return cpu_kernels.linear(x, weight, bias)
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) computed by :func:`linear`.
+
+    upstream: vllm/model_executor/layers/linear.py:297 @ v0.11.0
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def fuse_linears(parts: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding ``parts``' rows end to end; each part's parameter becomes a
+    view of its rows, so the fused tensor and the parts stay one and the same memory (loading a
+    state dict into the parts writes the fused tensor). See :func:`fused_weight`.
+
+    upstream: vllm/model_executor/layers/linear.py:576 @ v0.11.0
+    """
+    def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+        fused = torch.cat([t.detach() for t in tensors])
+        for part, rows in zip(tensors, fused.split([t.shape[0] for t in tensors])):
+            part.data = rows
+        return fused
+
+    biases = [p.bias for p in parts]
+    bias = None if any(b is None for b in biases) else stack(biases)  # all or none in Llama
+    return stack([p.weight for p in parts]), bias
+
+
+def fused_weight(fused: tuple[torch.Tensor, torch.Tensor | None] | None,
+                 parts: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``fused`` while every part's weight (and bias) is still its view in it, else ``None``
+    (something replaced a parameter since, e.g. ``model.to(dtype)``: the parts are the truth).
+
+    upstream: none (vLLM loads checkpoints straight into its fused parameters)
+    """
+    if fused is None:
+        return None
+    for tensors in ((fused[0], [p.weight for p in parts]), (fused[1], [p.bias for p in parts])):
+        whole, views = tensors
+        if whole is None:
+            continue
+        offset = whole.data_ptr()
+        for view in views:
+            if view is None or view.dtype != whole.dtype or view.data_ptr() != offset:
+                return None
+            offset += view.numel() * view.element_size()
+    return fused
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``.
 
@@ -164,12 +232,24 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        # gate and up as one [2 * intermediate, hidden] product (upstream's gate_up_proj), once
+        # fuse() ran: one pass over the input, one call, one stream of weights.
+        self._gate_up_fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Make gate_proj and up_proj views of one fused weight (idempotent)."""
+        if fused_weight(self._gate_up_fused, (self.gate_proj, self.up_proj)) is None:
+            self._gate_up_fused = fuse_linears((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = fused_weight(self._gate_up_fused, (self.gate_proj, self.up_proj))
+        if fused is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, *fused).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 # An attention backend answers: "given the new tokens' q, k, v of one layer, this layer's paged
@@ -191,20 +271,33 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_proj_bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=config.o_proj_bias)
+        # q, k and v as one product (upstream's qkv_proj), once fuse() ran.
+        self._qkv_fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # One table serves every layer (the model passes its shared instance).
         self.rotary_emb = rotary_emb or RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, config.rope_theta
         )
 
+    def fuse(self) -> None:
+        """Make q_proj, k_proj and v_proj views of one fused weight (idempotent)."""
+        if fused_weight(self._qkv_fused, (self.q_proj, self.k_proj, self.v_proj)) is None:
+            self._qkv_fused = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
+
     def _qkv(self, positions: torch.Tensor, x: torch.Tensor):
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        fused = fused_weight(self._qkv_fused, (self.q_proj, self.k_proj, self.v_proj))
+        if fused is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = linear(x, *fused).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        q = q.reshape(*shape, self.num_heads, self.head_dim)
+        k = k.reshape(*shape, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*shape, self.num_kv_heads, self.head_dim)
         return self.rotary_emb(positions, q), self.rotary_emb(positions, k), v
 
     def forward(
@@ -296,9 +389,35 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse every layer's q/k/v and gate/up projections into one product each (the
+        parameters keep their names and values; each becomes a view of the fused weight).
+        Idempotent; a parameter replaced later (``model.to(...)``) turns its fusion off.
+
+        upstream: vllm/model_executor/models/llama.py:421 @ v0.11.0
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def set_weight_dtype(self, dtype: torch.dtype) -> None:
+        """Store the linear layers' weights (projections, MLP, LM head) in ``dtype`` and compute
+        with them widened to the activations' dtype (weight-only: embeddings, norms, biases,
+        activations and the KV cache keep theirs). A tied LM head gets its own copy, so the
+        embedding keeps its dtype. Call before :meth:`fuse_projections`.
+
+        upstream: none (vLLM's ``dtype`` casts the whole model, activations included)
+        """
+        linears = [self.lm_head, *(m for layer in self.model.layers for m in layer.modules()
+                                   if isinstance(m, nn.Linear))]
+        for module in linears:
+            if module.weight.dtype != dtype:
+                module.weight = nn.Parameter(module.weight.detach().to(dtype),
+                                             requires_grad=False)
 
     def forward(
         self,

@@ -406,6 +406,9 @@ class ModelRunnerBase:
         cfg = model.config
         param = next(model.parameters())
         self.model = model
+        # One product for q/k/v and one for gate/up per layer: fewer, longer weight streams.
+        if hasattr(model, "fuse_projections"):
+            model.fuse_projections()
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks

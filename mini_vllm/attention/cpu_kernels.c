@@ -1,4 +1,6 @@
-/* The engine's CPU hot path in C: the paged cache write and PagedAttention decode, fp32.
+/* The engine's CPU hot path in C: the paged cache write and PagedAttention decode (fp32), and
+ * the linear layers' products for a decode step's few rows (fp32 or bf16 weights). OpenMP
+ * spreads each over the threads PyTorch is set to (the same runtime: PyTorch loads it first).
  *
  * Same contract as lab 02-04's PyTorch ops (mini_vllm/attention/cache_ops.py and paged_attn.py)
  * and the same layouts: key_cache [num_blocks, num_kv_heads, head_size / 4, block_size, 4] (x = 4
@@ -19,6 +21,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MV_BF16_UNPACK 1
+#else
+#define MV_BF16_UNPACK 0
+#endif
 
 enum { MV_OK = 0, MV_BAD_SEQ_LEN = 1, MV_BAD_BLOCK = 2, MV_BAD_SLOT = 3, MV_NO_MEMORY = 4 };
 enum { X = 4, BS = 16 };        /* the decode's layout: fp32 (x = 4) and block size 16 */
@@ -40,11 +48,14 @@ int mv_reshape_and_cache_f32(const float *key, int64_t key_token_stride, const f
     }
   }
   const int64_t head_elems = head_size * block_size; /* one KV head of one block */
+  /* (token, head) pairs write disjoint slots: spread over the threads when there is enough. */
+#pragma omp parallel for collapse(2) schedule(static) \
+    if (num_tokens * num_kv_heads * head_size >= 32768)
   for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    const int64_t block = slot / block_size, offset = slot % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t block = slot / block_size, offset = slot % block_size;
       const float *k = key + t * key_token_stride + h * head_size;
       const float *v = value + t * value_token_stride + h * head_size;
       float *kc = key_cache + (block * num_kv_heads + h) * head_elems + offset * X;
@@ -210,25 +221,220 @@ int mv_paged_decode_f32(float *out, const float *q, const float *key_cache,
     if (len > longest) longest = len;
   }
   const int64_t stride = (longest + BS - 1) / BS * BS + 1; /* a logits row, and one spare */
-  float *logits = malloc(sizeof(float) * 2 * stride);
-  if (!logits) return MV_NO_MEMORY;
   const int64_t group = num_heads / num_kv_heads;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int32_t *table = block_tables + s * table_cols;
-    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-      int64_t g = 0;
-      for (; g + 2 <= group; g += 2) {
-        const int64_t at = (s * num_heads + kv * group + g) * head_size;
-        decode_heads(2, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
-                     num_kv_heads, head_size, scale, logits, stride);
-      }
-      if (g < group) {
-        const int64_t at = (s * num_heads + kv * group + g) * head_size;
-        decode_heads(1, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
-                     num_kv_heads, head_size, scale, logits, stride);
+  int failed = 0;
+  /* Each (sequence, KV head) is independent: the threads share them out, each with its own
+   * logits rows; a short batch stays on one thread (a thread's start costs more than it). */
+#pragma omp parallel if (num_seqs * num_kv_heads > 1 && num_seqs * longest * group >= 512)
+  {
+    float *logits = malloc(sizeof(float) * 2 * stride);
+    if (!logits) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+        if (!logits) continue; /* every thread still takes part in the loop */
+        const int32_t *table = block_tables + s * table_cols;
+        int64_t g = 0;
+        for (; g + 2 <= group; g += 2) {
+          const int64_t at = (s * num_heads + kv * group + g) * head_size;
+          decode_heads(2, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
+                       num_kv_heads, head_size, scale, logits, stride);
+        }
+        if (g < group) {
+          const int64_t at = (s * num_heads + kv * group + g) * head_size;
+          decode_heads(1, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
+                       num_kv_heads, head_size, scale, logits, stride);
+        }
       }
     }
+    free(logits);
   }
-  free(logits);
-  return MV_OK;
+  return failed ? MV_NO_MEMORY : MV_OK;
+}
+
+/* ---------------------------------------------------------------- the linear layers' matmul
+ * out[m, n] = x[m, :] . w[n, :] (+ bias[n]): nn.Linear's y = x W^T + b, x fp32 [M, K] with rows
+ * x_stride apart, w [N, K] contiguous, fp32 or bf16 (widened to fp32 as it is read: a bf16
+ * number is the top half of an fp32 one), out fp32 [M, N] contiguous. Decode reads every weight
+ * once per step for a handful of rows, so the loop is built to stream w at the memory's speed:
+ * blocks of 4 weight rows x 4 tokens (16 accumulators in registers, each weight vector loaded
+ * once for 4 tokens), the weight rows split over the OpenMP threads. Every output is the same
+ * sum in the same order whatever M and the thread count are, so a token's result does not
+ * depend on what else is in the batch. */
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2), may_alias));
+
+static inline __attribute__((always_inline)) v8 load_w(const void *w, int64_t i, const int bf) {
+  if (bf) {
+    const v8i wide = __builtin_convertvector(*(const v8h *)((const uint16_t *)w + i), v8i);
+    return (v8)(wide << 16);
+  }
+  return *(const v8u *)((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) float scalar_w(const void *w, int64_t i,
+                                                             const int bf) {
+  if (bf) {
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  return ((const float *)w)[i];
+}
+
+static inline float hsum(v8 a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* a * b + c: one fused instruction where the CPU has one (an explicit FMA rounds once,
+ * wherever it stands; the file is compiled with -ffp-contract=off so nothing else is fused). */
+static inline v8 madd(v8 a, v8 b, v8 c) {
+#if MV_BF16_UNPACK
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+/* R weight rows (from n) x T tokens (from m); R and T are constants once inlined. */
+static inline __attribute__((always_inline)) void linear_block(
+    const int R, const int T, const int bf, float *restrict out, const float *restrict x,
+    int64_t x_stride, const void *restrict w, const float *restrict bias, int64_t N, int64_t K,
+    int64_t n, int64_t m) {
+  const int64_t k8 = K / 8 * 8;
+  v8 acc[4][4] = {{{0}}};
+  for (int64_t k = 0; k < k8; k += 8) {
+    v8 wv[4], xv[4];
+    for (int r = 0; r < R; ++r) wv[r] = load_w(w, (n + r) * K + k, bf);
+    for (int t = 0; t < T; ++t) xv[t] = *(const v8u *)(x + (m + t) * x_stride + k);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = madd(wv[r], xv[t], acc[r][t]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float sum = hsum(acc[r][t]);
+      for (int64_t k = k8; k < K; ++k)
+        sum += scalar_w(w, (n + r) * K + k, bf) * x[(m + t) * x_stride + k];
+      out[(m + t) * N + n + r] = bias ? sum + bias[n + r] : sum;
+    }
+}
+
+#if MV_BF16_UNPACK
+/* bf16 weights on AVX2, 16 at a time: interleaving zeros below each bf16 number (unpack) makes
+ * fp32 numbers in two instructions, no shifts, but in the order 0-3 8-11 | 4-7 12-15. `xp` holds
+ * every token's x in that same order (see permute_x), so the products pair up as they should.
+ * The last K % 16 columns are summed one by one from x as it is. */
+static inline __attribute__((always_inline)) void linear_block_bf16x16(
+    const int R, const int T, float *restrict out, const float *restrict x, int64_t x_stride,
+    const float *restrict xp, const uint16_t *restrict w, const float *restrict bias, int64_t N,
+    int64_t K, int64_t n, int64_t m) {
+  const int64_t k16 = K / 16 * 16;
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 acc[4][4];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k16; k += 16) {
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n + r) * K + k));
+      lo[r] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv));
+      hi[r] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv));
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m256 xlo = _mm256_loadu_ps(xp + (m + t) * K + k);
+      const __m256 xhi = _mm256_loadu_ps(xp + (m + t) * K + k + 8);
+      for (int r = 0; r < R; ++r)
+        acc[r][t] = _mm256_fmadd_ps(hi[r], xhi, _mm256_fmadd_ps(lo[r], xlo, acc[r][t]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float sum = hsum((v8)acc[r][t]);
+      for (int64_t k = k16; k < K; ++k)
+        sum += scalar_w(w, (n + r) * K + k, 1) * x[(m + t) * x_stride + k];
+      out[(m + t) * N + n + r] = bias ? sum + bias[n + r] : sum;
+    }
+}
+
+/* xp[m, 16j + 0..7] = x[m, 16j + (0-3, 8-11)], xp[m, 16j + 8..15] = x[m, 16j + (4-7, 12-15)]. */
+static void permute_x(float *xp, const float *x, int64_t x_stride, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j + 16 <= K; j += 16) {
+      const float *src = x + m * x_stride + j;
+      float *dst = xp + m * K + j;
+      memcpy(dst, src, 4 * sizeof(float));
+      memcpy(dst + 4, src + 8, 4 * sizeof(float));
+      memcpy(dst + 8, src + 4, 4 * sizeof(float));
+      memcpy(dst + 12, src + 12, 4 * sizeof(float));
+    }
+}
+
+static inline __attribute__((always_inline)) void linear_rows_bf16x16(
+    float *out, const float *x, int64_t x_stride, const float *xp, int64_t M, const uint16_t *w,
+    const float *bias, int64_t N, int64_t K, int64_t b) {
+  const int64_t n = 4 * b;
+  const int full_rows = n + 4 <= N;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    if (full_rows) linear_block_bf16x16(4, 4, out, x, x_stride, xp, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r)
+        linear_block_bf16x16(1, 4, out, x, x_stride, xp, w, bias, N, K, r, m);
+  }
+  for (; m < M; ++m) {
+    if (full_rows) linear_block_bf16x16(4, 1, out, x, x_stride, xp, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r)
+        linear_block_bf16x16(1, 1, out, x, x_stride, xp, w, bias, N, K, r, m);
+  }
+}
+#endif
+
+/* Weight rows 4b .. 4b + 3 (fewer at the end) for every token. */
+static inline __attribute__((always_inline)) void linear_rows(
+    const int bf, float *out, const float *x, int64_t x_stride, int64_t M, const void *w,
+    const float *bias, int64_t N, int64_t K, int64_t b) {
+  const int64_t n = 4 * b;
+  const int full_rows = n + 4 <= N;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    if (full_rows) linear_block(4, 4, bf, out, x, x_stride, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r) linear_block(1, 4, bf, out, x, x_stride, w, bias, N, K, r, m);
+  }
+  for (; m < M; ++m) {
+    if (full_rows) linear_block(4, 1, bf, out, x, x_stride, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r) linear_block(1, 1, bf, out, x, x_stride, w, bias, N, K, r, m);
+  }
+}
+
+/* The parallel loop is written out in each entry point (not in a shared inline function) so
+ * that OpenMP outlines it with `bf` a constant: one branch-free inner loop per weight type.
+ * Below about 64k multiply-adds a thread's start costs more than it saves. */
+void mv_linear_f32(float *out, const float *x, int64_t x_stride, int64_t M, const float *w,
+                   const float *bias, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
+  for (int64_t b = 0; b < (N + 3) / 4; ++b) linear_rows(0, out, x, x_stride, M, w, bias, N, K, b);
+}
+
+void mv_linear_bf16(float *out, const float *x, int64_t x_stride, int64_t M, const uint16_t *w,
+                    const float *bias, int64_t N, int64_t K) {
+#if MV_BF16_UNPACK
+  float *xp = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
+  if (xp) {
+    permute_x(xp, x, x_stride, M, K);
+#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
+    for (int64_t b = 0; b < (N + 3) / 4; ++b)
+      linear_rows_bf16x16(out, x, x_stride, xp, M, w, bias, N, K, b);
+    free(xp);
+    return;
+  }
+#endif
+#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
+  for (int64_t b = 0; b < (N + 3) / 4; ++b) linear_rows(1, out, x, x_stride, M, w, bias, N, K, b);
 }

