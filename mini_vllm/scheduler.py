@@ -471,7 +471,8 @@ class Scheduler:
                 num_computed_tokens + num_new_tokens, self.max_model_len,
             )
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_computed_tokens, new_computed_blocks, lookahead
+                request, num_new_tokens, num_computed_tokens, new_computed_blocks,
+                num_lookahead_tokens=lookahead,
             )
             if new_blocks is None:
                 break  # FCFS: nobody behind it may overtake it

@@ -757,9 +757,11 @@ def case_swap_with_lookahead(exam: Exam) -> None:
     manager = llm.engine.scheduler.kv_cache_manager
     allocate = manager.allocate_slots
 
-    def allocate_with_lookahead(request, num_new_tokens, *args, **kwargs):
-        kwargs.setdefault("num_lookahead_tokens", LOOKAHEAD)
-        return allocate(request, num_new_tokens, *args, **kwargs)
+    def allocate_with_lookahead(request, num_new_tokens, *args, num_lookahead_tokens=0,
+                                **kwargs):
+        # At least LOOKAHEAD, more if the scheduler reserves more (an Orca-style reservation).
+        return allocate(request, num_new_tokens, *args,
+                        num_lookahead_tokens=max(num_lookahead_tokens, LOOKAHEAD), **kwargs)
 
     manager.allocate_slots = allocate_with_lookahead
     run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8,
