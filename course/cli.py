@@ -251,9 +251,9 @@ def cmd_check(args) -> int:
     if exam_bugs:
         rejected = sum(b.status == "rejected" for b in exam_bugs)
         print(f"\nEngine exam: the reference and stand-in students pass; {rejected} of "
-              f"{len(exam_bugs)} planted bugs of the engine labs are rejected by the exam as "
-              "well (the rest cannot change what an engine computes, or only a lab test sees "
-              "them):")
+              f"{len(exam_bugs)} planted bugs of the engine labs run are rejected by the exam "
+              "as well (the rest cannot change what an engine computes, or only a lab test "
+              "sees them; those planted_bugs/exam_not_rejected.txt lists are not run again):")
         for b in exam_bugs:
             blamed = f"  bisection: lab {', '.join(b.blamed)}" if b.blamed else ""
             print(f"  {b.lab_id}  {b.bug.name:<38} {b.status:<13}{blamed}")
@@ -280,10 +280,13 @@ def _check_engine_exam(args, labs: list[Lab]):
     """The engine exam part of `course check` (see course/integrity/exam_check.py)."""
     from course.integrity.exam_check import (
         CPU_LABS_EXCLUDED,
+        EXAM_NOT_REJECTED,
+        EXAM_REJECTED,
         compare_with_expected,
         exam_units,
-        load_expected_rejections,
+        load_bug_list,
         run_exam_checks,
+        write_exam_lists,
     )
 
     exam_labs = [lab.id for lab in labs if lab.engine_parts and lab.id not in CPU_LABS_EXCLUDED]
@@ -291,10 +294,16 @@ def _check_engine_exam(args, labs: list[Lab]):
         return [], []
     only = None if not args.labs else exam_labs
     bugs_of = [] if args.no_bugs else only
-    progress = Progress(exam_units(bugs_of) if not args.no_bugs else 2, "engine exam")
-    problems, results = run_exam_checks(workers(args.jobs), bugs_of, progress)
+    every = args.write_exam_lists
+    progress = Progress(exam_units(bugs_of, every) if not args.no_bugs else 2, "engine exam")
+    problems, results = run_exam_checks(workers(args.jobs), bugs_of, progress, every)
     progress.close()
-    lost, notes = compare_with_expected(results, load_expected_rejections())
+    lost, notes = compare_with_expected(results, load_bug_list(EXAM_REJECTED),
+                                        load_bug_list(EXAM_NOT_REJECTED))
+    if every and not lost:
+        for path in write_exam_lists(results):
+            print(f"  wrote {path.relative_to(REPO_ROOT)}")
+        notes = []
     for note in notes:
         print(f"  note: {note}")
     return problems + lost, results
@@ -512,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-exam", action="store_true",
                    help="skip the engine exam (the reference, stand-ins, planted bugs)")
+    p.add_argument("--write-exam-lists", action="store_true",
+                   help="run every planted bug of the engine labs through the exam (also those "
+                        "planted_bugs/exam_not_rejected.txt lists) and write both exam lists")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(

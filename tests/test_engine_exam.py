@@ -351,31 +351,60 @@ def test_workers_of_another_tree_run_side_by_side_in_threads(tmp_path):
 
 
 def test_the_bugs_the_exam_rejects_are_pinned_and_one_it_stops_rejecting_fails_the_check(
-        tmp_path):
-    """`course check` compares the exam's rejections with planted_bugs/exam_rejected.txt: a
-    listed bug the exam lets through is a violation (an engine change bypassing a student's
-    piece did that once), a newly rejected one a note."""
+        tmp_path, monkeypatch):
+    """`course check` compares the exam's verdicts with the two lists in planted_bugs/: a bug
+    exam_rejected.txt lists that the exam lets through is a violation (an engine change bypassing
+    a student's piece did that once); a bug in neither list, or rejected by another case than
+    the one recorded, is a note; bugs exam_not_rejected.txt lists are not run again."""
+    from course.integrity import exam_check
     from course.integrity.bugs import PlantedBug
     from course.integrity.exam_check import (
+        EXAM_NOT_REJECTED,
+        EXAM_REJECTED,
         ExamBugResult,
+        bugs_to_run,
         compare_with_expected,
         engine_bugs,
-        load_expected_rejections,
+        load_bug_list,
+        write_exam_lists,
     )
 
-    listed = load_expected_rejections()
-    assert listed and listed <= {(lab, bug.name) for lab, bug in engine_bugs()}
+    rejected, let_through = load_bug_list(EXAM_REJECTED), load_bug_list(EXAM_NOT_REJECTED)
+    every = {(lab, bug.name) for lab, bug in engine_bugs()}
+    assert rejected and set(rejected) <= every and set(let_through) <= every
+    assert not set(rejected) & set(let_through)
+    assert all(rejected.values()), "every rejected bug records the case that rejected it"
+    run = {(lab, bug.name) for lab, bug in bugs_to_run()}
+    assert run == every - set(let_through)
+    assert {(lab, bug.name) for lab, bug in bugs_to_run(every_bug=True)} == every
 
-    def result(lab: str, name: str, status: str) -> ExamBugResult:
-        return ExamBugResult(lab, PlantedBug(name, "", "x.py", "a", "b"), status)
+    def result(lab: str, name: str, status: str, case: str = "") -> ExamBugResult:
+        return ExamBugResult(lab, PlantedBug(name, "", "x.py", "a", "b"), status, case=case)
 
-    results = [result("02-04", "kept", "rejected"), result("02-04", "lost", "not rejected"),
-               result("03-01", "new", "rejected")]
-    problems, notes = compare_with_expected(
-        results, {("02-04", "kept"), ("02-04", "lost"), ("03-02", "not-run")})
+    results = [result("02-04", "kept", "rejected", "block-size-1"),
+               result("02-04", "lost", "not rejected"),
+               result("03-01", "new", "rejected", "sweep-001"),
+               result("03-01", "moved", "rejected", "sweep-002"),
+               result("03-02", "new-pass", "not rejected")]
+    listed = {("02-04", "kept"): "block-size-1", ("02-04", "lost"): "beam-search",
+              ("03-01", "moved"): "sweep-001", ("03-02", "not-run"): "sweep-003"}
+    problems, notes = compare_with_expected(results, listed, {})
     assert len(problems) == 1 and "'lost' of lab 02-04 is no longer rejected" in problems[0]
-    assert len(notes) == 1 and "add `03-01 new`" in notes[0]
+    assert sorted(n.split("'")[1] for n in notes if "'" in n) == ["new", "new-pass"]
+    assert any("1 planted bug(s) were rejected by another case" in n for n in notes)
+    assert all("--write-exam-lists" in n for n in notes)
+
+    # Writing keeps the header and the bugs that did not run, and moves a bug across.
+    monkeypatch.setattr(exam_check, "EXAM_REJECTED", tmp_path / EXAM_REJECTED.name)
+    monkeypatch.setattr(exam_check, "EXAM_NOT_REJECTED", tmp_path / EXAM_NOT_REJECTED.name)
+    (tmp_path / EXAM_REJECTED.name).write_text("# head\n02-04 kept block-size-1\n03-02 other c\n")
+    (tmp_path / EXAM_NOT_REJECTED.name).write_text("# head 2\n03-01 new\n")
+    write_exam_lists([result("03-01", "new", "rejected", "sweep-001")])
+    assert (tmp_path / EXAM_REJECTED.name).read_text().startswith("# head\n")
+    assert load_bug_list(tmp_path / EXAM_REJECTED.name) == {
+        ("02-04", "kept"): "block-size-1", ("03-02", "other"): "c", ("03-01", "new"): "sweep-001"}
+    assert load_bug_list(tmp_path / EXAM_NOT_REJECTED.name) == {}
     malformed = tmp_path / "list.txt"
     malformed.write_text("# a comment\n02-04\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"list.txt:2"):
-        load_expected_rejections(malformed)
+        load_bug_list(malformed)

@@ -13,8 +13,9 @@ before it. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode
 "exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam ``cases`` (names),
 ``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun failing cases with
 one lab at a time the student's: "all" of them, or True; the "first" only; "none", or False),
-and optionally ``reference`` (a JSON file of the reference
-engine's records and the oracle's completions to reuse; written there when missing).
+and optionally ``first`` (a case to run before the others) and ``reference`` (a JSON file of
+the reference engine's records and the oracle's completions to reuse; written there when
+missing).
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def _select_cases(job: dict):
         if unknown:
             raise ValueError(f"no exam case named {', '.join(unknown)}")
         all_cases = [c for c in all_cases if c.name in wanted]
-    return all_cases
+    # ``first``: the case that rejected this engine last time, run before the others so that a
+    # fail-fast run stops at once (course check records it in planted_bugs/exam_rejected.txt).
+    first = job.get("first")
+    return sorted(all_cases, key=lambda c: c.name != first)
 
 
 def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:

@@ -11,6 +11,12 @@ Three things are checked, each in its own worker process (:mod:`course.engine.wo
    lab-level mistakes, a missing input check say, cannot change what an engine does: those are
    reported, not violations) and which lab the bisection blamed; blaming another lab than the
    bug's is a violation.
+
+Two lists under ``planted_bugs/`` pin the verdicts. ``exam_rejected.txt``: the bugs the exam
+rejects, each with the case that rejected it (run first, so the run stops at once); one the exam
+lets through fails the check. ``exam_not_rejected.txt``: the bugs it lets through; they are not
+run again (a lost note is all a run could give), unless ``every_bug``. ``course check
+--write-exam-lists`` runs every bug and writes both.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from course.labs.catalog import REPO_ROOT
 CASE_TIMEOUT_S = 60.0
 CPU_LABS_EXCLUDED = ("02-06",)  # its pieces serve decode only on a GPU
 EXAM_REJECTED = REPO_ROOT / "planted_bugs" / "exam_rejected.txt"
+EXAM_NOT_REJECTED = REPO_ROOT / "planted_bugs" / "exam_not_rejected.txt"
 
 
 @dataclass
@@ -39,12 +46,15 @@ class ExamBugResult:
     status: str  # "rejected", "not rejected", "not an engine piece", "error"
     detail: str = ""
     blamed: tuple[str, ...] = ()
+    case: str = ""  # the case that rejected it
 
 
-def _job(labs: list[str], reference: Path, *, fail_fast: bool, bisect: bool) -> dict:
+def _job(labs: list[str], reference: Path, *, fail_fast: bool, bisect: bool,
+         first: str = "") -> dict:
     return {"mode": "exam", "labs": labs, "cases": [c.name for c in cases(GRADED_SWEEP)],
             "sweep": GRADED_SWEEP, "timeout": CASE_TIMEOUT_S, "gpu": False,
-            "fail_fast": fail_fast, "bisect": bisect, "reference": str(reference)}
+            "fail_fast": fail_fast, "bisect": bisect, "reference": str(reference),
+            "first": first}
 
 
 def _budget(job: dict) -> float:
@@ -73,7 +83,9 @@ def check_stand_ins(reference: Path) -> list[str]:
             for c in report["cases"] if c["outcome"] != "passed"]
 
 
-def check_exam_bug(lab_id: str, bug: PlantedBug, reference: Path) -> ExamBugResult:
+def check_exam_bug(lab_id: str, bug: PlantedBug, reference: Path,
+                   first: str = "") -> ExamBugResult:
+    """Run the exam with ``bug`` planted in lab ``lab_id``'s stand-in, case ``first`` first."""
     labs = [lab.id for lab in engine_labs() if lab.id not in CPU_LABS_EXCLUDED]
     with tempfile.TemporaryDirectory(prefix="course-exam-bug-") as tmp:
         try:
@@ -82,7 +94,9 @@ def check_exam_bug(lab_id: str, bug: PlantedBug, reference: Path) -> ExamBugResu
             return ExamBugResult(lab_id, bug, "not an engine piece", str(exc))
         except ValueError as exc:
             return ExamBugResult(lab_id, bug, "error", str(exc))
-        job = _job(labs, reference, fail_fast=True, bisect=True)
+        # The bisection of the first failure only: the check asks whom it blames, not for a
+        # diagnosis of every case.
+        job = _job(labs, reference, fail_fast=True, bisect="first", first=first)
         report = run_exam_job(job, _budget(job), root)
     failing = [c for c in report["cases"] if c["outcome"] not in ("passed", "not run")]
     if not failing:
@@ -91,7 +105,8 @@ def check_exam_bug(lab_id: str, bug: PlantedBug, reference: Path) -> ExamBugResu
         return ExamBugResult(lab_id, bug, "not rejected", "every case passes")
     blamed = tuple((report.get("bisection") or {}).get("blamed", ()))
     return ExamBugResult(lab_id, bug, "rejected",
-                         f"by {failing[0]['case']}: {failing[0]['message']}", blamed)
+                         f"by {failing[0]['case']}: {failing[0]['message']}", blamed,
+                         failing[0]["case"])
 
 
 def engine_bugs(lab_ids: list[str] | None = None) -> list[tuple[str, PlantedBug]]:
@@ -100,12 +115,25 @@ def engine_bugs(lab_ids: list[str] | None = None) -> list[tuple[str, PlantedBug]
             and (lab_ids is None or lab.id in lab_ids) for bug in load_bugs(lab)]
 
 
-def run_exam_checks(jobs: int, lab_ids: list[str] | None = None,
-                    progress=None) -> tuple[list[str], list[ExamBugResult]]:
-    """The three checks above (bugs of ``lab_ids`` only, when given); returns (violations, the
-    planted bugs' results)."""
+def bugs_to_run(lab_ids: list[str] | None = None,
+                every_bug: bool = False) -> list[tuple[str, PlantedBug]]:
+    """The engine bugs this check runs: all of them with ``every_bug``, else all but those
+    ``exam_not_rejected.txt`` lists."""
+    if every_bug:
+        return engine_bugs(lab_ids)
+    let_through = load_bug_list(EXAM_NOT_REJECTED)
+    return [(lab_id, bug) for lab_id, bug in engine_bugs(lab_ids)
+            if (lab_id, bug.name) not in let_through]
+
+
+def run_exam_checks(jobs: int, lab_ids: list[str] | None = None, progress=None,
+                    every_bug: bool = False) -> tuple[list[str], list[ExamBugResult]]:
+    """The three checks above (bugs of ``lab_ids`` only, when given; see :func:`bugs_to_run`);
+    returns (violations, the planted bugs' results)."""
     problems: list[str] = []
     results: list[ExamBugResult] = []
+    bugs = bugs_to_run(lab_ids, every_bug)
+    first_case = {} if every_bug else load_bug_list(EXAM_REJECTED)
     with tempfile.TemporaryDirectory(prefix="course-exam-ref-") as tmp:
         reference = Path(tmp) / "reference.json"
         problems += check_reference(reference)
@@ -114,11 +142,11 @@ def run_exam_checks(jobs: int, lab_ids: list[str] | None = None,
                               + ("ok" if not problems else "FAILS"))
         if not reference.is_file():
             return problems, results
-        bugs = engine_bugs(lab_ids)
         with ThreadPoolExecutor(max(1, jobs)) as pool:
             futures = {pool.submit(check_stand_ins, reference): None}
             for lab_id, bug in bugs:
-                futures[pool.submit(check_exam_bug, lab_id, bug, reference)] = (lab_id, bug)
+                first = first_case.get((lab_id, bug.name), "")
+                futures[pool.submit(check_exam_bug, lab_id, bug, reference, first)] = bug
             for fut in as_completed(futures):
                 if futures[fut] is None:
                     found = fut.result()
@@ -139,47 +167,78 @@ def run_exam_checks(jobs: int, lab_ids: list[str] | None = None,
                 if progress:
                     progress.finished(f"engine exam: lab {r.lab_id} planted bug {r.bug.name}: "
                                       f"{r.status}")
-    order = {(lab_id, bug.name): i for i, (lab_id, bug) in enumerate(engine_bugs(lab_ids))}
+    order = {(lab_id, bug.name): i for i, (lab_id, bug) in enumerate(bugs)}
     results.sort(key=lambda r: order[(r.lab_id, r.bug.name)])
     return problems, results
 
 
-def load_expected_rejections(path: Path = EXAM_REJECTED) -> set[tuple[str, str]]:
-    """``(lab id, bug name)`` of every line ``PP-LL bug-name`` of ``path`` (``#`` comments)."""
+def load_bug_list(path: Path) -> dict[tuple[str, str], str]:
+    """``{(lab id, bug name): case}`` from the lines ``PP-LL bug-name [case]`` of ``path``
+    (``#`` starts a comment; the case is "" when not given)."""
     if not path.is_file():
-        return set()
-    expected = set()
+        return {}
+    listed = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) != 2:
-            raise ValueError(f"{path.name}:{number}: expected `PP-LL bug-name`, got {line!r}")
-        expected.add((words[0], words[1]))
-    return expected
+        if len(words) not in (2, 3):
+            raise ValueError(f"{path.name}:{number}: expected `PP-LL bug-name [case]`, "
+                             f"got {line!r}")
+        listed[(words[0], words[1])] = words[2] if len(words) == 3 else ""
+    return listed
 
 
-def compare_with_expected(results: list[ExamBugResult], expected: set[tuple[str, str]],
-                          listed_in: str = "planted_bugs/exam_rejected.txt"
+def compare_with_expected(results: list[ExamBugResult], rejected: dict[tuple[str, str], str],
+                          not_rejected: dict[tuple[str, str], str] | None = None
                           ) -> tuple[list[str], list[str]]:
-    """(violations, notes): listed bugs that ran and were not rejected; rejected bugs not listed.
-    Bugs that did not run (a check of some labs only) are not compared."""
+    """(violations, notes). A violation: a bug ``rejected`` lists that ran and was not
+    rejected. Notes: a bug neither list has (or now on the other side), a bug rejected by
+    another case than the one recorded. Bugs that did not run are not compared."""
+    not_rejected = not_rejected or {}
     ran = {(r.lab_id, r.bug.name): r for r in results}
     problems = [
         f"engine exam: planted bug {name!r} of lab {lab} is no longer rejected by the exam "
-        f"({ran[(lab, name)].status}; it is listed in {listed_in}): an engine change lets that "
-        "mistake through; find it, or take the bug off the list and say why"
-        for lab, name in sorted(expected) if (lab, name) in ran
+        f"({ran[(lab, name)].status}; it is listed in planted_bugs/{EXAM_REJECTED.name}): an "
+        "engine change lets that mistake through; find it, or take the bug off the list and say why"
+        for lab, name in sorted(rejected) if (lab, name) in ran
         and ran[(lab, name)].status != "rejected"
     ]
+    write = "record them: python -m course check --write-exam-lists"
     notes = [
-        f"engine exam: planted bug {r.bug.name!r} of lab {r.lab_id} is now rejected by the "
-        f"exam: add `{r.lab_id} {r.bug.name}` to {listed_in}"
-        for r in results if r.status == "rejected" and (r.lab_id, r.bug.name) not in expected
+        f"engine exam: planted bug {r.bug.name!r} of lab {r.lab_id} is "
+        + (f"now rejected by the exam (by {r.case}); {write}" if r.status == "rejected" else
+           f"not rejected by the exam and in neither list; {write}")
+        for r in results if (r.status == "rejected" and (r.lab_id, r.bug.name) not in rejected)
+        or (r.status == "not rejected" and (r.lab_id, r.bug.name) not in not_rejected)
     ]
+    moved = [r for r in results if r.status == "rejected"
+             and rejected.get((r.lab_id, r.bug.name)) not in ("", None, r.case)]
+    if moved:
+        notes.append(f"engine exam: {len(moved)} planted bug(s) were rejected by another case "
+                     f"than {EXAM_REJECTED.name} records (same verdict, a slower run); {write}")
     return problems, notes
 
 
-def exam_units(lab_ids: list[str] | None = None) -> int:
+def write_exam_lists(results: list[ExamBugResult]) -> list[Path]:
+    """Update both lists with the verdicts of ``results`` (other bugs keep their lines), in the
+    order of :func:`engine_bugs`; the comment lines at the top of each file are kept."""
+    verdicts = {(r.lab_id, r.bug.name): r for r in results
+                if r.status in ("rejected", "not rejected")}
+    order = {(lab_id, bug.name): i for i, (lab_id, bug) in enumerate(engine_bugs())}
+    written = []
+    for path, status in ((EXAM_REJECTED, "rejected"), (EXAM_NOT_REJECTED, "not rejected")):
+        keep = {key: case for key, case in load_bug_list(path).items() if key not in verdicts}
+        keep.update({key: r.case for key, r in verdicts.items() if r.status == status})
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        header = [line for line in text.splitlines() if line.startswith("#")]
+        lines = [" ".join(w for w in (*key, case) if w)
+                 for key, case in sorted(keep.items(), key=lambda kv: order.get(kv[0], 1 << 30))]
+        path.write_text("\n".join(header + lines) + "\n", encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def exam_units(lab_ids: list[str] | None = None, every_bug: bool = False) -> int:
     """Progress lines run_exam_checks prints: the reference, the stand-ins, each bug."""
-    return 2 + len(engine_bugs(lab_ids))
+    return 2 + len(bugs_to_run(lab_ids, every_bug))
