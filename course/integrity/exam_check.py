@@ -210,7 +210,8 @@ def compare_with_expected(results: list[ExamBugResult], rejected: dict[tuple[str
         + (f"now rejected by the exam (by {r.case}); {write}" if r.status == "rejected" else
            f"not rejected by the exam and in neither list; {write}")
         for r in results if (r.status == "rejected" and (r.lab_id, r.bug.name) not in rejected)
-        or (r.status == "not rejected" and (r.lab_id, r.bug.name) not in not_rejected)
+        or (r.status == "not rejected"
+            and (r.lab_id, r.bug.name) not in not_rejected.keys() | rejected.keys())
     ]
     moved = [r for r in results if r.status == "rejected"
              and rejected.get((r.lab_id, r.bug.name)) not in ("", None, r.case)]
