@@ -13,9 +13,9 @@ before it. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode
 "exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam ``cases`` (names),
 ``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun failing cases with
 one lab at a time the student's: "all" of them, or True; the "first" only; "none", or False),
-and optionally ``first`` (a case to run before the others) and ``reference`` (a JSON file of
-the reference engine's records and the oracle's completions to reuse; written there when
-missing).
+and optionally ``first`` (a case to run before the others), ``bisect_labs`` (bisect over these
+of the student's labs only) and ``reference`` (a JSON file of the reference engine's records and
+the oracle's completions to reuse; written there when missing).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def run_exam(job: dict, out) -> None:
     if not (failed and mode != "none" and labs):
         return
     _emit(out, {"type": "bisect-start", "case": failed[0], "cases": failed})
-    for lab_id in labs:  # one engine per lab, running every failing case
+    for lab_id in job.get("bisect_labs") or labs:  # one engine per lab, every failing case
         sub, why = exam_in_child([lab_id], set(failed), False)
         ran = {r["case"]: r for r in sub if r.get("type") == "case"}
         errors = [r["message"] for r in sub if r.get("type") == "error"]

@@ -7,10 +7,10 @@ Three things are checked, each in its own worker process (:mod:`course.engine.wo
 2. stand-in students (:mod:`course.integrity.shadow`) whose every engine piece is a private copy
    of the reference pass it too: the composition works with objects that are not the reference's;
 3. every planted bug of an engine lab, planted in that lab's private copy only, is run through
-   the exam with one lab at a time on failure. The report says which bugs the exam rejects (many
-   lab-level mistakes, a missing input check say, cannot change what an engine does: those are
-   reported, not violations) and which lab the bisection blamed; blaming another lab than the
-   bug's is a violation.
+   the exam, and its first failing case again with that lab alone the student's. The report says
+   which bugs the exam rejects (many lab-level mistakes, a missing input check say, cannot change
+   what an engine does: those are reported, not violations) and whether the bisection blamed
+   the bug's lab; a failure that lab alone does not reproduce is a violation.
 
 Two lists under ``planted_bugs/`` pin the verdicts. ``exam_rejected.txt``: the bugs the exam
 rejects, each with the case that rejected it (run first, so the run stops at once); one the exam
@@ -94,9 +94,11 @@ def check_exam_bug(lab_id: str, bug: PlantedBug, reference: Path,
             return ExamBugResult(lab_id, bug, "not an engine piece", str(exc))
         except ValueError as exc:
             return ExamBugResult(lab_id, bug, "error", str(exc))
-        # The bisection of the first failure only: the check asks whom it blames, not for a
-        # diagnosis of every case.
-        job = _job(labs, reference, fail_fast=True, bisect="first", first=first)
+        # The bisection of the first failure, over the bug's lab only: with another lab alone
+        # the student's, the engine holds no copy of the bug (it lives in this lab's private
+        # package), so those runs are the stand-ins' (checked above), the same for every bug.
+        job = {**_job(labs, reference, fail_fast=True, bisect="first", first=first),
+               "bisect_labs": [lab_id]}
         report = run_exam_job(job, _budget(job), root)
     failing = [c for c in report["cases"] if c["outcome"] not in ("passed", "not run")]
     if not failing:
