@@ -92,6 +92,6 @@ def ttft_cdf(path: Path = TTFT_RESULTS) -> Figure:
         f"{config['num_gpu_blocks'] - 1} KV blocks of {config['block_size']} tokens", fontsize=9)
     # Below the axes: the curves fill the plot from left to right.
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    ax.grid(alpha=0.3, which="both")
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
