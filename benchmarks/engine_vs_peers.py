@@ -31,7 +31,6 @@ agreement, and free-running token agreement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -283,15 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     if loads:
         print(f"load average during the runs: {min(loads)} - {max(loads)} (1 minute)")
     if args.json:
-        cmd = "python benchmarks/engine_vs_peers.py " + " ".join(
-            argv if argv is not None else sys.argv[1:])
-        result = {"command": cmd.strip(), "environment": environment(2),
-                  "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                  "skipped": skipped, "greedy_agreement_with_mini_vllm_fp32": agreement,
-                  "bf16_weights_accuracy": accuracy, "table": table, "runs": runs}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        from benchmarks.record import write_result
+
+        write_result(args.json, "engine_vs_peers.py", environment(2), {
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "skipped": skipped, "greedy_agreement_with_mini_vllm_fp32": agreement,
+            "bf16_weights_accuracy": accuracy, "table": table, "runs": runs}, argv)
     return 0
 
 

@@ -24,7 +24,6 @@ fits on paper, ``(blocks - 1) // ceil(len / 16)`` (block 0 is reserved).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -36,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_vs_plain import environment  # noqa: E402
+from benchmarks.record import write_result  # noqa: E402
 from mini_vllm.llm import LLM, kv_block_bytes  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
@@ -232,15 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['block_bytes']:>11} {r['blocks']:>7} {r['batch_that_fits']:>5} "
                   f"{r['measured_peak_running']:>12} {r['preemptions']:>7}")
     if args.json:
-        cmd = "python benchmarks/kv_fp8.py " + " ".join(argv if argv is not None else
-                                                         sys.argv[1:])
-        result = {"command": cmd.strip(), "environment": environment(args.threads),
-                  "settings": {k: (str(v) if isinstance(v, Path) else v)
-                               for k, v in vars(args).items()},
-                  **results}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        write_result(args.json, "kv_fp8.py", environment(args.threads),
+                     {"settings": settings, **results}, argv)
     return 0
 
 

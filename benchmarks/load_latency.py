@@ -19,21 +19,22 @@ A curve stops one rate after it passes ``--stop-at`` (queues only grow from ther
 the outer loop and settings the inner one, so that the settings compared at one rate see about
 the same load of a shared machine (the one-minute load average is recorded with every point). The
 sustained rate of a setting is where its curve crosses ``--threshold`` (linear between the two
-measured rates around the crossing).
+measured rates around the crossing). At ``--ttft-rate`` each point also keeps every request's
+time to first token, for the TTFT distribution (``course/figures/load.py``).
 
 Greedy outputs are compared with ``LLM.generate``'s for a few requests first (correctness before
 speed). The machine is shared: the load average before and after is recorded.
 
     python benchmarks/load_latency.py --json benchmarks/results/load_latency.json
+    python benchmarks/load_latency.py --rates 8 --ttft-rate 8 --json \
+        benchmarks/results/load_ttft.json                     # the TTFT distribution's run
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.continuous_batching import environment  # noqa: E402
+from benchmarks.record import write_result  # noqa: E402
 from mini_vllm.async_llm import AsyncLLM  # noqa: E402
 from mini_vllm.benchmarks.datasets import sharegpt_like_requests  # noqa: E402
 from mini_vllm.benchmarks.serve import (  # noqa: E402
@@ -90,9 +92,13 @@ def main() -> int:
                         help="normalised latency (s/token) at which rates are compared")
     parser.add_argument("--stop-at", type=float, default=0.16,
                         help="stop a curve after the first rate above this (s/token)")
+    parser.add_argument("--ttft-rate", type=float, default=None,
+                        help="keep every request's TTFT at this rate (one of --rates)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.ttft_rate is not None and args.ttft_rate not in args.rates:
+        parser.error(f"--ttft-rate {args.ttft_rate:g} is not one of --rates {args.rates}")
 
     requests = sharegpt_like_requests(args.num_requests, seed=args.seed, scale=args.scale,
                                       max_model_len=args.max_model_len)
@@ -123,6 +129,8 @@ def main() -> int:
                          "ttft_median": m["ttft"]["median"], "tpot_median": m["tpot"]["median"],
                          "e2el_p90": m["e2el"]["p90"], "duration_s": duration,
                          "loadavg_1min": round(os.getloadavg()[0], 2)}
+                if rate == args.ttft_rate:  # the distribution, not just its median
+                    point["ttfts"] = sorted(round(r.ttft, 4) for r in results if not r.error)
                 points[name].append(point)
                 print(f"{name:<7} {rate:>5.1f} req/s  normalised latency "
                       f"{point['normalized_latency']:.4f} s/token  throughput "
@@ -160,16 +168,16 @@ def main() -> int:
     done_when = {"paged_at_least_2x_max": ratios["max"] >= 2 if "max" in ratios else None,
                  "paged_above_oracle": ratios["oracle"] > 1 if "oracle" in ratios else None}
     print(f"done-when (None: not resolved at this threshold): {done_when}")
-    result = {
-        "command": shlex.join(["python", "benchmarks/load_latency.py", *sys.argv[1:]]),
+    env = {**environment(), "loadavg_before": [round(x, 2) for x in load_before],
+           "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+           "wall_s": round(time.perf_counter() - started, 1)}
+    write_result(args.json, "load_latency.py", env, {
         "benchmark": "load_latency",
-        "environment": {**environment(), "loadavg_before": [round(x, 2) for x in load_before],
-                        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                        "wall_s": round(time.perf_counter() - started, 1)},
         "config": {"model": "shipped tiny_shakespeare", "num_requests": args.num_requests,
                    "scale": args.scale, "max_model_len": args.max_model_len,
                    "block_size": args.block_size, "num_gpu_blocks": args.num_gpu_blocks,
                    "threshold_s_per_token": args.threshold, "stop_at": args.stop_at,
+                   "ttft_rate": args.ttft_rate,
                    "seed": args.seed, "settings": {n: SETTINGS[n] for n in args.settings},
                    "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
                    "mean_output_len": sum(r.output_len for r in requests) / len(requests)},
@@ -177,11 +185,7 @@ def main() -> int:
         "ratios_at_threshold": ratios,
         "ratios_are_lower_bounds": bool(lower),
         "done_when": done_when,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    })
     return 0
 
 

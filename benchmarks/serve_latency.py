@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
-import shlex
 import socket
 import statistics
 import subprocess
@@ -46,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.continuous_batching import environment  # noqa: E402
+from benchmarks.record import write_result  # noqa: E402
 from mini_vllm.async_llm import AsyncLLM  # noqa: E402
 from mini_vllm.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
@@ -250,21 +249,16 @@ def main() -> int:
               "per_token_within_10pct": server["per_token_overhead_pct"] <= 10}
     print(f"target (server within 10% of LLM.generate): TTFT {target['ttft_within_10pct']}, "
           f"per token {target['per_token_within_10pct']}")
-    result = {
-        "command": shlex.join(["python", "benchmarks/serve_latency.py", *sys.argv[1:]]),
+    env = {**environment(), "loadavg_before": [round(x, 2) for x in load_before],
+           "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    write_result(args.json, "serve_latency.py", env, {
         "benchmark": "serve_latency",
-        "environment": {**environment(), "loadavg_before": [round(x, 2) for x in load_before],
-                        "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         "config": {"requests": args.requests, "rate_per_s": args.rate,
                    "max_tokens": args.max_tokens, "seed": args.seed,
                    "model": "shipped tiny_shakespeare", "ignore_eos": True, "greedy": True},
         "paths": rows,
         "target": target,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    })
     return 0
 
 

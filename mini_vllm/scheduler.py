@@ -33,10 +33,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+# reservation.admission_lookahead is looked up at call time, so that an engine composed from a
+# student's labs (course engine) runs lab 03-06's function under lab 03-01's scheduler too.
+from mini_vllm import reservation
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
 from mini_vllm.request import Request, RequestStatus
-from mini_vllm.reservation import admission_lookahead
 from mini_vllm.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -177,9 +179,9 @@ class Scheduler:
             )
         longest = min(request.num_tokens + request.max_tokens, self.max_model_len)
         # A reservation is claimed whole on admission, so it, not the final length, must fit.
-        longest += admission_lookahead(self.scheduler_config.kv_reservation,
-                                       request.num_prompt_tokens, request.max_tokens, longest,
-                                       self.max_model_len)
+        longest += reservation.admission_lookahead(
+            self.scheduler_config.kv_reservation, request.num_prompt_tokens, request.max_tokens,
+            longest, self.max_model_len)
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         if cdiv(longest, self.block_size) > usable:
             raise ValueError(
@@ -466,13 +468,8 @@ class Scheduler:
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, step.token_budget)
-            lookahead = admission_lookahead(
-                config.kv_reservation, request.num_prompt_tokens, request.max_tokens,
-                num_computed_tokens + num_new_tokens, self.max_model_len,
-            )
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_computed_tokens, new_computed_blocks,
-                num_lookahead_tokens=lookahead,
+            new_blocks = self._allocate_on_admission(
+                request, num_new_tokens, num_computed_tokens, new_computed_blocks
             )
             if new_blocks is None:
                 break  # FCFS: nobody behind it may overtake it
@@ -491,6 +488,28 @@ class Scheduler:
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
+
+    def _allocate_on_admission(self, request: Request, num_new_tokens: int,
+                               num_computed_tokens: int,
+                               new_computed_blocks: KVCacheBlocks) -> KVCacheBlocks | None:
+        """Claim room for an admitted request's ``num_new_tokens`` beyond its prefix-cache hit
+        (``kv_cache_manager.allocate_slots``), plus, with ``kv_reservation`` other than
+        ``"paged"``, the rest of its reservation as lookahead slots
+        (:func:`mini_vllm.reservation.admission_lookahead`, lab 03-06). With paged memory this
+        is ``allocate_slots`` itself. Returns the new blocks, or None (nothing claimed).
+
+        upstream: none (inline in vLLM's admission loop, which never reserves; a method here so
+        that lab 03-01's scheduler, given this helper, claims lab 03-06's reservation)
+        """
+        config = self.scheduler_config
+        lookahead = reservation.admission_lookahead(
+            config.kv_reservation, request.num_prompt_tokens, request.max_tokens,
+            num_computed_tokens + num_new_tokens, self.max_model_len,
+        )
+        return self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens=lookahead,
+        )
 
     def _make_output(self, step: _Step, total: int) -> SchedulerOutput:
         """Package the step's decisions (``num_computed_tokens`` not yet advanced).

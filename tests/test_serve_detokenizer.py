@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from course.labs.serving import CountingTokenizer
 from mini_vllm.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from mini_vllm.llm import CompletionOutput, RequestOutput
 from mini_vllm.output_processor import RequestOutputCollector
@@ -21,18 +22,6 @@ from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
-
-
-class CountingTokenizer(ByteTokenizer):
-    """A byte tokenizer that records how many tokens each decode call was given."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-
-    def decode(self, token_ids, skip_special_tokens=True):
-        ids = list(token_ids)
-        self.calls.append(len(ids))
-        return super().decode(ids, skip_special_tokens)
 
 
 def stream(ids, params=None, chunk=1, tokenizer=TOK, stop_terminated=False):

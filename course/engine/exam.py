@@ -967,6 +967,51 @@ def case_served_over_http(exam: Exam) -> None:
         server.stop()
 
 
+# The reserved case's engine: max_model_len one past a block boundary (33 = 8 blocks of 4 + 1), so
+# that a reservation one token short of the model's length is one block short.
+RESERVED_MAX_LEN = 33
+RESERVED_BLOCKS = 17  # usable blocks: two pow2 reservations of 8 or 9 blocks, not three
+
+
+def _pow2_reservation_blocks(prompt_len: int, max_tokens: int, block_size: int) -> int:
+    """Blocks a request holds from admission under ``kv_reservation="pow2"``: the next power of
+    two of its final length (``prompt_len + max_tokens`` capped at the model's length), capped
+    at the model's length. Written here from the policy's statement, not taken from mini_vllm."""
+    final = min(prompt_len + max_tokens, RESERVED_MAX_LEN)
+    power = 1
+    while power < final:
+        power *= 2
+    return -(-min(power, RESERVED_MAX_LEN) // block_size)
+
+
+def case_reserved_admission(exam: Exam) -> None:
+    """Orca-style reservation (lab 03-06's ``admission_lookahead``, claimed by the scheduler at
+    admission): with ``kv_reservation="pow2"`` each request claims the next power of two of its
+    final length when it is admitted, so a cache of 17 blocks runs two requests at a time, never
+    preempts, and every block table is whole from the first step. One request runs into
+    ``max_model_len``, whose reservation is capped there."""
+    rng = random.Random(36)
+    prompts = _prompts(rng, [9, 10, 26, 11])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    block_size = 4
+    llm = exam.llm(block_size=block_size, num_gpu_blocks=RESERVED_BLOCKS + 1,
+                   max_model_len=RESERVED_MAX_LEN, max_num_batched_tokens=64,
+                   kv_reservation="pow2")
+    run = exam.generate(llm, prompts, params)
+    # FCFS and no preemption: the k-th request admitted is prompt k.
+    admitted = [(rid, dict(step["tables"]).get(rid)) for step in run.steps
+                for rid, _ in step["admitted"]]
+    expect(len(admitted) == len(prompts), f"each request admitted once ({len(admitted)} "
+           f"admissions of {len(prompts)} requests)")
+    for i, ((_, held), prompt) in enumerate(zip(admitted, prompts)):
+        want = _pow2_reservation_blocks(len(prompt), params.max_tokens, block_size)
+        expect(held == want, f"request {i} holds its whole pow2 reservation from admission "
+               f"({want} blocks; it holds {held})")
+    peak = max(len(step["running"]) for step in run.steps)
+    expect(peak == 2, f"the reservations let two of four requests run at once (peak {peak})")
+    expect(run.stats.num_preemptions == 0, "no preemption: a reserving request never grows")
+
+
 def _block_size_case(block_size: int) -> Callable[[Exam], None]:
     def case(exam: Exam) -> None:
         rng = random.Random(100 + block_size)
@@ -1057,6 +1102,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("several-generate-calls", case_several_generate_calls),
         Case("long-context-v2", case_long_context),
         Case("fp8-kv-cache", case_fp8_kv_cache),
+        Case("reserved-admission", case_reserved_admission),
         Case("served-over-http", case_served_over_http),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]

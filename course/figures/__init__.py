@@ -76,6 +76,7 @@ FIGURES = [
     FigureSpec(P3, "token-budget", "phase03:token_budget"),
     FigureSpec(P3, "chunked-prefill-batch", "phase03:chunked_prefill_batch"),
     FigureSpec(P3, "latency-vs-rate", "load:latency_vs_rate"),
+    FigureSpec(P3, "ttft-cdf", "load:ttft_cdf"),
 ]
 
 

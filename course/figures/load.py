@@ -1,9 +1,10 @@
 """Serving under load (lab 03-06): normalised latency against request rate, one curve per KV
-policy, from the committed run of ``benchmarks/load_latency.py``.
+policy, and the distribution of the time to first token at one rate, from committed runs of
+``benchmarks/load_latency.py``.
 
-The figure draws measured numbers, not a scenario: it reads
-``benchmarks/results/load_latency.json`` (which holds the command that made it), so it changes
-only when that run is made again.
+The figures draw measured numbers, not a scenario: they read
+``benchmarks/results/load_latency.json`` and ``load_ttft.json`` (each holds the command that made
+it), so they change only when those runs are made again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from matplotlib.figure import Figure
 from course.labs.catalog import REPO_ROOT
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "load_latency.json"
+TTFT_RESULTS = REPO_ROOT / "benchmarks" / "results" / "load_ttft.json"
 STYLES = {
     "paged": ("paged + continuous batching (vLLM)", "#1f4e9c", "o"),
     "oracle": ("reserve the oracle length", "#2ca02c", "s"),
@@ -55,6 +57,41 @@ def latency_vs_rate(path: Path = RESULTS) -> Figure:
         f"ShareGPT-shaped trace x{config['scale']}, {config['num_gpu_blocks'] - 1} KV blocks of "
         f"{config['block_size']} tokens, max_model_len {config['max_model_len']}", fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.1f} s"
+
+
+def ttft_cdf(path: Path = TTFT_RESULTS) -> Figure:
+    """The empirical distribution (CDF) of every request's time to first token at the run's
+    ``ttft_rate``, one step curve per setting, on a log time axis (queueing behind reservations
+    stretches the tail by orders of magnitude); the legend gives each median and p90."""
+    run = json.loads(Path(path).read_text(encoding="utf-8"))
+    config = run["config"]
+    rate = config["ttft_rate"]
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    for name, curve in run["curves"].items():
+        ttfts = next((p["ttfts"] for p in curve["points"] if p.get("ttfts")), None)
+        if not ttfts:
+            continue  # this setting's curve stopped before the rate (past its knee)
+        label, color, _ = STYLES.get(name, (name, "black", "."))
+        n = len(ttfts)
+        median, p90 = ttfts[(n + 1) // 2 - 1], ttfts[-(-9 * n // 10) - 1]  # nearest rank
+        ax.step(ttfts, [(i + 1) / n for i in range(n)], where="post", color=color,
+                label=f"{label}: median {_seconds(median)}, p90 {_seconds(p90)}")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("time to first token (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(
+        f"TTFT at {rate:g} req/s (Poisson), {config['num_requests']} ShareGPT-shaped requests, "
+        f"{config['num_gpu_blocks'] - 1} KV blocks of {config['block_size']} tokens", fontsize=9)
+    # Below the axes: the curves fill the plot from left to right.
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -1,10 +1,11 @@
 """A real mini_vllm HTTP server for tests: uvicorn in a thread of the test's process.
 
 Shared by ``tests/test_serve.py`` (the reference server) and lab 03-05's graded tests (the
-student's pieces in the same server). The server runs in the test's own process so that a test
-can read the engine's block pool directly. It listens on a TCP port on 127.0.0.1 or, where the
-network is cut off (the grader's sandbox has no loopback interface), on a Unix socket; either way
-the official ``openai`` client talks real HTTP to it.
+student's pieces in the same server); :class:`CountingTokenizer` serves the detokenizer's tests
+there and in ``tests/test_serve_detokenizer.py``. The server runs in the test's own process so
+that a test can read the engine's block pool directly. It listens on a TCP port on 127.0.0.1 or,
+where the network is cut off (the grader's sandbox has no loopback interface), on a Unix socket;
+either way the official ``openai`` client talks real HTTP to it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ServerThread", "wait_idle"]
+from mini_vllm.tokenizer import ByteTokenizer
+
+__all__ = ["CountingTokenizer", "ServerThread", "wait_idle"]
+
+
+class CountingTokenizer(ByteTokenizer):
+    """A byte tokenizer that records how many tokens each decode call was given (``calls``), so
+    that a test can tell an incremental detokenizer from one that re-decodes the whole text."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        ids = list(token_ids)
+        self.calls.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
 
 
 class ServerThread:

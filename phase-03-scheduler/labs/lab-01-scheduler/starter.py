@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mini_vllm import reservation
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
 from mini_vllm.request import Request, RequestStatus
@@ -320,8 +321,9 @@ class Scheduler:
         gives the cached blocks and their ``num_hit`` tokens (0 with caching off). It is
         scheduled for the tokens it lacks beyond the hit, ``num_tokens - num_hit``, capped by
         ``long_prefill_token_threshold`` (when > 0) and by the budget left; room for them is
-        claimed with ``kv_cache_manager.allocate_slots(request, n, num_hit, hit_blocks)`` (None:
-        it does not fit).
+        claimed with the given ``self._allocate_on_admission(request, n, num_hit, hit_blocks)``
+        (None: it does not fit), which is ``kv_cache_manager.allocate_slots`` plus the
+        reservation of lab 03-06 when the engine reserves (``kv_reservation``).
 
         Afterwards, for each admitted request, in admission order: it has left ``waiting`` and is
         at the back of ``running``; its status is ``RUNNING`` and ``num_computed_tokens`` is
@@ -336,6 +338,22 @@ class Scheduler:
         raise NotImplementedError(
             "lab 03-01, task 4: implement Scheduler._schedule_waiting "
             "(hint: python -m course hint 03-01 4)"
+        )
+
+    def _allocate_on_admission(self, request: Request, num_new_tokens: int,
+                               num_computed_tokens: int,
+                               new_computed_blocks: KVCacheBlocks) -> KVCacheBlocks | None:
+        """``kv_cache_manager.allocate_slots(request, num_new_tokens, num_computed_tokens,
+        new_computed_blocks)``, plus the rest of the request's reservation as lookahead slots
+        when ``kv_reservation`` is not ``"paged"`` (lab 03-06). (Complete.)"""
+        config = self.scheduler_config
+        lookahead = reservation.admission_lookahead(
+            config.kv_reservation, request.num_prompt_tokens, request.max_tokens,
+            num_computed_tokens + num_new_tokens, self.max_model_len,
+        )
+        return self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens=lookahead,
         )
 
     def _make_output(self, step: _Step, total: int) -> SchedulerOutput:

@@ -835,6 +835,23 @@ def test_admission_stops_at_the_first_request_that_does_not_fit():
     assert "1" not in scheduler.kv_cache_manager.req_to_blocks, "a refused claim holds nothing"
 
 
+def test_admission_claims_through_the_reservation_helper():
+    """With ``kv_reservation="max"`` an admitted request holds its whole reservation at once:
+    ``max_model_len`` = 40 slots = 10 blocks of 4, though its 6 prompt tokens need 2; so only
+    one of two such requests runs in a cache of 12 usable blocks."""
+    scheduler = make_scheduler(upto=4, block_size=4, num_gpu_blocks=13, max_model_len=40,
+                               kv_reservation="max")
+    for request in create_requests(2, num_tokens=6, max_tokens=4, block_size=4):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": 6}, (
+        "admission must claim room with self._allocate_on_admission (it adds the reservation); "
+        f"scheduled {out.num_scheduled_tokens}"
+    )
+    assert len(out.scheduled_new_reqs[0].block_ids[0]) == 10
+    assert ids(scheduler.waiting) == ["1"]
+
+
 def test_prefix_cache_hit_on_admission():
     scheduler = make_scheduler(upto=4, enable_prefix_caching=True, block_size=4)
     prompt = list(range(100, 118))  # 18 tokens: 4 full blocks

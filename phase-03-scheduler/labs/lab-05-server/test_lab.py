@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from course.labs.loader import load_lab
-from course.labs.serving import ServerThread, wait_idle
+from course.labs.serving import CountingTokenizer, ServerThread, wait_idle
 from mini_vllm.llm import LLM
 from mini_vllm.tokenizer import ByteTokenizer
 
@@ -31,18 +31,6 @@ IDLE_TIMEOUT = 5.0
 
 
 # ---------------------------------------------------------------------------- task 1
-
-
-class CountingTokenizer(ByteTokenizer):
-    """A byte tokenizer that records how many tokens each decode call was given."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-
-    def decode(self, token_ids, skip_special_tokens=True):
-        ids = list(token_ids)
-        self.calls.append(len(ids))
-        return super().decode(ids, skip_special_tokens)
 
 
 def stream_text(ids, *, chunk=1, tokenizer=TOK, **params):

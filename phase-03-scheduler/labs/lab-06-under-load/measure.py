@@ -37,14 +37,14 @@ def _requests():
 @contextlib.contextmanager
 def _admission(impl):
     """The scheduler admits with impl's admission_lookahead while the block runs."""
-    from mini_vllm import scheduler
+    from mini_vllm import reservation  # the scheduler looks the function up here
 
-    saved = scheduler.admission_lookahead
-    scheduler.admission_lookahead = impl.admission_lookahead
+    saved = reservation.admission_lookahead
+    reservation.admission_lookahead = impl.admission_lookahead
     try:
         yield
     finally:
-        scheduler.admission_lookahead = saved
+        reservation.admission_lookahead = saved
 
 
 def _latency(impl, policy: str, rate: int) -> float:

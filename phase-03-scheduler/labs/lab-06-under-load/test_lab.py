@@ -18,6 +18,7 @@ import statistics
 import pytest
 
 from course.labs.loader import load_lab
+from mini_vllm import reservation
 from mini_vllm import scheduler as scheduler_module
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.request import Request
@@ -58,7 +59,7 @@ def test_admission_lookahead_is_never_negative():
 
 
 def make_scheduler(policy, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "admission_lookahead", lab.admission_lookahead)
+    monkeypatch.setattr(reservation, "admission_lookahead", lab.admission_lookahead)
     return scheduler_module.Scheduler(SchedulerConfig(
         max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=MAX_LEN, block_size=BLOCK,
         num_gpu_blocks=USABLE + 1, enable_prefix_caching=False, kv_reservation=policy))
