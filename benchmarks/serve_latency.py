@@ -25,6 +25,8 @@ minus the engine's TTFT is transport (connection, request parsing, the client's 
 
     python benchmarks/serve_latency.py
     python benchmarks/serve_latency.py --json benchmarks/results/serve_latency.json
+    python benchmarks/serve_latency.py --model smollm2 --json \
+        benchmarks/results/serve_latency_smollm2.json    # a real model: SmolLM2-135M
 """
 
 from __future__ import annotations
@@ -127,14 +129,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def run_server_path(prompts, times, params, max_tokens: int) -> dict:
+async def run_server_path(prompts, times, params, max_tokens: int, model: str | None,
+                          threads: int) -> dict:
     import httpx
     import openai
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    served = "mini_vllm/tiny_shakespeare" if model is None else model
+    extra = [] if model is None else ["--model", model]
     proc = subprocess.Popen([sys.executable, "-m", "mini_vllm", "serve", "--port", str(port),
-                             "--log-level", "warning"], env=env, cwd=ROOT)
+                             "--log-level", "warning", "--threads", str(threads), *extra],
+                            env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -150,7 +156,7 @@ async def run_server_path(prompts, times, params, max_tokens: int) -> dict:
 
         async def stream_of(prompt: str):
             stream = await client.completions.create(
-                model="mini_vllm/tiny_shakespeare", prompt=prompt, stream=True,
+                model=served, prompt=prompt, stream=True,
                 temperature=0.0, max_tokens=max_tokens, extra_body={"ignore_eos": True})
             async for chunk in stream:
                 for choice in chunk.choices:
@@ -169,10 +175,13 @@ async def run_server_path(prompts, times, params, max_tokens: int) -> dict:
             for name in ("vllm:time_to_first_token_seconds",
                          "vllm:inter_token_latency_seconds")}
         rtts = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
-            rtts.append(time.perf_counter() - t0)
+        # One client kept open, as the openai client keeps its connection: a new httpx client
+        # per request would time its own construction (about 35 ms, its TLS context) instead.
+        with httpx.Client(timeout=10) as health:
+            for _ in range(20):
+                t0 = time.perf_counter()
+                health.get(f"http://127.0.0.1:{port}/health")
+                rtts.append(time.perf_counter() - t0)
         result["health_round_trip"] = summary(rtts)
         return result
     finally:
@@ -200,6 +209,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None,
+                        help="as `mini_vllm serve --model` (default: the shipped model)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
 
@@ -208,13 +219,13 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     load_before = os.getloadavg()
 
-    llm = LLM()
+    llm = LLM(args.model)  # the server runs with the same number of threads
     run_generate(llm, prompts[:2], params)  # warm-up
     paths = {"LLM.generate": run_generate(llm, prompts, params)}
     paths["AsyncLLM"] = asyncio.run(run_async_path(llm, prompts, times, params,
                                                    args.max_tokens))
-    paths["HTTP server"] = asyncio.run(run_server_path(prompts, times, params,
-                                                       args.max_tokens))
+    paths["HTTP server"] = asyncio.run(run_server_path(prompts, times, params, args.max_tokens,
+                                                       args.model, llm.num_threads))
 
     want = paths["LLM.generate"]["texts"]
     for name, got in paths.items():
@@ -255,7 +266,8 @@ def main() -> int:
         "benchmark": "serve_latency",
         "config": {"requests": args.requests, "rate_per_s": args.rate,
                    "max_tokens": args.max_tokens, "seed": args.seed,
-                   "model": "shipped tiny_shakespeare", "ignore_eos": True, "greedy": True},
+                   "model": args.model or "shipped tiny_shakespeare", "threads": llm.num_threads,
+                   "ignore_eos": True, "greedy": True},
         "paths": rows,
         "target": target,
     })
