@@ -1,9 +1,12 @@
 """What the HTTP server costs: time to first token and time per output token through
 ``python -m mini_vllm serve`` and the ``openai`` client, against the same engine in process.
 
-Three ways to run the same requests (greedy, ``--max-tokens`` tokens each, EOS ignored), with
-arrivals at a low rate (Poisson, ``--rate`` requests per second, seeded) so that requests rarely
-overlap and the figures are the engine's latency rather than its queueing:
+Three ways to run the same requests (greedy, ``--max-tokens`` tokens each, EOS ignored), one
+request at a time (the next one sent when the last has finished), so that the figures are the
+engine's latency and the path's own cost, not queueing: ``LLM.generate`` runs one request per
+call, and any overlap would batch the other paths' requests (slower steps, a prefill delayed
+behind a decode) and charge that to them. ``--rate R`` sends them instead as Poisson arrivals
+(seeded), which do overlap unless ``R`` times a request's duration is well below 1:
 
 * **LLM.generate**: the in-process engine, one request per call (TTFT and per-token times from
   the request's own timestamps: arrival, first token, finish);
@@ -51,6 +54,7 @@ from mini_vllm.async_llm import AsyncLLM  # noqa: E402
 from mini_vllm.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
+SEQUENTIAL_PAUSE_S = 0.05  # between one request's end and the next one's start, with --rate 0
 PROMPTS = ["ROMEO.\n", "JULIET.\n", "HAMLET.\n", "KING.\n", "QUEEN.\n", "FOOL.\n",
            "FIRST CITIZEN.\n", "OPHELIA.\n"]
 
@@ -94,18 +98,26 @@ async def _timed_stream(chunks) -> tuple[float, float, str, int]:
     return first, last, text, pieces
 
 
-async def run_timed(prompts: list[str], times: list[float], stream_of, max_tokens: int) -> dict:
-    """Send prompt ``i`` at ``times[i]`` seconds; ``stream_of(prompt)`` yields text pieces."""
+async def run_timed(prompts: list[str], times: list[float] | None, stream_of,
+                    max_tokens: int) -> dict:
+    """Send prompt ``i`` at ``times[i]`` seconds, or, with ``times`` None, each prompt once the
+    one before has finished (after a short pause); ``stream_of(prompt)`` yields text pieces."""
     start = time.perf_counter()
     results: list = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
+        if times is not None:
+            await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
         sent = time.perf_counter()
         first, last, text, _ = await _timed_stream(stream_of(prompts[i]))
         results[i] = (first - sent, (last - first) / (max_tokens - 1), text)
 
-    await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    if times is None:
+        for i in range(len(prompts)):
+            await one(i)
+            await asyncio.sleep(SEQUENTIAL_PAUSE_S)
+    else:
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
     return {"ttft": [r[0] for r in results], "tpot": [r[1] for r in results],
             "texts": [r[2] for r in results]}
 
@@ -206,7 +218,9 @@ async def run_async_path(llm: LLM, prompts, times, params, max_tokens: int) -> d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="Poisson arrivals, requests per second; 0 (the default): one "
+                             "request at a time, as LLM.generate runs them")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None,
@@ -215,7 +229,7 @@ def main() -> int:
     args = parser.parse_args()
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-    times = arrivals(args.requests, args.rate, args.seed)
+    times = arrivals(args.requests, args.rate, args.seed) if args.rate > 0 else None
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     load_before = os.getloadavg()
 
