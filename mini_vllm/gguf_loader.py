@@ -418,6 +418,8 @@ def linear_blocks(model: LlamaForCausalLM, fmt: str, gguf_file: str | Path | Non
     ``ValueError``). Every other linear weight is quantized here from its values with gguf's
     quantizer (llama.cpp's reference rounding: Q4_1 from each block's minimum and maximum, Q8_0
     from its largest magnitude over 127). A tied LM head takes the token embedding's blocks.
+    A weight whose rows are not whole blocks of 32 is left out (it keeps its dtype, as llama.cpp's
+    quantizer falls back for such tensors).
 
     upstream: vllm/model_executor/model_loader/gguf_loader.py:22 @ v0.11.0
     """
@@ -429,11 +431,8 @@ def linear_blocks(model: LlamaForCausalLM, fmt: str, gguf_file: str | Path | Non
 
     if fmt not in QUANT_BYTES:
         raise ValueError(f"unknown block format {fmt!r}; known: {sorted(QUANT_BYTES)}")
-    linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Linear)}
-    for name, module in linears.items():
-        if module.in_features % QUANT_BLOCK:
-            raise ValueError(f"{fmt} weights need rows of whole blocks of {QUANT_BLOCK}: "
-                             f"{name} has rows of {module.in_features}")
+    linears = {f"{name}.weight": m for name, m in model.named_modules()
+               if isinstance(m, Linear) and m.in_features % QUANT_BLOCK == 0}
     finer = list(BLOCK_TYPES.values())
     usable = set(finer[:finer.index(fmt) + 1])
     found = _file_blocks(Path(gguf_file), model.config) if gguf_file is not None else {}

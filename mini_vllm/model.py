@@ -462,20 +462,19 @@ class LlamaForCausalLM(nn.Module):
                                              requires_grad=False)
 
     def quantize_weights(self, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
-        """Store every linear layer's weight as GGUF blocks: ``blocks[name]`` is ``(format,
-        uint8 blocks)`` for each linear weight's parameter name (``"lm_head.weight"``, ...; see
-        :func:`mini_vllm.gguf_loader.linear_blocks`). A tied LM head gets its own blocks, so the
+        """Store linear layers' weights as GGUF blocks: ``blocks[name]`` is ``(format, uint8
+        blocks)`` for a linear weight's parameter name (``"lm_head.weight"``, ...; see
+        :func:`mini_vllm.gguf_loader.linear_blocks`); a layer not named keeps its weight. A tied LM head gets its own blocks, so the
         embedding keeps its fp32 rows (a lookup reads one row a token: nothing to save there).
         Checks every entry before it changes anything. Call before :meth:`fuse_projections`.
 
         upstream: vllm/model_executor/layers/quantization/gguf.py:328 @ v0.11.0
         """
         linears = {f"{name}.weight": m for name, m in self.named_modules()
-                   if isinstance(m, Linear)}
-        missing = sorted(set(linears) - set(blocks))
-        if missing:
-            raise ValueError(f"quantize_weights: no blocks for {missing[:3]} "
-                             f"({len(missing)} linear weights in all)")
+                   if isinstance(m, Linear) and f"{name}.weight" in blocks}
+        unknown = sorted(set(blocks) - set(linears))
+        if unknown:
+            raise ValueError(f"quantize_weights: {unknown[:3]} name no linear layer's weight")
         for name, module in linears.items():
             fmt, data = blocks[name]
             cpu_kernels.check_blocks(data, fmt, module.in_features)
