@@ -19,9 +19,9 @@ every contender once, in turn (alternating, so a change in the machine's load hi
 the median of ``--repeats`` is reported, with the one-minute load average before each run.
 
 Correctness first: the contenders' greedy tokens for one prompt are compared before any timing,
-and bf16 and quantized weights are measured like the FP8 KV cache (``benchmarks/kv_fp8.py``): teacher-forced
-along the fp32 model's greedy tokens, the largest and mean logit difference and the top-1
-agreement, and free-running token agreement.
+and bf16 and quantized weights are measured like the FP8 KV cache (``benchmarks/kv_fp8.py``):
+teacher-forced along the fp32 model's greedy tokens, the largest and mean logit difference and
+the top-1 agreement, and free-running token agreement.
 
     python benchmarks/engine_vs_peers.py --json benchmarks/results/engine_vs_peers.json
     python benchmarks/engine_vs_peers.py --quick          # small settings: proves it runs

@@ -336,7 +336,8 @@ class LlamaAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
-            q, k, v = linear(x, *fused, self.q_proj.weight_format).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+            q, k, v = linear(x, *fused, self.q_proj.weight_format).split(
+                [self.num_heads * self.head_dim, kv, kv], dim=-1)
         q = q.reshape(*shape, self.num_heads, self.head_dim)
         k = k.reshape(*shape, self.num_kv_heads, self.head_dim)
         v = v.reshape(*shape, self.num_kv_heads, self.head_dim)
@@ -464,11 +465,12 @@ class LlamaForCausalLM(nn.Module):
     def quantize_weights(self, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
         """Store linear layers' weights as GGUF blocks: ``blocks[name]`` is ``(format, uint8
         blocks)`` for a linear weight's parameter name (``"lm_head.weight"``, ...; see
-        :func:`mini_vllm.gguf_loader.linear_blocks`); a layer not named keeps its weight. A tied LM head gets its own blocks, so the
-        embedding keeps its fp32 rows (a lookup reads one row a token: nothing to save there).
-        Checks every entry before it changes anything. Call before :meth:`fuse_projections`.
+        :func:`mini_vllm.gguf_loader.linear_blocks`); a layer not named keeps its weight. A tied
+        LM head gets its own blocks, so the embedding keeps its fp32 rows (a lookup reads one
+        row a token: nothing to save there). Checks every entry before it changes anything.
+        Call before :meth:`fuse_projections`.
 
-        upstream: vllm/model_executor/layers/quantization/gguf.py:328 @ v0.11.0
+        upstream: none (vLLM's GGUF layers are built holding the file's blocks from the start)
         """
         linears = {f"{name}.weight": m for name, m in self.named_modules()
                    if isinstance(m, Linear) and f"{name}.weight" in blocks}
