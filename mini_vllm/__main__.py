@@ -38,7 +38,7 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
                         ".gguf file, or 'smollm2' (default: the shipped Shakespeare model)")
 
 
-WEIGHT_DTYPES = ("auto", "bfloat16")
+WEIGHT_DTYPES = ("auto", "bfloat16", "q4_1", "q8_0")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -401,6 +401,13 @@ def test_an_unknown_weight_dtype_is_refused_and_changes_nothing():
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_the_cli_offers_every_weight_dtype():
+    from mini_vllm import llm
+    from mini_vllm.__main__ import WEIGHT_DTYPES
+
+    assert list(WEIGHT_DTYPES) == list(llm.WEIGHT_DTYPES)
+
+
 # ------------------------------------------------------------------ GGUF blocks: Q4_1, Q8_0
 
 def gguf_blocks(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
