@@ -310,21 +310,16 @@ static inline float half_to_float(const uint8_t *p) {
   return f;
 }
 
-/* 8 bytes as 8 int32 (unsigned or signed): one instruction on AVX2, which gcc does not find
- * from __builtin_convertvector (it builds the vector a lane at a time). */
-static inline v8i widen_u8(const uint8_t *p) {
+/* 8 bytes as 8 int32, unsigned (Q4_1's code pairs) or signed (Q8_0's codes): one instruction on
+ * AVX2, which gcc does not find from __builtin_convertvector (it builds the vector a lane at a
+ * time). */
+static inline __attribute__((always_inline)) v8i widen8(const int is_signed, const uint8_t *p) {
 #if MV_AVX2
-  return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+  return (v8i)(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
-  return __builtin_convertvector(*(const v8b *)p, v8i);
-#endif
-}
-
-static inline v8i widen_s8(const uint8_t *p) {
-#if MV_AVX2
-  return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-  return __builtin_convertvector(*(const v8c *)p, v8i);
+  return is_signed ? __builtin_convertvector(*(const v8c *)p, v8i)
+                   : __builtin_convertvector(*(const v8b *)p, v8i);
 #endif
 }
 
@@ -349,7 +344,7 @@ static inline __attribute__((always_inline)) void load_w(const int F, v8 *restri
     const uint8_t *blk = (const uint8_t *)w + (row * (K / QBLOCK) + k / QBLOCK) * Q4_1_BYTES;
     const float d = half_to_float(blk), m = half_to_float(blk + 2);
     for (int h = 0; h < 2; ++h) { /* bytes 8h .. 8h + 7: weights 8h.. (low), 16 + 8h.. (high) */
-      const v8i codes = widen_u8(blk + 4 + 8 * h);
+      const v8i codes = widen8(0, blk + 4 + 8 * h);
       wv[h] = __builtin_convertvector(codes & 15, v8) * d + m;
       wv[h + 2] = __builtin_convertvector(codes >> 4, v8) * d + m;
     }
@@ -357,7 +352,7 @@ static inline __attribute__((always_inline)) void load_w(const int F, v8 *restri
     const uint8_t *blk = (const uint8_t *)w + (row * (K / QBLOCK) + k / QBLOCK) * Q8_0_BYTES;
     const float d = half_to_float(blk);
     for (int s = 0; s < 4; ++s)
-      wv[s] = __builtin_convertvector(widen_s8(blk + 2 + 8 * s), v8) * d;
+      wv[s] = __builtin_convertvector(widen8(1, blk + 2 + 8 * s), v8) * d;
   }
 }
 
