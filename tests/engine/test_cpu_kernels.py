@@ -401,6 +401,11 @@ def test_an_unknown_weight_dtype_is_refused_and_changes_nothing():
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_quantized_weights_are_refused_off_the_cpu():
+    with pytest.raises(ValueError, match=r"^LLM: weight_dtype='q4_1' runs on the CPU only"):
+        LLM(weight_dtype="q4_1", device="cuda")
+
+
 def test_the_cli_offers_every_weight_dtype():
     from mini_vllm import llm
     from mini_vllm.__main__ import WEIGHT_DTYPES
