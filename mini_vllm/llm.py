@@ -665,7 +665,7 @@ class LLM:
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"LLM: weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got "
                              f"{weight_dtype!r}")
-        if isinstance(WEIGHT_DTYPES[weight_dtype], str) and torch.device(device).type != "cpu":
+        if isinstance(WEIGHT_DTYPES[weight_dtype], str) and str(device).split(":")[0] != "cpu":
             raise ValueError(f"LLM: weight_dtype={weight_dtype!r} runs on the CPU only (its "
                              "kernel is C); use device='cpu', or weight_dtype='bfloat16'")
         dev = check_device(device)
