@@ -2,8 +2,10 @@
 
 Contenders (greedy, EOS ignored, so every run makes the tokens asked for):
 
-* mini_vllm with fp32 weights, and with bf16 weights (``weight_dtype="bfloat16"``: the linear
-  layers' weights in bf16, widened to fp32 as read; activations and KV cache fp32);
+* mini_vllm with fp32 weights, with bf16 weights (``weight_dtype="bfloat16"``: the linear
+  layers' weights in bf16, widened to fp32 as read; activations and KV cache fp32), and with
+  GGUF blocks (``"q4_1"``: the file's own Q4_1 layers and Q8_0 head, the fp32 run's values;
+  ``"q8_0"``: quantized from fp32 at load), dequantized in registers as read;
 * ``transformers`` on the same converted folder, fp32: one padded batch (left padding, as many
   new tokens as the longest request asks for) and one request at a time;
 * llama.cpp through ``llama-cpp-python`` on the package's GGUF file (Q4_1), one request at a
@@ -17,14 +19,14 @@ every contender once, in turn (alternating, so a change in the machine's load hi
 the median of ``--repeats`` is reported, with the one-minute load average before each run.
 
 Correctness first: the contenders' greedy tokens for one prompt are compared before any timing,
-and bf16 weights are measured like the FP8 KV cache (``benchmarks/kv_fp8.py``): teacher-forced
-along the fp32 model's greedy tokens, the largest and mean logit difference and the top-1
-agreement, and free-running token agreement.
+and bf16 and quantized weights are measured like the FP8 KV cache (``benchmarks/kv_fp8.py``):
+teacher-forced along the fp32 model's greedy tokens, the largest and mean logit difference and
+the top-1 agreement, and free-running token agreement.
 
     python benchmarks/engine_vs_peers.py --json benchmarks/results/engine_vs_peers.json
     python benchmarks/engine_vs_peers.py --quick          # small settings: proves it runs
     python benchmarks/engine_vs_peers.py --accuracy-only --json \
-        benchmarks/results/bf16_weights_accuracy.json     # the README's bf16 figures
+        benchmarks/results/weights_accuracy.json     # the README's bf16 / q4_1 / q8_0 figures
     python benchmarks/engine_vs_peers.py --model path/to/converted_folder --gguf path/to/x.gguf
 """
 
@@ -57,9 +59,13 @@ def mixed_requests(n: int, vocab: int, seed: int, quick: bool) -> list[tuple[lis
              rng.randint(16 if not quick else 4, top)) for _ in range(n)]
 
 
+WEIGHT_NAMES = {"auto": "fp32", "bfloat16": "bf16", "q4_1": "q4_1", "q8_0": "q8_0"}
+
+
 class MiniVLLM:
     def __init__(self, path: str, weight_dtype: str) -> None:
-        self.name = f"mini_vllm ({'fp32' if weight_dtype == 'auto' else 'bf16'} weights)"
+        self.weights = WEIGHT_NAMES[weight_dtype]
+        self.name = f"mini_vllm ({self.weights} weights)"
         self.llm = LLM(path, weight_dtype=weight_dtype, num_threads=1)
         self.vocab = self.llm.model.config.vocab_size
 
@@ -144,8 +150,9 @@ class LlamaCpp:
         return sum(len(self.stream(ids, n, threads)) for ids, n in requests)
 
 
-def bf16_accuracy(fp32: MiniVLLM, bf16: MiniVLLM, prompts: list[str], n: int) -> dict:
-    """bf16 weights against fp32, as benchmarks/kv_fp8.py measures the fp8 cache."""
+def weights_accuracy(fp32: MiniVLLM, bf16: MiniVLLM, prompts: list[str], n: int) -> dict:
+    """Other weights (bf16, q4_1, q8_0) against fp32, as benchmarks/kv_fp8.py measures the fp8
+    cache."""
     tok = fp32.llm.tokenizer
     torch.set_num_threads(2)
     max_err = sum_err = std_sum = 0.0
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="16 tokens, 4 short requests, 1 repeat, 2 accuracy prompts: proves it runs")
     p.add_argument("--accuracy-only", action="store_true",
-                   help="the correctness checks and bf16 accuracy, no timing")
+                   help="the correctness checks and the weights' accuracy, no timing")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.quick:
@@ -198,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     from mini_vllm.gguf_loader import named_model_file, resolve_model_name
 
     path = str(resolve_model_name(args.model))
-    contenders: list = [MiniVLLM(path, "auto"), MiniVLLM(path, "bfloat16"),
-                        Transformers(path, padded=True)]
+    contenders: list = [MiniVLLM(path, w) for w in WEIGHT_NAMES]
+    contenders.append(Transformers(path, padded=True))
     if not args.accuracy_only:
         contenders.append(Transformers(path, padded=False))
     skipped: dict[str, str] = {}
@@ -230,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, share in agreement.items():
         print(f"greedy tokens equal to mini_vllm fp32 (first {n_check}, to EOS): "
               f"{share:6.1%}  {name}")
-    accuracy = bf16_accuracy(contenders[0], contenders[1],
-                             SMOLLM2_PROMPTS[:2 if args.quick else 8], 8 if args.quick else 32)
-    print("bf16 weights vs fp32: max |dlogit| {max_abs_logit_error:.3f}, mean "
-          "{mean_abs_logit_error:.4f}, top-1 (forced) {teacher_forced_top1_agreement:.1%}, "
-          "tokens equal (free-running) {free_running_token_agreement:.1%}".format(**accuracy))
+    accuracy = {}
+    for c in contenders[1:len(WEIGHT_NAMES)]:
+        accuracy[c.weights] = weights_accuracy(
+            contenders[0], c, SMOLLM2_PROMPTS[:2 if args.quick else 8], 8 if args.quick else 32)
+        print(f"{c.weights} weights vs fp32: " + "max |dlogit| {max_abs_logit_error:.3f}, mean "
+              "{mean_abs_logit_error:.4f}, top-1 (forced) {teacher_forced_top1_agreement:.1%}, "
+              "tokens equal (free-running) {free_running_token_agreement:.1%}".format(
+                  **accuracy[c.weights]))
 
     if args.accuracy_only:
         args.repeats = 0
@@ -287,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.json, "engine_vs_peers.py", environment(2), {
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "skipped": skipped, "greedy_agreement_with_mini_vllm_fp32": agreement,
-            "bf16_weights_accuracy": accuracy, "table": table, "runs": runs}, argv)
+            "weights_accuracy_vs_fp32": accuracy, "table": table, "runs": runs}, argv)
     return 0
 
 

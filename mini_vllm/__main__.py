@@ -38,7 +38,7 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
                         ".gguf file, or 'smollm2' (default: the shipped Shakespeare model)")
 
 
-WEIGHT_DTYPES = ("auto", "bfloat16")
+WEIGHT_DTYPES = ("auto", "bfloat16", "q4_1", "q8_0")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +64,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--static-batching", action="store_true",
         help="admit new requests only when the running batch is done (lab 03-06's baseline)")
     add("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
-        help="the linear layers' weights: as loaded (auto) or bfloat16, widened to float32 as "
-        "they are read (half the bytes per decoded token; activations and KV cache stay)")
+        help="the linear layers' weights: as loaded (auto), bfloat16, or GGUF blocks q4_1 / q8_0 "
+        "(a GGUF model's own), widened to float32 as they are read (fewer bytes per decoded "
+        "token; activations and KV cache stay float32)")
     add("--device", default="cpu")
 
 

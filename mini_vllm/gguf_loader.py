@@ -46,7 +46,8 @@ from mini_vllm.hf_loader import build_model
 from mini_vllm.model import LlamaForCausalLM, ModelConfig
 from mini_vllm.tokenizer import HFTokenizer
 
-__all__ = ["GGUFModel", "convert_gguf", "load_gguf", "resolve_model_name", "unpermute_qk"]
+__all__ = ["GGUFModel", "convert_gguf", "gguf_source", "linear_blocks", "load_gguf",
+           "resolve_model_name", "unpermute_qk"]
 
 # Local models known by name: name -> (package that ships it, file inside the package).
 NAMED_MODELS = {
@@ -74,6 +75,9 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# GGUF tensor types whose blocks the engine's kernels read, and the kernels' names for them
+# (mini_vllm.attention.cpu_kernels.QUANT_BYTES); finer ones first.
+BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
 # Pre-tokenizers (tokenizer.ggml.pre) this reader reproduces, as `tokenizers` components.
 _PRE_TOKENIZERS = ("default", "gpt2", "smollm")
 
@@ -360,3 +364,88 @@ def convert_gguf(src: str | Path, out: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def gguf_source(path: str | Path) -> Path | None:
+    """The GGUF file a model path was read from: the path itself for a ``.gguf`` file, the file
+    a converted folder was made from (its ``mini_vllm_source.json``) while it is still there,
+    else ``None``.
+
+    upstream: none (vLLM reads a GGUF file directly, never a converted copy)
+    """
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return path if path.exists() else None
+    stamp = path / "mini_vllm_source.json"
+    if not stamp.exists():
+        return None
+    gguf = Path(json.loads(stamp.read_text()).get("gguf", ""))
+    return gguf if gguf.suffix == ".gguf" and gguf.exists() else None
+
+
+def _file_blocks(gguf_file: Path, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
+    """The file's tensors held in a :data:`BLOCK_TYPES` type, by Hugging Face name, as uint8
+    blocks ``[rows, bytes]`` with q/k rows put back in mini_vllm's order (a row's blocks move
+    with it, so the permutation of rows applies to blocks unchanged)."""
+    from gguf import GGUFReader
+
+    source = str(gguf_file)
+    found = {}
+    for t in GGUFReader(source).tensors:
+        if t.tensor_type.name not in BLOCK_TYPES:
+            continue
+        name = _hf_name(t.name, source)
+        blocks = torch.from_numpy(t.data.copy()).reshape(t.data.shape[0], -1)
+        if name.endswith("q_proj.weight"):
+            blocks = unpermute_qk(blocks, config.num_attention_heads).contiguous()
+        elif name.endswith("k_proj.weight"):
+            blocks = unpermute_qk(blocks, config.num_key_value_heads).contiguous()
+        found[name] = (BLOCK_TYPES[t.tensor_type.name], blocks)
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in found:
+        found["lm_head.weight"] = found["model.embed_tokens.weight"]
+    return found
+
+
+def linear_blocks(model: LlamaForCausalLM, fmt: str, gguf_file: str | Path | None = None
+                  ) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every linear weight of ``model`` as GGUF blocks, by parameter name, for
+    :meth:`~mini_vllm.model.LlamaForCausalLM.quantize_weights`; ``fmt`` is ``"q4_1"`` or
+    ``"q8_0"``. Changes nothing in ``model``.
+
+    With ``gguf_file`` (the file the model was read from), a weight the file holds in ``fmt``, or
+    in Q8_0 when ``fmt`` is Q4_1 (finer), keeps the file's own blocks: the model's fp32 values are
+    those blocks dequantized, which is checked (a file that is not this model's raises
+    ``ValueError``). Every other linear weight is quantized here from its values with gguf's
+    quantizer (llama.cpp's reference rounding: Q4_1 from each block's minimum and maximum, Q8_0
+    from its largest magnitude over 127). A tied LM head takes the token embedding's blocks.
+    A weight whose rows are not whole blocks of 32 is left out (it keeps its dtype, as llama.cpp's
+    quantizer falls back for such tensors).
+
+    upstream: vllm/model_executor/model_loader/gguf_loader.py:22 @ v0.11.0
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from mini_vllm.attention.cpu_kernels import QUANT_BLOCK, QUANT_BYTES
+    from mini_vllm.model import Linear, dequantize
+
+    if fmt not in QUANT_BYTES:
+        raise ValueError(f"unknown block format {fmt!r}; known: {sorted(QUANT_BYTES)}")
+    linears = {f"{name}.weight": m for name, m in model.named_modules()
+               if isinstance(m, Linear) and m.in_features % QUANT_BLOCK == 0}
+    finer = list(BLOCK_TYPES.values())
+    usable = set(finer[:finer.index(fmt) + 1])
+    found = _file_blocks(Path(gguf_file), model.config) if gguf_file is not None else {}
+    blocks = {}
+    for name, module in linears.items():
+        weight = module.weight.detach().float()
+        if name in found and found[name][0] in usable:
+            file_fmt, data = found[name]
+            if not torch.equal(dequantize(data, file_fmt, module.in_features), weight):
+                raise ValueError(f"{gguf_file}: {name} is not this model's weight (its blocks "
+                                 "dequantize to other values); load the model from that file")
+            blocks[name] = (file_fmt, data)
+        else:
+            qtype = GGMLQuantizationType[fmt.upper()]
+            blocks[name] = (fmt, torch.from_numpy(quantize(weight.numpy(), qtype)))
+    return blocks

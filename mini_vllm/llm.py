@@ -464,8 +464,10 @@ SMALL_MODEL_PARAMS = 20_000_000
 MAX_DEFAULT_THREADS = 8
 
 
-# LLM(weight_dtype=...): the linear layers' storage dtype (None: as loaded).
-WEIGHT_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16}
+# LLM(weight_dtype=...): the linear layers' storage, a dtype (None: as loaded) or a GGUF block
+# format (the kernels' name for it).
+WEIGHT_DTYPES: dict[str, torch.dtype | str | None] = {
+    "auto": None, "bfloat16": torch.bfloat16, "q4_1": "q4_1", "q8_0": "q8_0"}
 
 
 def default_num_threads(model: torch.nn.Module) -> int:
@@ -519,6 +521,8 @@ class _LoadedModel:
     tokenizer: Any
     # EOS ids beyond the tokenizer's (generation_config.json may list several): stop tokens.
     extra_eos_token_ids: list[int]
+    # The path the model was read from (None: a model object or the shipped one).
+    path: Path | None = None
 
 
 def _load_model(model: object, tokenizer: object, device: torch.device) -> _LoadedModel:
@@ -530,6 +534,7 @@ def _load_model(model: object, tokenizer: object, device: torch.device) -> _Load
 
     extra_eos: list[int] = []
     tok: Any = None
+    path: Path | None = None
     if model is None:
         model, tok = load_default_model(device), ByteTokenizer()
     elif isinstance(model, (str, Path)):
@@ -566,7 +571,7 @@ def _load_model(model: object, tokenizer: object, device: torch.device) -> _Load
     for tid in [getattr(tok, "eos_token_id", None), *extra_eos]:
         if tid is not None and not 0 <= tid < vocab:
             raise ValueError(f"LLM: EOS token id {tid} is outside the model's vocab [0, {vocab})")
-    return _LoadedModel(model, tok, extra_eos)
+    return _LoadedModel(model, tok, extra_eos, path)
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
@@ -632,6 +637,10 @@ class LLM:
     weights are stored in bf16 and widened to float32 as they are read (weight-only: the
     activations, the KV cache, norms and embeddings keep the model's dtype), half the bytes a
     decode step reads; see :meth:`~mini_vllm.model.LlamaForCausalLM.set_weight_dtype`.
+    ``"q4_1"`` or ``"q8_0"``: stored as GGUF's blocks of 32 weights (5 or 8.5 bits a weight),
+    dequantized in registers as they are read: a model read from a GGUF file (or a folder
+    converted from one) keeps the file's own blocks, so its values are the fp32 model's; other
+    weights are quantized here (see :func:`mini_vllm.gguf_loader.linear_blocks`).
     ``num_threads``: PyTorch CPU threads (default :func:`default_num_threads`). Engine knobs: see
     :class:`EngineConfig`. For what happens on bad input and on failures, see the module docstring.
 
@@ -656,11 +665,24 @@ class LLM:
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"LLM: weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got "
                              f"{weight_dtype!r}")
+        if isinstance(WEIGHT_DTYPES[weight_dtype], str) and str(device).split(":")[0] != "cpu":
+            raise ValueError(f"LLM: weight_dtype={weight_dtype!r} runs on the CPU only (its "
+                             "kernel is C); use device='cpu', or weight_dtype='bfloat16'")
         dev = check_device(device)
         loaded = _load_model(model, tokenizer, dev)
         self.model = loaded.model.eval()
-        if WEIGHT_DTYPES[weight_dtype] is not None:
-            self.model.set_weight_dtype(WEIGHT_DTYPES[weight_dtype])
+        storage = WEIGHT_DTYPES[weight_dtype]
+        if isinstance(storage, str):
+            from mini_vllm.gguf_loader import gguf_source, linear_blocks
+
+            source = gguf_source(loaded.path) if loaded.path is not None else None
+            try:
+                blocks = linear_blocks(self.model, storage, source)
+            except ValueError as exc:
+                raise ValueError(f"LLM: weight_dtype={weight_dtype!r}: {exc}") from exc
+            self.model.quantize_weights(blocks)
+        elif storage is not None:
+            self.model.set_weight_dtype(storage)
         self.weight_dtype = weight_dtype
         self.tokenizer = loaded.tokenizer
         self.extra_eos_token_ids = loaded.extra_eos_token_ids

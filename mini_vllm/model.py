@@ -158,31 +158,60 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """``x @ weight.T + bias`` in ``x``'s dtype, for a weight stored in that dtype or in bf16
-    (weight-only bf16: widened to ``x``'s dtype as it is read). A decode step's few rows on the
-    CPU go through the compiled kernel (:func:`mini_vllm.attention.cpu_kernels.linear`), the
-    rest through PyTorch.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fmt: str | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in ``x``'s dtype, for a weight stored in that dtype, in bf16
+    (weight-only bf16: widened to ``x``'s dtype as it is read) or as GGUF blocks of format
+    ``fmt`` (``"q4_1"``, ``"q8_0"``: a uint8 tensor, see
+    :data:`mini_vllm.attention.cpu_kernels.QUANT_BYTES`). A decode step's few rows on the CPU go
+    through the compiled kernel (:func:`mini_vllm.attention.cpu_kernels.linear`), the rest
+    through PyTorch; quantized weights are dequantized for that call only (a prefill's GEMM
+    outweighs it, and a cached fp32 copy would cost the memory the blocks save).
 
     upstream: vllm/model_executor/layers/linear.py:188 @ v0.11.0
     """
-    if cpu_kernels.linear_supported(x, weight):
-        return cpu_kernels.linear(x, weight, bias)
+    if cpu_kernels.linear_supported(x, weight, fmt):
+        return cpu_kernels.linear(x, weight, bias, fmt)
+    if fmt is not None:
+        weight = dequantize(weight, fmt, x.shape[-1])
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
         bias = None if bias is None else bias.to(x.dtype)
     return F.linear(x, weight, bias)
 
 
+def dequantize(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """GGUF blocks ``[rows, in_features // 32 * bytes]`` as fp32 ``[rows, in_features]``,
+    exactly as gguf's ``dequantize`` (Q4_1: ``d * code + m``, Q8_0: ``d * code``, each product
+    rounded to fp32 before the sum): in C when the kernels are built, else in PyTorch.
+
+    upstream: none (vLLM dequantizes GGUF weights inside its CUDA kernels)
+    """
+    if cpu_kernels.load() is not None:
+        return cpu_kernels.dequantize(blocks, fmt, in_features)
+    cpu_kernels.check_blocks(blocks, fmt, in_features)
+    rows = blocks.shape[0]
+    b = blocks.view(rows, in_features // cpu_kernels.QUANT_BLOCK, cpu_kernels.QUANT_BYTES[fmt])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    if fmt == "q8_0":
+        return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    codes = torch.cat((b[..., 4:] & 15, b[..., 4:] >> 4), dim=-1).float()  # weights 0-15, 16-31
+    return (d * codes + m).reshape(rows, -1)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) computed by :func:`linear`.
+    """``nn.Linear`` (same parameters and names) computed by :func:`linear`. ``weight_format``
+    is ``None`` while ``weight`` holds numbers, or the GGUF block format (``"q4_1"``, ``"q8_0"``)
+    of the uint8 blocks it holds after :meth:`LlamaForCausalLM.quantize_weights`.
 
     upstream: vllm/model_executor/layers/linear.py:297 @ v0.11.0
     """
 
+    weight_format: str | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_format)
 
 
 def fuse_linears(parts: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -224,6 +253,15 @@ def fused_weight(fused: tuple[torch.Tensor, torch.Tensor | None] | None,
     return fused
 
 
+def same_format(parts: Sequence[nn.Linear]) -> bool:
+    """Whether ``parts`` store their weights alike (dtype and block format): only then do their
+    rows fuse into one weight.
+
+    upstream: none (vLLM quantizes a fused layer as one)
+    """
+    return len({(p.weight.dtype, getattr(p, "weight_format", None)) for p in parts}) == 1
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``.
 
@@ -240,15 +278,17 @@ class LlamaMLP(nn.Module):
         self._gate_up_fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def fuse(self) -> None:
-        """Make gate_proj and up_proj views of one fused weight (idempotent)."""
-        if fused_weight(self._gate_up_fused, (self.gate_proj, self.up_proj)) is None:
-            self._gate_up_fused = fuse_linears((self.gate_proj, self.up_proj))
+        """Make gate_proj and up_proj views of one fused weight (idempotent; not for weights in
+        different formats)."""
+        parts = (self.gate_proj, self.up_proj)
+        if fused_weight(self._gate_up_fused, parts) is None and same_format(parts):
+            self._gate_up_fused = fuse_linears(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = fused_weight(self._gate_up_fused, (self.gate_proj, self.up_proj))
         if fused is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, *fused).chunk(2, dim=-1)
+        gate, up = linear(x, *fused, self.gate_proj.weight_format).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -283,9 +323,11 @@ class LlamaAttention(nn.Module):
         )
 
     def fuse(self) -> None:
-        """Make q_proj, k_proj and v_proj views of one fused weight (idempotent)."""
-        if fused_weight(self._qkv_fused, (self.q_proj, self.k_proj, self.v_proj)) is None:
-            self._qkv_fused = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
+        """Make q_proj, k_proj and v_proj views of one fused weight (idempotent; not for weights
+        in different formats)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if fused_weight(self._qkv_fused, parts) is None and same_format(parts):
+            self._qkv_fused = fuse_linears(parts)
 
     def _qkv(self, positions: torch.Tensor, x: torch.Tensor):
         shape = x.shape[:-1]
@@ -294,7 +336,8 @@ class LlamaAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
-            q, k, v = linear(x, *fused).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+            q, k, v = linear(x, *fused, self.q_proj.weight_format).split(
+                [self.num_heads * self.head_dim, kv, kv], dim=-1)
         q = q.reshape(*shape, self.num_heads, self.head_dim)
         k = k.reshape(*shape, self.num_kv_heads, self.head_dim)
         v = v.reshape(*shape, self.num_kv_heads, self.head_dim)
@@ -418,6 +461,32 @@ class LlamaForCausalLM(nn.Module):
             if module.weight.dtype != dtype:
                 module.weight = nn.Parameter(module.weight.detach().to(dtype),
                                              requires_grad=False)
+
+    def quantize_weights(self, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
+        """Store linear layers' weights as GGUF blocks: ``blocks[name]`` is ``(format, uint8
+        blocks)`` for a linear weight's parameter name (``"lm_head.weight"``, ...; see
+        :func:`mini_vllm.gguf_loader.linear_blocks`); a layer not named keeps its weight. A tied
+        LM head gets its own blocks, so the embedding keeps its fp32 rows (a lookup reads one
+        row a token: nothing to save there). Checks every entry before it changes anything.
+        Call before :meth:`fuse_projections`.
+
+        upstream: none (vLLM's GGUF layers are built holding the file's blocks from the start)
+        """
+        linears = {f"{name}.weight": m for name, m in self.named_modules()
+                   if isinstance(m, Linear) and f"{name}.weight" in blocks}
+        unknown = sorted(set(blocks) - set(linears))
+        if unknown:
+            raise ValueError(f"quantize_weights: {unknown[:3]} name no linear layer's weight")
+        for name, module in linears.items():
+            fmt, data = blocks[name]
+            cpu_kernels.check_blocks(data, fmt, module.in_features)
+            if data.shape[0] != module.out_features:
+                raise ValueError(f"quantize_weights: {name} has {module.out_features} rows, its "
+                                 f"blocks {data.shape[0]}")
+        for name, module in linears.items():
+            fmt, data = blocks[name]
+            module.weight = nn.Parameter(data, requires_grad=False)
+            module.weight_format = fmt
 
     def forward(
         self,

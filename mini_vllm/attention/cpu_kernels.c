@@ -1,6 +1,7 @@
 /* The engine's CPU hot path in C: the paged cache write and PagedAttention decode (fp32), and
- * the linear layers' products for a decode step's few rows (fp32 or bf16 weights). OpenMP
- * spreads each over the threads PyTorch is set to (the same runtime: PyTorch loads it first).
+ * the linear layers' products for a decode step's few rows (fp32 or bf16 weights, or GGUF's
+ * Q4_1 and Q8_0 blocks). OpenMP spreads each over the threads PyTorch is set to (the same
+ * runtime: PyTorch loads it first).
  *
  * Same contract as lab 02-04's PyTorch ops (mini_vllm/attention/cache_ops.py and paged_attn.py)
  * and the same layouts: key_cache [num_blocks, num_kv_heads, head_size / 4, block_size, 4] (x = 4
@@ -23,9 +24,9 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define MV_BF16_UNPACK 1
+#define MV_AVX2 1
 #else
-#define MV_BF16_UNPACK 0
+#define MV_AVX2 0
 #endif
 
 enum { MV_OK = 0, MV_BAD_SEQ_LEN = 1, MV_BAD_BLOCK = 2, MV_BAD_SLOT = 3, MV_NO_MEMORY = 4 };
@@ -257,33 +258,113 @@ int mv_paged_decode_f32(float *out, const float *q, const float *key_cache,
 
 /* ---------------------------------------------------------------- the linear layers' matmul
  * out[m, n] = x[m, :] . w[n, :] (+ bias[n]): nn.Linear's y = x W^T + b, x fp32 [M, K] with rows
- * x_stride apart, w [N, K] contiguous, fp32 or bf16 (widened to fp32 as it is read: a bf16
- * number is the top half of an fp32 one), out fp32 [M, N] contiguous. Decode reads every weight
- * once per step for a handful of rows, so the loop is built to stream w at the memory's speed:
- * blocks of 4 weight rows x 4 tokens (16 accumulators in registers, each weight vector loaded
- * once for 4 tokens), the weight rows split over the OpenMP threads. Every output is the same
- * sum in the same order whatever M and the thread count are, so a token's result does not
- * depend on what else is in the batch. */
+ * x_stride apart, out fp32 [M, N] contiguous, w [N, K] contiguous in one of these formats:
+ *   fp32; bf16 (the top half of an fp32 number);
+ *   Q4_1 and Q8_0, the GGUF file's (llama.cpp's) blocks of 32 consecutive weights of a row (K a
+ *   multiple of 32): Q4_1 = fp16 scale d, fp16 minimum m, 16 bytes of 4-bit codes (byte j holds
+ *   weight j in its low nibble, weight j + 16 in its high one), weight = d * code + m, 20 bytes;
+ *   Q8_0 = fp16 scale d, 32 int8 codes, weight = d * code, 34 bytes.
+ * Every weight is widened to fp32 in registers, rounded as gguf's dequantize rounds it (d * code,
+ * then + m: two roundings, never fused), so a product with quantized weights equals the fp32
+ * product with the dequantized weights bit for bit.
+ *
+ * Decode reads every weight once per step for a handful of rows, so the loop is built to stream
+ * w at the memory's speed: blocks of 4 weight rows x 4 tokens (each weight vector loaded once for
+ * 4 tokens), the weight rows split over the OpenMP threads. One loop serves every format; only
+ * the load differs (load_w). Every output is the same sum in the same order whatever M and the
+ * thread count are, so a token's result does not depend on what else is in the batch. */
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint8_t v8b __attribute__((vector_size(8), aligned(1), may_alias));
+typedef int8_t v8c __attribute__((vector_size(8), aligned(1), may_alias));
 
-static inline __attribute__((always_inline)) v8 load_w(const void *w, int64_t i, const int bf) {
-  if (bf) {
-    const v8i wide = __builtin_convertvector(*(const v8h *)((const uint16_t *)w + i), v8i);
-    return (v8)(wide << 16);
+/* W_BF16_UNPACK: bf16 on AVX2, 16 at a time: interleaving zeros below each bf16 number (unpack)
+ * makes fp32 numbers in two instructions, no shifts, but in the column order 0-3 8-11 | 4-7
+ * 12-15; the tokens' x is read from a copy in that same order (see permute_x). */
+enum { W_F32, W_BF16, W_BF16_UNPACK, W_Q4_1, W_Q8_0 };
+enum { QBLOCK = 32, Q4_1_BYTES = 20, Q8_0_BYTES = 34 };
+
+/* Columns one load_w covers: a quantized block, two unpacked bf16 vectors, or one vector. */
+#define STEP(F) ((F) >= W_Q4_1 ? QBLOCK : (F) == W_BF16_UNPACK ? 16 : 8)
+
+/* IEEE half -> float, exactly (normal, subnormal, zero, infinity, NaN). */
+static inline float half_to_float(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7fff;
+  uint32_t bits;
+  if (em >= 0x7c00) {
+    bits = sign | 0x7f800000 | (em & 0x3ff) << 13;
+  } else if (em >= 0x0400) {
+    bits = sign | ((em << 13) + ((127 - 15) << 23));
+  } else {
+    const float f = (float)em * 5.9604644775390625e-8f; /* em * 2^-24: exact */
+    memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
   }
-  return *(const v8u *)((const float *)w + i);
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
-static inline __attribute__((always_inline)) float scalar_w(const void *w, int64_t i,
-                                                             const int bf) {
-  if (bf) {
-    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* 8 bytes as 8 int32, unsigned (Q4_1's code pairs) or signed (Q8_0's codes): one instruction on
+ * AVX2, which gcc does not find from __builtin_convertvector (it builds the vector a lane at a
+ * time). */
+static inline __attribute__((always_inline)) v8i widen8(const int is_signed, const uint8_t *p) {
+#if MV_AVX2
+  const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+  return (v8i)(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+#else
+  return is_signed ? __builtin_convertvector(*(const v8c *)p, v8i)
+                   : __builtin_convertvector(*(const v8b *)p, v8i);
+#endif
+}
+
+/* Row `row`'s weights at columns k .. k + STEP(F) - 1 as fp32 vectors of 8, wv[0] first. */
+static inline __attribute__((always_inline)) void load_w(const int F, v8 *restrict wv,
+                                                          const void *restrict w, int64_t row,
+                                                          int64_t K, int64_t k) {
+  if (F == W_F32) {
+    wv[0] = *(const v8u *)((const float *)w + row * K + k);
+  } else if (F == W_BF16) {
+    const v8i wide = __builtin_convertvector(*(const v8h *)((const uint16_t *)w + row * K + k),
+                                             v8i);
+    wv[0] = (v8)(wide << 16);
+  } else if (F == W_BF16_UNPACK) {
+#if MV_AVX2
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + row * K + k));
+    wv[0] = (v8)_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, packed));
+    wv[1] = (v8)_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, packed));
+#endif
+  } else if (F == W_Q4_1) {
+    const uint8_t *blk = (const uint8_t *)w + (row * (K / QBLOCK) + k / QBLOCK) * Q4_1_BYTES;
+    const float d = half_to_float(blk), m = half_to_float(blk + 2);
+    for (int h = 0; h < 2; ++h) { /* bytes 8h .. 8h + 7: weights 8h.. (low), 16 + 8h.. (high) */
+      const v8i codes = widen8(0, blk + 4 + 8 * h);
+      wv[h] = __builtin_convertvector(codes & 15, v8) * d + m;
+      wv[h + 2] = __builtin_convertvector(codes >> 4, v8) * d + m;
+    }
+  } else { /* W_Q8_0 */
+    const uint8_t *blk = (const uint8_t *)w + (row * (K / QBLOCK) + k / QBLOCK) * Q8_0_BYTES;
+    const float d = half_to_float(blk);
+    for (int s = 0; s < 4; ++s)
+      wv[s] = __builtin_convertvector(widen8(1, blk + 2 + 8 * s), v8) * d;
   }
-  return ((const float *)w)[i];
+}
+
+/* One weight for the columns past the last whole STEP (fp32 and bf16 only: a quantized row is
+ * whole blocks). */
+static inline __attribute__((always_inline)) float scalar_w(const int F, const void *w,
+                                                             int64_t i) {
+  if (F == W_F32) return ((const float *)w)[i];
+  const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 static inline float hsum(v8 a) {
@@ -293,71 +374,60 @@ static inline float hsum(v8 a) {
 /* a * b + c: one fused instruction where the CPU has one (an explicit FMA rounds once,
  * wherever it stands; the file is compiled with -ffp-contract=off so nothing else is fused). */
 static inline v8 madd(v8 a, v8 b, v8 c) {
-#if MV_BF16_UNPACK
+#if MV_AVX2
   return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
   return a * b + c;
 #endif
 }
 
-/* R weight rows (from n) x T tokens (from m); R and T are constants once inlined. */
+/* R weight rows (from n) x T tokens (from m); F, R and T are constants once inlined. The whole
+ * STEPs read x from xs (x itself, or its permuted copy for W_BF16_UNPACK), the rest from x. */
 static inline __attribute__((always_inline)) void linear_block(
-    const int R, const int T, const int bf, float *restrict out, const float *restrict x,
-    int64_t x_stride, const void *restrict w, const float *restrict bias, int64_t N, int64_t K,
-    int64_t n, int64_t m) {
-  const int64_t k8 = K / 8 * 8;
+    const int F, const int R, const int T, float *restrict out, const float *restrict x,
+    int64_t x_stride, const float *restrict xs, int64_t xs_stride, const void *restrict w,
+    const float *restrict bias, int64_t N, int64_t K, int64_t n, int64_t m) {
+  const int64_t whole = K / STEP(F) * STEP(F);
   v8 acc[4][4] = {{{0}}};
-  for (int64_t k = 0; k < k8; k += 8) {
-    v8 wv[4], xv[4];
-    for (int r = 0; r < R; ++r) wv[r] = load_w(w, (n + r) * K + k, bf);
-    for (int t = 0; t < T; ++t) xv[t] = *(const v8u *)(x + (m + t) * x_stride + k);
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) acc[r][t] = madd(wv[r], xv[t], acc[r][t]);
+  for (int64_t k = 0; k < whole; k += STEP(F)) {
+    for (int r = 0; r < R; ++r) {
+      v8 wv[4];
+      load_w(F, wv, w, n + r, K, k);
+      for (int t = 0; t < T; ++t)
+        for (int s = 0; s < STEP(F) / 8; ++s)
+          acc[r][t] = madd(wv[s], *(const v8u *)(xs + (m + t) * xs_stride + k + 8 * s),
+                           acc[r][t]);
+    }
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
       float sum = hsum(acc[r][t]);
-      for (int64_t k = k8; k < K; ++k)
-        sum += scalar_w(w, (n + r) * K + k, bf) * x[(m + t) * x_stride + k];
+      for (int64_t k = whole; k < K; ++k)
+        sum += scalar_w(F, w, (n + r) * K + k) * x[(m + t) * x_stride + k];
       out[(m + t) * N + n + r] = bias ? sum + bias[n + r] : sum;
     }
 }
 
-#if MV_BF16_UNPACK
-/* bf16 weights on AVX2, 16 at a time: interleaving zeros below each bf16 number (unpack) makes
- * fp32 numbers in two instructions, no shifts, but in the order 0-3 8-11 | 4-7 12-15. `xp` holds
- * every token's x in that same order (see permute_x), so the products pair up as they should.
- * The last K % 16 columns are summed one by one from x as it is. */
-static inline __attribute__((always_inline)) void linear_block_bf16x16(
-    const int R, const int T, float *restrict out, const float *restrict x, int64_t x_stride,
-    const float *restrict xp, const uint16_t *restrict w, const float *restrict bias, int64_t N,
-    int64_t K, int64_t n, int64_t m) {
-  const int64_t k16 = K / 16 * 16;
-  const __m256i zero = _mm256_setzero_si256();
-  __m256 acc[4][4];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < k16; k += 16) {
-    __m256 lo[4], hi[4];
-    for (int r = 0; r < R; ++r) {
-      const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n + r) * K + k));
-      lo[r] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv));
-      hi[r] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv));
-    }
-    for (int t = 0; t < T; ++t) {
-      const __m256 xlo = _mm256_loadu_ps(xp + (m + t) * K + k);
-      const __m256 xhi = _mm256_loadu_ps(xp + (m + t) * K + k + 8);
-      for (int r = 0; r < R; ++r)
-        acc[r][t] = _mm256_fmadd_ps(hi[r], xhi, _mm256_fmadd_ps(lo[r], xlo, acc[r][t]));
-    }
+/* Weight rows 4b .. 4b + 3 (fewer at the end) for every token. */
+static inline __attribute__((always_inline)) void linear_rows(
+    const int F, float *out, const float *x, int64_t x_stride, const float *xs,
+    int64_t xs_stride, int64_t M, const void *w, const float *bias, int64_t N, int64_t K,
+    int64_t b) {
+  const int64_t n = 4 * b;
+  const int full_rows = n + 4 <= N;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    if (full_rows) linear_block(F, 4, 4, out, x, x_stride, xs, xs_stride, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r)
+        linear_block(F, 1, 4, out, x, x_stride, xs, xs_stride, w, bias, N, K, r, m);
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      float sum = hsum((v8)acc[r][t]);
-      for (int64_t k = k16; k < K; ++k)
-        sum += scalar_w(w, (n + r) * K + k, 1) * x[(m + t) * x_stride + k];
-      out[(m + t) * N + n + r] = bias ? sum + bias[n + r] : sum;
-    }
+  for (; m < M; ++m) {
+    if (full_rows) linear_block(F, 4, 1, out, x, x_stride, xs, xs_stride, w, bias, N, K, n, m);
+    else
+      for (int64_t r = n; r < N; ++r)
+        linear_block(F, 1, 1, out, x, x_stride, xs, xs_stride, w, bias, N, K, r, m);
+  }
 }
 
 /* xp[m, 16j + 0..7] = x[m, 16j + (0-3, 8-11)], xp[m, 16j + 8..15] = x[m, 16j + (4-7, 12-15)]. */
@@ -373,68 +443,62 @@ static void permute_x(float *xp, const float *x, int64_t x_stride, int64_t M, in
     }
 }
 
-static inline __attribute__((always_inline)) void linear_rows_bf16x16(
-    float *out, const float *x, int64_t x_stride, const float *xp, int64_t M, const uint16_t *w,
-    const float *bias, int64_t N, int64_t K, int64_t b) {
-  const int64_t n = 4 * b;
-  const int full_rows = n + 4 <= N;
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) {
-    if (full_rows) linear_block_bf16x16(4, 4, out, x, x_stride, xp, w, bias, N, K, n, m);
-    else
-      for (int64_t r = n; r < N; ++r)
-        linear_block_bf16x16(1, 4, out, x, x_stride, xp, w, bias, N, K, r, m);
-  }
-  for (; m < M; ++m) {
-    if (full_rows) linear_block_bf16x16(4, 1, out, x, x_stride, xp, w, bias, N, K, n, m);
-    else
-      for (int64_t r = n; r < N; ++r)
-        linear_block_bf16x16(1, 1, out, x, x_stride, xp, w, bias, N, K, r, m);
-  }
-}
-#endif
-
-/* Weight rows 4b .. 4b + 3 (fewer at the end) for every token. */
-static inline __attribute__((always_inline)) void linear_rows(
-    const int bf, float *out, const float *x, int64_t x_stride, int64_t M, const void *w,
-    const float *bias, int64_t N, int64_t K, int64_t b) {
-  const int64_t n = 4 * b;
-  const int full_rows = n + 4 <= N;
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) {
-    if (full_rows) linear_block(4, 4, bf, out, x, x_stride, w, bias, N, K, n, m);
-    else
-      for (int64_t r = n; r < N; ++r) linear_block(1, 4, bf, out, x, x_stride, w, bias, N, K, r, m);
-  }
-  for (; m < M; ++m) {
-    if (full_rows) linear_block(4, 1, bf, out, x, x_stride, w, bias, N, K, n, m);
-    else
-      for (int64_t r = n; r < N; ++r) linear_block(1, 1, bf, out, x, x_stride, w, bias, N, K, r, m);
-  }
-}
-
-/* The parallel loop is written out in each entry point (not in a shared inline function) so
- * that OpenMP outlines it with `bf` a constant: one branch-free inner loop per weight type.
+/* The parallel loop is a macro, expanded in each entry point (not a shared inline function), so
+ * that OpenMP outlines it with F a constant: one branch-free inner loop per weight format.
  * Below about 64k multiply-adds a thread's start costs more than it saves. */
+#define LINEAR_ALL(F, XS, XS_STRIDE)                                                \
+  _Pragma("omp parallel for schedule(static) if (M * N * K >= 65536)")             \
+  for (int64_t b = 0; b < (N + 3) / 4; ++b)                                         \
+    linear_rows(F, out, x, x_stride, XS, XS_STRIDE, M, w, bias, N, K, b)
+
 void mv_linear_f32(float *out, const float *x, int64_t x_stride, int64_t M, const float *w,
                    const float *bias, int64_t N, int64_t K) {
-#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
-  for (int64_t b = 0; b < (N + 3) / 4; ++b) linear_rows(0, out, x, x_stride, M, w, bias, N, K, b);
+  LINEAR_ALL(W_F32, x, x_stride);
 }
 
 void mv_linear_bf16(float *out, const float *x, int64_t x_stride, int64_t M, const uint16_t *w,
                     const float *bias, int64_t N, int64_t K) {
-#if MV_BF16_UNPACK
+#if MV_AVX2
   float *xp = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
   if (xp) {
     permute_x(xp, x, x_stride, M, K);
-#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
-    for (int64_t b = 0; b < (N + 3) / 4; ++b)
-      linear_rows_bf16x16(out, x, x_stride, xp, M, w, bias, N, K, b);
+    LINEAR_ALL(W_BF16_UNPACK, xp, K);
     free(xp);
     return;
   }
 #endif
-#pragma omp parallel for schedule(static) if (M * N * K >= 65536)
-  for (int64_t b = 0; b < (N + 3) / 4; ++b) linear_rows(1, out, x, x_stride, M, w, bias, N, K, b);
+  LINEAR_ALL(W_BF16, x, x_stride);
+}
+
+/* w: N rows of K / 32 blocks each (Python checks K % 32 == 0). */
+void mv_linear_q4_1(float *out, const float *x, int64_t x_stride, int64_t M, const uint8_t *w,
+                    const float *bias, int64_t N, int64_t K) {
+  LINEAR_ALL(W_Q4_1, x, x_stride);
+}
+
+void mv_linear_q8_0(float *out, const float *x, int64_t x_stride, int64_t M, const uint8_t *w,
+                    const float *bias, int64_t N, int64_t K) {
+  LINEAR_ALL(W_Q8_0, x, x_stride);
+}
+
+/* out [N, K] fp32 = the blocks' weights, as gguf's dequantize gives them (for products of many
+ * rows, which PyTorch's GEMM computes). */
+static inline __attribute__((always_inline)) void dequantize_row(const int F, float *restrict out,
+                                                                  const void *restrict w,
+                                                                  int64_t n, int64_t K) {
+  for (int64_t k = 0; k < K; k += QBLOCK) {
+    v8 wv[4];
+    load_w(F, wv, w, n, K, k);
+    memcpy(out + n * K + k, wv, sizeof wv);
+  }
+}
+
+void mv_dequantize_q4_1(float *out, const uint8_t *w, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+  for (int64_t n = 0; n < N; ++n) dequantize_row(W_Q4_1, out, w, n, K);
+}
+
+void mv_dequantize_q8_0(float *out, const uint8_t *w, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+  for (int64_t n = 0; n < N; ++n) dequantize_row(W_Q8_0, out, w, n, K);
 }

@@ -1,5 +1,5 @@
 """The engine's compiled CPU path in C: the paged cache write, decode attention (fp32), and the
-linear layers' products for small batches (fp32 or bf16 weights).
+linear layers' products for small batches (fp32, bf16, or GGUF's Q4_1 / Q8_0 blocks).
 
 Lab 02-04's PyTorch ops are the engine's reference pieces: every PyTorch operation of a decode
 step is a separate call that allocates its result, and the op gathers each sequence's context
@@ -13,7 +13,8 @@ Decode on a CPU is bound by the bytes of weights read per token: every step read
 once for a few rows of activations. :func:`linear` streams them in 4-row x 4-token blocks split
 over the OpenMP threads (PyTorch's own fp32 matrix-vector product reads them at about half the
 memory's speed here, and its bf16 one, on a CPU without bf16 instructions, is slower still), and
-takes weights in bf16 as well, widened to fp32 as they are read: half the bytes per token.
+takes weights in bf16 as well, widened to fp32 as they are read: half the bytes per token, or
+as GGUF's quantized blocks (Q4_1: 5 bits a weight; Q8_0: 8.5), dequantized in registers.
 The kernels share PyTorch's OpenMP runtime (PyTorch is imported first and loads ``libgomp``), so
 ``torch.set_num_threads`` sets their threads too.
 
@@ -133,8 +134,12 @@ def load() -> ctypes.CDLL | None:
             lib.mv_paged_decode_f32.argtypes = [
                 _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
                 ctypes.c_float, ctypes.POINTER(_i64)]
-            for fn in (lib.mv_linear_f32, lib.mv_linear_bf16):
+            for fn in (lib.mv_linear_f32, lib.mv_linear_bf16, lib.mv_linear_q4_1,
+                       lib.mv_linear_q8_0):
                 fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
+                fn.restype = None
+            for fn in (lib.mv_dequantize_q4_1, lib.mv_dequantize_q8_0):
+                fn.argtypes = [_ptr, _ptr, _i64, _i64]
                 fn.restype = None
             _lib = lib
     return _lib or None
@@ -255,38 +260,75 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return out
 
 
-# Rows (tokens) up to which :func:`linear` takes a product, by weight dtype: a decode step's
-# handful. Past a few fp32 rows PyTorch's (MKL's) blocked GEMM is as fast, and a prefill is bound
-# by arithmetic, where it wins; bf16 weights stay here longer, because PyTorch would first have
-# to widen the whole weight (three times the bytes) or use its slow bf16 product.
-LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 32}
+# Rows (tokens) up to which :func:`linear` takes a product, by weight dtype or block format: a
+# decode step's handful. Past a few fp32 rows PyTorch's (MKL's) blocked GEMM is as fast, and a
+# prefill is bound by arithmetic, where it wins; bf16 and quantized weights stay here longer,
+# because PyTorch would first have to widen the whole weight (three or six times the bytes).
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 32, "q4_1": 32, "q8_0": 32}
+# GGUF's (llama.cpp's) block formats: QUANT_BLOCK consecutive weights of a row per block, and the
+# bytes of one block (Q4_1: fp16 scale, fp16 minimum, 16 bytes of 4-bit codes; Q8_0: fp16 scale,
+# 32 int8 codes). A quantized weight [N, K] is a uint8 tensor [N, K // 32 * bytes].
+QUANT_BLOCK = 32
+QUANT_BYTES = {"q4_1": 20, "q8_0": 34}
 
 
-def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def check_blocks(blocks: torch.Tensor, fmt: str, in_features: int) -> None:
+    """Raise ``ValueError`` unless ``blocks`` is a contiguous uint8 CPU tensor of whole ``fmt``
+    blocks for rows of ``in_features`` weights (a multiple of 32).
+
+    upstream: none (vLLM's GGUF layers keep the file's blocks as a uint8 parameter too)
+    """
+    if fmt not in QUANT_BYTES:
+        raise ValueError(f"unknown block format {fmt!r}; known: {sorted(QUANT_BYTES)}")
+    row_bytes = in_features // QUANT_BLOCK * QUANT_BYTES[fmt]
+    if (in_features % QUANT_BLOCK or blocks.dtype != torch.uint8 or blocks.dim() != 2
+            or blocks.shape[1] != row_bytes or blocks.device.type != "cpu"
+            or not blocks.is_contiguous()):
+        raise ValueError(f"{fmt} weights of rows of {in_features} must be a contiguous uint8 CPU "
+                         f"tensor [rows, {row_bytes}] ({in_features} a multiple of "
+                         f"{QUANT_BLOCK}); got {blocks.dtype} {tuple(blocks.shape)}")
+
+
+def linear_supported(x: torch.Tensor, weight: torch.Tensor, fmt: str | None = None) -> bool:
     """Whether :func:`linear` takes these: fp32 activations on the CPU, a contiguous fp32 or
-    bf16 weight, no autograd, at most :data:`LINEAR_MAX_ROWS` rows, and the kernels built.
+    bf16 weight (or ``fmt``'s blocks), no autograd, at most :data:`LINEAR_MAX_ROWS` rows, and
+    the kernels built.
 
     upstream: none (vLLM's CPU backend multiplies through oneDNN)
     """
+    kind = fmt if fmt is not None else weight.dtype
+    if fmt is not None:
+        in_ok = weight.dtype == torch.uint8 and weight.dim() == 2 and (
+            weight.shape[1] * QUANT_BLOCK == x.shape[-1] * QUANT_BYTES.get(fmt, 0))
+    else:
+        in_ok = weight.dim() == 2 and x.shape[-1] == weight.shape[1]
     return (x.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.dtype in LINEAR_MAX_ROWS and weight.dim() == 2
+            and kind in LINEAR_MAX_ROWS and in_ok
             and weight.device.type == "cpu" and weight.is_contiguous()
-            and x.shape[-1] == weight.shape[1]
-            and x.numel() <= LINEAR_MAX_ROWS[weight.dtype] * x.shape[-1]
+            and x.numel() <= LINEAR_MAX_ROWS[kind] * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and load() is not None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fmt: str | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in C, fp32 out, for :func:`linear_supported` inputs; a bf16
-    weight is widened to fp32 as it is read. Each output is summed in the same order whatever
-    the batch and the thread count (a token's result never depends on its neighbours).
+    weight is widened to fp32 as it is read, ``fmt``'s blocks (``"q4_1"``, ``"q8_0"``) are
+    dequantized in registers to exactly :func:`dequantize`'s values. Each output is summed in
+    the same order whatever the batch, the thread count and the weight's format (a token's
+    result never depends on its neighbours; quantized weights give the bits fp32 weights of the
+    same values give).
 
     upstream: none (vLLM's CPU backend multiplies through oneDNN)
     """
     lib = _library()
-    out_features, in_features = weight.shape
+    in_features = x.shape[-1]
+    if fmt is not None:
+        check_blocks(weight, fmt, in_features)
+        fn = getattr(lib, f"mv_linear_{fmt}")
+    else:
+        fn = lib.mv_linear_bf16 if weight.dtype == torch.bfloat16 else lib.mv_linear_f32
+    out_features = weight.shape[0]
     rows = x.reshape(-1, in_features)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -295,10 +337,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         bias = bias.contiguous()  # held here: C reads it after data_ptr() returns
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    fn = lib.mv_linear_bf16 if weight.dtype == torch.bfloat16 else lib.mv_linear_f32
     fn(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], weight.data_ptr(),
        None if bias is None else bias.data_ptr(), out_features, in_features)
     return out.view(*x.shape[:-1], out_features)
+
+
+def dequantize(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """``fmt``'s blocks as an fp32 weight ``[rows, in_features]``, in C: the values gguf's
+    ``dequantize`` gives, bit for bit (what a product of many rows hands to PyTorch's GEMM).
+
+    upstream: none (vLLM dequantizes GGUF weights in its CUDA kernels)
+    """
+    check_blocks(blocks, fmt, in_features)
+    out = torch.empty(blocks.shape[0], in_features, dtype=torch.float32)
+    getattr(_library(), f"mv_dequantize_{fmt}")(out.data_ptr(), blocks.data_ptr(),
+                                                 blocks.shape[0], in_features)
+    return out
 
 
 if __name__ == "__main__":  # python -m mini_vllm.attention.cpu_kernels: build and say where

