@@ -121,10 +121,10 @@ class Transformers:
 
 
 class LlamaCpp:
-    def __init__(self, gguf: str) -> None:
+    def __init__(self, gguf: str, weights: str) -> None:
         from llama_cpp import Llama
 
-        self.name = "llama.cpp (llama-cpp-python), one by one"
+        self.name = f"llama.cpp (llama-cpp-python) {weights}, one by one"
         self.gguf = gguf
         self.llms: dict[int, object] = {}
         self._llama = Llama
@@ -198,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="16 tokens, 4 short requests, 1 repeat, 2 accuracy prompts: proves it runs")
     p.add_argument("--accuracy-only", action="store_true",
                    help="the correctness checks and the weights' accuracy, no timing")
+    p.add_argument("--skip", nargs="+", default=[], metavar="WORDS",
+                   help="leave out contenders whose name contains WORDS (e.g. 'transformers, "
+                        "one by one', about 7 minutes a repeat)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.requests, args.repeats = 16, 4, 1
-    from mini_vllm.gguf_loader import named_model_file, resolve_model_name
+    from mini_vllm.gguf_loader import cache_dir, named_model_file, resolve_model_name
 
     path = str(resolve_model_name(args.model))
     contenders: list = [MiniVLLM(path, w) for w in WEIGHT_NAMES]
@@ -217,9 +220,21 @@ def main(argv: list[str] | None = None) -> int:
                                 "llama-cpp-python; it builds from source, about 12 minutes)")
     else:
         try:
-            contenders.append(LlamaCpp(args.gguf or str(named_model_file("smollm2"))))
+            gguf = Path(args.gguf or named_model_file("smollm2"))
+            contenders.append(LlamaCpp(str(gguf), "Q4_1"))
+            # The same values in F32: what mini_vllm's fp32 weights are (the issue's fair race).
+            f32 = cache_dir() / f"{gguf.stem}.F32.gguf"
+            if not f32.is_file():
+                from benchmarks.gguf_f32 import write_f32_copy
+
+                write_f32_copy(gguf, f32.with_suffix(".tmp")).replace(f32)
+            contenders.append(LlamaCpp(str(f32), "F32 (same values)"))
         except FileNotFoundError as exc:
             skipped["llama.cpp"] = f"no GGUF file: {exc}"
+    dropped = [c.name for c in contenders if any(word in c.name for word in args.skip)]
+    contenders = [c for c in contenders if c.name not in dropped]
+    for name in dropped:
+        skipped[name] = "left out with --skip"
     for name, why in skipped.items():
         print(f"{name}: skipped, {why}")
 
