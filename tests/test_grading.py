@@ -176,7 +176,7 @@ def test_intake_flags_given_code_that_differs_from_the_published_starter(tmp_pat
     (flag,) = intake(tmp_path / "fork", [lab]).lab_flags["03-01"]
     assert flag.startswith("given code changed: Scheduler.swap_space_cls (missing), "
                            "Scheduler.__init__, Scheduler._free_request, Scheduler.schedule, "
-                           "Scheduler._preempt (")
+                           "Scheduler._preempt, Scheduler._allocate_on_admission (missing) (")
     # Today's starter with a task written (and a comment in given code): no flag.
     today = (lab.path / "starter.py").read_text()
     starter.write_text(today.replace("    def schedule(self", "    # mine\n    def schedule(self")
