@@ -314,15 +314,32 @@ def test_choices_usage_and_token_ids():
     assert [(c["choices"][0]["index"], c["choices"][0]["token_ids"]) for c in chunks[:-1]] == \
         [(1, [97]), (0, [98]), (0, [99]), (1, [100]), (0, [101])], (
             "with return_token_ids every delta is a chunk, its token ids included")
-    firsts = [c["choices"][0]["index"] for c in chunks[:-1]
-              if "prompt_token_ids" in c["choices"][0]]
-    assert firsts == [1, 0], (
-        f"prompt_token_ids went with the chunks of choices {firsts}: only each choice's first")
+    firsts = [(c["choices"][0]["index"], c["choices"][0]["prompt_token_ids"])
+              for c in chunks[:-1] if "prompt_token_ids" in c["choices"][0]]
+    assert firsts == [(1, [1, 2, 3]), (0, [1, 2, 3])], (
+        f"prompt_token_ids went with the chunks of choices {firsts}: only each choice's first, "
+        "holding the prompt's ids")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}, (
         f"the last chunk is {chunks[-1]}: with include_usage it has no choices and the usage "
         "(prompt length, every delta's token ids)")
+    envelope = {"id": "cmpl-1", "object": "text_completion", "created": 99, "model": "tiny"}
+    assert {k: chunks[-1].get(k) for k in envelope} == envelope, (
+        f"the usage chunk is {chunks[-1]}: it is a chunk like the others, with the stream's id, "
+        "object, created and model")
     assert chunks[3]["choices"][0]["stop_reason"] == "\n"
+
+
+def test_a_held_back_completion_does_not_hold_back_the_others():
+    """One delta may carry several completions (n > 1): one with nothing to say yet is skipped,
+    the next one still gets its chunk."""
+    held = lab.CompletionOutput(0, "", [240], None, None)  # half a character: nothing to show
+    ready = lab.CompletionOutput(1, "b", [98], None, None)
+    both = lab.RequestOutput("r", None, [1, 2, 3], [held, ready], finished=False)
+    chunks = payloads(sse([both]))
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == [(1, "b")], (
+        f"chunks {chunks}: completion 0 held its text back, completion 1 had 'b' to send; skip "
+        "the held one (continue), do not stop the delta's loop")
 
 
 def test_an_engine_failure_mid_stream_is_an_error_event_then_done():
