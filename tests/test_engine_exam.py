@@ -408,3 +408,15 @@ def test_the_bugs_the_exam_rejects_are_pinned_and_one_it_stops_rejecting_fails_t
     malformed.write_text("# a comment\n02-04\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"list.txt:2"):
         load_bug_list(malformed)
+
+
+def test_the_case_that_rejected_a_bug_last_time_runs_first_and_the_rest_keep_their_order():
+    """`course check` passes a bug's recorded case as the job's `first`: it must lead, and the
+    other cases keep the exam's order (a later failure is still found)."""
+    from course.engine.exam import GRADED_SWEEP, cases
+    from course.engine.worker import _select_cases
+
+    names = [c.name for c in cases(GRADED_SWEEP)]
+    job = {"sweep": GRADED_SWEEP, "cases": names, "first": names[5]}
+    assert [c.name for c in _select_cases(job)] == [names[5], *names[:5], *names[6:]]
+    assert [c.name for c in _select_cases({**job, "first": ""})] == names

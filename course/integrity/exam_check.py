@@ -15,7 +15,7 @@ Three things are checked, each in its own worker process (:mod:`course.engine.wo
 Two lists under ``planted_bugs/`` pin the verdicts. ``exam_rejected.txt``: the bugs the exam
 rejects, each with the case that rejected it (run first, so the run stops at once); one the exam
 lets through fails the check. ``exam_not_rejected.txt``: the bugs it lets through; they are not
-run again (a lost note is all a run could give), unless ``every_bug``. ``course check
+run again (a rerun could only give a note, never a violation), unless ``every_bug``. ``course check
 --write-exam-lists`` runs every bug and writes both.
 """
 
