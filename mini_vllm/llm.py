@@ -94,6 +94,9 @@ class EngineConfig:
     * ``kv_reservation`` / ``static_batching``: the Orca-style and static-batching baselines of
       lab 03-06 (see :class:`~mini_vllm.config.SchedulerConfig`); ``"paged"`` and ``False``
       are how vLLM runs.
+    * ``enforce_eager``: run every step op by op through the model's modules; by default a
+      decode step on the CPU runs as one compiled call where it can (:mod:`mini_vllm.cpu_decode`,
+      the CPU's counterpart of the CUDA graphs this flag turns off upstream).
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -113,6 +116,7 @@ class EngineConfig:
     kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None
     kv_reservation: str = "paged"
     static_batching: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name, low, optional in (
@@ -140,6 +144,9 @@ class EngineConfig:
                 f"EngineConfig: enable_prefix_caching must be True or False, got "
                 f"{self.enable_prefix_caching!r}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"EngineConfig: enforce_eager must be True or False, got "
+                            f"{self.enforce_eager!r}")
         if self.use_cuda_ops not in (None, True, False):
             raise TypeError(
                 f"EngineConfig: use_cuda_ops must be None, True or False, got {self.use_cuda_ops!r}"
@@ -313,12 +320,15 @@ class EngineCoreBase:
         use_cuda_ops: bool | None = None,
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.scheduler = Scheduler(scheduler_config, log_stats=True)
-        # Only an fp8 cache passes the new arguments, so a runner class written before them
-        # still builds an "auto" engine.
+        # Only an fp8 cache (or enforce_eager) passes the new arguments, so a runner class
+        # written before them still builds a default engine.
         fp8_kwargs = ({"kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales}
                       if kv_cache_dtype != "auto" else {})
+        if enforce_eager:
+            fp8_kwargs["enforce_eager"] = True
         self.model_runner = self.runner_cls(
             model,
             block_size=scheduler_config.block_size,
@@ -702,6 +712,7 @@ class LLM:
             use_cuda_ops=self.config.use_cuda_ops,
             kv_cache_dtype=self.config.kv_cache_dtype,
             kv_scales=self.config.kv_scales,
+            enforce_eager=self.config.enforce_eager,
         )
 
     # ------------------------------------------------------------------ the public calls

@@ -48,6 +48,7 @@ from mini_vllm.attention.metadata import (
     build_attention_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
+from mini_vllm.cpu_decode import FusedDecode
 from mini_vllm.model import LlamaForCausalLM
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
@@ -402,6 +403,7 @@ class ModelRunnerBase:
         use_cuda_ops: bool | None = None,
         kv_cache_dtype: str = "auto",
         kv_scales: list[tuple[float, float]] | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -440,6 +442,10 @@ class ModelRunnerBase:
         self.attn_backend = PagedAttentionBackend(
             cfg.num_key_value_heads, cuda_ops, kv_cache_dtype, self.kv_caches, kv_scales
         )
+        # The decode step as one compiled call, where the model and the kernels allow it (the
+        # CPU's CUDA graph); enforce_eager=True runs every step op by op, as vLLM's flag does.
+        self.fused_decode = None if enforce_eager else FusedDecode.build(
+            model, self.kv_caches, self.attn_backend.cpu_kernels is not None)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # The persistent batch order (decodes first), carried from step to step.
@@ -450,6 +456,26 @@ class ModelRunnerBase:
         self.step_logprobs: dict[str, LogprobsLists] = {}
         self.sample_logprobs_outbox: dict[str, list[LogprobsLists]] = {}
         self.prompt_logprobs_outbox: dict[str, list[tuple[int, LogprobsLists]]] = {}
+
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Given: the model over the step's flat batch, ``self.model(input_ids, positions,
+        self.kv_caches, meta, self.attn_backend)`` with ``positions = meta.positions`` on the
+        model's device; a decode-only step that :attr:`fused_decode` takes (a CPU model whose
+        lab 02-04 pieces are the reference's, few rows, no forward hooks) runs as one compiled
+        call instead (:mod:`mini_vllm.cpu_decode`): the same hidden rows, to rounding, and the
+        same K/V written.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2298 @ v0.11.0 (the CUDA graph or eager
+        dispatch of the forward pass)
+        """
+        fused = self.fused_decode
+        if (fused is not None
+                and fused.applies(meta.num_decodes, meta.num_decode_tokens, meta.num_prefills)
+                and _reference_pieces_in_place()):
+            return fused(input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
+                         meta.seq_lens)
+        return self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta,
+                          self.attn_backend)
 
     @property
     def kv_scales(self) -> list[tuple[float, float] | None] | None:
@@ -633,9 +659,7 @@ class ModelRunner(ModelRunnerBase):
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         input_ids, meta = self._prepare_inputs(scheduler_output)
         self._account(meta)
-        hidden = self.model(
-            input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
-        )
+        hidden = self._forward(input_ids, meta)
         sampled = self._sample(hidden, meta)
         output = ModelRunnerOutput(
             req_ids=list(meta.req_ids),

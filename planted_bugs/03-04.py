@@ -61,18 +61,14 @@ BUGS = [
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         input_ids, meta = self._prepare_inputs(scheduler_output)
         self._account(meta)
-        hidden = self.model(
-            input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
-        )""",
+        hidden = self._forward(input_ids, meta)""",
         replace="""        self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._execute_block_ops(scheduler_output)
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         input_ids, meta = self._prepare_inputs(scheduler_output)
         self._account(meta)
-        hidden = self.model(
-            input_ids, meta.positions.to(self.device), self.kv_caches, meta, self.attn_backend
-        )
+        hidden = self._forward(input_ids, meta)
         self._execute_block_ops(scheduler_output)""",
     ),
     PlantedBug(

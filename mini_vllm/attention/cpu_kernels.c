@@ -282,6 +282,9 @@ typedef int8_t v8c __attribute__((vector_size(8), aligned(1), may_alias));
  * makes fp32 numbers in two instructions, no shifts, but in the column order 0-3 8-11 | 4-7
  * 12-15; the tokens' x is read from a copy in that same order (see permute_x). */
 enum { W_F32, W_BF16, W_BF16_UNPACK, W_Q4_1, W_Q8_0 };
+#ifndef PF_AHEAD
+#define PF_AHEAD 512
+#endif
 enum { QBLOCK = 32, Q4_1_BYTES = 20, Q8_0_BYTES = 34 };
 
 /* Columns one load_w covers: a quantized block, two unpacked bf16 vectors, or one vector. */
@@ -391,6 +394,7 @@ static inline __attribute__((always_inline)) void linear_block(
   v8 acc[4][4] = {{{0}}};
   for (int64_t k = 0; k < whole; k += STEP(F)) {
     for (int r = 0; r < R; ++r) {
+      if (F == W_F32) __builtin_prefetch((const float *)w + (n + r) * K + k + PF_AHEAD);
       v8 wv[4];
       load_w(F, wv, w, n + r, K, k);
       for (int t = 0; t < T; ++t)
@@ -501,4 +505,149 @@ void mv_dequantize_q4_1(float *out, const uint8_t *w, int64_t N, int64_t K) {
 void mv_dequantize_q8_0(float *out, const uint8_t *w, int64_t N, int64_t K) {
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
   for (int64_t n = 0; n < N; ++n) dequantize_row(W_Q8_0, out, w, n, K);
+}
+
+/* ---------------------------------------------------------------- the fused decode step
+ * A decode step of a Llama model (one new token per sequence) as one call: for each layer,
+ *   h = rmsnorm(x) ; q, k, v = h Wqkv^T (+ b) ; rotate q and k (NeoX halves) ; write k, v into
+ *   the layer's paged cache ; a = PagedAttention(q) ; x += a Wo^T (+ b) ;
+ *   h = rmsnorm(x) ; g, u = h Wgu^T (+ b) ; x += (silu(g) * u) Wdown^T (+ b)
+ * then out = rmsnorm(x) with the final norm. The same operations, in the same order, as
+ * mini_vllm/model.py's PyTorch modules; the products and the attention are the functions above.
+ * On a small model each of those ~40 PyTorch operations a layer costs more in the interpreter
+ * than in arithmetic: calling them from here is the CPU's answer to a GPU's CUDA graph. */
+typedef struct {
+  int32_t qkv_format, o_format, gate_up_format, down_format; /* MV_FMT_* */
+  const void *qkv, *o, *gate_up, *down;                       /* weights [N, K] */
+  const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;  /* NULL: none */
+  const float *input_norm, *post_norm;                        /* [hidden] */
+  float *key_cache, *value_cache;
+} mv_layer;
+
+typedef struct {
+  int64_t num_layers, hidden, num_heads, num_kv_heads, head_size, intermediate;
+  int64_t num_blocks, max_position;
+  float eps, scale;
+  const float *cos, *sin; /* [max_position, head_size / 2] */
+  const float *final_norm;
+} mv_model;
+
+enum { MV_FMT_F32 = 0, MV_FMT_BF16 = 1, MV_FMT_Q4_1 = 2, MV_FMT_Q8_0 = 3 };
+enum { MV_BAD_POSITION = 5 };
+
+static void linear_any(int32_t fmt, float *out, const float *x, int64_t x_stride, int64_t M,
+                       const void *w, const float *bias, int64_t N, int64_t K) {
+  switch (fmt) {
+    case MV_FMT_BF16: mv_linear_bf16(out, x, x_stride, M, w, bias, N, K); break;
+    case MV_FMT_Q4_1: mv_linear_q4_1(out, x, x_stride, M, w, bias, N, K); break;
+    case MV_FMT_Q8_0: mv_linear_q8_0(out, x, x_stride, M, w, bias, N, K); break;
+    default: mv_linear_f32(out, x, x_stride, M, w, bias, N, K);
+  }
+}
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, as RMSNorm.forward (fp32): the product
+ * by the reciprocal root, then by the weight. */
+static void rms_norm(float *restrict out, const float *restrict x, const float *restrict weight,
+                     int64_t T, int64_t n, float eps) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float *row = x + t * n;
+    v8 acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const v8 v = *(const v8u *)(row + i);
+      acc += v * v;
+    }
+    float sum = hsum(acc);
+    for (; i < n; ++i) sum += row[i] * row[i];
+    const float r = 1.0f / sqrtf(sum / (float)n + eps);
+    for (i = 0; i < n; ++i) out[t * n + i] = row[i] * r * weight[i];
+  }
+}
+
+/* Rotate `heads` heads of head_size at x (heads contiguous) by position pos, in place. */
+static void rotate(float *x, int64_t heads, int64_t head_size, const float *cos_row,
+                   const float *sin_row) {
+  const int64_t half = head_size / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float *x1 = x + h * head_size, *x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = a * cos_row[i] - b * sin_row[i];
+      x2[i] = b * cos_row[i] + a * sin_row[i];
+    }
+  }
+}
+
+/* x[T, hidden]: the step's embedded tokens, the residual stream (overwritten). out[T, hidden]:
+ * the final norm's output. work: T * (2 * hidden + 3 * q + 2 * kv + 3 * intermediate) floats,
+ * with q = num_heads * head_size and kv = num_kv_heads * head_size. Sequence t's token is at
+ * positions[t], goes to slots[t], and attends over seq_lens[t] tokens (its own included) through
+ * block_tables[t]. Every position, slot, length and used block is checked before anything is
+ * written (MV_* code, *bad = the token); then nothing fails. */
+int mv_decode_step(const mv_model *model, const mv_layer *layers, float *x, float *out,
+                   float *work, int64_t T, const int64_t *positions, const int64_t *slots,
+                   const int32_t *block_tables, int64_t table_cols, const int32_t *seq_lens,
+                   int64_t *bad) {
+  const int64_t hidden = model->hidden, hs = model->head_size, inter = model->intermediate;
+  const int64_t q_size = model->num_heads * hs, kv_size = model->num_kv_heads * hs;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  for (int64_t t = 0; t < T; ++t) {
+    if (positions[t] < 0 || positions[t] >= model->max_position) {
+      *bad = t;
+      return MV_BAD_POSITION;
+    }
+    if (slots[t] < 0 || slots[t] >= model->num_blocks * BS) {
+      *bad = t;
+      return MV_BAD_SLOT;
+    }
+    const int64_t len = seq_lens[t];
+    if (len < 1 || len > table_cols * BS) {
+      *bad = t;
+      return MV_BAD_SEQ_LEN;
+    }
+    for (int64_t j = 0; j * BS < len; ++j) {
+      const int64_t b = block_tables[t * table_cols + j];
+      if (b < 0 || b >= model->num_blocks) {
+        *bad = t;
+        return MV_BAD_BLOCK;
+      }
+    }
+  }
+  float *h = work, *tmp = h + T * hidden, *qkv = tmp + T * hidden;
+  float *q = qkv + T * qkv_size, *attn = q + T * q_size, *gate_up = attn + T * q_size;
+  float *act = gate_up + T * 2 * inter;
+  for (int64_t l = 0; l < model->num_layers; ++l) {
+    const mv_layer *L = layers + l;
+    rms_norm(h, x, L->input_norm, T, hidden, model->eps);
+    linear_any(L->qkv_format, qkv, h, hidden, T, L->qkv, L->qkv_bias, qkv_size, hidden);
+    for (int64_t t = 0; t < T; ++t) {
+      const float *c = model->cos + positions[t] * (hs / 2);
+      const float *s = model->sin + positions[t] * (hs / 2);
+      float *row = qkv + t * qkv_size;
+      rotate(row, model->num_heads + model->num_kv_heads, hs, c, s); /* q and k, adjacent */
+      memcpy(q + t * q_size, row, sizeof(float) * q_size);
+    }
+    int64_t unused;
+    mv_reshape_and_cache_f32(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size,
+                             L->key_cache, L->value_cache, slots, T, model->num_kv_heads, hs, BS,
+                             model->num_blocks * BS, &unused);
+    if (mv_paged_decode_f32(attn, q, L->key_cache, L->value_cache, block_tables, table_cols,
+                            seq_lens, T, model->num_heads, model->num_kv_heads, hs,
+                            model->num_blocks, model->scale, bad) != MV_OK)
+      return MV_NO_MEMORY;
+    linear_any(L->o_format, tmp, attn, q_size, T, L->o, L->o_bias, hidden, q_size);
+    for (int64_t i = 0; i < T * hidden; ++i) x[i] += tmp[i];
+    rms_norm(h, x, L->post_norm, T, hidden, model->eps);
+    linear_any(L->gate_up_format, gate_up, h, hidden, T, L->gate_up, L->gate_up_bias,
+               2 * inter, hidden);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = gate_up[t * 2 * inter + i], u = gate_up[t * 2 * inter + inter + i];
+        act[t * inter + i] = g / (1.0f + expf(-g)) * u;
+      }
+    linear_any(L->down_format, tmp, act, inter, T, L->down, L->down_bias, hidden, inter);
+    for (int64_t i = 0; i < T * hidden; ++i) x[i] += tmp[i];
+  }
+  rms_norm(out, x, model->final_norm, T, hidden, model->eps);
+  return MV_OK;
 }

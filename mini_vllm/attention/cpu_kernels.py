@@ -141,6 +141,8 @@ def load() -> ctypes.CDLL | None:
             for fn in (lib.mv_dequantize_q4_1, lib.mv_dequantize_q8_0):
                 fn.argtypes = [_ptr, _ptr, _i64, _i64]
                 fn.restype = None
+            lib.mv_decode_step.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+                                           _i64, _ptr, ctypes.POINTER(_i64)]
             _lib = lib
     return _lib or None
 

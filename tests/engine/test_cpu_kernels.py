@@ -202,7 +202,8 @@ def test_engine_decodes_with_the_kernels_when_the_reference_pieces_are_in_place(
         monkeypatch, tiny_model, prompts, reference_outputs):
     kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
     # Wrapping a module's function is replacing it, so the PyTorch op is only observed here.
-    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    # Op by op (enforce_eager): by default a decode step is one fused call (test_cpu_decode.py).
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64, enforce_eager=True)
     assert backend(llm).cpu_kernels is not None
     assert run(llm, prompts) == reference_outputs
     assert kernel_calls

@@ -84,6 +84,7 @@ class ModelRunner(ModelRunnerBase):
     ``self.requests`` (request id -> ``CachedRequestState``), ``self.batch_req_ids`` (the batch
     order of the previous step), ``self._new_request_state(new_request_data)``,
     ``self._execute_block_ops(scheduler_output)``, ``self._account(metadata)``,
+    ``self._forward(input_ids, metadata)`` (the model over the step),
     ``self._stop_token_ids(state)``, and the log-probabilities that ``LLM`` reports and beam
     search ranks by: ``self._gather_sample_logprobs(logits, states, tokens)`` and
     ``self._with_logprobs(output, hidden, meta)``.
@@ -103,9 +104,11 @@ class ModelRunner(ModelRunnerBase):
 
         A step with ``total_num_scheduled_tokens == 0`` runs no model and returns an empty
         ``ModelRunnerOutput`` (no ids, no tokens). Otherwise the model runs once over the flat
-        batch of ``_prepare_inputs``, ``self.model(input_ids, positions, self.kv_caches, meta,
-        self.attn_backend)`` with ``positions = meta.positions`` on ``self.device`` (it writes
-        the step's K/V into the paged cache and returns one hidden row per token), the step is
+        batch of ``_prepare_inputs`` through the given ``self._forward(input_ids, meta)`` (it
+        calls ``self.model(input_ids, positions, self.kv_caches, meta, self.attn_backend)`` with
+        ``positions = meta.positions`` on ``self.device``, or runs a decode step as one compiled
+        call; either writes the step's K/V into the paged cache and returns one hidden row per
+        token), the step is
         counted with ``self._account(meta)``, and the output is ``ModelRunnerOutput(req_ids,
         req_id_to_index, sampled)`` with the requests in batch order (``meta.req_ids``),
         ``req_id_to_index[r]`` the position of ``r`` in it and ``sampled`` what ``_sample``

@@ -1,0 +1,186 @@
+"""The fused decode step (``mini_vllm.cpu_decode``): a decode-only step as one compiled call.
+
+It must compute what the model's modules compute op by op (hidden rows to fp32 rounding, the same
+K/V in the cache), give the reference's tokens with every weight format, refuse bad metadata
+before it writes anything, and step aside whenever the op-by-op path is what must run: a student's
+piece in place, a forward hook, ``enforce_eager=True``, a prefill, or more rows than its products
+take.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_vllm import model_runner
+from mini_vllm.attention import cpu_kernels, paged_attn
+from mini_vllm.attention.metadata import build_attention_metadata
+from mini_vllm.cpu_decode import FusedDecode
+from mini_vllm.llm import LLM, EngineConfig
+from mini_vllm.model import greedy_reference
+from mini_vllm.sampling_params import SamplingParams
+
+from .conftest import make_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
+                                reason="no C compiler here: the engine uses the PyTorch ops")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+def spy(monkeypatch, owner, name):
+    calls = []
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
+def run(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "bfloat16", "q4_1", "q8_0"])
+def test_decode_steps_run_fused_and_give_the_reference_tokens(monkeypatch, prompts,
+                                                              weight_dtype):
+    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    eager_calls = spy(monkeypatch, cpu_kernels, "paged_decode")
+    model = make_tiny_model()
+    llm = LLM(model, weight_dtype=weight_dtype, block_size=16, num_gpu_blocks=64)
+    want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
+    assert run(llm, prompts) == want
+    assert fused_calls
+    # Every step of this run is a prefill (no decode yet) or a pure decode: none is op by op.
+    assert not eager_calls
+
+
+def decode_batch(llm, context_lens, seed=0):
+    """A decode step over ``context_lens`` earlier tokens each (caches filled with random K/V,
+    each sequence in its own blocks, every other slot NaN), and its metadata."""
+    g = torch.Generator().manual_seed(seed)
+    runner = llm.engine.model_runner
+    for key_cache, value_cache in runner.kv_caches:
+        key_cache.copy_(torch.randn(key_cache.shape, generator=g))
+        value_cache.copy_(torch.randn(value_cache.shape, generator=g))
+        key_cache[0].fill_(float("nan"))  # the null block: never read
+        value_cache[0].fill_(float("nan"))
+    ids = [f"r{i}" for i in range(len(context_lens))]
+    next_block, block_ids = 1, {}
+    for req, n in zip(ids, context_lens):
+        used = n // 16 + 1  # room for the new token
+        block_ids[req] = list(range(next_block, next_block + used))
+        next_block += used
+    meta = build_attention_metadata(ids, dict.fromkeys(ids, 1), dict(zip(ids, context_lens)),
+                                    block_ids, 16)
+    input_ids = torch.randint(0, llm.model.config.vocab_size, (len(ids),), generator=g)
+    return runner, input_ids, meta
+
+
+def caches_of(runner):
+    return [tuple(t.clone() for t in layer) for layer in runner.kv_caches]
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "q4_1"])
+def test_a_fused_step_computes_what_the_modules_compute(weight_dtype):
+    llm = LLM(make_tiny_model(), weight_dtype=weight_dtype, block_size=16, num_gpu_blocks=64)
+    runner, input_ids, meta = decode_batch(llm, [0, 15, 16, 40])
+    before = caches_of(runner)
+    eager = runner.model(input_ids, meta.positions, runner.kv_caches, meta, runner.attn_backend)
+    eager_caches = caches_of(runner)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        k.copy_(k0)
+        v.copy_(v0)
+    fused = runner.fused_decode(input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
+                                meta.seq_lens)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    for (k, v), (ke, ve) in zip(runner.kv_caches, eager_caches):
+        torch.testing.assert_close(k, ke, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(v, ve, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_two_threads_give_one_thread_s_bits():
+    llm = LLM(make_tiny_model(), block_size=16, num_gpu_blocks=64)
+    runner, input_ids, meta = decode_batch(llm, [3, 30, 47])
+    before = caches_of(runner)
+    args = (input_ids, meta.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = runner.fused_decode(*args)
+        for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        torch.set_num_threads(2)
+        two = runner.fused_decode(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("slot_mapping", 64 * 16, r"^slot_mapping\[1\] is outside the cache$"),
+    ("positions", 256, r"^positions\[1\] is beyond the model's max_position_embeddings$"),
+    ("seq_lens", 0, r"^seq_lens\[1\] is not in 1 \.\. the tokens its block table row holds$"),
+    ("block_tables", 64, r"^block_tables row 1 names a block outside the cache$"),
+])
+def test_bad_metadata_is_refused_before_anything_is_written(field, value, message):
+    llm = LLM(make_tiny_model(), block_size=16, num_gpu_blocks=64)
+    runner, input_ids, meta = decode_batch(llm, [3, 20, 5])
+    tensors = {name: getattr(meta, name).clone()
+               for name in ("positions", "slot_mapping", "block_tables", "seq_lens")}
+    if field == "block_tables":
+        tensors[field][1, 0] = value
+    else:
+        tensors[field][1] = value
+    before = caches_of(runner)
+    with pytest.raises(ValueError, match=message):
+        runner.fused_decode(input_ids, tensors["positions"], tensors["slot_mapping"],
+                            tensors["block_tables"], tensors["seq_lens"])
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        assert torch.equal(k.nan_to_num(), k0.nan_to_num())
+        assert torch.equal(v.nan_to_num(), v0.nan_to_num())
+
+
+def test_enforce_eager_runs_every_step_op_by_op(monkeypatch, tiny_model, prompts,
+                                                reference_outputs):
+    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    eager_calls = spy(monkeypatch, cpu_kernels, "paged_decode")
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64, enforce_eager=True)
+    assert llm.engine.model_runner.fused_decode is None
+    assert run(llm, prompts) == reference_outputs
+    assert eager_calls and not fused_calls
+    with pytest.raises(TypeError, match=r"^EngineConfig: enforce_eager must be True or False"):
+        EngineConfig(enforce_eager="yes")
+
+
+def test_a_student_piece_or_a_forward_hook_turns_the_fused_step_off(monkeypatch, prompts):
+    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    model = make_tiny_model()
+    want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
+    piece_calls = spy(monkeypatch, paged_attn, "forward_decode")  # a stand-in for the student's
+    assert not model_runner._reference_pieces_in_place()
+    assert run(LLM(model, block_size=16, num_gpu_blocks=64), prompts) == want
+    assert piece_calls and not fused_calls
+    monkeypatch.undo()
+    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    rows = []
+    model.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    assert run(LLM(model, block_size=16, num_gpu_blocks=64), prompts) == want
+    # The hook saw every decode step of the seven requests.
+    assert not fused_calls and rows.count(len(prompts)) == GREEDY.max_tokens - 1
+
+
+def test_more_rows_than_the_products_take_run_op_by_op(monkeypatch):
+    """fp32 products of more than 8 rows are PyTorch's GEMM: a 12-sequence decode is eager."""
+    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    model = make_tiny_model()
+    llm = LLM(model, block_size=16, num_gpu_blocks=64)
+    assert llm.engine.model_runner.fused_decode.max_rows == 8
+    prompts = [[i, i + 1, i + 2] for i in range(12)]
+    want = [greedy_reference(model, p, 4) for p in prompts]
+    assert run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=4)) == want
+    assert not fused_calls
