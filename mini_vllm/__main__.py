@@ -67,6 +67,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the linear layers' weights: as loaded (auto), bfloat16, or GGUF blocks q4_1 / q8_0 "
         "(a GGUF model's own), widened to float32 as they are read (fewer bytes per decoded "
         "token; activations and KV cache stay float32)")
+    add("--enforce-eager", action="store_true",
+        help="run every step op by op through the model's modules (by default a CPU decode "
+        "step is one compiled call, the CPU's counterpart of a CUDA graph)")
     add("--device", default="cpu")
 
 
@@ -182,6 +185,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         num_cpu_blocks=args.num_cpu_blocks,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
         kv_reservation=args.kv_reservation,
         static_batching=args.static_batching,
     )

@@ -184,3 +184,13 @@ def test_more_rows_than_the_products_take_run_op_by_op(monkeypatch):
     want = [greedy_reference(model, p, 4) for p in prompts]
     assert run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=4)) == want
     assert not fused_calls
+
+
+@pytest.mark.parametrize("flags, fused", [([], True), (["--enforce-eager"], False)])
+def test_the_cli_s_enforce_eager_flag(monkeypatch, capsys, flags, fused):
+    from mini_vllm.__main__ import main
+
+    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    assert main(["generate", *flags, "--max-tokens", "4", "To be"]) == 0
+    assert bool(fused_calls) == fused
+    assert "To be" in capsys.readouterr().out
