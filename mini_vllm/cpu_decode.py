@@ -74,6 +74,7 @@ class FusedDecode:
                  lib: ctypes.CDLL) -> None:
         cfg = model.config
         self._lib, self._model_ref = lib, model
+        self._modules = list(model.modules())
         self._keep: list[torch.Tensor] = []
         self.hidden = cfg.hidden_size
         layers = model.model.layers
@@ -149,11 +150,16 @@ class FusedDecode:
 
     def applies(self, num_decodes: int, num_decode_tokens: int, num_prefills: int) -> bool:
         """Whether a step is the fused kind: decodes only, one token each, few enough rows, and
-        a model with no forward hooks (a hook expects the model to be called)."""
-        model = self._model_ref
+        no forward hook on the model or any of its modules (a hook expects its module to be
+        called)."""
         return (not num_prefills and num_decodes == num_decode_tokens
-                and 0 < num_decodes <= self.max_rows
-                and not (model._forward_hooks or model._forward_pre_hooks))
+                and 0 < num_decodes <= self.max_rows and not self._hooked())
+
+    def _hooked(self) -> bool:
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,

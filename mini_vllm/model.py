@@ -447,6 +447,32 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def move_weights_to_huge_pages(self) -> int:
+        """Move every weight, fused ones included, onto 2 MB pages where the OS offers them
+        (:mod:`mini_vllm.huge_pages`): a decode step streams them 10-25% faster on a CPU.
+        Values, names, fusions and ties stay as they are. Returns the bytes moved.
+
+        upstream: none (vLLM leaves weight placement on the CPU to PyTorch's allocator)
+        """
+        from mini_vllm.huge_pages import move_weights_to_huge_pages
+
+        holders = []  # (module, attribute, fused tensors) of every fusion still in force
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module, name, parts in (
+                    (attn, "_qkv_fused", (attn.q_proj, attn.k_proj, attn.v_proj)),
+                    (mlp, "_gate_up_fused", (mlp.gate_proj, mlp.up_proj))):
+                fused = fused_weight(getattr(module, name), parts)
+                setattr(module, name, fused)
+                if fused is not None:
+                    holders.append((module, name, fused))
+        extra = [t for _, _, fused in holders for t in fused if t is not None]
+        moved = move_weights_to_huge_pages(self, extra)
+        it = iter(extra)
+        for module, name, (weight, bias) in holders:
+            setattr(module, name, (next(it), None if bias is None else next(it)))
+        return moved
+
     def set_weight_dtype(self, dtype: torch.dtype) -> None:
         """Store the linear layers' weights (projections, MLP, LM head) in ``dtype`` and compute
         with them widened to the activations' dtype (weight-only: embeddings, norms, biases,

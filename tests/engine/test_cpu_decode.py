@@ -168,7 +168,9 @@ def test_a_student_piece_or_a_forward_hook_turns_the_fused_step_off(monkeypatch,
     monkeypatch.undo()
     fused_calls = spy(monkeypatch, FusedDecode, "__call__")
     rows = []
-    model.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    # A hook on one layer's MLP: the fused step would never call it.
+    model.model.layers[1].mlp.register_forward_hook(
+        lambda module, args, out: rows.append(out.shape[0]))
     assert run(LLM(model, block_size=16, num_gpu_blocks=64), prompts) == want
     # The hook saw every decode step of the seven requests.
     assert not fused_calls and rows.count(len(prompts)) == GREEDY.max_tokens - 1
