@@ -74,9 +74,10 @@ class FusedDecode:
                  lib: ctypes.CDLL) -> None:
         cfg = model.config
         self._lib, self._model_ref = lib, model
-        self._modules = list(model.modules())
+        # Every module's hook dictionaries (registering a hook adds to its module's dictionary).
+        self._hooks = [d for m in model.modules() for d in (m._forward_hooks,
+                                                            m._forward_pre_hooks)]
         self._keep: list[torch.Tensor] = []
-        self.hidden = cfg.hidden_size
         layers = model.model.layers
         self._layers = (_Layer * len(layers))()
         kinds = set()
@@ -84,9 +85,10 @@ class FusedDecode:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = fused_weight(attn._qkv_fused, (attn.q_proj, attn.k_proj, attn.v_proj))
             gate_up = fused_weight(mlp._gate_up_fused, (mlp.gate_proj, mlp.up_proj))
-            products = {"qkv": (qkv, attn.q_proj), "o": (self._own(attn.o_proj), attn.o_proj),
+            products = {"qkv": (qkv, attn.q_proj),
+                        "o": ((attn.o_proj.weight, attn.o_proj.bias), attn.o_proj),
                         "gate_up": (gate_up, mlp.gate_proj),
-                        "down": (self._own(mlp.down_proj), mlp.down_proj)}
+                        "down": ((mlp.down_proj.weight, mlp.down_proj.bias), mlp.down_proj)}
             for name, (weights, module) in products.items():
                 kind = module.weight_format or weights[0].dtype
                 kinds.add(kind)
@@ -110,9 +112,6 @@ class FusedDecode:
         q = first.num_heads * first.head_dim
         kv = first.num_kv_heads * first.head_dim
         self._work_per_row = 2 * cfg.hidden_size + 3 * q + 2 * kv + 3 * cfg.intermediate_size
-
-    def _own(self, module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return module.weight, module.bias
 
     def _pointer(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -157,9 +156,8 @@ class FusedDecode:
 
     def _hooked(self) -> bool:
         hooks = torch.nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+        return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                    or any(self._hooks))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -37,6 +37,20 @@ def make_prompts(seed: int = 3) -> list[list[int]]:
     return prompts
 
 
+def counting(monkeypatch, owner, name) -> list[str]:
+    """Wrap ``owner.name`` (a module's function, or a class's method) so that every call is
+    recorded in the returned list, then runs the original; undone with the test."""
+    calls = []
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaForCausalLM:
     return make_tiny_model()

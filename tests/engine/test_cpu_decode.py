@@ -20,24 +20,12 @@ from mini_vllm.llm import LLM, EngineConfig
 from mini_vllm.model import greedy_reference
 from mini_vllm.sampling_params import SamplingParams
 
-from .conftest import make_tiny_model
+from .conftest import counting, make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
                                 reason="no C compiler here: the engine uses the PyTorch ops")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
-
-
-def spy(monkeypatch, owner, name):
-    calls = []
-    original = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, wrapper)
-    return calls
 
 
 def run(llm, prompts, params=GREEDY):
@@ -47,8 +35,8 @@ def run(llm, prompts, params=GREEDY):
 @pytest.mark.parametrize("weight_dtype", ["auto", "bfloat16", "q4_1", "q8_0"])
 def test_decode_steps_run_fused_and_give_the_reference_tokens(monkeypatch, prompts,
                                                               weight_dtype):
-    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
-    eager_calls = spy(monkeypatch, cpu_kernels, "paged_decode")
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
+    eager_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
     model = make_tiny_model()
     llm = LLM(model, weight_dtype=weight_dtype, block_size=16, num_gpu_blocks=64)
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
@@ -147,8 +135,8 @@ def test_bad_metadata_is_refused_before_anything_is_written(field, value, messag
 
 def test_enforce_eager_runs_every_step_op_by_op(monkeypatch, tiny_model, prompts,
                                                 reference_outputs):
-    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
-    eager_calls = spy(monkeypatch, cpu_kernels, "paged_decode")
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
+    eager_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
     llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64, enforce_eager=True)
     assert llm.engine.model_runner.fused_decode is None
     assert run(llm, prompts) == reference_outputs
@@ -158,15 +146,15 @@ def test_enforce_eager_runs_every_step_op_by_op(monkeypatch, tiny_model, prompts
 
 
 def test_a_student_piece_or_a_forward_hook_turns_the_fused_step_off(monkeypatch, prompts):
-    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
     model = make_tiny_model()
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
-    piece_calls = spy(monkeypatch, paged_attn, "forward_decode")  # a stand-in for the student's
+    piece_calls = counting(monkeypatch, paged_attn, "forward_decode")  # a stand-in for the student's
     assert not model_runner._reference_pieces_in_place()
     assert run(LLM(model, block_size=16, num_gpu_blocks=64), prompts) == want
     assert piece_calls and not fused_calls
     monkeypatch.undo()
-    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
     rows = []
     # A hook on one layer's MLP: the fused step would never call it.
     model.model.layers[1].mlp.register_forward_hook(
@@ -178,7 +166,7 @@ def test_a_student_piece_or_a_forward_hook_turns_the_fused_step_off(monkeypatch,
 
 def test_more_rows_than_the_products_take_run_op_by_op(monkeypatch):
     """fp32 products of more than 8 rows are PyTorch's GEMM: a 12-sequence decode is eager."""
-    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
     model = make_tiny_model()
     llm = LLM(model, block_size=16, num_gpu_blocks=64)
     assert llm.engine.model_runner.fused_decode.max_rows == 8
@@ -192,7 +180,7 @@ def test_more_rows_than_the_products_take_run_op_by_op(monkeypatch):
 def test_the_cli_s_enforce_eager_flag(monkeypatch, capsys, flags, fused):
     from mini_vllm.__main__ import main
 
-    fused_calls = spy(monkeypatch, FusedDecode, "__call__")
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
     assert main(["generate", *flags, "--max-tokens", "4", "To be"]) == 0
     assert bool(fused_calls) == fused
     assert "To be" in capsys.readouterr().out

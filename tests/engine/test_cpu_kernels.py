@@ -24,7 +24,7 @@ from mini_vllm.llm import LLM
 from mini_vllm.model import greedy_reference
 from mini_vllm.sampling_params import SamplingParams
 
-from .conftest import make_prompts, make_tiny_model
+from .conftest import counting, make_prompts, make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
                                 reason="no C compiler here: the engine uses the PyTorch ops")
@@ -176,18 +176,6 @@ def test_cache_write_refuses_a_slot_beyond_the_cache_and_writes_nothing():
 
 
 # ---- the engine's choice ----------------------------------------------------------------------
-
-
-def counting(monkeypatch, module, name):
-    calls = []
-    original = getattr(module, name)
-
-    def spy(*args, **kwargs):
-        calls.append(name)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, spy)
-    return calls
 
 
 def backend(llm):
