@@ -469,7 +469,7 @@ class LlamaForCausalLM(nn.Module):
         extra = [t for _, _, fused in holders for t in fused if t is not None]
         moved = move_weights_to_huge_pages(self, extra)
         it = iter(extra)
-        for module, name, (weight, bias) in holders:
+        for module, name, (_, bias) in holders:
             setattr(module, name, (next(it), None if bias is None else next(it)))
         return moved
 

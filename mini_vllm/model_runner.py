@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mini_vllm import huge_pages
 from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
 from mini_vllm.attention.chunked_prefill import chunked_prefill_attention
 from mini_vllm.attention.fp8 import (
@@ -48,7 +49,6 @@ from mini_vllm.attention.metadata import (
     build_attention_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
-from mini_vllm import huge_pages
 from mini_vllm.cpu_decode import FusedDecode
 from mini_vllm.model import LlamaForCausalLM
 from mini_vllm.sampler import Sampler, SamplingMetadata
@@ -414,7 +414,7 @@ class ModelRunnerBase:
             model.fuse_projections()
         # A CPU decode streams every weight each step: faster from 2 MB pages, where offered.
         if (hasattr(model, "move_weights_to_huge_pages") and huge_pages.offered()
-                and next(model.parameters()).device.type == "cpu"):
+                and param.device.type == "cpu"):
             model.move_weights_to_huge_pages()
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size

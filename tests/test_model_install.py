@@ -73,7 +73,8 @@ def dry_run(argv: list[str], tmp_path: Path) -> list[tuple[str, str]]:
     # --ignore-installed: what the command installs into a fresh venv, even where the model
     # is installed already (a developer who followed the README runs this suite too).
     cmd = [sys.executable, "-m", "pip", *argv[1:], "--dry-run", "--ignore-installed",
-           "--report", str(report), "--no-index", "--find-links", str(wheels), "--no-build-isolation", "--quiet"]
+           "--report", str(report), "--no-index", "--find-links", str(wheels),
+           "--no-build-isolation", "--quiet"]
     # No pip configuration (a machine's extra index or find-links) and no network; a project
     # to build (`-e .`) builds with the setuptools installed here.
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",

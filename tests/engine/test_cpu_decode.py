@@ -149,7 +149,8 @@ def test_a_student_piece_or_a_forward_hook_turns_the_fused_step_off(monkeypatch,
     fused_calls = counting(monkeypatch, FusedDecode, "__call__")
     model = make_tiny_model()
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
-    piece_calls = counting(monkeypatch, paged_attn, "forward_decode")  # a stand-in for the student's
+    # A stand-in for the student's piece.
+    piece_calls = counting(monkeypatch, paged_attn, "forward_decode")
     assert not model_runner._reference_pieces_in_place()
     assert run(LLM(model, block_size=16, num_gpu_blocks=64), prompts) == want
     assert piece_calls and not fused_calls
