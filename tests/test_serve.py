@@ -10,6 +10,7 @@ the engine as it was; a client that goes away mid-request must leave no KV block
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -318,14 +319,25 @@ def test_client_closing_a_stream_frees_every_block(served):
         "must abort it")
 
 
-def test_client_timing_out_on_a_whole_response_frees_every_block(served):
+def test_client_timing_out_on_a_whole_response_frees_every_block(served, monkeypatch):
     longest = MAX_MODEL_LEN - 8
+    # Each step made to last 5 ms: the whole response takes over a second whatever the machine
+    # (the tiny model's own steps can be fast enough to beat the timeout).
+    runner = served.engine.engine_core.model_runner
+    real = runner.execute_model
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.005)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute_model", slow_step)
     before = _steps(served)
     with pytest.raises(openai.APITimeoutError):
         served.client(timeout=0.3).completions.create(
             model=MODEL, prompt="JULIET.\n", temperature=0.0, max_tokens=longest,
             extra_body={"ignore_eos": True})
     served.wait_idle()
+    monkeypatch.undo()
     assert served.pool.get_num_free_blocks() == served.pool.num_gpu_blocks - 1
     assert _steps(served) - before < longest, "the request ran to its end after the timeout"
 
