@@ -586,7 +586,8 @@ static void rotate(float *x, int64_t heads, int64_t head_size, const float *cos_
  * with q = num_heads * head_size and kv = num_kv_heads * head_size. Sequence t's token is at
  * positions[t], goes to slots[t], and attends over seq_lens[t] tokens (its own included) through
  * block_tables[t]. Every position, slot, length and used block is checked before anything is
- * written (MV_* code, *bad = the token); then nothing fails. */
+ * written (MV_* code, *bad = the token); after that only the attention's logits allocation can
+ * fail (MV_NO_MEMORY), with earlier layers' caches already written. */
 int mv_decode_step(const mv_model *model, const mv_layer *layers, float *x, float *out,
                    float *work, int64_t T, const int64_t *positions, const int64_t *slots,
                    const int32_t *block_tables, int64_t table_cols, const int32_t *seq_lens,
