@@ -13,6 +13,10 @@ per-operation path calls. The tokens are the same; the floating-point sums of th
 SiLU are C's, not PyTorch's, so hidden states agree to rounding (about 1e-6 relative), not bit
 for bit.
 
+Any step of few enough tokens takes this path, not only decodes: a short prompt (or prefill
+chunk) is a handful of rows too, each attending over its own prefix through the decode kernel,
+which reads the whole weight set once for the step instead of ~40 PyTorch operations a layer.
+
 Like a captured CUDA graph, the plan is built once, from the weights the model holds when the
 runner starts (it keeps them alive, and the engine never replaces them); a weight replaced later
 is not seen.
@@ -28,6 +32,7 @@ import ctypes
 import torch
 
 from mini_vllm.attention import cpu_kernels
+from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.model import LlamaForCausalLM, fused_weight
 
 # Weight storage -> mv_decode_step's format code (MV_FMT_* in cpu_kernels.c).
@@ -58,6 +63,13 @@ _ERRORS = {
     4: "out of memory for the decode's logits",
     5: "positions[{bad}] is beyond the model's max_position_embeddings",
 }
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as a contiguous ``dtype`` tensor (itself when it already is one)."""
+    if tensor.dtype == dtype and tensor.is_contiguous():
+        return tensor
+    return tensor.to(dtype).contiguous()
 
 
 class FusedDecode:
@@ -112,6 +124,9 @@ class FusedDecode:
         q = first.num_heads * first.head_dim
         kv = first.num_kv_heads * first.head_dim
         self._work_per_row = 2 * cfg.hidden_size + 3 * q + 2 * kv + 3 * cfg.intermediate_size
+        # Scratch for the largest step, allocated once (a step would otherwise ask for it anew).
+        self._work = torch.empty(self.max_rows * self._work_per_row, dtype=torch.float32)
+        self._embed = model.model.embed_tokens.weight
 
     def _pointer(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -147,12 +162,33 @@ class FusedDecode:
             return None
         return cls(model, kv_caches, lib)
 
-    def applies(self, num_decodes: int, num_decode_tokens: int, num_prefills: int) -> bool:
-        """Whether a step is the fused kind: decodes only, one token each, few enough rows, and
-        no forward hook on the model or any of its modules (a hook expects its module to be
-        called)."""
-        return (not num_prefills and num_decodes == num_decode_tokens
-                and 0 < num_decodes <= self.max_rows and not self._hooked())
+    def applies(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens is the fused kind: at least one, no more than
+        the compiled products take (:attr:`max_rows`), and no forward hook on the model or any
+        of its modules (a hook expects its module to be called). Decodes or prefill chunks
+        alike: see :meth:`step`.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:1927 @ v0.11.0 (a step of at most the
+        largest captured size replays a graph, whatever mix of requests it holds)
+        """
+        return 0 < num_tokens <= self.max_rows and not self._hooked()
+
+    def step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step ``meta`` describes, every token one row of the fused call: a decode's row
+        is its sequence; a prefill token's row reads its sequence's block table over its own
+        prefix (``position + 1`` tokens). Every layer writes the step's keys and values before
+        any row attends, so each prompt token sees exactly the tokens up to itself: causal
+        attention within the chunk, done by the decode kernel.
+
+        upstream: vllm/v1/attention/backends/utils.py:721 @ v0.11.0 (split_decodes_and_prefills:
+        a short query taken by the decode path)
+        """
+        if meta.num_actual_tokens == meta.num_reqs:  # one token per sequence: rows are sequences
+            tables, lens = meta.block_tables, meta.seq_lens
+        else:
+            owner = torch.repeat_interleave(torch.arange(meta.num_reqs), meta.query_lens.long())
+            tables, lens = meta.block_tables[owner], meta.positions + 1
+        return self(input_ids, meta.positions, meta.slot_mapping, tables, lens)
 
     def _hooked(self) -> bool:
         hooks = torch.nn.modules.module
@@ -166,13 +202,11 @@ class FusedDecode:
         having written the step's keys and values into every layer's cache. Checks every
         position, slot, length and used block before it writes anything."""
         rows = input_ids.shape[0]
-        x = self._model_ref.model.embed_tokens(input_ids).contiguous()
+        x = torch.nn.functional.embedding(input_ids, self._embed)
         out = torch.empty_like(x)
-        work = torch.empty(rows * self._work_per_row, dtype=torch.float32)
-        positions = positions.to(torch.int64).contiguous()
-        slots = slot_mapping.to(torch.int64).contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
+        work = self._work[:rows * self._work_per_row]
+        positions, slots = _as(positions, torch.int64), _as(slot_mapping, torch.int64)
+        tables, lens = _as(block_tables, torch.int32), _as(seq_lens, torch.int32)
         if tables.dim() != 2 or tables.shape[0] < rows or lens.shape != (rows,) or (
                 positions.shape != (rows,) or slots.shape != (rows,)):
             raise ValueError(f"a fused decode step of {rows} tokens needs positions, "

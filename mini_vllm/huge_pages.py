@@ -6,8 +6,8 @@ CPU's TLB misses every 4 KB; on 2 MB pages ("transparent huge pages", which Linu
 region that asks for them with ``madvise(MADV_HUGEPAGE)`` when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``always`` or ``madvise``) a stream of
 weights runs faster (one stream of SmolLM2's fp32 weights, 1 thread, about 5% on the course's
-machine, in four alternating runs; no gain seen at 2 threads). Where the kernel does not offer them (another OS, THP ``never``) the engine
-leaves the weights where they are (:func:`offered`).
+machine, in four alternating runs; no gain seen at 2 threads). Where the kernel does not offer
+them (another OS, THP ``never``) the engine leaves the weights where they are (:func:`offered`).
 
 upstream: none (vLLM leaves weight placement on the CPU to PyTorch's allocator)
 """

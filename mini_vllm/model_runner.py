@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mini_vllm import huge_pages
-from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
+from mini_vllm.attention import cache_ops, chunked_prefill, cpu_kernels, paged_attn
 from mini_vllm.attention.chunked_prefill import chunked_prefill_attention
 from mini_vllm.attention.fp8 import (
     K_SCALE_CONSTANT,
@@ -124,17 +124,21 @@ _KERNEL_REPLACES = (
 )
 
 
-def _reference_pieces_in_place() -> bool:
-    """Whether every piece above is the reference's: a function whose code is in the reference
-    module's own file. (Not an identity check against objects remembered at import: a copy of
-    this module imported after composition, as the exam's stand-in students make, would
-    remember the stand-ins' pieces as the reference.)"""
-    for module, names in _KERNEL_REPLACES:
-        for name in names:
-            code = getattr(getattr(module, name), "__code__", None)
-            if code is None or code.co_filename != module.__file__:
-                return False
-    return True
+def _is_reference(piece: object, module) -> bool:
+    """Whether ``piece`` is a function whose code is in ``module``'s own file. (Not an identity
+    check against objects remembered at import: a copy of this module imported after
+    composition, as the exam's stand-in students make, would remember the stand-ins' pieces as
+    the reference.)"""
+    code = getattr(piece, "__code__", None)
+    return code is not None and code.co_filename == module.__file__
+
+
+def _reference_pieces_in_place(prefill: bool = False) -> bool:
+    """Whether every piece above is the reference's and, for a step with prefill tokens (which
+    the fused step also attends for), the lab 03-02 prefill attention this runner calls too."""
+    return (all(_is_reference(getattr(module, name), module)
+                for module, names in _KERNEL_REPLACES for name in names)
+            and (not prefill or _is_reference(chunked_prefill_attention, chunked_prefill)))
 
 
 def _prefill_part(meta: AttentionMetadata) -> AttentionMetadata:
@@ -465,20 +469,18 @@ class ModelRunnerBase:
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Given: the model over the step's flat batch, ``self.model(input_ids, positions,
         self.kv_caches, meta, self.attn_backend)`` with ``positions = meta.positions`` on the
-        model's device; a decode-only step that :attr:`fused_decode` takes (a CPU model whose
-        lab 02-04 pieces are the reference's, few rows, no forward hooks) runs as one compiled
-        call instead (:mod:`mini_vllm.cpu_decode`): the same hidden rows, to rounding, and the
-        same K/V written.
+        model's device; a step of few tokens that :attr:`fused_decode` takes (a CPU model whose
+        lab 02-04 pieces, and for prefill tokens the lab 03-02 attention, are the reference's;
+        no forward hooks) runs as one compiled call instead (:mod:`mini_vllm.cpu_decode`): the
+        same hidden rows, to rounding, and the same K/V written.
 
         upstream: vllm/v1/worker/gpu_model_runner.py:2298 @ v0.11.0 (the CUDA graph or eager
         dispatch of the forward pass)
         """
         fused = self.fused_decode
-        if (fused is not None
-                and fused.applies(meta.num_decodes, meta.num_decode_tokens, meta.num_prefills)
-                and _reference_pieces_in_place()):
-            return fused(input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
-                         meta.seq_lens)
+        if (fused is not None and fused.applies(meta.num_actual_tokens)
+                and _reference_pieces_in_place(prefill=meta.num_prefills > 0)):
+            return fused.step(input_ids, meta)
         return self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta,
                           self.attn_backend)
 
@@ -741,7 +743,12 @@ class ModelRunner(ModelRunnerBase):
         sampled: list[list[int]] = [[] for _ in meta.req_ids]
         if not rows:
             return sampled
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        # Rows ascend; consecutive ones (every decode step) are a view, no gather.
+        if rows[-1] - rows[0] == len(rows) - 1:
+            picked = hidden[rows[0]:rows[-1] + 1]
+        else:
+            picked = hidden[torch.tensor(rows, device=hidden.device)]
+        logits = self.model.compute_logits(picked)
         sampling_meta = SamplingMetadata.from_params(
             [s.sampling_params for s in states],
             generators={j: s.generator for j, s in enumerate(states) if s.generator is not None},

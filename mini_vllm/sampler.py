@@ -28,6 +28,9 @@ class SamplingMetadata:
     ``generators`` maps a row to its request's own generator (seeded requests only); the other
     random rows share the process-wide RNG. ``banned_token_ids[i]`` are masked to ``-inf`` before
     anything else (the stop tokens of a request that has not yet reached ``min_tokens``).
+    ``all_greedy`` says, as a plain bool, that every row is greedy: the sampler then takes the
+    argmax and nothing else, without looking at the tensors (False is always safe: greedy rows
+    still get their argmax on the full path).
 
     upstream: vllm/v1/sample/metadata.py:13 @ v0.11.0
     """
@@ -37,10 +40,7 @@ class SamplingMetadata:
     top_p: torch.Tensor  # 1.0 means "off"
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     banned_token_ids: list[list[int]] = field(default_factory=list)
-
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature < _SAMPLING_EPS).all())
+    all_greedy: bool = False
 
     @classmethod
     def from_params(
@@ -49,12 +49,14 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator] | None = None,
         banned_token_ids: list[list[int]] | None = None,
     ) -> SamplingMetadata:
+        temperatures = [p.temperature for p in params]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            temperature=torch.tensor(temperatures, dtype=torch.float32),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             generators=dict(generators or {}),
             banned_token_ids=list(banned_token_ids or [[] for _ in params]),
+            all_greedy=all(t < _SAMPLING_EPS for t in temperatures),
         )
 
 
@@ -95,7 +97,8 @@ class Sampler:
                 f"Sampler: expected logits [num_reqs={meta.temperature.shape[0]}, vocab], got "
                 f"{tuple(logits.shape)}; pass exactly one row per request."
             )
-        logits = logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.to(torch.float32)
         if any(meta.banned_token_ids):
             logits = logits.clone()
             for row, banned in enumerate(meta.banned_token_ids):

@@ -70,37 +70,85 @@ int mv_reshape_and_cache_f32(const float *key, int64_t key_token_stride, const f
   return MV_OK;
 }
 
-/* exp(v) for v <= 0 (a logit minus its row's maximum), in plain arithmetic so that the softmax
- * loop vectorizes (a call to expf does not): v = k ln 2 + r with |r| <= ln(2) / 2, exp(r) by
- * Cephes' degree-6 polynomial (relative error about 1e-7, as expf's), times 2^k written into
- * the exponent bits. Below -87 the result is 0 (expf's would be a subnormal, far below what a
- * softmax weight can add to a sum near 1); NaN stays NaN. */
-static inline float exp_nonpositive(float v) {
-  const float clamped = v < -87.0f ? -87.0f : v;
+/* GCC/Clang vectors of 8 floats (one AVX register, or two SSE ones), so that the accumulators
+ * stay in registers: a key block's chunk (16 tokens x 4 lanes) is 8 of them, a value block's row
+ * (16 tokens) 2. v8u loads from any float address. A comparison of two v8 gives a v8i mask
+ * (-1 where true). */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+/* mask ? a : b, lane by lane. */
+static inline v8 select8(v8i mask, v8 a, v8 b) {
+  return (v8)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+/* exp(v) for v <= 0 (a logit minus its row's maximum), 8 at a time in plain arithmetic (a call
+ * to expf would run one at a time, and branches keep a loop from vectorizing): v = k ln 2 + r
+ * with |r| <= ln(2) / 2, exp(r) by Cephes' degree-6 polynomial (relative error about 1e-7, as
+ * expf's), times 2^k written into the exponent bits. Below -87 the result is 0 (expf's would be
+ * a subnormal, far below what a softmax weight can add to a sum near 1); NaN stays NaN. */
+static inline v8 exp_nonpositive8(v8 v) {
+  const v8i low = v < splat(-87.0f);
+  const v8 clamped = select8(low, splat(-87.0f), v);
   /* Adding 1.5 * 2^23 rounds to an integer held in the low mantissa bits: k, and its bits. */
-  const float shifted = clamped * 1.44269504088896341f + 12582912.0f;
-  const float k = shifted - 12582912.0f;
-  int32_t k_bits;
-  memcpy(&k_bits, &shifted, sizeof k_bits);
-  const int32_t two_k_bits = (k_bits - 0x4B400000 + 127) << 23;
-  const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f; /* ln 2 in two parts */
-  float p = 1.9875691500e-4f;
+  const v8 shifted = clamped * 1.44269504088896341f + 12582912.0f;
+  const v8 k = shifted - 12582912.0f;
+  const v8 two_k = (v8)(((v8i)shifted - 0x4B400000 + 127) << 23);
+  const v8 r = clamped - k * 0.693359375f + k * 2.12194440e-4f; /* ln 2 in two parts */
+  v8 p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  float two_k;
-  memcpy(&two_k, &two_k_bits, sizeof two_k);
-  return v < -87.0f ? 0.0f : e * two_k;
+  const v8 e = p * r * r + r + 1.0f;
+  return select8(low, splat(0.0f), e * two_k);
 }
 
-/* GCC/Clang vectors of 8 floats (one AVX register, or two SSE ones), so that the accumulators
- * stay in registers: a key block's chunk (16 tokens x 4 lanes) is 8 of them, a value block's row
- * (16 tokens) 2. v8u loads from any float address. */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+/* One number, the same bits as its lane of exp_nonpositive8 (for the ends of rows). */
+static inline float exp_nonpositive(float v) { return exp_nonpositive8(splat(v))[0]; }
+
+static inline float hsum(v8 a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* out[i] = the sum of vector i's 8 lanes, for 4 vectors at once. */
+static inline void hsum4(float *out, v8 a, v8 b, v8 c, v8 d) {
+#if MV_AVX2
+  /* Pairs, then quads, then the two halves: [a b c d] in 5 instructions. */
+  const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a, (__m256)b),
+                                      _mm256_hadd_ps((__m256)c, (__m256)d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(quads),
+                                _mm256_extractf128_ps(quads, 1)));
+#else
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+#endif
+}
+
+/* The 16 logits of a key block: acc[r] holds token 2r's 4 partial sums in lanes 0-3 and token
+ * 2r + 1's in lanes 4-7; row[t] = scale * ((l0 + l1) + (l2 + l3)) of token t. */
+static inline void block_logits(float *row, const v8 *acc, float scale) {
+#if MV_AVX2
+  /* Three rounds of pairwise sums leave tokens 0 2 4 6 | 1 3 5 7 (the same sums, the same
+   * order); one permutation puts them in order. */
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int half = 0; half < 2; ++half) {
+    const __m256 *a = (const __m256 *)acc + 4 * half;
+    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm256_storeu_ps(row + 8 * half,
+                     _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_permutevar8x32_ps(sums, order)));
+  }
+#else
+  for (int t = 0; t < BS; ++t) {
+    const v8 a = acc[t / 2];
+    const int o = X * (t % 2);
+    row[t] = scale * ((a[o] + a[o + 1]) + (a[o + 2] + a[o + 3]));
+  }
+#endif
+}
 
 /* Decode G query heads that share one KV head (G = 1 or 2; GQA groups go two at a time, so
  * each key and value vector loaded serves both): out[g] = softmax(scale * K q[g]) V over the
@@ -139,30 +187,37 @@ static inline __attribute__((always_inline)) void decode_heads(
         for (int g = 0; g < G; ++g) acc[g][r] += q_pairs[g][c] * k;
       }
     }
-    const int64_t n = j < full ? BS : tail; /* the last block's slots past len are stale */
-    for (int g = 0; g < G; ++g)
-      for (int64_t t = 0; t < n; ++t) {
-        const v8 a = acc[g][t / 2];
-        const int o = X * (int)(t % 2);
-        const float logit = scale * ((a[o] + a[o + 1]) + (a[o + 2] + a[o + 3]));
-        logits[g * stride + j * BS + t] = logit;
-        if (logit > row_max[g]) row_max[g] = logit;
-      }
+    /* Every token's 4 lanes summed, all 16 stored (the last block's slots past len are stale:
+     * their logits are never used); the maximum over the real ones. */
+    for (int g = 0; g < G; ++g) {
+      float *row = logits + g * stride + j * BS;
+      block_logits(row, acc[g], scale);
+      const int64_t n = j < full ? BS : tail;
+      for (int64_t t = 0; t < n; ++t)
+        if (row[t] > row_max[g]) row_max[g] = row[t];
+    }
   }
   float total[2] = {0.0f, 0.0f};
   for (int g = 0; g < G; ++g) {
     float *row = logits + g * stride;
-    for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - row_max[g]);
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8)
+      *(v8u *)(row + t) = exp_nonpositive8(*(const v8u *)(row + t) - row_max[g]);
+    for (; t < len; ++t) row[t] = exp_nonpositive(row[t] - row_max[g]);
     for (int64_t t = 0; t < len; ++t) total[g] += row[t];
+    for (t = len; t < used * BS; ++t) row[t] = 0.0f; /* the stale slots weigh nothing */
   }
   /* Values, four head elements at a time (per head, 8 accumulators: 8 of a dim's 16 token lanes
-   * each) over the full blocks; the real tokens of a last, partial block are added one by one. */
+   * each) over every block; in a last, partial block the stale slots' values are zeroed before
+   * they are weighed (NaN times a zero weight would still be NaN). */
+  const v8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const v8i real0 = lane < splat((float)tail), real1 = lane + 8.0f < splat((float)tail);
   for (int64_t d0 = 0; d0 < head_size; d0 += 4) {
     v8 acc[2][8] = {{0}};
-    for (int64_t j = 0; j < full; ++j) {
+    for (int64_t j = 0; j < used; ++j) {
       const float *vb = value_cache
           + ((int64_t)table[j] * num_kv_heads + kv_head) * head_elems + d0 * BS;
-      if (j + 1 < full) {
+      if (j + 1 < used) {
         const float *next = value_cache
             + ((int64_t)table[j + 1] * num_kv_heads + kv_head) * head_elems + d0 * BS;
         for (int line = 0; line < 4; ++line) __builtin_prefetch(next + 16 * line);
@@ -172,25 +227,25 @@ static inline __attribute__((always_inline)) void decode_heads(
         w0[g] = *(const v8u *)(logits + g * stride + j * BS);
         w1[g] = *(const v8u *)(logits + g * stride + j * BS + 8);
       }
+      const int partial = j == full;
       for (int dd = 0; dd < 4; ++dd) {
-        const v8 v0 = *(const v8u *)(vb + BS * dd), v1 = *(const v8u *)(vb + BS * dd + 8);
+        v8 v0 = *(const v8u *)(vb + BS * dd), v1 = *(const v8u *)(vb + BS * dd + 8);
+        if (partial) {
+          v0 = select8(real0, v0, splat(0.0f));
+          v1 = select8(real1, v1, splat(0.0f));
+        }
         for (int g = 0; g < G; ++g) {
           acc[g][2 * dd] += w0[g] * v0;
           acc[g][2 * dd + 1] += w1[g] * v1;
         }
       }
     }
-    for (int g = 0; g < G; ++g)
-      for (int dd = 0; dd < 4; ++dd) {
-        const v8 a = acc[g][2 * dd] + acc[g][2 * dd + 1];
-        float sum = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-        if (tail) {
-          const float *vb = value_cache
-              + ((int64_t)table[full] * num_kv_heads + kv_head) * head_elems + (d0 + dd) * BS;
-          for (int64_t t = 0; t < tail; ++t) sum += logits[g * stride + full * BS + t] * vb[t];
-        }
-        out[g * head_size + d0 + dd] = sum / total[g];
-      }
+    for (int g = 0; g < G; ++g) {
+      float sums[4];
+      hsum4(sums, acc[g][0] + acc[g][1], acc[g][2] + acc[g][3], acc[g][4] + acc[g][5],
+            acc[g][6] + acc[g][7]);
+      for (int dd = 0; dd < 4; ++dd) out[g * head_size + d0 + dd] = sums[dd] / total[g];
+    }
   }
 }
 
@@ -226,7 +281,7 @@ int mv_paged_decode_f32(float *out, const float *q, const float *key_cache,
   int failed = 0;
   /* Each (sequence, KV head) is independent: the threads share them out, each with its own
    * logits rows; a short batch stays on one thread (a thread's start costs more than it). */
-#pragma omp parallel if (num_seqs * num_kv_heads > 1 && num_seqs * longest * group >= 512)
+#pragma omp parallel if (num_seqs * num_kv_heads > 1 && num_seqs * longest * group >= 128)
   {
     float *logits = malloc(sizeof(float) * 2 * stride);
     if (!logits) {
@@ -274,7 +329,6 @@ int mv_paged_decode_f32(float *out, const float *q, const float *key_cache,
  * One loop serves every format; only
  * the load differs (load_w). Every output is the same sum in the same order whatever M and the
  * thread count are, so a token's result does not depend on what else is in the batch. */
-typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint8_t v8b __attribute__((vector_size(8), aligned(1), may_alias));
 typedef int8_t v8c __attribute__((vector_size(8), aligned(1), may_alias));
@@ -369,10 +423,6 @@ static inline __attribute__((always_inline)) float scalar_w(const int F, const v
   float f;
   memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-static inline float hsum(v8 a) {
-  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
 /* a * b + c: one fused instruction where the CPU has one (an explicit FMA rounds once,
@@ -559,12 +609,21 @@ static void rms_norm(float *restrict out, const float *restrict x, const float *
   }
 }
 
-/* silu(g) = g * sigmoid(g), with the exponential of -|g| only (exp_nonpositive: the loop
- * vectorizes, which a call to expf prevents): sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e)
- * below, e = exp(-|g|). */
-static inline float silu(float g) {
-  const float e = exp_nonpositive(g < 0.0f ? g : -g);
-  return g * ((g < 0.0f ? e : 1.0f) / (1.0f + e));
+/* silu(g) * u = g * sigmoid(g) * u, 8 at a time, with the exponential of -|g| only:
+ * sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|). */
+static inline v8 silu_mul8(v8 g, v8 u) {
+  const v8i neg = g < splat(0.0f);
+  const v8 e = exp_nonpositive8(select8(neg, g, -g));
+  return g * (select8(neg, e, splat(1.0f)) / (1.0f + e)) * u;
+}
+
+/* act[i] = silu(gate[i]) * up[i] for n numbers (the rest one at a time, the same bits). */
+static void silu_mul(float *restrict act, const float *restrict gate, const float *restrict up,
+                     int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    *(v8u *)(act + i) = silu_mul8(*(const v8u *)(gate + i), *(const v8u *)(up + i));
+  for (; i < n; ++i) act[i] = silu_mul8(splat(gate[i]), splat(up[i]))[0];
 }
 
 /* Rotate `heads` heads of head_size at x (heads contiguous) by position pos, in place. */
@@ -645,10 +704,7 @@ int mv_decode_step(const mv_model *model, const mv_layer *layers, float *x, floa
     linear_any(L->gate_up_format, gate_up, h, hidden, T, L->gate_up, L->gate_up_bias,
                2 * inter, hidden);
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < inter; ++i) {
-        const float g = gate_up[t * 2 * inter + i], u = gate_up[t * 2 * inter + inter + i];
-        act[t * inter + i] = silu(g) * u;
-      }
+      silu_mul(act + t * inter, gate_up + t * 2 * inter, gate_up + t * 2 * inter + inter, inter);
     linear_any(L->down_format, tmp, act, inter, T, L->down, L->down_bias, hidden, inter);
     for (int64_t i = 0; i < T * hidden; ++i) x[i] += tmp[i];
   }

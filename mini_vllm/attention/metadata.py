@@ -203,30 +203,33 @@ def build_attention_metadata(
                 f"table holds {len(block_tables[r])} block(s) of {block_size}"
             )
 
+    # The lengths as Python ints too: the scalars below come from them, not from tensor ops
+    # (each of which costs more than its arithmetic at a decode step's size).
+    seq_list = [c + q for c, q in zip(context_list, query_list)]
     query_lens = torch.tensor(query_list, dtype=torch.int32)
     context_lens = torch.tensor(context_list, dtype=torch.int32)
-    seq_lens = context_lens + query_lens
+    seq_lens = torch.tensor(seq_list, dtype=torch.int32)
     query_start_loc = compute_query_start_loc(query_lens)
     seq_start_loc = compute_query_start_loc(seq_lens)
-    num_tokens = int(query_start_loc[-1])
+    num_tokens = sum(query_list)
 
-    # Flat token t belongs to row req_indices[t] at position context + (t - query_start).
-    req_indices = torch.repeat_interleave(torch.arange(len(req_ids)), query_lens.long())
-    offsets_in_query = torch.arange(num_tokens) - query_start_loc[:-1].long()[req_indices]
-    positions = context_lens.long()[req_indices] + offsets_in_query
+    # Flat token t belongs to row req_indices[t], at the position after the row's context and
+    # its earlier tokens of this step.
+    req_indices = torch.tensor([i for i, q in enumerate(query_list) for _ in range(q)],
+                               dtype=torch.int64)
+    positions = torch.tensor([c + j for c, q in zip(context_list, query_list) for j in range(q)],
+                             dtype=torch.int64)
     table = make_block_table_tensor([block_tables[r] for r in req_ids])
     slot_mapping = compute_slot_mapping(table, req_indices, positions, block_size)
 
-    decode_seq_lens = seq_lens[:num_decodes]
-    prefill_seq_lens = seq_lens[num_decodes:]
     return AttentionMetadata(
         req_ids=req_ids,
         num_reqs=len(req_ids),
         num_actual_tokens=num_tokens,
         num_decodes=num_decodes,
         num_prefills=len(req_ids) - num_decodes,
-        num_decode_tokens=int(query_lens[:num_decodes].sum()),
-        num_prefill_tokens=int(query_lens[num_decodes:].sum()),
+        num_decode_tokens=sum(query_list[:num_decodes]),
+        num_prefill_tokens=sum(query_list[num_decodes:]),
         query_start_loc=query_start_loc,
         seq_start_loc=seq_start_loc,
         query_lens=query_lens,
@@ -235,8 +238,8 @@ def build_attention_metadata(
         positions=positions,
         slot_mapping=slot_mapping,
         block_tables=table,
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        max_prefill_seq_len=int(prefill_seq_lens.max()) if len(prefill_seq_lens) else 0,
-        max_decode_seq_len=int(decode_seq_lens.max()) if len(decode_seq_lens) else 0,
+        max_query_len=max(query_list),
+        max_seq_len=max(seq_list),
+        max_prefill_seq_len=max(seq_list[num_decodes:], default=0),
+        max_decode_seq_len=max(seq_list[:num_decodes], default=0),
     )

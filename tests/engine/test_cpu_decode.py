@@ -1,10 +1,10 @@
-"""The fused decode step (``mini_vllm.cpu_decode``): a decode-only step as one compiled call.
+"""The fused step (``mini_vllm.cpu_decode``): a step of a few tokens as one compiled call.
 
 It must compute what the model's modules compute op by op (hidden rows to fp32 rounding, the same
-K/V in the cache), give the reference's tokens with every weight format, refuse bad metadata
-before it writes anything, and step aside whenever the op-by-op path is what must run: a student's
-piece in place, a forward hook, ``enforce_eager=True``, a prefill, or more rows than its products
-take.
+K/V in the cache), for decodes and for short prefill chunks alike, give the reference's tokens
+with every weight format, refuse bad metadata before it writes anything, and step aside whenever
+the op-by-op path is what must run: a student's piece in place (for a prefill, the lab 03-02
+attention too), a forward hook, ``enforce_eager=True``, or more tokens than its products take.
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ def test_decode_steps_run_fused_and_give_the_reference_tokens(monkeypatch, promp
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
     assert run(llm, prompts) == want
     assert fused_calls
-    # Every step of this run is a prefill (no decode yet) or a pure decode: none is op by op.
+    # The decode steps are all fused (at most 7 rows): the compiled op-by-op decode never runs.
     assert not eager_calls
 
 
-def decode_batch(llm, context_lens, seed=0):
-    """A decode step over ``context_lens`` earlier tokens each (caches filled with random K/V,
-    each sequence in its own blocks, every other slot NaN), and its metadata."""
+def decode_batch(llm, context_lens, seed=0, query_lens=None):
+    """A step of ``query_lens`` new tokens (default 1: a decode) after ``context_lens`` earlier
+    ones each (caches filled with random K/V, each sequence in its own blocks, the null block
+    NaN), and its metadata."""
     g = torch.Generator().manual_seed(seed)
     runner = llm.engine.model_runner
     for key_cache, value_cache in runner.kv_caches:
@@ -57,14 +58,15 @@ def decode_batch(llm, context_lens, seed=0):
         key_cache[0].fill_(float("nan"))  # the null block: never read
         value_cache[0].fill_(float("nan"))
     ids = [f"r{i}" for i in range(len(context_lens))]
+    query_lens = query_lens or [1] * len(ids)
     next_block, block_ids = 1, {}
-    for req, n in zip(ids, context_lens):
-        used = n // 16 + 1  # room for the new token
+    for req, n, q in zip(ids, context_lens, query_lens):
+        used = (n + q - 1) // 16 + 1  # room for the new tokens
         block_ids[req] = list(range(next_block, next_block + used))
         next_block += used
-    meta = build_attention_metadata(ids, dict.fromkeys(ids, 1), dict(zip(ids, context_lens)),
-                                    block_ids, 16)
-    input_ids = torch.randint(0, llm.model.config.vocab_size, (len(ids),), generator=g)
+    meta = build_attention_metadata(ids, dict(zip(ids, query_lens)),
+                                    dict(zip(ids, context_lens)), block_ids, 16)
+    input_ids = torch.randint(0, llm.model.config.vocab_size, (sum(query_lens),), generator=g)
     return runner, input_ids, meta
 
 
@@ -72,18 +74,24 @@ def caches_of(runner):
     return [tuple(t.clone() for t in layer) for layer in runner.kv_caches]
 
 
-@pytest.mark.parametrize("weight_dtype", ["auto", "q4_1"])
-def test_a_fused_step_computes_what_the_modules_compute(weight_dtype):
+@pytest.mark.parametrize("weight_dtype, context_lens, query_lens", [
+    ("auto", [0, 15, 16, 40], None),
+    ("q4_1", [0, 15, 16, 40], None),
+    # Two decodes, a chunk crossing a block boundary after 14 cached tokens, a whole prompt.
+    ("auto", [30, 7, 14, 0], [1, 1, 3, 3]),
+    ("q4_1", [30, 7, 14, 0], [1, 1, 3, 3]),
+])
+def test_a_fused_step_computes_what_the_modules_compute(weight_dtype, context_lens, query_lens):
     llm = LLM(make_tiny_model(), weight_dtype=weight_dtype, block_size=16, num_gpu_blocks=64)
-    runner, input_ids, meta = decode_batch(llm, [0, 15, 16, 40])
+    runner, input_ids, meta = decode_batch(llm, context_lens, query_lens=query_lens)
+    assert runner.fused_decode.applies(meta.num_actual_tokens)
     before = caches_of(runner)
     eager = runner.model(input_ids, meta.positions, runner.kv_caches, meta, runner.attn_backend)
     eager_caches = caches_of(runner)
     for (k, v), (k0, v0) in zip(runner.kv_caches, before):
         k.copy_(k0)
         v.copy_(v0)
-    fused = runner.fused_decode(input_ids, meta.positions, meta.slot_mapping, meta.block_tables,
-                                meta.seq_lens)
+    fused = runner.fused_decode.step(input_ids, meta)
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
     for (k, v), (ke, ve) in zip(runner.kv_caches, eager_caches):
         torch.testing.assert_close(k, ke, rtol=1e-5, atol=1e-5, equal_nan=True)
@@ -163,6 +171,36 @@ def test_a_student_piece_or_a_forward_hook_turns_the_fused_step_off(monkeypatch,
     assert run(LLM(model, block_size=16, num_gpu_blocks=64), prompts) == want
     # The hook saw every decode step of the seven requests.
     assert not fused_calls and rows.count(len(prompts)) == GREEDY.max_tokens - 1
+
+
+def test_a_short_prompt_s_prefill_is_fused_too(monkeypatch, tiny_model, prompts,
+                                               reference_outputs):
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
+    eager_writes = counting(monkeypatch, cpu_kernels, "reshape_and_cache")
+    short = [p for p in prompts if len(p) <= 8]
+    want = [r for p, r in zip(prompts, reference_outputs) if len(p) <= 8]
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    assert [run(llm, [p])[0] for p in short] == want
+    # Every step of every request, its prefill included, is one fused call.
+    assert len(fused_calls) == len(short) * GREEDY.max_tokens and not eager_writes
+
+
+def test_a_student_s_prefill_attention_keeps_prefill_steps_op_by_op(monkeypatch, tiny_model,
+                                                                     prompts,
+                                                                     reference_outputs):
+    """A prompt short enough for the fused step still runs the student's lab 03-02 attention
+    when it is in place; the decode steps, which do not call it, stay fused."""
+    fused_calls = counting(monkeypatch, FusedDecode, "__call__")
+    # A stand-in for the student's piece, bound where the runner looks it up.
+    piece_calls = counting(monkeypatch, model_runner, "chunked_prefill_attention")
+    assert model_runner._reference_pieces_in_place()
+    assert not model_runner._reference_pieces_in_place(prefill=True)
+    short = [p for p in prompts if len(p) <= 8]
+    want = [r for p, r in zip(prompts, reference_outputs) if len(p) <= 8]
+    llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
+    assert [run(llm, [p])[0] for p in short] == want
+    assert len(piece_calls) == len(short) * tiny_model.config.num_hidden_layers
+    assert len(fused_calls) == len(short) * (GREEDY.max_tokens - 1)
 
 
 def test_more_rows_than_the_products_take_run_op_by_op(monkeypatch):
