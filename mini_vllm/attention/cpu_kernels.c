@@ -279,30 +279,31 @@ int mv_paged_decode_f32(float *out, const float *q, const float *key_cache,
   const int64_t stride = (longest + BS - 1) / BS * BS + 1; /* a logits row, and one spare */
   const int64_t group = num_heads / num_kv_heads;
   int failed = 0;
-  /* Each (sequence, KV head) is independent: the threads share them out, each with its own
-   * logits rows; a short batch stays on one thread (a thread's start costs more than it). */
-#pragma omp parallel if (num_seqs * num_kv_heads > 1 && num_seqs * longest * group >= 128)
+  /* Each (sequence, KV head, pair of its query heads) is independent: the threads share them
+   * out, each with its own logits rows; a short batch stays on one thread (a thread's start
+   * costs more than it). Pairs, not whole GQA groups, so that one sequence's 3 groups of 3
+   * heads split 5:4 over two threads, not 6:3. */
+  const int64_t pairs = (group + 1) / 2;
+#pragma omp parallel if (num_seqs * num_kv_heads * pairs > 1 && num_seqs * longest * group >= 128)
   {
     float *logits = malloc(sizeof(float) * 2 * stride);
     if (!logits) {
 #pragma omp atomic write
       failed = 1;
     }
-#pragma omp for collapse(2) schedule(dynamic, 1)
+#pragma omp for collapse(3) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-        if (!logits) continue; /* every thread still takes part in the loop */
-        const int32_t *table = block_tables + s * table_cols;
-        int64_t g = 0;
-        for (; g + 2 <= group; g += 2) {
-          const int64_t at = (s * num_heads + kv * group + g) * head_size;
-          decode_heads(2, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
-                       num_kv_heads, head_size, scale, logits, stride);
-        }
-        if (g < group) {
-          const int64_t at = (s * num_heads + kv * group + g) * head_size;
-          decode_heads(1, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
-                       num_kv_heads, head_size, scale, logits, stride);
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+          if (!logits) continue; /* every thread still takes part in the loop */
+          const int64_t g = 2 * pair, at = (s * num_heads + kv * group + g) * head_size;
+          const int32_t *table = block_tables + s * table_cols;
+          if (g + 2 <= group)
+            decode_heads(2, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
+                         num_kv_heads, head_size, scale, logits, stride);
+          else
+            decode_heads(1, out + at, q + at, key_cache, value_cache, table, seq_lens[s], kv,
+                         num_kv_heads, head_size, scale, logits, stride);
         }
       }
     }
