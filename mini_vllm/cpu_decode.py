@@ -168,8 +168,9 @@ class FusedDecode:
         of its modules (a hook expects its module to be called). Decodes or prefill chunks
         alike: see :meth:`step`.
 
-        upstream: vllm/v1/worker/gpu_model_runner.py:1927 @ v0.11.0 (a step of at most the
-        largest captured size replays a graph, whatever mix of requests it holds)
+        upstream: vllm/v1/cudagraph_dispatcher.py:96 @ v0.11.0 (dispatch: a step of a captured
+        size replays a graph, and one that mixes prefill tokens into its decodes a graph built
+        for any mix)
         """
         return 0 < num_tokens <= self.max_rows and not self._hooked()
 
