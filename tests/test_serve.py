@@ -350,6 +350,8 @@ def test_engine_failure_mid_stream_is_reported_and_the_engine_recovers(served, m
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("simulated device fault")
+        # 5 ms a step: the stream has started (its first output sent) when the third one fails.
+        time.sleep(0.005)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "execute_model", fail_on_third)
@@ -365,6 +367,30 @@ def test_engine_failure_mid_stream_is_reported_and_the_engine_recovers(served, m
                                             max_tokens=5)
     assert ok.choices[0].finish_reason == "length"
     assert httpx.get(f"{served.base}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_failure_before_the_first_output_is_a_500_that_names_it(served, monkeypatch,
+                                                                        stream):
+    runner = served.engine.engine_core.model_runner
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(runner, "execute_model", fail)
+    with pytest.raises(openai.InternalServerError) as caught:
+        response = served.client().completions.create(
+            model=MODEL, prompt="ROMEO.\n", temperature=0.0, max_tokens=5, stream=stream)
+        for _ in response if stream else ():
+            pass
+    assert caught.value.status_code == 500
+    assert "the engine failed while generating" in str(caught.value)
+    assert "simulated device fault" in str(caught.value)
+    monkeypatch.undo()
+    served.wait_idle()
+    ok = served.client().completions.create(model=MODEL, prompt="ROMEO.\n", temperature=0.0,
+                                            max_tokens=5)
+    assert ok.choices[0].finish_reason == "length"
 
 
 # ---------------------------------------------------------------------------- metrics

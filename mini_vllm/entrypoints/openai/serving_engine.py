@@ -140,9 +140,10 @@ class OpenAIServing:
                     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]] | JSONResponse:
         """Queue the request and wait for its first output.
 
-        Returns the first output and the rest of the stream, or a 400 when the engine refuses
-        the request (prompt too long, bad parameters): the refusal happens before any output, so
-        it can still be an HTTP error rather than an event in a stream that already said 200.
+        Returns the first output and the rest of the stream, or an HTTP error while nothing has
+        been sent: a 400 when the engine refuses the request (prompt too long, bad parameters),
+        a 500 naming the fault when a step fails before the request's first output reaches
+        here (a fast engine can run several steps before this handler wakes).
         """
         stream = self.engine.generate(prompt, params, request_id)
         try:
@@ -150,6 +151,10 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             await stream.aclose()
             return error_response(str(exc))
+        except RuntimeError as exc:  # the engine failed (EngineGenerateError, EngineDeadError)
+            await stream.aclose()
+            return error_response(f"the engine failed while generating: {exc}",
+                                  HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
         return first, stream
 
 
