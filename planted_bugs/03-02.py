@@ -20,8 +20,8 @@ BUGS = [
         name="positions-ignore-context",
         description="a chunk's positions start at 0 instead of after its context",
         file=META,
-        find="positions = context_lens.long()[req_indices] + offsets_in_query",
-        replace="positions = offsets_in_query",
+        find="[c + j for c, q in zip(context_list, query_list) for j in range(q)]",
+        replace="[j for c, q in zip(context_list, query_list) for j in range(q)]",
     ),
     PlantedBug(
         name="slot-ignores-block-table",
@@ -73,8 +73,8 @@ BUGS = [
         description="max_decode_seq_len is taken over every sequence, prefills included (and is "
         "not 0 when there are no decodes)",
         file=META,
-        find="decode_seq_lens = seq_lens[:num_decodes]",
-        replace="decode_seq_lens = seq_lens",
+        find="max_decode_seq_len=max(seq_list[:num_decodes], default=0)",
+        replace="max_decode_seq_len=max(seq_list, default=0)",
     ),
     PlantedBug(
         name="reorder-walks-decodes-from-the-front",
