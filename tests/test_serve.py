@@ -342,6 +342,15 @@ def test_client_timing_out_on_a_whole_response_frees_every_block(served, monkeyp
     assert _steps(served) - before < longest, "the request ran to its end after the timeout"
 
 
+def _serves_again(served, monkeypatch) -> None:
+    """With the fault undone, the next request completes normally."""
+    monkeypatch.undo()
+    served.wait_idle()
+    ok = served.client().completions.create(model=MODEL, prompt="ROMEO.\n", temperature=0.0,
+                                            max_tokens=5)
+    assert ok.choices[0].finish_reason == "length"
+
+
 def test_engine_failure_mid_stream_is_reported_and_the_engine_recovers(served, monkeypatch):
     runner = served.engine.engine_core.model_runner
     real, calls = runner.execute_model, []
@@ -361,11 +370,7 @@ def test_engine_failure_mid_stream_is_reported_and_the_engine_recovers(served, m
                                                     stream=True):
             pass
     assert "simulated device fault" in str(caught.value)
-    monkeypatch.undo()
-    served.wait_idle()
-    ok = served.client().completions.create(model=MODEL, prompt="ROMEO.\n", temperature=0.0,
-                                            max_tokens=5)
-    assert ok.choices[0].finish_reason == "length"
+    _serves_again(served, monkeypatch)
     assert httpx.get(f"{served.base}/health", timeout=10).status_code == 200
 
 
@@ -386,11 +391,7 @@ def test_engine_failure_before_the_first_output_is_a_500_that_names_it(served, m
     assert caught.value.status_code == 500
     assert "the engine failed while generating" in str(caught.value)
     assert "simulated device fault" in str(caught.value)
-    monkeypatch.undo()
-    served.wait_idle()
-    ok = served.client().completions.create(model=MODEL, prompt="ROMEO.\n", temperature=0.0,
-                                            max_tokens=5)
-    assert ok.choices[0].finish_reason == "length"
+    _serves_again(served, monkeypatch)
 
 
 # ---------------------------------------------------------------------------- metrics
