@@ -76,7 +76,7 @@ class Comparison:
         """The ``n`` matches that weigh most in the score (size times similarity)."""
         return sorted(self.matches, key=lambda m: (-m.size * m.similarity, m.name))[:n]
 
-    def evidence(self, whose: str, n: int = 5) -> str:
+    def evidence(self, whose: str, n: int = 3) -> str:
         """The strongest matches side by side: "A ~ reference B (0.97); ..."."""
         return "; ".join(m.describe(whose) for m in self.strongest(n))
 
@@ -241,7 +241,9 @@ class _Tokens:
             self.expr(node.value)
             attr = node.attr
             private = attr.startswith("_") and not attr.startswith("__")
-            self.out.append("." + (PRIVATE if private and attr not in self.keep.attributes else attr))
+            if private and attr not in self.keep.attributes:
+                attr = PRIVATE
+            self.out.append("." + attr)
             return
         if isinstance(node, ast.Constant):
             value = node.value
