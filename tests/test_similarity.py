@@ -63,6 +63,8 @@ def test_every_disguised_copy_ranks_above_every_honest_file(lab_id):
     sim = similarity.class_similarity(files, [LABS[lab_id]], REPO_ROOT, peers=False)
     score = {r["student"]: r["structure"] for r in sim.rows}
     assert min(score[n] for n in DISGUISED) > max(score[n] for n in HONEST)
+    ranked = [r["student"] for r in csv.DictReader(io.StringIO(sim.to_csv()))]
+    assert set(ranked[:len(DISGUISED)]) == set(DISGUISED)  # similarity.csv lists them first
 
 
 @pytest.mark.parametrize("lab_id", sorted(LABS))

@@ -3,7 +3,8 @@ the course. The rest of the course uses this package only through the names belo
 
 ``grader`` runs the grading (intake, snapshot, one sandboxed pytest per student and lab, the
 exam); ``plugin`` is the pytest plugin of those sessions; ``sandbox`` isolates them; ``reports``
-writes the per-student and per-class files; ``similarity`` compares submissions; ``roster``
+writes the per-student and per-class files; ``similarity`` compares submissions (copydetect's
+text fingerprints, and ``structure``'s function-by-function comparison of syntax trees); ``roster``
 reads the class roster, splits it into shards and clones the students' repositories
 (``course clone``). Imports ``labs`` and ``engine``.
 """

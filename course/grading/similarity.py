@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.grading import structure
+import course.grading.structure as structure
 
 ZERO = 0.9
 MIN_TOKENS = 400  # filtered characters of the student's own code, for a zero
@@ -67,7 +67,9 @@ class Similarity:
                 "structure_closest_similarity"]
         w = csv.DictWriter(buf, cols)
         w.writeheader()
-        w.writerows(sorted(self.rows, key=lambda r: (r["lab"], -r["reference"])))
+        # Most like the reference first, by structure (it sees through disguise), then text.
+        w.writerows(sorted(self.rows, key=lambda r: (r["lab"], -(r["structure"] or 0),
+                                                     -r["reference"])))
         return buf.getvalue()
 
 
