@@ -484,8 +484,11 @@ class LabUnit:
                 "--course-channel={channel}", f"--course-spec={spec_path}",
                 f"--timeout={ctx.test_timeout:g}",
             ]
+            # COURSE_STUDENT_PROCESS: labs marked `student_process` in labs.toml run the
+            # student's code in a process of its own, apart from each test's verdict.
             env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl,
-                                           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+                                           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                                           "COURSE_STUDENT_PROCESS": "1"})
             run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)
         finally:
             ws.remove()

@@ -117,7 +117,10 @@ def _not_dumpable() -> None:
 
 
 def _guard_session() -> None:
-    """The session process must never import the student's starter: only forked children do."""
+    """The session process must never import the student's starter: only forked children do,
+    and for a lab whose code runs in a student's process (course.labs.student_process), only
+    that process (and the reference check's own child) does: the test's process never holds the
+    student's code, so nothing the student writes runs beside the test's verdict."""
     session_pid = os.getpid()
     original = loader.load_module
 
@@ -127,9 +130,18 @@ def _guard_session() -> None:
                 f"lab {lab_id}: the grading session does not import student code; a test "
                 "module touched `lab.<name>` outside a test or fixture"
             )
+        if (impl == "starter" and loader.runs_in_student_process(lab_id)
+                and not _REFERENCE_CHECK.get("pid") == os.getpid()):
+            raise loader.LabImplError(
+                f"lab {lab_id}: the student's code runs in a process of its own here; a test "
+                "loaded it in the test's process (use `lab.<name>` through load_lab)"
+            )
         return original(lab_dir, impl, lab_id)
 
     loader.load_module = guarded
+
+
+_REFERENCE_CHECK: dict[str, int] = {}
 
 
 def _send(fd: int, message: dict) -> None:
@@ -147,6 +159,10 @@ def pytest_runtestloop(session):
     config = session.config
     spec = config._course_spec
     _send(fd, {"type": "start", "items": len(session.items), "pid": os.getpid()})
+    from course.labs import student_process
+
+    if student_process.enabled():
+        student_process.warm()  # once here, not in every test's student process
     if spec.get("reference_check") and loader.chosen_impl() == "starter" and session.items:
         reference = _in_child(fd, lambda: _reference_check(session, spec),
                               float(spec.get("test_timeout", 60)))
@@ -370,6 +386,9 @@ def _run_test(item) -> dict:
         changed = _tampered(before, _hook_snapshot(config)) + _code_changed(code_before, item)
         if not changed:
             item.ihook.pytest_runtest_call(item=item)
+            recorded = _recorded_failure(item)
+            if recorded is not None:
+                raise recorded
     except BaseException as exc:  # noqa: B036
         result = _classify(exc, item)
     try:
@@ -399,12 +418,23 @@ def _run_test(item) -> dict:
     return result
 
 
+def _recorded_failure(item) -> BaseException | None:
+    """A unittest.TestCase item (Hypothesis's stateful machines are some) does not raise: the
+    TestCase's result object, which is the item, records the failure and pytest reports it from
+    there (its unittest plugin's makereport). The first one recorded, as pytest takes it."""
+    recorded = getattr(item, "_excinfo", None)
+    if isinstance(recorded, list) and recorded:
+        return getattr(recorded[0], "value", None)
+    return None
+
+
 def _classify(exc: BaseException, item) -> dict:
     from _pytest.outcomes import Exit, Failed, Skipped
 
     from course.labs.feedback import not_implemented_line as _not_implemented_line
 
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+    detail += getattr(exc, "student_traceback", "")  # the frames in the student's process
     if isinstance(exc, Skipped):
         return {"outcome": "skipped", "kind": "skipped", "message": str(exc.msg)}
     line = _not_implemented_line(exc)
@@ -426,6 +456,8 @@ def _classify(exc: BaseException, item) -> dict:
 
 
 def _where(exc: BaseException) -> str:
+    if getattr(exc, "student_where", ""):  # raised in the student's process
+        return f"  ({exc.student_where})"
     frames = traceback.extract_tb(exc.__traceback__)
     return f"  ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
@@ -440,6 +472,7 @@ def _reference_check(session, spec) -> dict:
     the module is the one the loader returned, not whatever sys.modules holds afterwards; and a
     finding counts only when the published starter does not show it too (its given helpers).
     """
+    _REFERENCE_CHECK["pid"] = os.getpid()
     item = session.items[0]
     lab = lab_for_path(item.path)
     solution = loader.load_module(lab.path, "solution", lab.id)

@@ -402,8 +402,6 @@ GRADING_EXPECTATIONS = {
     "pth-file": (0.0, 0.0, ".pth"),
     # add, histogram and bump pass (1.25 + 2.5 + 5); mean is killed; 09-02 hangs at import.
     "hang": (8.75, 0.0, "import signal"),
-    # Remains possible (see the README): a counterfeit report written to its own pipe. Flagged.
-    "forge": (10.0, 0.0, "os.write"),
     # The class of an instructor's trial (issue 30): honest work, half and whole, and the ways a
     # submission goes wrong that the reports must name.
     "partial": (2.5, 0.0, ""),
@@ -498,7 +496,7 @@ def check_grading_path(workdir: Path | None = None, jobs: int = 2) -> tuple[list
                 problems.append(f"{name}: no row in grades.csv")
                 continue
             got = (float(row["09-01"] or 0), float(row["09-02"] or 0))
-            if name in ("honest", "hang", "forge", "conftest-append", "report-plugin"):
+            if name in ("honest", "hang", "conftest-append", "report-plugin"):
                 ok = got == (lab1, lab2)
             else:
                 ok = got[0] <= lab1 and got[1] == lab2

@@ -127,6 +127,8 @@ def lab_metadata(path: Path = METADATA_PATH) -> dict[str, dict]:
             names = table.get(key, [])
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"{path}: lab {lab_id}: {key} must be a list of names")
+        if not isinstance(table.get("student_process", False), bool):
+            raise ValueError(f"{path}: lab {lab_id}: student_process must be true or false")
     return labs
 
 

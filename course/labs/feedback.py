@@ -201,7 +201,9 @@ def not_implemented_line(exc: BaseException) -> str | None:
         if isinstance(e, NotImplementedError):
             frames = traceback.extract_tb(e.__traceback__)
             where = ""
-            if frames:
+            if getattr(e, "student_where", ""):  # raised in the student's process
+                where = f"  ({e.student_where})"
+            elif frames:
                 last = frames[-1]
                 where = f"  ({Path(last.filename).name}:{last.lineno}, in {last.name})"
             message = " ".join((str(e) or "a function raised NotImplementedError").split())

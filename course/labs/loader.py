@@ -113,6 +113,20 @@ def _load_module(lab_dir: Path, impl: str, lab_id: str) -> ModuleType:
     return module
 
 
+def runs_in_student_process(lab_id: str) -> bool:
+    """Whether lab `lab_id`'s code runs in a process of its own (course.labs.student_process):
+    COURSE_STUDENT_PROCESS is set and the lab's table in labs.toml says
+    `student_process = true`. Never in the student's process itself."""
+    from course.labs import student_process
+
+    if not student_process.enabled() or student_process.IN_STUDENT_PROCESS:
+        return False
+    from course.labs.catalog import lab_metadata
+
+    return student_process.every_lab() or bool(
+        lab_metadata().get(lab_id, {}).get("student_process"))
+
+
 class LazyLab:
     """Attribute access loads the lab's chosen implementation once and forwards to it."""
 
@@ -144,10 +158,29 @@ class LazyLab:
         return functools.partial(load_module, self._lab_dir, self.impl, self._lab_id)
 
     @property
+    def in_student_process(self) -> bool:
+        return runs_in_student_process(self._lab_id)
+
+    @property
     def module(self) -> ModuleType:
+        if self.in_student_process:
+            from course.labs import student_process
+
+            # A proxy of the module in this test's student process (started on first use).
+            return student_process.current(self._lab_dir, self.impl, self._lab_id).module
         if self._module is None:
             self._module = load_module(self._lab_dir, self.impl, self._lab_id)
         return self._module
+
+    def module_of(self, function) -> ModuleType:
+        """The module a function of the lab's implementation lives in (the starter, or the
+        mini_vllm module the solution takes it from), for a test that patches a name there."""
+        if self.in_student_process:
+            from course.labs import student_process
+
+            return student_process.current(self._lab_dir, self.impl, self._lab_id).module_of(
+                function)
+        return sys.modules[function.__module__]
 
     def __getattr__(self, name: str):
         if name.startswith("__"):

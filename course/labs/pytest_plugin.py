@@ -228,3 +228,12 @@ def pytest_sessionfinish(session, exitstatus):
         result["exception"] = _EXCEPTIONS.get(result["nodeid"], "")
     report = {"exitstatus": int(exitstatus), "tests": _RESULTS}
     Path(path).write_text(json.dumps(report, indent=1), encoding="utf-8")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    """The student's process of a lab that runs in one (course.labs.student_process) lives for
+    one test: killed once the test's own teardown is done."""
+    from course.labs import student_process
+
+    student_process.stop_all()

@@ -41,6 +41,7 @@ from types import ModuleType
 
 from course.labs.catalog import Lab
 from course.labs.loader import LabImplError, load_module
+from course.labs.student_process import beside_the_student
 
 MEASURE_FILE = "measure.py"
 GPUS = ("T4", "A100", "H100")  # --arch: the GPUs a static report (lab 02-06) is compiled for
@@ -354,6 +355,7 @@ def best_of(fn, repeats: int = 5) -> float:
     return best
 
 
+@beside_the_student
 def peak_tensor_bytes(fn, existing=()) -> int:
     """The most bytes of tensor storage that `fn()` held at once, counting every tensor created
     while it ran (torch functions and Tensor methods, seen through a TorchFunctionMode) until it

@@ -12,8 +12,6 @@ every task).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from hypothesis import given
@@ -513,12 +511,8 @@ def test_blockwise_attention_never_holds_all_the_scores():
     )
 
 
-def impl_module(function):
-    return sys.modules[function.__module__]
-
-
 def test_split_kv_attention_reduces_independent_partials_in_one_call(monkeypatch):
-    module = impl_module(lab.split_kv_attention)
+    module = lab.module_of(lab.split_kv_attention)
     calls = []
     original = module.reduce_partials
 

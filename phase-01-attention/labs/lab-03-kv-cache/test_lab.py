@@ -12,7 +12,6 @@ scripts/task_by_task.py 01-03` checks that the passing count grows after every t
 from __future__ import annotations
 
 import re
-import sys
 import traceback
 from pathlib import Path
 
@@ -460,7 +459,7 @@ def test_batched_decode_uses_the_scale_it_is_given(scale):
 
 
 def test_batched_decode_is_one_computation_not_a_loop_of_ref_attention(monkeypatch):
-    module = sys.modules[lab.decode_step.__module__]
+    module = lab.module_of(lab.decode_step)
 
     def forbidden(*args, **kwargs):
         raise AssertionError(

@@ -1,0 +1,197 @@
+"""The student's process (course/labs/student_process.py): what crosses, what comes back, and
+what a hostile student's process can and cannot make the test's side believe.
+
+Each test starts a student's process on a small module written to a temporary folder, as the
+loader does for a lab marked `student_process`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import textwrap
+
+import pytest
+import torch
+
+from course.labs import student_process as sp
+
+MODULE = '''
+import dataclasses, enum, os, sys, threading
+import torch
+from mini_vllm.request import RequestStatus
+
+@dataclasses.dataclass
+class Report:
+    total: int
+    items: list
+
+    @property
+    def mean(self):
+        return self.total / len(self.items)
+
+class Bag:
+    def __init__(self):
+        self.items = []
+    def add(self, x):
+        self.items.append(x)
+        return len(self.items)
+
+class Liar:
+    def __eq__(self, other):
+        return True
+    __hash__ = object.__hash__
+
+def liar():
+    return Liar()
+
+def liar_list():
+    class L(list):
+        def __eq__(self, other):
+            return True
+    return L([1])
+
+def fill(cache, slots, value):
+    cache[slots] = value          # in place, as a kernel writes a cache
+
+def halves(t):
+    return t[: len(t) // 2], t[len(t) // 2 :]   # views of the argument
+
+def reorder(items):
+    items.reverse()               # the argument list, in place
+
+def report(xs):
+    return Report(sum(xs), list(xs))
+
+def status():
+    return RequestStatus.RUNNING
+
+def call_back(f, x):
+    return f(x) + 1
+
+def fails(kind):
+    if kind == "value":
+        raise ValueError("bad input: 3")
+    if kind == "todo":
+        raise NotImplementedError("lab 09-09, task 1: implement it")
+    class OwnError(KeyError):
+        pass
+    raise OwnError("mine")
+
+def shout(text):
+    print(text)
+    return None
+
+def leave():
+    os._exit(3)
+'''
+
+
+@pytest.fixture
+def student(tmp_path):
+    (tmp_path / "solution.py").write_text(textwrap.dedent(MODULE))
+    proc = sp.StudentProcess(tmp_path, "solution", "09-09")
+    yield proc
+    proc.stop()
+
+
+def test_data_crosses_by_value_and_objects_stay_in_the_students_process(student):
+    m = student.module
+    bag = m.Bag()
+    assert isinstance(bag, sp.Remote) and bag.add((1, "a")) == 1 and bag.add(None) == 2
+    assert bag.items == [(1, "a"), None]
+    assert isinstance(bag, m.Bag) and not isinstance(bag, m.Report)
+    assert m.status() is __import__("mini_vllm.request").request.RequestStatus.RUNNING
+
+
+def test_a_record_comes_back_as_data_with_its_properties(student):
+    r = student.module.report([1, 2, 3])
+    assert isinstance(r, sp.Struct) and (r.total, r.items, r.mean) == (6, [1, 2, 3], 2.0)
+    assert r != student.module.report([3, 2, 1])
+    assert r == student.module.report([1, 2, 3])
+    assert isinstance(r, student.module.Report)
+
+
+def test_in_place_writes_and_views_keep_their_meaning(student):
+    cache = torch.zeros(8)
+    student.module.fill(cache, torch.tensor([1, 5]), 7.0)
+    assert cache.tolist() == [0, 7, 0, 0, 0, 7, 0, 0]
+    a, b = student.module.halves(cache)
+    assert a.data_ptr() == cache.data_ptr() and b.data_ptr() == cache.data_ptr() + 16
+    b.fill_(1.0)  # a view of the test's own tensor: the test's tensor changes
+    assert cache.tolist() == [0, 7, 0, 0, 1, 1, 1, 1]
+    items = [1, 2, 3]
+    student.module.reorder(items)
+    assert items == [3, 2, 1]
+
+
+def test_the_students_eq_decides_nothing(student):
+    """An object that claims to equal everything equals nothing here, list or not."""
+    m = student.module
+    assert m.liar() != 1 and m.liar() != m.liar() and not (m.liar() == [1])
+    assert m.liar_list() != [1]
+
+
+def test_a_function_of_the_test_is_called_back_with_data(student):
+    seen = []
+
+    def double(x):
+        seen.append(x)
+        return 2 * x
+
+    assert student.module.call_back(double, 20) == 41 and seen == [20]
+
+
+def test_errors_come_back_as_their_builtin_classes_with_the_students_line(student):
+    with pytest.raises(ValueError, match="bad input: 3") as info:
+        student.module.fails("value")
+    assert info.value.student_where.startswith("solution.py:")
+    with pytest.raises(NotImplementedError, match="lab 09-09, task 1"):
+        student.module.fails("todo")
+    with pytest.raises(KeyError) as info:
+        student.module.fails("own")
+    assert type(info.value).__name__ == "OwnError"
+    with pytest.raises(AttributeError):
+        student.module.no_such_name  # noqa: B018
+
+
+def test_prints_reach_the_tests_output(student, capsys):
+    student.module.shout("hello from the student")
+    assert "hello from the student" in capsys.readouterr().out
+
+
+def test_a_student_process_that_exits_fails_the_call_with_the_reason(student):
+    with pytest.raises(sp.StudentProcessError, match=r"ended \(exit code 3\)"):
+        student.module.leave()
+
+
+# --- a hostile student's process: raw messages to the test's side --------------------------------
+
+
+def _raw(header: dict, blobs=()) -> bytes:
+    head = json.dumps(dict(header, blobs=[len(b) for b in blobs])).encode()
+    return struct.pack("!I", len(head)) + head + b"".join(blobs)
+
+
+@pytest.mark.parametrize("reply", [
+    {"op": "reply", "value": {"$": "obj", "cls": "os:system", "v": {"$": "dict", "v": []}}},
+    {"op": "reply", "value": {"$": "enum", "cls": "subprocess:Popen", "v": "x"}},
+    {"op": "reply", "value": {"$": "yours", "h": 12345}},
+    {"op": "reply", "value": {"$": "tensor", "s": 1, "o": 0, "size": [10], "stride": [1],
+                              "dtype": "float32"}},
+    {"op": "reply", "value": {"$": "pickle", "v": "gASVAAAA"}},
+    {"op": "reply", "value": 1, "new": [{"id": 2, "b": 0}]},
+    {"op": "call", "target": {"$": "yours", "h": 99}, "args": [],
+     "kwargs": {"$": "dict", "v": []}},
+], ids=["object-by-state", "untrusted-enum", "unknown-handle", "tensor-without-storage",
+        "pickle", "storage-of-the-wrong-side", "call-of-a-test-object-it-never-got"])
+def test_the_tests_side_refuses_what_the_protocol_does_not_allow(reply):
+    """Whatever the student's side sends, the test's side builds data or refuses: nothing is
+    imported, unpickled or called on its word."""
+    mine, theirs = socket.socketpair()
+    side = sp.Side(mine, student=False)
+    theirs.sendall(_raw(reply, [b"\0" * 40]))
+    with pytest.raises((sp.StudentProcessError, TypeError)):
+        side.serve(until_reply=True)
+    mine.close()
+    theirs.close()
