@@ -281,8 +281,15 @@ def test_shards_merged_give_the_rows_of_one_run_and_a_run_resumes(tmp_path):
     merged = tmp_path / "merged"
     _grade(course, "--merge", *(str(tmp_path / f"s{i}") for i in (1, 2)), "--out",
            str(merged))
-    for name in ("grades.csv", "gradebook.csv"):
+    for name in ("grades.csv", "gradebook.csv", "similarity.csv"):
         assert (merged / name).read_text() == (whole / name).read_text(), name
+    # Each shard compares its own students (with the reference, and with each other).
+    for i, students in zip((1, 2), shard_students):
+        sim = list(csv.DictReader((tmp_path / f"s{i}" / "similarity.csv").open()))
+        assert sim and {r["student"] for r in sim} <= set(students), (i, sim)
+        assert {r["closest_student"] for r in sim} - {""} <= set(students), (i, sim)
+    whole_sim = list(csv.DictReader((whole / "similarity.csv").open()))
+    assert {r["student"] for r in whole_sim} == set(SHARDED_CLASS)
     rows = {r["student"]: r for r in csv.DictReader((whole / "grades.csv").open())}
     assert rows["all-solution"]["exam"] == "0.0" and rows["honest"]["exam"] == "4.0"
     assert rows["syntax-error"]["09-01 status"] == "does not import"

@@ -962,8 +962,8 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                         if class_mode:
                             write_class()
         similarity_csv = None
-        if class_mode and opts.similarity and opts.impl == "starter" and not opts.shard:
-            # A sharded run leaves this to `--merge`, which sees the whole class.
+        if class_mode and opts.similarity and opts.impl == "starter":
+            # A shard compares its own students; `--merge` compares the whole class again.
             similarity_csv = peer_review(out, finished, labs, instructor.root,
                                          opts.reference_zero)
         meta["seconds"] = round(time.monotonic() - started, 1)
