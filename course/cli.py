@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     labs_and_jobs(p)
     p.add_argument("--impl", choices=("starter", "solution"), default="starter")
     p.add_argument("--no-exam", action="store_true",
-                   help="leave out the engine exam row (it runs on your finished engine labs)")
+                   help="leave out the engine exam (as graded, and on your finished engine labs)")
     p.add_argument("--no-cache", action="store_true",
                    help="run every lab you changed, even when its recorded result still holds")
     p.set_defaults(func=cmd_status)
