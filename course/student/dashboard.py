@@ -1,5 +1,5 @@
 """The student's dashboard, ``python -m course``: every lab's tests against your starter files, and
-the engine exam on your finished engine labs.
+the engine exam as it will be graded and on your finished engine labs (course.engine.command).
 
 A lab runs only when something it depends on changed (course.labs.results): an untouched lab is
 "not started" at once, and an unchanged one shows its recorded result, marked "cached".
