@@ -60,7 +60,9 @@ def cmd_grade(args) -> int:
             print(f"GRADING ERROR: {exc}", file=sys.stderr)
             return 2
         print((out / "summary.md").read_text(encoding="utf-8"))
-        print(f"Wrote {out / 'grades.csv'}, {out / 'gradebook.csv'} and {out / 'summary.md'}")
+        names = ["grades.csv", "gradebook.csv", "similarity.csv", "summary.md"]
+        files = [str(out / n) for n in names if (out / n).is_file()]
+        print(f"Wrote {', '.join(files[:-1])} and {files[-1]}")
         return code
     class_mode = bool(args.class_dir)
     if args.class_dir and args.submission:
@@ -116,8 +118,9 @@ def cmd_grade(args) -> int:
         return 2
     if class_mode:
         print((out / "summary.md").read_text(encoding="utf-8"))
-        print(f"Wrote {out / 'grades.csv'}, {out / 'similarity.csv'}, {out / 'summary.md'} and "
-              f"one folder per student under {out / 'students'}/")
+        similarity = f"{out / 'similarity.csv'}, " if (out / "similarity.csv").is_file() else ""
+        print(f"Wrote {out / 'grades.csv'}, {similarity}{out / 'summary.md'} and one folder per "
+              f"student under {out / 'students'}/")
     else:
         print((out / "grades.txt").read_text(encoding="utf-8"))
         print(f"Wrote {out / 'grades.json'}, {out / 'grades.txt'}, {out / 'grades.csv'} and "
@@ -434,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     labs_and_jobs(p)
     p.add_argument("--impl", choices=("starter", "solution"), default="starter")
     p.add_argument("--no-exam", action="store_true",
-                   help="leave out the engine exam row (it runs on your finished engine labs)")
+                   help="leave out the engine exam (as graded, and on your finished engine labs)")
     p.add_argument("--no-cache", action="store_true",
                    help="run every lab you changed, even when its recorded result still holds")
     p.set_defaults(func=cmd_status)

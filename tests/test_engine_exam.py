@@ -315,6 +315,75 @@ def test_the_exam_is_a_graded_unit_when_every_engine_lab_is_graded():
     assert not [u for u in graded_units(some) if isinstance(u, CommandUnit)]
 
 
+def test_the_dashboard_shows_the_exam_as_graded_beside_the_reference_for_unfinished_labs(
+        tmp_path, monkeypatch):
+    """As graded: every engine lab as the files hold it (an unwritten one is its published
+    starter, the grader's `--labs all`); beside it, the done labs with the reference for the
+    rest. What is checked is which compositions run, when, and how each row is labelled: the
+    exam is a stand-in that passes when every lab it composes is done, and a lab's files are
+    played by what the dashboard is told of it (written, done)."""
+    from course.engine import command
+    from course.engine.compose import GPU_ONLY_LABS, engine_labs
+    from course.engine.exam import GRADED_SWEEP, cases
+    from course.labs.runner import LabRun
+
+    n = len(cases(GRADED_SWEEP))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(command, "_cuda_available", lambda: False)
+    ran: list[list[str]] = []
+    finished: set[str] = set()
+
+    def exam(job, timeout_s):
+        ran.append(job["labs"])
+        assert Path(job["reference"]).parent == tmp_path / "cache" / "mini_vllm-course"
+        total = len(job["cases"])
+        passed = total if set(job["labs"]) <= finished else 0
+        return {"passed": passed, "total": total, "error": None, "composition_error": False}
+
+    monkeypatch.setattr(command, "run_exam_job", exam)
+    cpu_labs = [lab.id for lab in engine_labs() if lab.id not in GPU_ONLY_LABS]
+    passed = {"nodeid": "t", "outcome": "passed", "starter_ok": False, "points": 1, "message": ""}
+    failed = {**passed, "outcome": "failed"}
+
+    def dashboard(done=(), started=()):
+        """The exam rows of a dashboard where `done` labs pass, `started` ones are written and
+        fail a test, and every other lab is as published."""
+        written = {*done, *started}
+        finished.clear()
+        finished.update(done)
+        monkeypatch.setattr(command, "is_untouched", lambda lab, published: lab.id not in written)
+        monkeypatch.setattr(command, "result_key",
+                            lambda lab, impl: f"{lab.id} {lab.id in written} {lab.id in done}")
+        runs = [LabRun(lab, "starter", 0, [passed]) if lab.id in done else
+                LabRun(lab, "starter", 1, [passed, failed]) if lab.id in started else
+                LabRun(lab, "starter", 0, [], origin="untouched") for lab in discover()]
+        return [row[2:6] for row in command.exam_rows(runs)]
+
+    # Nothing written: the grader skips the exam, so nothing runs.
+    first = "finish an engine lab (02-01 is the first), then `python -m course engine`"
+    assert dashboard() == [["Your mini_vllm: the engine exam", "-", "not started", first]]
+    assert ran == []
+    # 02-01 done, 02-03 begun: two compositions, each labelled, each run once, then cached.
+    rest = ", ".join(i for i in cpu_labs if i not in ("02-01", "02-03"))
+    rows = [["Engine exam, as graded", f"0/{n}", "in progress",
+             f"unwritten labs run as published: {rest}"],
+            ["Engine exam, reference for unfinished labs", f"{n}/{n}", "in progress",
+             "passes with 02-01 yours; finish the other engine labs"]]
+    assert dashboard(done=["02-01"], started=["02-03"]) == rows
+    assert ran == [cpu_labs, ["02-01"]]
+    assert dashboard(done=["02-01"], started=["02-03"]) == rows and len(ran) == 2
+    # Begun but none done: the graded exam still runs (the grader runs it on written labs).
+    assert dashboard(started=["02-03"]) == [
+        ["Engine exam, as graded", f"0/{n}", "in progress",
+         f"unwritten labs run as published: 02-01, {rest}"],
+        ["Engine exam, reference for unfinished labs", "-", "not started", first]]
+    assert ran[-1] == cpu_labs and len(ran) == 3
+    # Every engine lab done: the two are one composition, one run, one row.
+    assert dashboard(done=cpu_labs) == [["Engine exam, as graded (all yours)", f"{n}/{n}", "done",
+                                         "`python -m course engine`: your engine generates"]]
+    assert ran[-1] == cpu_labs and len(ran) == 4
+
+
 def test_workers_of_another_tree_run_side_by_side_in_threads(tmp_path):
     """`course check` runs exam jobs of several trees (planted bugs, stand-ins) in threads. A
     worker started in another tree is a Popen; the subprocess module reaps dropped Popen

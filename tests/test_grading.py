@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def graded(tmp_path_factory) -> Path:
         cwd=course, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    (root / "live.log").write_text(proc.stderr)
     return out
 
 
@@ -83,6 +85,34 @@ def test_grades_json_names_the_student_and_the_course(graded):
     meta = json.loads((graded / "class.json").read_text())
     assert meta["students"] == sorted(SMALL_CLASS)
     assert (graded / "summary.md").read_text().startswith("## Grades")
+
+
+def test_tampering_a_test_caught_is_the_labs_status_with_what_it_saw(graded):
+    """report-plugin registers a pytest plugin while 09-01's tests run, patch-tests rewrites the
+    test functions: every test catches it, and every file says "tampered" and what was seen."""
+    rows = {r["student"]: r for r in csv.DictReader((graded / "grades.csv").open())}
+    log = (graded.parent / "live.log").read_text()
+    for name, seen in (("report-plugin", "1 plugin(s) registered"),
+                       ("patch-tests", "test_lab.test_add was replaced")):
+        assert rows[name]["09-01 status"] == "tampered", rows[name]
+        report = json.loads((graded / "students" / name / "grades.json").read_text())
+        (lab,) = [lab for lab in report["labs"] if lab["id"] == "09-01"]
+        assert lab["status"] == "tampered"
+        assert lab["reason"].startswith("test_add: the test's machinery changed while it ran: ")
+        assert seen in lab["reason"] and lab["reason"].endswith(" (and 4 more tests)")
+        assert [t["kind"] for t in lab["tests"]] == ["tampered"] * 5
+        assert len(lab["tampered"]) == 5 and all(seen in s for s in lab["tampered"])
+        assert f"09-01: tampered: {lab['reason']}" in rows[name]["flags"]
+        text = (graded / "students" / name / "grades.txt").read_text()
+        assert re.search(r"^09-01 .* tampered *$", text, re.M), text
+        assert f"  09-01: tampered: {lab['reason']}" in text
+        suite = ET.parse(graded / "students" / name / "junit" / "lab-09-01.xml").getroot()[0]
+        props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+        assert (props["status"], props["reason"]) == ("tampered", lab["reason"])
+        assert {f.get("type") for f in suite.iter("failure")} == {"tampered"}
+        assert re.search(rf"{name} 09-01: 0/10 tampered \(\d+ s\): test_add: ", log), log
+    summary = (graded / "summary.md").read_text()
+    assert re.search(r"\| report-plugin \|.*\| tampered \| done \|", summary), summary
 
 
 def _junit_structure_problems(path: Path) -> list[str]:
@@ -251,8 +281,15 @@ def test_shards_merged_give_the_rows_of_one_run_and_a_run_resumes(tmp_path):
     merged = tmp_path / "merged"
     _grade(course, "--merge", *(str(tmp_path / f"s{i}") for i in (1, 2)), "--out",
            str(merged))
-    for name in ("grades.csv", "gradebook.csv"):
+    for name in ("grades.csv", "gradebook.csv", "similarity.csv"):
         assert (merged / name).read_text() == (whole / name).read_text(), name
+    # Each shard compares its own students (with the reference, and with each other).
+    for i, students in zip((1, 2), shard_students):
+        sim = list(csv.DictReader((tmp_path / f"s{i}" / "similarity.csv").open()))
+        assert sim and {r["student"] for r in sim} <= set(students), (i, sim)
+        assert {r["closest_student"] for r in sim} - {""} <= set(students), (i, sim)
+    whole_sim = list(csv.DictReader((whole / "similarity.csv").open()))
+    assert {r["student"] for r in whole_sim} == set(SHARDED_CLASS)
     rows = {r["student"]: r for r in csv.DictReader((whole / "grades.csv").open())}
     assert rows["all-solution"]["exam"] == "0.0" and rows["honest"]["exam"] == "4.0"
     assert rows["syntax-error"]["09-01 status"] == "does not import"

@@ -209,3 +209,26 @@ def test_a_carried_task_takes_todays_docstring_unless_the_student_edited_theirs(
     assert merge.text == ('__all__ = ["f", "g"]\n\n\n# Task 1.\n# my own note\ndef f(x):\n'
                           '    """New contract."""\n    # mine\n    return x\n\n\n'
                           'def g(x):\n    """Old g, and my notes."""\n    return -x\n')
+
+
+def test_what_an_upgrade_leaves_beside_the_starter_is_ignored_by_git():
+    """`git add -A` after `course upgrade` must not commit the old starter or the merge: they
+    are the student's scratch files, and only starter.py is graded."""
+    from course.labs.catalog import REPO_ROOT
+
+    if not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    (lab,) = select(discover(), ["03-01"])
+    rel = lab.path.relative_to(REPO_ROOT)
+    left = [rel / name for name in ("starter.py.before-upgrade", "starter.py.before-upgrade.2",
+                                    "starter.py.merge")]
+
+    def ignored(path: Path) -> bool:
+        proc = subprocess.run(["git", "check-ignore", "--no-index", "-q", str(path)],
+                              cwd=REPO_ROOT, capture_output=True, text=True)
+        assert proc.returncode in (0, 1), proc.stderr
+        return proc.returncode == 0
+
+    assert [p for p in left if not ignored(p)] == []
+    assert not ignored(rel / "starter.py")
+

@@ -28,69 +28,140 @@ from pathlib import Path
 from course.engine.compose import GPU_ONLY_LABS, engine_labs
 from course.labs.catalog import METADATA_PATH, REPO_ROOT
 from course.labs.console import table
-from course.labs.published import lab_given_note
-from course.labs.results import cache_dir, finished_labs, result_key
+from course.labs.published import is_untouched, lab_given_note, load_published
+from course.labs.results import (
+    cache_dir,
+    course_digest,
+    environment,
+    finished_labs,
+    result_key,
+)
 
 FINALE_PROMPTS = ["HAMLET.\n", "KING.\n"]
 CASE_TIMEOUT_S = 60.0
 
 
-def exam_row(runs, jobs: int | None = None) -> list[str] | None:
-    """The dashboard's row for the engine exam, run on the finished engine labs (cached by their
-    files); None when the dashboard shows no engine lab."""
+def exam_rows(runs, jobs: int | None = None) -> list[list[str]]:
+    """The dashboard's rows for the engine exam; [] when it shows no engine lab.
+
+    Two compositions, each labelled: the exam as `course grade` will run it (every engine lab as
+    your files hold it, so an unwritten one is its published starter: the grader's `--labs
+    all`), and your done labs with the reference for the unfinished ones (what passes so far).
+    Each run is cached by the files it composes. When every engine lab is done the two are one
+    run; when none is written, the graded exam is 0 without a run, as the grader skips it."""
     title = "Your mini_vllm: the engine exam"
+    graded_title = "Engine exam, as graded"
+    reference_title = "Engine exam, reference for unfinished labs"
     not_started = ["-", "exam", title, "-", "not started",
                    "finish an engine lab (02-01 is the first), then `python -m course engine`", "-"]
     engine = [r for r in runs if r.lab.engine_parts]
-    if engine and not any(r.status == "done" for r in engine) and not all(
+    if not engine:
+        return []
+    # The graded exam composes every engine lab, shown here or not, and follows those a CPU
+    # runs: with none of them written the grader skips it.
+    every = engine_labs()
+    published = load_published()
+    written = [lab for lab in every
+               if lab.id not in GPU_ONLY_LABS and not is_untouched(lab, published)]
+    if not written and not any(r.status == "done" for r in engine) and not all(
             r.lab.id in GPU_ONLY_LABS for r in engine):
-        return not_started  # known without importing torch to ask for a GPU
+        return [not_started]  # known without importing torch to ask for a GPU
     gpu = _cuda_available()
     engine_runs = [r for r in engine if gpu or r.lab.id not in GPU_ONLY_LABS]
     if not engine_runs:
-        return None
+        return []
     done = [r.lab for r in engine_runs if r.status == "done"]
-    if not done:
-        return not_started
+    if not written and not done:
+        return [not_started]
+    graded = [lab for lab in every if gpu or lab.id not in GPU_ONLY_LABS]
     from course.engine.exam import GRADED_SWEEP, cases
 
-    digest = hashlib.sha256()
-    for lab in done:
-        digest.update(lab.id.encode() + result_key(lab, "starter").encode())
-    for path in (Path(__file__).parent / "exam.py", Path(__file__).parent / "compose.py",
-                 METADATA_PATH):
-        digest.update(path.read_bytes())
-    key = digest.hexdigest()
+    names = [c.name for c in cases(GRADED_SWEEP)]
     cache_file = cache_dir() / "exam-status.json"
     try:
-        cached = json.loads(cache_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        cached = json.loads(cache_file.read_text(encoding="utf-8")).get("runs", {})
+    except (OSError, ValueError, AttributeError):
         cached = {}
-    origin = "cached"
-    if cached.get("key") != key:
-        origin = "ran"
-        student = [lab.id for lab in done]
-        names = [c.name for c in cases(GRADED_SWEEP)]
-        job = {"mode": "exam", "labs": student, "cases": names, "sweep": GRADED_SWEEP,
-               "timeout": CASE_TIMEOUT_S, "gpu": gpu}
-        print(f"Running the engine exam on your labs {', '.join(student)} ...", file=sys.stderr)
-        report = run_exam_job(job, 300 + 2 * CASE_TIMEOUT_S * len(names))
-        cached = {"key": key, "passed": report["passed"], "total": report["total"]}
-        try:
-            cache_dir().mkdir(parents=True, exist_ok=True)
-            cache_file.write_text(json.dumps(cached), encoding="utf-8")
-        except OSError:
-            pass
-    passed, total = cached["passed"], cached["total"]
-    mine = ", ".join(lab.id for lab in done)
-    if passed == total:
-        status = "done" if len(done) == len(engine_runs) else "in progress"
-        step = ("`python -m course engine`: your engine generates" if status == "done" else
-                f"passes with {mine} yours; finish the other engine labs")
+    kept: dict[str, dict] = {}
+
+    def exam(labs) -> tuple[dict, str]:
+        """The exam with ``labs`` yours ({"passed", "total", "error"}: the error of a
+        composition that could not be built), and "cached" or "ran"."""
+        digest = hashlib.sha256()
+        for lab in labs:
+            digest.update(lab.id.encode() + result_key(lab, "starter").encode())
+        for path in (Path(__file__).parent / "exam.py", Path(__file__).parent / "compose.py",
+                     METADATA_PATH):
+            digest.update(path.read_bytes())
+        key = digest.hexdigest()
+        origin = "cached"
+        if key not in cached:
+            origin = "ran"
+            student = [lab.id for lab in labs]
+            job = {"mode": "exam", "labs": student, "cases": names, "sweep": GRADED_SWEEP,
+                   "timeout": CASE_TIMEOUT_S, "gpu": gpu, "reference": str(_reference_file(gpu))}
+            print(f"Running the engine exam on your labs {', '.join(student)} ...",
+                  file=sys.stderr)
+            report = run_exam_job(job, 300 + 2 * CASE_TIMEOUT_S * len(names))
+            error = report["error"] if report["composition_error"] else None
+            cached[key] = {"passed": report["passed"], "total": report["total"], "error": error}
+        kept[key] = cached[key]
+        return cached[key], origin
+
+    rows = []
+    same = {lab.id for lab in done} == {lab.id for lab in graded}  # one composition
+    if not written:  # (only a GPU-only lab is done) the grader skips the exam
+        rows.append(["-", "exam", graded_title, f"0/{len(names)}", "not started",
+                     "the grader skips the exam: no engine lab it follows is written", "-"])
     else:
-        status = "failing"
-        step = "`python -m course engine --exam`: which case fails, and which lab"
-    return ["-", "exam", title, f"{passed}/{total}", status, step, origin]
+        got, origin = exam(graded)
+        unwritten = [lab.id for lab in graded if is_untouched(lab, published)]
+        if got["error"]:
+            status, step = "failing", f"does not compose: {got['error'].splitlines()[0]}"
+        elif got["passed"] == got["total"]:
+            status = "done"
+            step = "`python -m course engine`: your engine generates" if same else (
+                "every case passes with your labs as they are")
+        elif unwritten:
+            status = "in progress"
+            step = f"unwritten labs run as published: {', '.join(unwritten)}"
+        else:
+            status = "failing"
+            step = "`python -m course engine --exam --labs all`: which case fails, which lab"
+        rows.append(["-", "exam", graded_title if not same else f"{graded_title} (all yours)",
+                     f"{got['passed']}/{got['total']}", status, step, origin])
+    if not same:
+        if not done:
+            rows.append([*not_started[:2], reference_title, *not_started[3:]])
+        else:
+            got, origin = exam(done)
+            mine = ", ".join(lab.id for lab in done)
+            if got["passed"] == got["total"]:
+                status, step = "in progress", (f"passes with {mine} yours; finish the other "
+                                               "engine labs")
+            else:
+                status = "failing"
+                step = "`python -m course engine --exam`: which case fails, and which lab"
+            rows.append(["-", "exam", reference_title, f"{got['passed']}/{got['total']}",
+                         status, step, origin])
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps({"runs": kept}), encoding="utf-8")
+    except OSError:
+        pass
+    return rows
+
+
+def _reference_file(gpu: bool) -> Path:
+    """Where the reference engine's exam data (its statistics and the oracle's completions) is
+    kept between runs, named by the course's code: computed once, not once per exam run."""
+    key = hashlib.sha256(f"{course_digest(REPO_ROOT)}\0{gpu}\0{environment()}".encode())
+    key = key.hexdigest()[:16]
+    path = cache_dir() / f"exam-reference-{key}.json"
+    for old in cache_dir().glob("exam-reference-*.json"):
+        if old != path:
+            old.unlink(missing_ok=True)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,6 +489,11 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
         _print_bisection(report.get("bisections"), student)
     elif failing:
         print("\nThe reference engine fails the exam: that is a bug of the course, not yours.")
+    unfinished = sorted(i for i, why in reasons.items() if why.startswith("not finished"))
+    if unfinished and not args.labs:
+        print(f"\nNot the exam as graded: here labs {', '.join(unfinished)} are the reference; "
+              "`course grade` runs every engine lab as your files hold it (an unwritten one as "
+              "its published starter). That exam: python -m course engine --exam --labs all")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
     if report["composition_error"]:

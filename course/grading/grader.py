@@ -575,11 +575,12 @@ class LabUnit:
         result.status, result.reason = _status(result, run)
 
 
-# Every status a unit can have, the same word in grades.txt, grades.csv, summary.md and the live
-# log. "timed out" carries its count: "timed out (3 tests)". (`status_word` gives the word.)
+# Every status a unit can have, the same word in grades.txt, grades.csv, summary.md, the JUnit
+# files and the live log. "timed out" carries its count: "timed out (3 tests)". (`status_word`
+# gives the word.)
 STATUSES = ("not started", "does not import", "crashed", "timed out", "memory limit",
-            "uses the reference", "similarity", "in progress", "done", "not submitted",
-            "not run here", "error")
+            "uses the reference", "tampered", "similarity", "in progress", "done",
+            "not submitted", "not run here", "error")
 
 
 def status_word(status: str) -> str:
@@ -593,6 +594,11 @@ def _status(r: UnitResult, run: sandbox.SessionRun) -> tuple[str, str]:
         return "error", r.error.splitlines()[0]
     if r.uses_reference:
         return "uses the reference", "; ".join(r.uses_reference)
+    from course.grading.reports import tampered_reason
+
+    caught = tampered_reason(r)
+    if caught:
+        return "tampered", caught
     ran = [t for t in r.tests if t.outcome != "skipped"]
     failed = [t for t in ran if t.outcome != "passed"]
     passed = len(ran) - len(failed)
@@ -926,9 +932,10 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                             res.uses_reference.append("tampered with the grader's environment")
                             res.status = "uses the reference"
                         count += 1
+                        caught = f": {res.reason}" if res.status == "tampered" else ""
                         log(f"  [{count}/{n_jobs}] {sub.name} {unit.id}: "
                             f"{res.points('cpu'):g}/{res.max_points.get('cpu', 0):g} "
-                            f"{res.status} ({res.seconds:.0f} s)")
+                            f"{res.status} ({res.seconds:.0f} s){caught}")
                         # The units that follow labs start once those labs are scored.
                         for u in after:
                             if (sub.name, u.id) in started_after:
@@ -958,8 +965,8 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
                         if class_mode:
                             write_class()
         similarity_csv = None
-        if class_mode and opts.similarity and opts.impl == "starter" and not opts.shard:
-            # A sharded run leaves this to `--merge`, which sees the whole class.
+        if class_mode and opts.similarity and opts.impl == "starter":
+            # A shard compares its own students; `--merge` compares the whole class again.
             similarity_csv = peer_review(out, finished, labs, instructor.root,
                                          opts.reference_zero)
         meta["seconds"] = round(time.monotonic() - started, 1)

@@ -56,7 +56,27 @@ def _flags(sub, results) -> list[str]:
             flags.append(f"{r.id}: uses the reference ({'; '.join(r.uses_reference)})")
         if r.status.startswith("timed out"):
             flags.append(f"{r.id}: {r.status}: {r.reason}")
+        if tampered_reason(r):
+            flags.append(f"{r.id}: tampered: {tampered_reason(r)}")
     return flags
+
+
+def tampered(r) -> list[str]:
+    """The tests of unit result `r` that caught their machinery changed while they ran (kind
+    "tampered": a pytest plugin registered, a hook or a function of the test replaced), each as
+    "test name: what was seen"."""
+    return [f"{t.id.split('::', 1)[-1]}: "
+            f"{t.message if len(t.message) <= 240 else t.message[:237] + '...'}"
+            for t in r.tests if t.kind == "tampered"]
+
+
+def tampered_reason(r) -> str:
+    """The first test that caught tampering and what it saw, with how many more did ("" when
+    none did): the reason of the status "tampered"."""
+    caught = tampered(r)
+    if len(caught) > 1:
+        return f"{caught[0]} (and {len(caught) - 1} more test{'s' * (len(caught) > 2)})"
+    return caught[0] if caught else ""
 
 
 def unit_list(units) -> list[dict]:
@@ -96,6 +116,7 @@ def student_report(sub, results, units, meta) -> dict:
                 "not_run": r.count("not_run", "skipped"),
                 "total": len(r.tests),
                 "uses_reference": r.uses_reference,
+                "tampered": tampered(r),  # "test: what was seen", for each test that caught it
                 "flags": r.flags + sub.lab_flags.get(r.id, []),
                 "notes": r.notes,
                 "seconds": round(r.seconds, 1),
@@ -108,6 +129,7 @@ def student_report(sub, results, units, meta) -> dict:
                         "id": t.id,
                         "tier": t.tier,
                         "outcome": t.outcome,
+                        "kind": t.kind,  # what failed: "assertion", "tampered", "timeout", ...
                         "points": 0.0 if r.uses_reference else round(t.points, 4),
                         "max_points": round(t.max_points, 4),
                         "message": t.message,
@@ -148,6 +170,8 @@ def junit(sub, r, meta) -> str:
     prop("student", sub.name)
     prop("commit", sub.commit or "")
     prop("status", r.status)
+    if r.reason:
+        prop("reason", r.reason)
     for tier, maximum in r.max_points.items():
         prop(f"points.{tier}", f"{r.points(tier):g}")
         prop(f"max_points.{tier}", f"{maximum:g}")

@@ -429,6 +429,9 @@ GRADING_STATUSES = {
     "writer": ("in progress", "not started", "in progress", 0.0),
     "symlink": ("not started", "not started", "not started", 0.0),
     "memory-hog": ("memory limit", "not started", "memory limit", 0.0),
+    # Caught by the tests themselves: a pytest plugin registered, the test functions rewritten.
+    "report-plugin": ("tampered", "done", "in progress", 0.0),
+    "patch-tests": ("tampered", "not started", "in progress", 0.0),
 }
 FIXTURE_MEMORY_GIB = 1  # the fixture class's --memory-limit (the hog asks for 6 GiB)
 WRITER_MARK = "course-fixture-writer-"  # what the writer submission names its files

@@ -1,5 +1,5 @@
 """The student's dashboard, ``python -m course``: every lab's tests against your starter files, and
-the engine exam on your finished engine labs.
+the engine exam as it will be graded and on your finished engine labs (course.engine.command).
 
 A lab runs only when something it depends on changed (course.labs.results): an untouched lab is
 "not started" at once, and an unchanged one shows its recorded result, marked "cached".
@@ -13,7 +13,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
-from course.engine.command import exam_row
+from course.engine.command import exam_rows
 from course.labs.catalog import REPO_ROOT, Lab
 from course.labs.console import table
 from course.labs.published import lab_given_note
@@ -74,9 +74,8 @@ def show_status(labs: list[Lab], impl: str, jobs: int | None, no_exam: bool = Fa
     runs = lab_runs(labs, impl, jobs, use_cache=use_cache,
                     log=lambda m: print(m, file=sys.stderr))
     rows = [row for r in runs for row in _rows(r)]
-    exam = exam_row(runs, jobs) if impl == "starter" and not no_exam else None
-    if exam:
-        rows.append(exam)
+    if impl == "starter" and not no_exam:
+        rows += exam_rows(runs, jobs)
     print(table(["Phase", "Lab", "Title", "Tests", "Status", "Next step", "Ran"], rows))
     for r in (r for r in runs if r.status == "done"):
         for why, count in _not_run(r).items():
