@@ -103,6 +103,7 @@ def cmd_grade(args) -> int:
         similarity=not args.no_similarity,
         shard=shard,
         regrade=args.regrade,
+        only_tests=tuple(args.only_tests or ()),
         memory_limit=int(args.memory_limit * 2**30),
         # Grading your own checkout in place is a student's check, not a class's grade: it runs
         # with whatever sandbox this machine allows.
@@ -159,6 +160,11 @@ def cmd_check(args) -> int:
     from course.labs import warm
 
     labs = select(discover(), args.labs)
+    if args.write_agreement:  # that comparison alone, recorded (the other checks not run)
+        problems = _check_agreement(args, labs, _cuda_available())
+        for p in problems:
+            print(f"  - {p}")
+        return 1 if problems else 0
     course_problems = [] if args.labs else check_course()
     checks = {}
     bug_lists = {}
@@ -263,6 +269,7 @@ def cmd_check(args) -> int:
     violations = course_problems + exam_problems + [
         f"lab {lab.id}: {v}" for lab in labs for v in checks[lab.id].violations
     ]
+    violations += _check_agreement(args, labs, has_cuda)
     if not args.labs and not args.no_grading_path and GRADING_FIXTURE.is_dir():
         print("\nThe grading path: grading the fixture class (honest, cheating and hanging "
               "submissions) end to end ...", flush=True)
@@ -277,6 +284,36 @@ def cmd_check(args) -> int:
         return 1
     print(f"\nAll {len(labs)} labs pass the integrity checks.")
     return 0
+
+
+def _check_agreement(args, labs: list[Lab], has_cuda: bool) -> list[str]:
+    """The grader against pytest (course/integrity/agreement.py): the record checked, or, with
+    --write-agreement, the comparison run again and recorded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from course.integrity.agreement import RECORD, check_record, compare_lab, write_record
+    from course.integrity.checks import CopySlots
+
+    if args.write_agreement:
+        print(f"\nThe grader against pytest, on {len(labs)} lab(s) (minutes a lab) ...",
+              flush=True)
+        slots = CopySlots()
+        results = []
+        try:
+            with ThreadPoolExecutor(workers(args.jobs)) as pool:
+                for lab in labs:
+                    r = compare_lab(lab, slots, has_cuda=has_cuda, pool=pool)
+                    results.append(r)
+                    print(f"  lab {lab.id}: {sum(r.compared.values())} outcomes compared, "
+                          f"{len(r.disagreements)} disagreement(s) ({r.seconds:.0f} s)",
+                          flush=True)
+        finally:
+            slots.close()
+        print(f"  wrote {write_record(results).relative_to(REPO_ROOT)}")
+    problems = [f"lab {lab.id}: {p}" for lab in labs for p in check_record([lab])]
+    if not problems:
+        print(f"\nThe grader and pytest agree on every lab checked ({RECORD}).")
+    return problems
 
 
 def _check_engine_exam(args, labs: list[Lab]):
@@ -488,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "memory limit) is not available")
     p.add_argument("--regrade", action="store_true",
                    help="grade again students whose complete grades.json is up to date")
+    # `course check`'s comparison of the grader with pytest runs single tests this way; the
+    # others then read "not run" (a grade is never made of part of a lab).
+    p.add_argument("--only-tests", nargs="+", metavar="TEST", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_grade)
 
     p = sub.add_parser(
@@ -524,6 +564,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-exam", action="store_true",
                    help="skip the engine exam (the reference, stand-ins, planted bugs)")
+    p.add_argument("--write-agreement", action="store_true",
+                   help="only this: grade the solution, the starter and every planted bug's "
+                        "rejecting test of each lab in the grading sandbox, compare each outcome "
+                        "with pytest's and record it in planted_bugs/agreement.json (minutes a "
+                        "lab)")
     p.add_argument("--write-exam-lists", action="store_true",
                    help="run every planted bug of the engine labs through the exam (also those "
                         "planted_bugs/exam_not_rejected.txt lists) and write both exam lists")

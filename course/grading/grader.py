@@ -418,6 +418,46 @@ class RunContext:
     lab_timeout: float = 900.0
     kill_grace: float = 5.0
     skip_untouched: bool = True
+    only_tests: tuple[str, ...] = ()
+
+
+def lab_session(snapshot: Path, lab: Lab, files: dict[str, bytes], spec: dict, *, impl: str,
+                iso: sandbox.Isolation, work: Path, hide: list[Path], test_timeout: float,
+                lab_timeout: float, only_tests: tuple[str, ...] = ()) -> sandbox.SessionRun:
+    """One grading session of `lab`: a workspace holding the course of `snapshot` (its tooling,
+    mini_vllm, the lab) with `files` (the student's, by path) written over it, sealed, and the
+    lab's tests run there in the sandbox with the grading plugin (`spec`: what it checks)."""
+    ws = sandbox.Workspace(work, iso)
+    try:
+        for part in TREE_PARTS:
+            src = snapshot / part
+            if src.is_dir():
+                shutil.copytree(src, ws.tree / part, ignore=copy_ignore)
+            elif src.is_file():
+                ws.tree.mkdir(exist_ok=True)
+                shutil.copy2(src, ws.tree / part)
+        shutil.copytree(snapshot / lab.rel, ws.tree / lab.rel, ignore=copy_ignore)
+        if impl == "starter":  # graded against the reference itself, it stays
+            hide_reference_source(ws.tree)
+        for rel, data in files.items():
+            (ws.tree / rel).write_bytes(data)
+        spec_path = ws.root / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        ws.seal()
+        os.chmod(spec_path, 0o444)
+        tests = [f"{lab.rel}/test_lab.py::{t}" for t in only_tests] or [f"{lab.rel}/test_lab.py"]
+        argv = [
+            sandbox.python(), "-m", "pytest", *tests, "-q", "-s", "--no-header",
+            *SESSION_PLUGINS, "--course-channel={channel}", f"--course-spec={spec_path}",
+            f"--timeout={test_timeout:g}",
+        ]
+        # COURSE_STUDENT_PROCESS: labs marked `student_process` in labs.toml run the student's
+        # code in a process of its own, apart from each test's verdict.
+        env = sandbox.minimal_env(ws, {"LAB_IMPL": impl, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                                       "COURSE_STUDENT_PROCESS": "1"})
+        return sandbox.run_session(argv, ws, env, lab_timeout, hide)
+    finally:
+        ws.remove()
 
 
 class LabUnit:
@@ -456,42 +496,12 @@ class LabUnit:
         if lab.id in sub.zeroed:
             why = sub.zeroed[lab.id]
             return self._without_run(result, "not_run", f"not run: {why}", "similarity", why)
-        ws = sandbox.Workspace(ctx.work, ctx.iso)
-        try:
-            snap = ctx.instructor.snapshot
-            for part in TREE_PARTS:
-                src = snap / part
-                if src.is_dir():
-                    shutil.copytree(src, ws.tree / part)
-                elif src.is_file():
-                    ws.tree.mkdir(exist_ok=True)
-                    shutil.copy2(src, ws.tree / part)
-            shutil.copytree(snap / lab.rel, ws.tree / lab.rel)
-            if ctx.impl == "starter":  # graded against the reference itself, it stays
-                hide_reference_source(ws.tree)
-            for rel, data in sub.files.items():
-                if rel.startswith(lab.rel + "/"):
-                    (ws.tree / rel).write_bytes(data)
-            spec = dict(ctx.instructor.specs[lab.id], test_timeout=ctx.test_timeout,
-                        kill_grace=ctx.kill_grace)
-            spec_path = ws.root / "spec.json"
-            spec_path.write_text(json.dumps(spec))
-            ws.seal()
-            os.chmod(spec_path, 0o444)
-            argv = [
-                sandbox.python(), "-m", "pytest", f"{lab.rel}/test_lab.py", "-q", "-s",
-                "--no-header", *SESSION_PLUGINS,
-                "--course-channel={channel}", f"--course-spec={spec_path}",
-                f"--timeout={ctx.test_timeout:g}",
-            ]
-            # COURSE_STUDENT_PROCESS: labs marked `student_process` in labs.toml run the
-            # student's code in a process of its own, apart from each test's verdict.
-            env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl,
-                                           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-                                           "COURSE_STUDENT_PROCESS": "1"})
-            run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)
-        finally:
-            ws.remove()
+        spec = dict(ctx.instructor.specs[lab.id], test_timeout=ctx.test_timeout,
+                    kill_grace=ctx.kill_grace)
+        files = {rel: data for rel, data in sub.files.items() if rel.startswith(lab.rel + "/")}
+        run = lab_session(ctx.instructor.snapshot, lab, files, spec, impl=ctx.impl, iso=ctx.iso,
+                          work=ctx.work, hide=ctx.hide, test_timeout=ctx.test_timeout,
+                          lab_timeout=ctx.lab_timeout, only_tests=ctx.only_tests)
         result.seconds = run.seconds
         result.log = run.log_tail
         result.peak_memory = run.peak_memory_bytes
@@ -768,6 +778,7 @@ class Options:
     allow_weak_isolation: bool = False
     shard: tuple[int, int] | None = None  # (i, n), 1-based: grade only shard i of n
     regrade: bool = False  # grade again students whose complete grades.json is up to date
+    only_tests: tuple[str, ...] = ()  # run only these tests (ids within test_lab.py)
 
 
 def _gpu_ran(manifest: dict[str, list[dict]]) -> bool | None:
@@ -810,6 +821,11 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
 
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
+    # Below the full sandbox, students' processes run as this user: they must not open this
+    # process's descriptors (the sessions' channels) through /proc, nor trace it.
+    from course.grading.plugin import _not_dumpable
+
+    _not_dumpable()
     iso = sandbox.probe(sandbox.Limits(memory_bytes=opts.memory_limit))
     try:
         sandbox.require(iso, opts.allow_weak_isolation)
@@ -871,7 +887,8 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
         in_place = any(p.resolve() == instructor.root for _, p in paths)
         ctx = RunContext(instructor, iso, work, hide, opts.impl, opts.test_timeout,
                          opts.lab_timeout, kill_grace=min(5.0, max(1.0, opts.test_timeout / 2)),
-                         skip_untouched=opts.impl == "starter" and not in_place)
+                         skip_untouched=opts.impl == "starter" and not in_place,
+                         only_tests=opts.only_tests)
 
         def folder(sub: Submission) -> Path:
             return out / "students" / sub.name if class_mode else out

@@ -39,6 +39,7 @@ import dataclasses
 import enum
 import importlib
 import json
+import operator
 import os
 import signal
 import socket
@@ -192,9 +193,6 @@ class _Storages:
         """`theirs`: the parity of the ids the other side may announce."""
         import torch
 
-        for sid in drop:
-            if type(sid) is int and sid in self.by_id:
-                del self.by_id[sid]
         for entry in new:
             sid, data = self._entry(entry, blobs)
             if sid % 2 != theirs or sid in self.by_id:
@@ -215,6 +213,12 @@ class _Storages:
             if data:
                 view.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             self.by_id[sid][1].copy_(view)
+        # Last: the bytes the other side wrote before it let a storage go still arrive.
+        for sid in drop:
+            if type(sid) is int and sid in self.by_id:
+                storage = self.by_id.pop(sid)[0]
+                if self.ids.get(storage.data_ptr()) == sid:
+                    del self.ids[storage.data_ptr()]
 
     @staticmethod
     def _entry(entry, blobs) -> tuple[int, bytes]:
@@ -336,6 +340,7 @@ class Side:
                     "v": pairs(fields), "p": pairs(derived)}
         if isinstance(value, tuple) and hasattr(t, "_fields"):  # a named tuple
             return {"$": "ntuple", "cls": f"{t.__module__}:{t.__qualname__}",
+                    "f": [str(f) for f in t._fields],
                     "v": [self.encode(v, msg, depth + 1) for v in value]}
         if not self.student and not callable(value) and _trusted(t.__module__) and (
             dataclasses.is_dataclass(value) or hasattr(value, "__dict__")
@@ -510,6 +515,9 @@ class Side:
                     return cls(*items)
                 except TypeError:
                     pass
+            fields = data.get("f")
+            if type(fields) is list and len(fields) == len(items):
+                return _named_tuple_class(data["cls"], fields)(items)
             return tuple(items)
         if tag == "ref" and type(data.get("h")) is int:
             return self._remote(data["h"])
@@ -851,6 +859,25 @@ def _record(path: str, fields: dict, derived: dict, side: Side):
                     object.__setattr__(obj, name, value)
             return obj
     return Struct(path, fields, derived)
+
+
+_NAMED: dict[tuple, type] = {}
+
+
+def _named_tuple_class(path: str, fields: list) -> type:
+    """A named tuple of the student's side (its class is not the course's): a tuple class made
+    here with the same field names, as properties (no code of theirs, no generated source)."""
+    key = (path, tuple(fields))
+    if key not in _NAMED:
+        if not all(isinstance(f, str) and f.isidentifier() and not f.startswith("_")
+                   for f in fields):
+            raise StudentProcessError(f"a named tuple with odd field names: {path}")
+        module, _, qualname = path.partition(":")
+        members = {f: property(operator.itemgetter(i)) for i, f in enumerate(fields)}
+        members.update(_fields=tuple(fields), __slots__=(), __module__=module,
+                       __qualname__=qualname)
+        _NAMED[key] = type(qualname.rsplit(".", 1)[-1], (tuple,), members)
+    return _NAMED[key]
 
 
 class Struct:
