@@ -161,8 +161,8 @@ def pytest_runtestloop(session):
     _send(fd, {"type": "start", "items": len(session.items), "pid": os.getpid()})
     from course.labs import student_process
 
-    if student_process.enabled():
-        student_process.warm()  # once here, not in every test's student process
+    if student_process.enabled() and session.items:  # once here, not in every test's
+        student_process.warm(session.items[0].path.parent)  # student process
     if spec.get("reference_check") and loader.chosen_impl() == "starter" and session.items:
         reference = _in_child(fd, lambda: _reference_check(session, spec),
                               float(spec.get("test_timeout", 60)))
