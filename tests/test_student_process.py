@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from course.labs import student_process as sp
+from course.labs.loader import _load_module
 
 MODULE = '''
 import dataclasses, enum, os, sys, threading
@@ -90,7 +91,7 @@ def leave():
 @pytest.fixture
 def student(tmp_path):
     (tmp_path / "solution.py").write_text(textwrap.dedent(MODULE))
-    proc = sp.StudentProcess(tmp_path, "solution", "09-09")
+    proc = sp.StudentProcess(tmp_path, "solution", "09-09", _load_module)
     yield proc
     proc.stop()
 

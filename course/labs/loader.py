@@ -167,7 +167,8 @@ class LazyLab:
             from course.labs import student_process
 
             # A proxy of the module in this test's student process (started on first use).
-            return student_process.current(self._lab_dir, self.impl, self._lab_id).module
+            return student_process.current(self._lab_dir, self.impl, self._lab_id,
+                                           _load_module).module
         if self._module is None:
             self._module = load_module(self._lab_dir, self.impl, self._lab_id)
         return self._module
@@ -178,7 +179,8 @@ class LazyLab:
         if self.in_student_process:
             from course.labs import student_process
 
-            return student_process.current(self._lab_dir, self.impl, self._lab_id).module_of(
+            return student_process.current(self._lab_dir, self.impl, self._lab_id,
+                                           _load_module).module_of(
                 function)
         return sys.modules[function.__module__]
 

@@ -1072,13 +1072,15 @@ def _data_equal(a, b) -> bool:
 class StudentProcess:
     """The student's process of one lab, for one test."""
 
-    def __init__(self, lab_dir: Path, impl: str, lab_id: str):
+    def __init__(self, lab_dir: Path, impl: str, lab_id: str, load):
+        """`load(lab_dir, impl, lab_id)`: the loader's function that imports the lab's file
+        (course.labs.loader), called in the student's process only."""
         self.lab_dir, self.impl, self.lab_id = lab_dir, impl, lab_id
         parent, child = socket.socketpair()
         self.pid = os.fork()
         if self.pid == 0:  # the student's process
             parent.close()
-            _serve_forever(child, lab_dir, impl, lab_id)
+            _serve_forever(child, lambda: load(lab_dir, impl, lab_id))
         child.close()
         self.side = Side(parent, student=False)
         self.side.ended = self._ended
@@ -1117,7 +1119,7 @@ class StudentProcess:
         _reap()
 
 
-def _serve_forever(sock: socket.socket, lab_dir: Path, impl: str, lab_id: str) -> None:
+def _serve_forever(sock: socket.socket, load) -> None:
     """The student's process: keep only the channel, load the module, answer until the test's
     side hangs up."""
     global IN_STUDENT_PROCESS
@@ -1143,10 +1145,8 @@ def _serve_forever(sock: socket.socket, lab_dir: Path, impl: str, lab_id: str) -
         # (pytest's capture, capsys, the grader's log).
         sys.stdout = _Forward(side, "stdout")
         sys.stderr = _Forward(side, "stderr")
-        from course.labs.loader import _load_module
-
         try:
-            module = _load_module(lab_dir, impl, lab_id)
+            module = load()
         except BaseException as exc:  # noqa: B036 - reported on every request
             side.exported[0] = _Unloadable(exc)
         else:
@@ -1250,14 +1250,14 @@ def _mini_vllm_imports(path: Path) -> list[str]:
 _ZOMBIES: list[int] = []
 
 
-def current(lab_dir: Path, impl: str, lab_id: str) -> StudentProcess:
+def current(lab_dir: Path, impl: str, lab_id: str, load) -> StudentProcess:
     """The student's process of this lab for the running test (started on first use)."""
     warm(lab_dir)
     _reap()
     key = (str(lab_dir), impl)
     proc = _CURRENT.get(key)
     if proc is None or proc.pid_owner != os.getpid():
-        proc = _CURRENT[key] = StudentProcess(lab_dir, impl, lab_id)
+        proc = _CURRENT[key] = StudentProcess(lab_dir, impl, lab_id, load)
         proc.pid_owner = os.getpid()
     return proc
 
