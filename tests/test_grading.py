@@ -88,31 +88,34 @@ def test_grades_json_names_the_student_and_the_course(graded):
 
 
 def test_tampering_a_test_caught_is_the_labs_status_with_what_it_saw(graded):
-    """report-plugin registers a pytest plugin while 09-01's tests run, patch-tests rewrites the
-    test functions: every test catches it, and every file says "tampered" and what was seen."""
+    """patch-tests rewrites the test functions it finds at import. Lab 09-02 runs its tests
+    beside the student's code: every test catches it, and every file says "tampered" and what
+    was seen. Lab 09-01 runs the student's code in a process of its own: the rewrite reaches no
+    test, and the lab is graded on what its code does (nothing: it defines no task)."""
     rows = {r["student"]: r for r in csv.DictReader((graded / "grades.csv").open())}
     log = (graded.parent / "live.log").read_text()
-    for name, seen in (("report-plugin", "1 plugin(s) registered"),
-                       ("patch-tests", "test_lab.test_add was replaced")):
-        assert rows[name]["09-01 status"] == "tampered", rows[name]
-        report = json.loads((graded / "students" / name / "grades.json").read_text())
-        (lab,) = [lab for lab in report["labs"] if lab["id"] == "09-01"]
-        assert lab["status"] == "tampered"
-        assert lab["reason"].startswith("test_add: the test's machinery changed while it ran: ")
-        assert seen in lab["reason"] and lab["reason"].endswith(" (and 4 more tests)")
-        assert [t["kind"] for t in lab["tests"]] == ["tampered"] * 5
-        assert len(lab["tampered"]) == 5 and all(seen in s for s in lab["tampered"])
-        assert f"09-01: tampered: {lab['reason']}" in rows[name]["flags"]
-        text = (graded / "students" / name / "grades.txt").read_text()
-        assert re.search(r"^09-01 .* tampered *$", text, re.M), text
-        assert f"  09-01: tampered: {lab['reason']}" in text
-        suite = ET.parse(graded / "students" / name / "junit" / "lab-09-01.xml").getroot()[0]
-        props = {p.get("name"): p.get("value") for p in suite.find("properties")}
-        assert (props["status"], props["reason"]) == ("tampered", lab["reason"])
-        assert {f.get("type") for f in suite.iter("failure")} == {"tampered"}
-        assert re.search(rf"{name} 09-01: 0/10 tampered \(\d+ s\): test_add: ", log), log
+    name, seen = "patch-tests", "test_lab.test_double was replaced"
+    assert rows[name]["09-02 status"] == "tampered", rows[name]
+    assert rows[name]["09-01 status"] == "crashed", rows[name]
+    report = json.loads((graded / "students" / name / "grades.json").read_text())
+    (lab,) = [lab for lab in report["labs"] if lab["id"] == "09-02"]
+    assert lab["status"] == "tampered"
+    assert lab["reason"].startswith("test_double: the test's machinery changed while it ran: ")
+    assert seen in lab["reason"] and lab["reason"].endswith(" (and 1 more test)"), lab["reason"]
+    cpu = [t for t in lab["tests"] if t["tier"] == "cpu"]
+    assert [t["kind"] for t in cpu] == ["tampered"] * 2
+    assert len(lab["tampered"]) == 2
+    assert f"09-02: tampered: {lab['reason']}" in rows[name]["flags"]
+    text = (graded / "students" / name / "grades.txt").read_text()
+    assert re.search(r"^09-02 .* tampered *$", text, re.M), text
+    assert f"  09-02: tampered: {lab['reason']}" in text
+    suite = ET.parse(graded / "students" / name / "junit" / "lab-09-02.xml").getroot()[0]
+    props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert (props["status"], props["reason"]) == ("tampered", lab["reason"])
+    assert {f.get("type") for f in suite.iter("failure")} == {"tampered"}
+    assert re.search(rf"{name} 09-02: 0/6 tampered \(\d+ s\): test_double: ", log), log
     summary = (graded / "summary.md").read_text()
-    assert re.search(r"\| report-plugin \|.*\| tampered \| done \|", summary), summary
+    assert re.search(r"\| patch-tests \|.*\| crashed \| tampered \|", summary), summary
 
 
 def _junit_structure_problems(path: Path) -> list[str]:

@@ -430,10 +430,14 @@ GRADING_STATUSES = {
     "symlink": ("not started", "not started", "not started", 0.0),
     "memory-hog": ("memory limit", "not started", "memory limit", 0.0),
     # Caught by the tests themselves: a pytest plugin registered, the test functions rewritten.
-    "report-plugin": ("tampered", "done", "in progress", 0.0),
-    "patch-tests": ("tampered", "not started", "in progress", 0.0),
+    # 09-01 runs the student's code in a process of its own: a plugin registered or tests
+    # rewritten there reach nothing. 09-02 runs its tests beside the student's code, where
+    # rewriting them is caught ("tampered").
+    "report-plugin": ("not started", "done", "in progress", 0.0),
+    "patch-tests": ("crashed", "tampered", "in progress", 0.0),
 }
-FIXTURE_MEMORY_GIB = 1  # the fixture class's --memory-limit (the hog asks for 6 GiB)
+FIXTURE_MEMORY_GIB = 1.5  # the fixture class's --memory-limit (the hog asks for 6 GiB; the writer
+# leaves up to 1.1 GiB in its tmpfs folders, beside the test's process and the student's)
 WRITER_MARK = "course-fixture-writer-"  # what the writer submission names its files
 PTH_NAME = "course_grading_fixture_attack.pth"
 
