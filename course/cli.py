@@ -297,10 +297,12 @@ def _check_agreement(args, labs: list[Lab], has_cuda: bool) -> list[str]:
     if args.write_agreement:
         print(f"\nThe grader against pytest, on {len(labs)} lab(s) (minutes a lab) ...",
               flush=True)
+        from course.labs import warm
+
         slots = CopySlots()
         results = []
         try:
-            with ThreadPoolExecutor(workers(args.jobs)) as pool:
+            with warm.session(), ThreadPoolExecutor(workers(args.jobs)) as pool:
                 for lab in labs:
                     r = compare_lab(lab, slots, has_cuda=has_cuda, pool=pool)
                     results.append(r)
