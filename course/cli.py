@@ -7,6 +7,7 @@ python -m course grade --class DIR --out OUT -j 4    grade a class: one CSV row 
 python -m course clone --roster CSV --into DIR [--deadline T] [--shard i/N]   clone a class
 python -m course clone --roster CSV --plan N   the shards of N that hold students, as JSON
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
+                                 (null starters: every task body emptied earns no points)
 python -m course list            the labs, in order
 python -m course refs [--vllm-src DIR ...] [--changes [LAB]]   upstream references (both pins)
 python -m course engine [--exam]  your finished labs as one engine; the engine exam

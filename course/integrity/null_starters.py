@@ -12,8 +12,9 @@ each with every task body replaced by the same null body:
   there is none; a constructor can only return None);
 - ``raise``: it raises ``RuntimeError("null starter")`` (an error, but not the documented one).
 
-A generator task (lab 03-05's async generators) stays a generator: "pass" yields nothing, and the
-two "return" variants yield their value once, since what a generator gives back is what it yields.
+A generator task (lab 03-05's async generators) stays a generator: "pass" yields nothing, the two
+"return" variants yield their value once (what a generator gives back is what it yields), and
+"raise" raises when it is first iterated.
 
 Only the bodies change: the docstring, the signature and every other byte of the file stay as
 published (the edit is spliced into the source text, not unparsed), so the variant imports as the
@@ -111,11 +112,12 @@ def _first_arg(func: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> 
 def null_body(task: TaskBody, variant: str) -> list[str]:
     """The statements (one per line, unindented) that replace ``task``'s body."""
     value = task.first_arg if variant == "return-first" and task.first_arg else "None"
+    still = "yield  # a generator still"
     if variant == "raise":
-        return [f"raise RuntimeError({NULL_MESSAGE!r})"]
+        return [f"raise RuntimeError({NULL_MESSAGE!r})", *([still] if task.generator else [])]
     if task.generator:
         if variant == "pass":
-            return ["return", "yield  # a generator still, one that yields nothing"]
+            return ["return", f"{still}, one that yields nothing"]
         return [f"yield {value}"]
     if variant == "pass":
         return ["pass"]
