@@ -325,6 +325,8 @@ def _null_starter_results(args, labs: list[Lab], checks: dict, record: dict,
         c.violations.extend(null_check.violations(lab, entry, recorded))
     if args.write_null_record and fresh:
         record = null_check.load_record(REPO_ROOT)
+        if not args.labs:  # every lab was checked: drop the entries of labs that are gone
+            record = {k: v for k, v in record.items() if k in {lab.id for lab in labs}}
         record.update(fresh)
         path = null_check.write_record(record, REPO_ROOT)
         lines.append(f"  wrote {path.relative_to(REPO_ROOT)}")

@@ -42,14 +42,18 @@ def course_root(lab: Lab) -> Path:
 
 
 def in_scope(lab: Lab) -> bool:
-    """A lab whose starter.py has task bodies to empty."""
+    """A lab whose starter.py has task bodies to empty (one that does not parse has none here;
+    the lab's other checks report it)."""
     path = lab.path / "starter.py"
-    return path.is_file() and bool(null_starters.task_bodies(path.read_text(encoding="utf-8")))
+    try:
+        return path.is_file() and bool(null_starters.task_bodies(path.read_text(encoding="utf-8")))
+    except SyntaxError:
+        return False
 
 
 def out_of_scope_note(lab: Lab) -> str:
     what = ("its student file is starter.cu and its starter.py has no task"
-            if (lab.path / "starter.cu").is_file() else "its starter.py has no task")
+            if (lab.path / "starter.cu").is_file() else "its starter.py has no task to empty")
     return f"null starters: not checked ({what})"
 
 
@@ -103,9 +107,13 @@ def run_variant(lab: Lab, variant: str, slots: CopySlots) -> NullRun:
     root = course_root(lab)
     source = (lab.path / "starter.py").read_text(encoding="utf-8")
     result = NullRun(lab, variant)
+    try:
+        text = null_starters.null_variant(source, variant)
+    except (SyntaxError, ValueError) as exc:
+        result.broken = f"cannot make the variant: {exc}"
+        return result
     with slots.copy_of(root) as copy:
-        starter = copy / lab.path.relative_to(root) / "starter.py"
-        starter.write_text(null_starters.null_variant(source, variant), encoding="utf-8")
+        (copy / lab.path.relative_to(root) / "starter.py").write_text(text, encoding="utf-8")
         run = run_lab(lab, "starter", root=copy, test_timeout=NULL_TEST_TIMEOUT,
                       extra_env={"MINI_VLLM_BUILD_DIR": str(slots.build_dir)})
     if run.broken:
