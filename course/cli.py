@@ -7,6 +7,7 @@ python -m course grade --class DIR --out OUT -j 4    grade a class: one CSV row 
 python -m course clone --roster CSV --into DIR [--deadline T] [--shard i/N]   clone a class
 python -m course clone --roster CSV --plan N   the shards of N that hold students, as JSON
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
+                                 (null starters: every task body emptied earns no points)
 python -m course list            the labs, in order
 python -m course refs [--vllm-src DIR ...] [--changes [LAB]]   upstream references (both pins)
 python -m course engine [--exam]  your finished labs as one engine; the engine exam
@@ -146,6 +147,7 @@ def roster_record(class_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def cmd_check(args) -> int:
+    from course.integrity import null_check
     from course.integrity.bugs import load_bugs, load_seen_by, write_seen_by
     from course.integrity.checks import (
         GRADING_EXPECTATIONS,
@@ -175,7 +177,14 @@ def cmd_check(args) -> int:
             bug_lists[lab.id] = []
             print(f"  lab {lab.id}: cannot read its planted bugs: {exc}", file=sys.stderr)
     has_cuda = _cuda_available()
-    n_units = len(labs) + sum(len(b) for b in bug_lists.values())
+    # Null starters: rerun a lab's variants only when its inputs changed since the record.
+    null_record = null_check.load_record(REPO_ROOT)
+    null_labs = [lab for lab in labs if null_check.in_scope(lab)
+                 and (args.write_null_record or not null_check.is_current(lab, null_record))]
+    null_runs: dict[str, list] = {lab.id: [] for lab in null_labs}
+    variants = list(null_check.null_starters.VARIANTS)
+    n_units = (len(labs) + sum(len(b) for b in bug_lists.values())
+               + len(null_labs) * len(variants))
     progress = Progress(n_units, "checking")
     bug_results: dict[str, list] = {lab.id: [None] * len(bug_lists[lab.id]) for lab in labs}
     # Every lab's own runs and every planted bug are independent units of work: run them all
@@ -191,9 +200,18 @@ def cmd_check(args) -> int:
                     first = seen_by.get(lab.id, {}).get(bug.name, "")
                     futures[pool.submit(check_bug, lab, bug, has_cuda, slots=slots,
                                         first=first)] = (lab, i)
+            for lab in null_labs:
+                for variant in variants:
+                    futures[pool.submit(null_check.run_variant, lab, variant, slots)] = (
+                        lab, variant)
             for fut in as_completed(futures):
                 lab, i = futures[fut]
-                if i is None:
+                if isinstance(i, str):  # a null variant
+                    r = fut.result()
+                    null_runs[lab.id].append(r)
+                    progress.finished(f"lab {lab.id}: null starter {r.variant}: "
+                                      f"{len(r.passing)} graded passed ({r.seconds:.0f} s)")
+                elif i is None:
                     c = checks[lab.id] = fut.result()
                     st = c.starter
                     progress.finished(
@@ -216,6 +234,7 @@ def cmd_check(args) -> int:
         for r in c.bugs:
             if r.status in ("NOT REJECTED", "invalid"):
                 c.violations.append(f"planted bug {r.bug.name!r}: {r.status}: {r.detail}")
+    null_lines = _null_starter_results(args, labs, checks, null_record, null_runs)
     rows = []
     for lab in labs:
         c = checks[lab.id]
@@ -254,6 +273,7 @@ def cmd_check(args) -> int:
                 recorded[lab.id] = {b.bug.name: b.seen_by for b in checks[lab.id].bugs
                                     if b.seen_by}
             print(f"  wrote {write_seen_by(recorded)}")
+    print("\n".join(null_lines))
     for lab in labs:
         for note in checks[lab.id].notes:
             print(f"  note: lab {lab.id}: {note}")
@@ -316,6 +336,43 @@ def _check_agreement(args, labs: list[Lab], has_cuda: bool) -> list[str]:
     if not problems:
         print(f"\nThe grader and pytest agree on every lab checked ({RECORD}).")
     return problems
+
+
+def _null_starter_results(args, labs: list[Lab], checks: dict, record: dict,
+                          runs: dict[str, list]) -> list[str]:
+    """Add the null starters' violations and notes to the labs' checks, write the record when
+    asked (see course/integrity/null_check.py), and return the lines to print."""
+    from course.integrity import null_check
+
+    lines = ["\nNull starters (every task body `pass`, `return None`, its first argument, or a "
+             "RuntimeError): no graded test may pass:"]
+    order = {v: i for i, v in enumerate(null_check.null_starters.VARIANTS)}
+    fresh = {}
+    for lab in labs:
+        c = checks[lab.id]
+        if not null_check.in_scope(lab):
+            c.notes.append(null_check.out_of_scope_note(lab))
+            continue
+        recorded = lab.id not in runs
+        if recorded:
+            entry = record[lab.id]
+        else:
+            entry = fresh[lab.id] = null_check.entry(
+                lab, sorted(runs[lab.id], key=lambda r: order[r.variant]))
+            if not args.write_null_record:
+                c.notes.append("null starters ran: their inputs changed since "
+                               f"planted_bugs/{null_check.RECORD}; record them: "
+                               + null_check.WRITE_HINT.format(lab=lab.id))
+        lines.append(f"  {null_check.summary(lab, entry, recorded)}")
+        c.violations.extend(null_check.violations(lab, entry, recorded))
+    if args.write_null_record and fresh:
+        record = null_check.load_record(REPO_ROOT)
+        if not args.labs:  # every lab was checked: drop the entries of labs that are gone
+            record = {k: v for k, v in record.items() if k in {lab.id for lab in labs}}
+        record.update(fresh)
+        path = null_check.write_record(record, REPO_ROOT)
+        lines.append(f"  wrote {path.relative_to(REPO_ROOT)}")
+    return lines
 
 
 def _check_engine_exam(args, labs: list[Lab]):
@@ -559,6 +616,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-seen-by", action="store_true",
                    help="run every planted bug against the lab's tests in order and record the "
                         "test that rejects it in planted_bugs/seen_by.json (run first next time)")
+    p.add_argument("--write-null-record", action="store_true",
+                   help="run every null starter of the labs checked (each task body `pass`, "
+                        "`return None`, its first argument, a RuntimeError) and record the "
+                        "outcome in planted_bugs/null_starters.json (rerun only when a lab's "
+                        "starter.py, test_lab.py or the generator changes)")
     p.add_argument(
         "--no-grading-path",
         action="store_true",

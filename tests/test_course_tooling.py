@@ -402,3 +402,113 @@ def test_a_bug_only_an_ungraded_test_sees_counts_only_in_given_code(demo):
     proc = run(demo, "-m", "course", "check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "double-triples" in proc.stdout and "test_the_given_helper" in proc.stdout
+
+
+# --- null starters (course/integrity/null_starters.py, null_check.py) ---------------------------
+
+GENERATOR_CASE = '''__all__ = ["Stream", "first"]
+
+
+class Stream:
+    def __init__(self, items):
+        """Given: not a task."""
+        self.items = items
+
+    async def each(self, n: int):
+        """Task 2: yield the first n items."""
+        raise NotImplementedError("lab 09-01, task 2: implement Stream.each")
+        yield  # makes it an async generator
+
+    @staticmethod
+    def pick(k, default=None):
+        raise NotImplementedError("lab 09-01, task 3: implement Stream.pick")
+
+
+def first(*, key):
+    raise NotImplementedError("lab 09-01, task 1: implement first")  # a comment that goes too
+'''
+
+
+def test_null_variants_of_the_demo_starter_empty_every_task_four_ways():
+    from course.integrity.null_starters import VARIANTS, null_variants
+
+    source = (FIXTURE / "starter.py").read_text()
+    variants = null_variants(source)
+    assert list(variants) == list(VARIANTS) == ["pass", "return-none", "return-first", "raise"]
+    # What add(2, 3) and Counter(1).bump(3) give in each; the given __init__ stays.
+    expected = {"pass": (None, None), "return-none": (None, None), "return-first": (2, 3)}
+    for name, text in variants.items():
+        assert "NotImplementedError" not in text, f"{name}: a task still raises"
+        assert text.startswith('__all__ = ["Counter", "add"]') and "self.value = start" in text
+        module: dict = {}
+        exec(compile(text, f"<{name}>", "exec"), module)
+        counter = module["Counter"](1)
+        if name == "raise":
+            with pytest.raises(RuntimeError, match="null starter"):
+                module["add"](2, 3)
+            with pytest.raises(RuntimeError, match="null starter"):
+                counter.bump(3)
+        else:
+            assert (module["add"](2, 3), counter.bump(3)) == expected[name], name
+        assert counter.value == 1, f"{name}: the given constructor changed"
+
+
+def test_null_variants_keep_generators_docstrings_and_given_code():
+    import asyncio
+
+    from course.integrity.null_starters import null_variants, task_bodies
+
+    assert [t.qualname for t in task_bodies(GENERATOR_CASE)] == [
+        "Stream.each", "Stream.pick", "first"]
+    got = {}
+    for name, text in null_variants(GENERATOR_CASE).items():
+        assert '"""Task 2: yield the first n items."""' in text and "a comment" not in text
+        module: dict = {}
+        exec(compile(text, f"<{name}>", "exec"), module)
+        stream = module["Stream"]("abc")
+
+        async def drain(gen):
+            return [x async for x in gen]
+
+        try:
+            got[name] = (asyncio.run(drain(stream.each(2))), module["Stream"].pick(7),
+                         module["first"](key=4))
+        except RuntimeError as exc:
+            got[name] = str(exc)
+    assert got == {"pass": ([], None, None), "return-none": ([None], None, None),
+                   "return-first": ([2], 7, 4), "raise": "null starter"}
+
+
+def test_check_names_a_graded_test_that_passes_on_a_null_starter(demo):
+    """A test of "changes nothing" alone passes when bump does nothing: `course check` names the
+    lab, the variant and the test; the record keeps the verdict until the inputs change."""
+    tests = demo / LAB / "test_lab.py"
+    original = tests.read_text()
+    tests.write_text(original + (
+        "\n\ndef test_bump_by_zero_changes_nothing():\n"
+        "    c = lab.Counter(4)\n    c.bump(0)\n    assert c.value == 4\n"))
+    args = ("-m", "course", "check", "09-01", "--no-bugs", "--no-exam")
+    proc = run(demo, *args, "--write-null-record")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # pass and return-none leave the value alone; so does return-first (bump(0) returns 0).
+    for variant in ("pass", "return-none", "return-first"):
+        assert (f"lab 09-01: null starter '{variant}' passes graded test "
+                "test_bump_by_zero_changes_nothing") in proc.stdout, proc.stdout
+    assert "null starter 'raise' passes" not in proc.stdout
+    record = json.loads((demo / "planted_bugs" / "null_starters.json").read_text())
+    assert record["09-01"]["passing"]["pass"] == ["test_bump_by_zero_changes_nothing"]
+
+    proc = run(demo, *args)  # nothing changed: the recorded verdict, without a run
+    assert proc.returncode == 1 and "09-01  recorded: 3 graded test pass(es)" in proc.stdout
+    assert "(recorded in planted_bugs/null_starters.json)" in proc.stdout
+
+    # Paired with a bump that must have its effect, the test no longer passes for nothing; the
+    # changed test file makes the record stale, so the variants run again.
+    tests.write_text(original + (
+        "\n\ndef test_bump_by_zero_changes_nothing():\n"
+        "    c = lab.Counter(4)\n    assert c.bump(2) == 6\n    c.bump(0)\n"
+        "    assert c.value == 6\n"))
+    proc = run(demo, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "09-01  ran 4 variants" in proc.stdout and "no graded test passes" in proc.stdout
+    assert "python -m course check 09-01 --write-null-record" in proc.stdout  # the note

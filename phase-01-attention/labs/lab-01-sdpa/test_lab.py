@@ -247,7 +247,7 @@ def test_alibi_bias_rejects_slopes_that_are_not_one_dimensional_and_bad_lengths(
 # task 3: grouped-query heads
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 3), (4, 1), (6, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 4), (8, 2), (6, 3), (4, 1), (6, 2)])
 def test_repeat_kv_gives_query_head_h_the_kv_head_h_div_group(num_heads, num_kv_heads):
     tokens, head_size = 3, 5
     # Entry (t, g, d) holds 100 t + 10 g + d: every token, KV head and component is distinct.
@@ -266,6 +266,10 @@ def test_repeat_kv_gives_query_head_h_the_kv_head_h_div_group(num_heads, num_kv_
     expected = torch.stack([x[:, h // group] for h in range(num_heads)], dim=1)
     assert_close(out, expected, atol=0, rtol=0, dims=("token", "head", "dim"), msg="repeat_kv")
     assert torch.equal(x, before), "repeat_kv modified its input"
+    # A group of one (as many query heads as KV heads) is the input as it is.
+    same = lab.repeat_kv(x, num_kv_heads)
+    assert_close(same, x, atol=0, rtol=0, dims=("token", "head", "dim"),
+                 msg=f"repeat_kv with num_heads = num_kv_heads = {num_kv_heads}")
 
 
 @pytest.mark.parametrize(
@@ -318,6 +322,7 @@ def test_attention_scores_of_half_inputs_equal_those_of_the_same_values_in_float
     q, k = q * 4, k * 4  # products large enough that float16 rounding would show
     half = lab.attention_scores(q, k)
     single = lab.attention_scores(q.float(), k.float())
+    check_scores(single, naive_scores(q, k), "float32 inputs")
     assert_close(half, single, dtype=torch.float32, dims=SCORE_DIMS, msg="fp16 vs fp32 inputs")
 
 
@@ -375,9 +380,11 @@ def test_attention_scores_do_not_modify_their_inputs():
     q, k, _ = make_qkv(3, 5, 4, 2, 8, torch.float16, seed=16)
     slopes = slopes_for(4)
     saved = [t.clone() for t in (q, k, slopes)]
-    lab.attention_scores(q, k, alibi_slopes=slopes)
+    want = naive_scores(q, k, slopes=slopes)
+    scores = lab.attention_scores(q, k, alibi_slopes=slopes)
     for t, c in zip((q, k, slopes), saved):
         assert torch.equal(t, c), "attention_scores changed an input tensor in place"
+    check_scores(scores, want, "attention_scores, whose inputs must stay as they were")
 
 
 def test_attention_scores_reject_bad_input():
@@ -455,7 +462,12 @@ def test_ref_attention_non_causal_with_alibi_after_a_context():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_ref_attention_of_no_queries_is_empty(dtype):
-    q, k, v = make_qkv(0, 5, 4, 2, 8, dtype, seed=19)
+    q, k, v = make_qkv(2, 5, 4, 2, 8, dtype, seed=19)
+    # Two queries over these keys first (the attention is computed), then none of them.
+    two = lab.ref_attention(q, k, v, alibi_slopes=slopes_for(4))
+    assert_close(two, naive_attention(q, k, v, slopes=slopes_for(4)), dtype=dtype,
+                 dims=OUT_DIMS, msg="two queries (before the same call with none)")
+    q = q[:0]
     out = lab.ref_attention(q, k, v, alibi_slopes=slopes_for(4))
     assert isinstance(out, torch.Tensor) and tuple(out.shape) == (0, 4, 8), (
         f"q_len == 0 must give an empty [0, 4, 8] tensor, got {getattr(out, 'shape', out)}"
@@ -475,9 +487,12 @@ def test_ref_attention_survives_huge_logits():
 def test_ref_attention_does_not_modify_its_inputs():
     q, k, v = make_qkv(3, 5, 4, 2, 8, torch.float32, seed=6)
     copies = [t.clone() for t in (q, k, v)]
-    lab.ref_attention(q, k, v, alibi_slopes=standard_alibi_slopes(4))
+    slopes = standard_alibi_slopes(4)
+    want = naive_attention(q, k, v, slopes=slopes)
+    out = lab.ref_attention(q, k, v, alibi_slopes=slopes)
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c), "ref_attention changed an input tensor in place"
+    assert_close(out, want, dims=OUT_DIMS, msg="ref_attention, whose inputs must stay as they were")
 
 
 @pytest.mark.parametrize(
@@ -585,7 +600,8 @@ def test_varlen_attention_returns_the_query_dtype():
     check_each_sequence(out, q, k, v, cu_q, cu_k, RAGGED)
 
 
-@pytest.mark.parametrize("s", range(len(RAGGED)))
+# Sequences with query rows: one without (RAGGED[4]) has no output row that NaN could reach.
+@pytest.mark.parametrize("s", [s for s, (q_len, _) in enumerate(RAGGED) if q_len])
 def test_varlen_attention_never_reads_another_sequences_rows(s):
     # Every row that belongs to another sequence holds NaN: none of it may reach sequence s.
     q, k, v, cu_q, cu_k = pack(RAGGED)

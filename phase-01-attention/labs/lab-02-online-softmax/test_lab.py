@@ -136,6 +136,7 @@ def test_later_blocks_with_larger_and_smaller_maxima_give_the_whole_state(cuts):
 def test_empty_and_fully_masked_blocks_change_nothing():
     scores, values = rand(2, 2, 5, seed=5), rand(2, 5, 3, seed=6)
     state = run_blocks(scores, values, [])
+    assert_state(state, scores, values, "one block (before the empty and fully masked ones)")
     junk = torch.full((2, 3, 3), 1e6, dtype=torch.float64)  # masked keys: their values are junk
     junk[1] = -3e7
     empty = lab.online_update(state, scores[..., :0], values[:, :0])
@@ -222,9 +223,10 @@ def test_update_does_not_modify_its_arguments():
     scores, values = rising_and_falling(seed=10)
     state = run_blocks(scores[..., :4], values[:, :4], [])
     saved = [t.clone() for t in (*state, scores, values)]
-    lab.online_update(state, scores[..., 4:], values[:, 4:])
+    new = lab.online_update(state, scores[..., 4:], values[:, 4:])
     for before, after in zip(saved, (*state, scores, values)):
         assert torch.equal(before, after), "online_update changed an argument in place"
+    assert_state(new, scores, values, "the update, whose arguments must stay as they were")
 
 
 def test_update_rejects_scores_and_values_that_do_not_fit_the_state():
@@ -289,6 +291,11 @@ def test_merge_with_an_empty_side_returns_the_other_side():
 
 
 def test_merge_of_two_empty_sides_is_empty_without_nan():
+    # Two sides that saw keys first (the merge combines them), then two that saw none.
+    scores, values = rand(2, 3, 6, seed=44), rand(2, 6, 4, seed=45)
+    real = lab.merge_partials(partial_of(scores[..., :2], values[:, :2]),
+                              partial_of(scores[..., 2:], values[:, 2:]))
+    assert_partial(real, scores, values, "merge of two sides that saw keys")
     both = lab.merge_partials(empty_partial(2, 3, 4), empty_partial(2, 3, 4))
     assert not torch.isnan(both.out).any(), "merging two empty partials gave NaN"
     assert torch.equal(both.out, torch.zeros(2, 3, 4, dtype=torch.float64))
@@ -311,9 +318,10 @@ def test_merge_does_not_modify_its_arguments():
     a = partial_of(scores[..., :4], values[:, :4])
     b = partial_of(scores[..., 4:], values[:, 4:])
     saved = [t.clone() for t in (*a, *b)]
-    lab.merge_partials(a, b)
+    merged = lab.merge_partials(a, b)
     for before, after in zip(saved, (*a, *b)):
         assert torch.equal(before, after), "merge_partials changed an argument in place"
+    assert_partial(merged, scores, values, "merge, whose arguments must stay as they were")
 
 
 def test_merge_rejects_partials_of_different_shapes():
@@ -383,9 +391,10 @@ def test_reduce_does_not_modify_its_arguments():
         [partial_of(scores[..., :4], values[:, :4]), partial_of(scores[..., 4:], values[:, 4:])]
     )
     saved = [t.clone() for t in args]
-    lab.reduce_partials(*args)
+    reduced = lab.reduce_partials(*args)
     for before, after in zip(saved, args):
         assert torch.equal(before, after), "reduce_partials changed an argument in place"
+    assert_partial(reduced, scores, values, "reduce, whose arguments must stay as they were")
 
 
 def test_reduce_of_a_single_row():
@@ -501,9 +510,12 @@ def test_blockwise_attention_never_holds_all_the_scores():
     # 2 heads x 1024 x 1024 float32 = 8 MiB; one block's are 2 x 1024 x 16 x 4 bytes = 128 KiB.
     q, k, v = make_qkv(1024, 1024, 2, 2, 8, torch.float32, seed=38)
     full = 2 * 1024 * 1024 * 4
+    outputs = []
     peak = peak_tensor_bytes(
-        lambda: lab.blockwise_attention(q, k, v, range(16, 1024, 16)), (q, k, v)
+        lambda: outputs.append(lab.blockwise_attention(q, k, v, range(16, 1024, 16))), (q, k, v)
     )
+    assert_close(outputs[0], ref_attention(q, k, v), dims=OUT_DIMS,
+                 msg="blockwise_attention over blocks of 16 (the run whose memory is measured)")
     assert peak < full // 4, (
         f"blockwise_attention held {peak / 2**20:.1f} MiB of tensors at once; all the scores are "
         f"{full / 2**20:.0f} MiB. Compute each block's scores when you reach it (_block_scores), "
@@ -536,6 +548,11 @@ def test_split_kv_attention_reduces_independent_partials_in_one_call(monkeypatch
 @pytest.mark.parametrize("fn", FNS)
 def test_block_attention_runs_on_the_query_device(fn):
     # The meta device holds shapes only: a state or a mask made on the CPU cannot meet it.
+    # The same shapes on the CPU first: there the attention is computed.
+    cpu = make_qkv(3, 9, 4, 2, 8, torch.float64, seed=46)
+    got = getattr(lab, fn)(*cpu, [2, 6], alibi_slopes=torch.ones(4))
+    want = ref_attention(*cpu, alibi_slopes=torch.ones(4, dtype=torch.float64))
+    assert_close(got, want, dims=OUT_DIMS, msg=f"{fn} on the CPU (before the meta device)")
     q, k, v = (torch.zeros(n, h, 8, device="meta") for n, h in ((3, 4), (9, 2), (9, 2)))
     out = getattr(lab, fn)(q, k, v, [2, 6], alibi_slopes=torch.ones(4))
     assert out.device.type == "meta" and tuple(out.shape) == (3, 4, 8), (

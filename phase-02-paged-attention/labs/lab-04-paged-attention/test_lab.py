@@ -1475,14 +1475,22 @@ def test_copy_blocks_copies_every_layer():
 
 
 def test_copy_and_swap_with_an_empty_mapping_change_nothing():
+    # One row first, which must be copied; then no rows, which must leave everything as it is.
     keys, values = _layers()
+    lab.copy_blocks(keys, values, torch.tensor([[1, 5]], dtype=torch.int64))
+    for i, cache in enumerate(keys + values):
+        assert torch.equal(cache[5], cache[1]), (
+            f"copy_blocks [[1, 5]] did not copy block 1 to block 5 in cache {i}")
     before = [t.clone() for t in keys + values]
     lab.copy_blocks(keys, values, torch.empty(0, 2, dtype=torch.int64))
     for got, want in zip(keys + values, before):
         assert torch.equal(got, want), "copy_blocks with no rows changed a cache"
     dst = torch.zeros(4, *keys[0].shape[1:], dtype=keys[0].dtype)
+    lab.swap_blocks(keys[0], dst, torch.tensor([[0, 2]], dtype=torch.int64))
+    assert torch.equal(dst[2], keys[0][0]), "swap_blocks [[0, 2]] did not copy block 0 to block 2"
+    before = dst.clone()
     lab.swap_blocks(keys[0], dst, torch.empty(0, 2, dtype=torch.int64))
-    assert (dst == 0).all(), "swap_blocks with no rows changed the destination"
+    assert torch.equal(dst, before), "swap_blocks with no rows changed the destination"
 
 
 def test_copy_blocks_rejects_bad_mappings_and_writes_nothing():

@@ -698,6 +698,16 @@ def test_append_slots_reserves_lookahead_slots(num_blocks):
             f"return None, got {copies}"
         )
         assert_unchanged(mgr, before, "a refused append_slots")
+        # Without lookahead the same step fits: 1 copy, no new block, 2 free.
+        copies = mgr.append_slots(child, 1)
+        assert copies is not None and len(copies) == 1, (
+            f"without lookahead the step needs 1 copy and 2 blocks are free: one copy "
+            f"expected after the refusal, got {copies}"
+        )
+        assert table(mgr, "c")[1] != table(mgr, parent.request_id)[1], (
+            f"after the copy the child writes its own block 1: tables {table(mgr, 'c')} "
+            f"(child) and {table(mgr, parent.request_id)} (parent)"
+        )
     else:  # 3 free: exactly enough
         assert copies is not None and len(copies) == 1, (
             f"1 copy + 2 lookahead blocks fit in 3 free blocks: one copy expected, got {copies}"
@@ -737,6 +747,13 @@ def test_append_slots_counts_lookahead_blocks_it_already_holds_as_no_new_blocks(
         f"return None, got {copies}"
     )
     assert_unchanged(mgr, before, "a refused append_slots")
+    # Once the parent is freed the child holds its blocks alone: the same step copies nothing.
+    mgr.free(parent)
+    copies = mgr.append_slots(child, 1)
+    assert copies == [], (
+        f"with the parent freed the child shares no block and holds enough of them: "
+        f"append_slots must return [] (no copy), got {copies}"
+    )
 
 
 def test_append_slots_without_room_returns_none_and_changes_nothing():

@@ -222,7 +222,11 @@ def test_a_consumer_that_goes_away_aborts_the_request_and_frees_its_blocks(engin
     params = lab.SamplingParams(temperature=0.0, max_tokens=longest, ignore_eos=True)
     before = steps(engine)
     if how == "close":
-        run(_read_then_close(engine, params, 3))
+        outs = run(_read_then_close(engine, params, 3))
+        finished = [getattr(o, "finished", None) for o in outs]
+        assert finished == [False] * 3, (
+            f"the stream gave {len(outs)} outputs (finished: {finished}) before its consumer "
+            f"closed it; want 3 unfinished outputs of a {longest}-token request")
     else:
         run(_read_then_cancel(engine, params, 3))
     held = wait_idle(engine, IDLE_TIMEOUT)
@@ -235,8 +239,11 @@ def test_a_consumer_that_goes_away_aborts_the_request_and_frees_its_blocks(engin
 def test_a_finished_request_is_not_aborted(engine, monkeypatch):
     aborted = []
     monkeypatch.setattr(engine, "abort", aborted.append)
-    run(collect(engine, "HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=4),
-                request_id="done-1"))
+    outs = run(collect(engine, "HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=4),
+                       request_id="done-1"))
+    assert outs and getattr(outs[-1], "finished", False), (
+        f"the stream of a 4-token request gave {len(outs)} outputs and none finished: "
+        "generate must yield until the finished output")
     assert aborted == [], (
         f"generate aborted {aborted} after its last output: only a request whose finished "
         "output was not yielded is aborted")
