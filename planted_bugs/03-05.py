@@ -69,4 +69,12 @@ BUGS = [
         find="completion_tokens += len(comp.token_ids)",
         replace="completion_tokens = len(comp.token_ids)",
     ),
+    PlantedBug(
+        name="usage-absent-from-ordinary-chunks",
+        description="with include_usage only the last chunk has a usage field; OpenAI's other "
+        "chunks carry \"usage\": null, and clients that read it on every chunk find none",
+        file="mini_vllm/entrypoints/openai/serving_completion.py",
+        find='chunk["usage"] = None  # as OpenAI: the counts come in the last chunk',
+        replace="pass",
+    ),
 ]

@@ -44,9 +44,16 @@ BUGS = [
         name="percentile-one-rank-high",
         description="the nearest-rank percentile takes the value one rank above",
         file=SERVE,
-        find='out[f"p{p:g}"] = ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]',
-        replace='out[f"p{p:g}"] = '
-        "ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)))]",
+        find='out[f"p{p:g}"] = ordered[nearest_rank(p, len(ordered)) - 1]',
+        replace='out[f"p{p:g}"] = ordered[min(len(ordered) - 1, nearest_rank(p, len(ordered)))]',
+    ),
+    PlantedBug(
+        name="percentile-rank-through-a-float",
+        description="the nearest rank is ceil(p / 100 * n) in floating point, which lands one "
+        "rank high where p * n / 100 is a whole number the float misses (p28 of 25 values)",
+        file=SERVE,
+        find="return max(1, (a * n + b - 1) // b)",
+        replace="return max(1, math.ceil(p / 100 * n))",
     ),
     PlantedBug(
         name="slo-met-strictly-below",

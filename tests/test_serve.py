@@ -9,6 +9,7 @@ the engine as it was; a client that goes away mid-request must leave no KV block
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -292,6 +293,76 @@ def test_unknown_route_and_malformed_json_use_the_error_shape(served):
     r = httpx.post(f"{served.base}/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+def _prompt_tokens(served: Served, endpoint: str) -> int:
+    """How many tokens the server counts in the prompt of ``_ask(endpoint, ...)``."""
+    return _ask(served, endpoint, max_tokens=1).usage.prompt_tokens
+
+
+def _ask(served: Served, endpoint: str, **kwargs):
+    client = served.client()
+    if endpoint == "completions":
+        return client.completions.create(model=MODEL, prompt="ROMEO.\n", temperature=0.0,
+                                         **kwargs)
+    return client.chat.completions.create(model=MODEL, temperature=0.0,
+                                          messages=[{"role": "user", "content": "Who?"}],
+                                          **kwargs)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("endpoint,field,extra", [
+    ("completions", "max_tokens", 1), ("completions", "max_tokens", 10**9),
+    ("chat", "max_tokens", 10**9), ("chat", "max_completion_tokens", 1)])
+def test_max_tokens_beyond_the_context_is_a_400_that_says_how_many_fit(served, endpoint, field,
+                                                                       extra, stream):
+    """Prompt plus max_tokens above max_model_len is refused (as OpenAI and vLLM do), never
+    clipped into a shorter answer than asked for; the message names the largest that fits."""
+    prompt_len = _prompt_tokens(served, endpoint)
+    room = MAX_MODEL_LEN - prompt_len
+    asked = room + extra
+    served.wait_idle()
+    steps_before = _steps(served)
+    with pytest.raises(openai.BadRequestError) as caught:
+        _ask(served, endpoint, stream=stream, **{field: asked})
+    body = caught.value.body
+    assert {k: body[k] for k in ("type", "param", "code")} == {
+        "type": "BadRequestError", "param": field, "code": 400}, body
+    for fragment in (f"{field}={asked}", f"prompt's {prompt_len} tokens",
+                     f"context of {MAX_MODEL_LEN}", f"at most {room}"):
+        assert fragment in body["message"], (fragment, body["message"])
+    served.wait_idle()
+    assert _steps(served) == steps_before, "a refused request ran in the engine"
+    # The largest that fits is accepted (checked without generating it all).
+    serving = OpenAIServingChat(served.engine, MODEL)
+    assert serving.output_budget(room, prompt_len, field) == room
+    assert serving.output_budget(None, prompt_len) == room
+
+
+def _raw_stream(served: Served, path: str, body: dict) -> list[dict]:
+    """The JSON of every event of a streamed response, read as raw SSE (the ``openai`` client
+    hides whether a field is null or absent), after checking that ``[DONE]`` ends it."""
+    with served.http_client() as http, http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]", events[-1:]
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "ROMEO.\n"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Who?"}]})],
+    ids=["completions", "chat"])
+def test_include_usage_puts_usage_null_on_every_chunk_but_the_last(served, path, body):
+    body = {"model": MODEL, "temperature": 0.0, "max_tokens": 6, "stream": True, **body}
+    chunks = _raw_stream(served, path, {**body, "stream_options": {"include_usage": True}})
+    *ordinary, last = chunks
+    assert ordinary and last["choices"] == [] and last["usage"]["completion_tokens"] == 6, last
+    assert [c for c in ordinary if "usage" not in c or c["usage"] is not None] == [], (
+        "with include_usage every chunk but the last carries \"usage\": null (OpenAI does)")
+    plain = _raw_stream(served, path, body)
+    assert plain and all("usage" not in c for c in plain), plain
+    served.wait_idle()
 
 
 # ---------------------------------------------------------------------------- going away

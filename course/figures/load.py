@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from course.labs.catalog import REPO_ROOT
+from mini_vllm.benchmarks.serve import nearest_rank
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "load_latency.json"
 TTFT_RESULTS = REPO_ROOT / "benchmarks" / "results" / "load_ttft.json"
@@ -80,7 +81,7 @@ def ttft_cdf(path: Path = TTFT_RESULTS) -> Figure:
             continue  # this setting's curve stopped before the rate (past its knee)
         label, color, _ = STYLES.get(name, (name, "black", "."))
         n = len(ttfts)
-        median, p90 = ttfts[(n + 1) // 2 - 1], ttfts[-(-9 * n // 10) - 1]  # nearest rank
+        median, p90 = (ttfts[nearest_rank(p, n) - 1] for p in (50, 90))
         ax.step(ttfts, [(i + 1) / n for i in range(n)], where="post", color=color,
                 label=f"{label}: median {_seconds(median)}, p90 {_seconds(p90)}")
     ax.set_xscale("log")

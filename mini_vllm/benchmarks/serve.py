@@ -45,6 +45,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ __all__ = [
     "calculate_metrics",
     "format_metrics",
     "main",
+    "nearest_rank",
     "run_http",
     "run_in_process",
     "run_trace",
@@ -212,14 +214,34 @@ async def run_http(base_url: str, model: str, requests: Sequence[SampleRequest],
         return await run_trace(requests, times, stream)
 
 
+def nearest_rank(p: float, n: int) -> int:
+    """Which of ``n`` sorted values (1 = the smallest) is their ``p``-th percentile, nearest
+    rank: the smallest value with at least p% of the values at or below it, so the rank is
+    ``ceil(p * n / 100)``, and 1 for ``p = 0``.
+
+    Exact, in integers: ``p`` is read as the decimal it prints as (``99.9`` is 999/10), never
+    through a float product, which rounds up across a boundary: p28 of 25 values is the 7th
+    (28 * 25 / 100 = 7 exactly), where ``ceil(28 / 100 * 25)`` gives 8. ``ValueError`` for
+    ``p`` outside [0, 100] or ``n < 1``.
+
+    upstream: none (upstream's percentiles interpolate, with numpy.percentile)
+    """
+    if n < 1:
+        raise ValueError(f"nearest_rank: need at least one value, got n={n}")
+    if not 0 <= p <= 100:
+        raise ValueError(f"nearest_rank: percentile {p} is outside [0, 100]")
+    share = Fraction(str(p))  # p = a / b exactly: ceil(a * n / (100 * b)) in integers
+    a, b = share.numerator, 100 * share.denominator
+    return max(1, (a * n + b - 1) // b)
+
+
 def _stats(values: list[float], percentiles: Sequence[float]) -> dict[str, float]:
     if not values:
         return {}
     ordered = sorted(values)
     out = {"mean": statistics.fmean(ordered), "median": statistics.median(ordered)}
     for p in percentiles:
-        # Nearest rank: the smallest value with at least p% of the values at or below it.
-        out[f"p{p:g}"] = ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+        out[f"p{p:g}"] = ordered[nearest_rank(p, len(ordered)) - 1]
     return out
 
 
@@ -231,8 +253,9 @@ def calculate_metrics(results: Sequence[RequestResult], duration: float,
     Throughputs are per second of ``duration``; latencies in seconds. ``goodput`` maps SLO names
     (``ttft``, ``tpot``, ``e2el``) to limits in seconds; a request is good when it completed and
     meets every one. ``normalized_latency`` is the mean over requests of end-to-end latency per
-    output token (the PagedAttention paper's y-axis). ``ValueError`` for an unknown SLO name or
-    ``duration <= 0``.
+    output token (the PagedAttention paper's y-axis). Percentiles are nearest-rank
+    (:func:`nearest_rank`). ``ValueError`` for an unknown SLO name, ``duration <= 0`` or a
+    percentile outside [0, 100].
 
     upstream: vllm/benchmarks/serve.py:271 @ v0.11.0
     """

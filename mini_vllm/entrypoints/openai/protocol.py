@@ -196,12 +196,14 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
 
 
-def error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
-    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``.
+def error_body(message: str, err_type: str, code: int, param: str | None = None
+               ) -> dict[str, Any]:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``; ``param``
+    names the request field at fault, when one is.
 
     upstream: vllm/entrypoints/openai/protocol.py:101 @ v0.11.0
     """
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def model_list(model_name: str, max_model_len: int, created: int | None = None

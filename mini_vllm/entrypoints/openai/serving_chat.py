@@ -19,6 +19,7 @@ from mini_vllm.async_llm import AsyncLLM
 from mini_vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from mini_vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    bad_request,
     collect_choices,
     engine_error_event,
     error_response,
@@ -79,41 +80,44 @@ class OpenAIServingChat(OpenAIServing):
             return error_response("messages is empty; give at least one message")
         try:
             prompt = self.render_prompt(request)
-            requested = request.requested_max_tokens()
-            max_tokens = requested if requested is not None else max(
-                self.engine.max_model_len - len(prompt["prompt_token_ids"]), 1)
+            field = ("max_completion_tokens" if request.max_completion_tokens is not None
+                     else "max_tokens")
+            max_tokens = self.output_budget(request.requested_max_tokens(),
+                                            len(prompt["prompt_token_ids"]), field)
             params = request.to_sampling_params(max_tokens)
         except (TypeError, ValueError) as exc:
-            return error_response(str(exc))
+            return bad_request(exc)
         return await self.respond(
             prompt, params, request.stream,
             partial(self.chat_completion_stream_generator, request, n=params.n),
             partial(self.chat_completion_full, n=params.n,
                     return_token_ids=request.return_token_ids))
 
-    def _chunk(self, request_id: str, created: int, index: int, delta: dict[str, str],
-               finish_reason: str | None = None, stop_reason: object = None,
-               token_ids: list[int] | None = None) -> str:
+    def _chunk(self, request: ChatCompletionRequest, request_id: str, created: int, index: int,
+               delta: dict[str, str], finish_reason: str | None = None,
+               stop_reason: object = None, token_ids: list[int] | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": None,
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
-        return sse_event({
-            "id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": self.model_name, "choices": [choice],
-        })
+        chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                 "model": self.model_name, "choices": [choice]}
+        if request.include_usage:
+            chunk["usage"] = None  # as OpenAI: the counts come in the last chunk
+        return sse_event(chunk)
 
     async def chat_completion_stream_generator(
         self, request: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput],
         request_id: str, created: int, n: int,
     ) -> AsyncIterator[str]:
         """First a chunk per choice with the role, then content deltas, the last one of each
-        choice with its finish reason; usage (when asked for); ``[DONE]``.
+        choice with its finish reason; usage (when asked for: every other chunk then has
+        ``"usage": null``); ``[DONE]``.
 
         upstream: vllm/entrypoints/openai/serving_chat.py:478 @ v0.11.0
         """
         for index in range(n):
-            yield self._chunk(request_id, created, index,
+            yield self._chunk(request, request_id, created, index,
                               {"role": self.response_role, "content": ""})
         prompt_tokens = completion_tokens = 0
         try:
@@ -124,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
                     ids = comp.token_ids if request.return_token_ids else None
                     if not comp.text and comp.finish_reason is None and not ids:
                         continue  # held back (half a character, a possible stop string)
-                    yield self._chunk(request_id, created, comp.index,
+                    yield self._chunk(request, request_id, created, comp.index,
                                       {"content": comp.text} if comp.text else {},
                                       comp.finish_reason, comp.stop_reason, ids)
             if request.include_usage:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from mini_vllm.entrypoints.openai.protocol import CompletionRequest
 from mini_vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    bad_request,
     collect_choices,
     engine_error_event,
     error_response,
@@ -48,12 +49,12 @@ class OpenAIServingCompletionBase(OpenAIServing):
         if (refused := self.refuse(request)) is not None:
             return refused
         try:
-            prompt = request.single_prompt()
-            max_tokens = (request.max_tokens if request.max_tokens is not None
-                          else self.engine.max_model_len)
-            params = request.to_sampling_params(max_tokens)
+            # Tokenized here, once, to check max_tokens against the room the prompt leaves.
+            text, ids = self.engine.llm._parse_one(request.single_prompt(), "the prompt")
+            prompt = ids if text is None else {"prompt": text, "prompt_token_ids": ids}
+            params = request.to_sampling_params(self.output_budget(request.max_tokens, len(ids)))
         except (TypeError, ValueError) as exc:
-            return error_response(str(exc))
+            return bad_request(exc)
         return await self.respond(
             prompt, params, request.stream,
             partial(self.completion_stream_generator, request),
@@ -92,7 +93,8 @@ class OpenAIServingCompletion(OpenAIServingCompletionBase):
                                           outputs: AsyncIterator[RequestOutput],
                                           request_id: str, created: int) -> AsyncIterator[str]:
         """One chunk per completion delta (``choices`` of one), then usage (when asked for), then
-        ``[DONE]``.
+        ``[DONE]``. With ``include_usage`` every chunk has a ``usage`` field, ``null`` but in
+        the last.
 
         upstream: vllm/entrypoints/openai/serving_completion.py:312 @ v0.11.0
         """
@@ -114,10 +116,11 @@ class OpenAIServingCompletion(OpenAIServingCompletionBase):
                         if comp.index not in started:
                             choice["prompt_token_ids"] = out.prompt_token_ids
                     started.add(comp.index)
-                    yield sse_event({
-                        "id": request_id, "object": "text_completion", "created": created,
-                        "model": self.model_name, "choices": [choice],
-                    })
+                    chunk = {"id": request_id, "object": "text_completion", "created": created,
+                             "model": self.model_name, "choices": [choice]}
+                    if request.include_usage:
+                        chunk["usage"] = None  # as OpenAI: the counts come in the last chunk
+                    yield sse_event(chunk)
             if request.include_usage:
                 yield sse_event({
                     "id": request_id, "object": "text_completion", "created": created,

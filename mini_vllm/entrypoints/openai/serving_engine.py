@@ -27,16 +27,35 @@ from mini_vllm.async_llm import AsyncLLM
 from mini_vllm.entrypoints.openai.protocol import error_body
 from mini_vllm.llm import RequestOutput
 
-__all__ = ["OpenAIServing", "SSEResponse", "error_response", "sse_event"]
+__all__ = ["FieldError", "OpenAIServing", "SSEResponse", "error_response", "sse_event"]
+
+
+class FieldError(ValueError):
+    """A request refused because of one field: the 400's message, and the field as OpenAI's
+    ``param``.
+
+    upstream: none (upstream raises a plain ValueError and leaves ``param`` empty)
+    """
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def error_response(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-                   err_type: str = "BadRequestError") -> JSONResponse:
+                   err_type: str = "BadRequestError", param: str | None = None) -> JSONResponse:
     """A JSON response with the OpenAI error body and status ``status``.
 
     upstream: vllm/entrypoints/openai/serving_engine.py:439 @ v0.11.0
     """
-    return JSONResponse(error_body(message, err_type, status.value), status_code=status.value)
+    return JSONResponse(error_body(message, err_type, status.value, param),
+                        status_code=status.value)
+
+
+def bad_request(exc: Exception) -> JSONResponse:
+    """The 400 of a request the server refused with ``exc`` (naming its field when it is a
+    :class:`FieldError`)."""
+    return error_response(str(exc), param=getattr(exc, "param", None))
 
 
 def sse_event(data: dict[str, Any] | str) -> str:
@@ -110,6 +129,30 @@ class OpenAIServing:
         if unsupported := request.unsupported():
             return error_response(f"{', '.join(unsupported)}: not supported by this server")
         return None
+
+    def output_budget(self, requested: int | None, prompt_len: int,
+                      field: str = "max_tokens") -> int:
+        """How many tokens the request may generate: ``requested``, or without it all the room
+        the prompt leaves in the context (at least 1).
+
+        Invariant: prompt plus output never exceeds ``max_model_len``. A ``requested`` that
+        would is refused with a :class:`FieldError` naming ``field``, not clipped: a client
+        must not get fewer tokens than it asked for without being told (upstream and OpenAI
+        answer 400 too). A prompt that leaves no room at all is the engine's to refuse, with
+        its own message; a ``requested`` below 1 is ``SamplingParams``'.
+
+        upstream: none (upstream makes this check where it tokenizes the prompt)
+        """
+        context = self.engine.max_model_len
+        room = context - prompt_len
+        if requested is None:
+            return max(room, 1)
+        if room >= 1 and requested > room:
+            raise FieldError(
+                f"{field}={requested} plus the prompt's {prompt_len} tokens is more than the "
+                f"model's context of {context} tokens; ask for at most {room} (or leave {field} "
+                "out to fill the context)", field)
+        return requested
 
     async def respond(self, prompt: Any, params: Any, stream: bool,
                       streamer: Callable[..., AsyncIterator[str]],

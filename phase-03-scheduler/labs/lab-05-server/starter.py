@@ -151,7 +151,9 @@ class OpenAIServingCompletion(OpenAIServingCompletionBase):
 
         After the last output: when ``request.include_usage``, one more chunk with
         ``"choices": []`` and ``"usage": usage(prompt_tokens, completion_tokens)`` (the prompt's
-        length; the number of token ids of every delta of every choice). If iterating
+        length; the number of token ids of every delta of every choice); every chunk before it
+        then carries ``"usage": None`` (as OpenAI's streams do), and without
+        ``include_usage`` no chunk has a ``usage`` key. If iterating
         ``outputs`` raises ``RuntimeError`` (the engine failed mid-stream), yield
         ``engine_error_event(exc)`` instead of the rest. In every case the last event is
         ``sse_event("[DONE]")``: the OpenAI clients stop reading there.

@@ -335,6 +335,13 @@ def test_choices_usage_and_token_ids():
         f"the usage chunk is {chunks[-1]}: it is a chunk like the others, with the stream's id, "
         "object, created and model")
     assert chunks[3]["choices"][0]["stop_reason"] == "\n"
+    not_null = [c for c in chunks[:-1] if c.get("usage", "absent") is not None]
+    assert not not_null, (
+        f"chunk {not_null[0]} has no \"usage\": null: with include_usage every chunk but the "
+        "last carries usage None, as OpenAI's streams do")
+    plain = payloads(sse(outs[:2]))
+    assert all("usage" not in c for c in plain), (
+        f"chunks {plain}: without include_usage no chunk has a usage key")
 
 
 def test_a_held_back_completion_does_not_hold_back_the_others():

@@ -84,8 +84,12 @@ def calculate_metrics(results: Sequence[RequestResult], duration: float,
     ``goodput``), ``normalized_latency`` (the mean over requests of ``e2el /
     num_output_tokens``; ``None`` when nothing completed), and ``ttft``, ``tpot``, ``itl``
     (every gap of every request), ``e2el``: each a dict with ``mean``, ``median`` and
-    ``p<p>`` for each percentile (nearest rank: the smallest value with at least p% of the
-    values at or below it; written ``p90``, ``p99.9``), or ``{}`` without values.
+    ``p<p>`` for each percentile, or ``{}`` without values. A percentile is the nearest rank:
+    the smallest value with at least p% of the values at or below it, i.e. the value of rank
+    ``ceil(p * n / 100)`` among the ``n`` sorted values (rank 1 for ``p = 0``; p28 of 25 values
+    is the 7th, p56 the 14th). Compute that rank exactly, in integers (``p`` may be a decimal
+    such as 99.9): a float product rounds across the boundary (``28 / 100 * 25`` is
+    7.000000000000001). Keys are written ``p90``, ``p99.9`` (``f"p{p:g}"``).
 
     ``goodput`` maps ``"ttft"``, ``"tpot"``, ``"e2el"`` to limits in seconds (a request meets
     one when its value is ``<=`` the limit). ``ValueError`` for ``duration <= 0`` or another

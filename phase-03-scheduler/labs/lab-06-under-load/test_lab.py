@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from fractions import Fraction
 
 import pytest
 
@@ -175,6 +176,41 @@ def test_latencies_and_their_percentiles():
     assert m["e2el"]["median"] == pytest.approx(3.0) and m["e2el"]["p50"] == pytest.approx(2.0)
     # Normalised latency: the mean of e2el / tokens = (4/4 + 2/1) / 2.
     assert m["normalized_latency"] == pytest.approx(1.5)
+
+
+def ranked(n):
+    """``n`` results whose TTFTs are 1, 2, ..., n seconds (given largest first): the k-th
+    smallest TTFT is k, so a percentile's value is its rank."""
+    return [result(0.0, [(float(k), 1)]) for k in range(n, 0, -1)]
+
+
+def rank_by_definition(p, n):
+    """The nearest rank read straight from its definition: the first of the n sorted values with
+    at least p% of the values at or below it (r / n >= p / 100, in exact fractions)."""
+    return next(r for r in range(1, n + 1) if Fraction(r, n) >= Fraction(str(p)) / 100)
+
+
+def test_percentiles_are_the_nearest_rank_exactly_at_the_boundaries():
+    # 28% and 56% of 25 values are exactly 7 and 14 values: p28 is the 7th, p56 the 14th (a
+    # float's ceil(28 / 100 * 25) is 8, one rank high).
+    ttft = lab.calculate_metrics(ranked(25), 1.0, percentiles=(0, 4, 28, 56, 100))["ttft"]
+    want = {"p0": 1.0, "p4": 1.0, "p28": 7.0, "p56": 14.0, "p100": 25.0}
+    got = {key: ttft.get(key) for key in want}
+    assert got == want, (
+        f"percentiles of the values 1..25 are {got}, expected {want}: take the value of rank "
+        "ceil(p * n / 100) (at least 1), computed in integers, e.g. (p * n + 99) // 100")
+
+
+def test_percentiles_match_the_definition_for_many_sizes():
+    percentiles = (0, 1, 5, 10, 12.5, 25, 28, 33, 50, 56, 57, 75, 90, 95, 99, 99.9, 100)
+    for n in (1, 2, 3, 7, 10, 25, 40, 50, 99, 100, 101, 1000):
+        ttft = lab.calculate_metrics(ranked(n), 1.0, percentiles=percentiles)["ttft"]
+        for p in percentiles:
+            want = float(rank_by_definition(p, n))
+            assert ttft.get(f"p{p:g}") == want, (
+                f"p{p:g} of the values 1..{n} is {ttft.get(f'p{p:g}')}, but the smallest value "
+                f"with at least {p:g}% of them at or below it is {want:g}: compute the rank "
+                "ceil(p * n / 100) exactly (no float product)")
 
 
 def test_goodput_counts_requests_meeting_every_slo():
