@@ -443,8 +443,14 @@ def _classify(exc: BaseException, item) -> dict:
         outcome = "failed" if kind == "import" else "not_implemented"
         return {"outcome": outcome, "kind": kind, "message": line, "detail": detail}
     if isinstance(exc, Failed) and str(exc).startswith("Timeout"):
-        kind = "timeout"
-    elif isinstance(exc, (AssertionError, Failed)):
+        # The test's process is well (it waited on the student's process, or the test is
+        # cooperative): what overran is the code under test.
+        return {"outcome": "timed_out", "kind": "timeout",
+                "message": f"timed out: {str(exc).splitlines()[0][:200]}", "detail": detail}
+    if getattr(exc, "outcome", None) in ("exited", "crashed"):  # the student's process ended
+        return {"outcome": exc.outcome, "kind": "exit" if exc.outcome == "exited" else "signal",
+                "message": f"{exc.outcome}: {str(exc)[:300]}", "detail": detail}
+    if isinstance(exc, (AssertionError, Failed)):
         kind = "assertion"
     elif isinstance(exc, (SystemExit, KeyboardInterrupt, Exit)):
         kind = "exit"

@@ -1093,14 +1093,16 @@ class StudentProcess:
             status = st if done else None
         except ChildProcessError:
             pass
-        how = ""
+        how, outcome = "", "crashed"
         if status is not None and os.WIFSIGNALED(status):
             how = f" (killed by {signal.Signals(os.WTERMSIG(status)).name})"
         elif status is not None:
-            how = f" (exit code {os.WEXITSTATUS(status)})"
-        return StudentProcessError(
+            how, outcome = f" (exit code {os.WEXITSTATUS(status)})", "exited"
+        error = StudentProcessError(
             f"lab {self.lab_id}: the student's process ended{how} while the test waited for "
             "it: code in starter.py exited, crashed or was killed")
+        error.outcome = outcome  # what the grader calls it, as for a test's own process
+        return error
 
     def module_of(self, function) -> Remote:
         """The student's module a function of theirs lives in (to patch a name there)."""
