@@ -699,7 +699,7 @@ class Side:
         if op == "module_of":
             return sys.modules[getattr(obj, "__module__", None) or ""]
         if op == "run":  # a helper of the course's, asked for by the test's side (trusted)
-            return _class_named(arg("name"))(*arg("args"))
+            return _class_named(arg("name"))(*arg("args"), **arg("kwargs"))
         raise ValueError(f"unknown request {op!r}")
 
     def rebuild_error(self, info) -> BaseException:
@@ -1281,12 +1281,17 @@ def beside_the_student(function):
     test's assertions: a test may rest on it only for how the code works, never for what it
     computes."""
 
-    def wrapper(*args):
+    def wrapper(*args, beside=None, **kwargs):
+        """`beside`: the lab (a `load_lab` handle) whose code the helper watches; its student's
+        process is started if the test has not touched it yet."""
+        if beside is not None and not IN_STUDENT_PROCESS and beside.in_student_process:
+            beside.module  # noqa: B018 - starts the lab's student process
         live = [p for p in _CURRENT.values() if getattr(p, "pid_owner", None) == os.getpid()]
         if not live or IN_STUDENT_PROCESS:
-            return function(*args)
+            return function(*args, **kwargs)
         name = f"{function.__module__}:{function.__qualname__}"
-        return live[-1].side.request("run", target=None, name=name, args=list(args))
+        return live[-1].side.request("run", target=None, name=name, args=list(args),
+                                     kwargs=kwargs)
 
     wrapper.__wrapped__ = function
     wrapper.__name__, wrapper.__qualname__ = function.__name__, function.__qualname__

@@ -512,7 +512,8 @@ def test_blockwise_attention_never_holds_all_the_scores():
     full = 2 * 1024 * 1024 * 4
     outputs = []
     peak = peak_tensor_bytes(
-        lambda: outputs.append(lab.blockwise_attention(q, k, v, range(16, 1024, 16))), (q, k, v)
+        lambda: outputs.append(lab.blockwise_attention(q, k, v, range(16, 1024, 16))), (q, k, v),
+        beside=lab,  # measured where the lab's code runs
     )
     assert_close(outputs[0], ref_attention(q, k, v), dims=OUT_DIMS,
                  msg="blockwise_attention over blocks of 16 (the run whose memory is measured)")
