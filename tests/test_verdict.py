@@ -125,3 +125,12 @@ def test_a_failing_unittest_item_fails_in_the_grader_as_in_pytest(tmp_path):
                         "TestMachine::runTest": "failed"}, outcomes
     machine = next(m for m in messages if m.get("nodeid", "").endswith("TestMachine::runTest"))
     assert "invariant broke" in machine["message"] + machine["detail"]
+
+
+def test_the_grader_was_compared_with_pytest_on_every_lab():
+    """planted_bugs/agreement.json covers every lab of the course, for the files as they are,
+    with no disagreement (`python -m course check --write-agreement LAB` records a lab anew)."""
+    from course.integrity.agreement import check_record
+    from course.labs.catalog import discover
+
+    assert check_record(discover()) == []

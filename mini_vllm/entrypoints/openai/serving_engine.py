@@ -54,7 +54,10 @@ def error_response(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
 
 def bad_request(exc: Exception) -> JSONResponse:
     """The 400 of a request the server refused with ``exc`` (naming its field when it is a
-    :class:`FieldError`)."""
+    :class:`FieldError`).
+
+    upstream: none (vLLM builds its error responses inline in each serving class)
+    """
     return error_response(str(exc), param=getattr(exc, "param", None))
 
 
