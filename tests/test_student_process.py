@@ -85,6 +85,42 @@ def shout(text):
 
 def leave():
     os._exit(3)
+
+class Node:
+    def __init__(self, key):
+        self.key, self.prev, self.next = key, None, None
+    @property
+    def twice(self):
+        return 2 * self.key
+
+def chain(n):
+    nodes = [Node(i) for i in range(n)]
+    for a, b in zip(nodes, nodes[1:]):
+        a.next, b.prev = b, a
+    return nodes
+
+def take(items):
+    return [x * 10 for x in items], list(items)   # the second pass sees what the first left
+
+def warn(text):
+    import logging
+    logging.getLogger("starter").warning("careful: %s", text)
+    logging.getLogger("starter").debug("quiet: %s", text)
+
+def env(name):
+    return os.environ.get(name)
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+    def bump(self):
+        self.n += 1
+        return self.n
+    def swap(self):
+        self.bump = lambda: -1          # an instance rebinding its own method
+
+def exact():
+    raise ValueError("No free blocks")
 '''
 
 
@@ -164,6 +200,65 @@ def test_prints_reach_the_tests_output(student, capsys):
 def test_a_student_process_that_exits_fails_the_call_with_the_reason(student):
     with pytest.raises(sp.StudentProcessError, match=r"ended \(exit code 3\)"):
         student.module.leave()
+
+
+def test_a_read_copies_a_whole_linked_structure_in_one_request(student, monkeypatch):
+    """`read`: identity and cycles hold among the copies; they are of that moment only."""
+    nodes = student.module.chain(3)
+    asked = []
+    monkeypatch.setattr(sp.Side, "send", lambda self, h, v, m=None, _send=sp.Side.send: (
+        asked.append(h.get("op")), _send(self, h, v, m))[1])
+    copy = student.read(nodes)
+    assert asked == ["read"]
+    assert [n.key for n in copy] == [0, 1, 2] and copy[0].next is copy[1]
+    assert copy[1].prev is copy[0] and copy[2].next is None and copy[2].twice == 4
+    assert isinstance(copy[0], student.module.Node)
+    with pytest.raises(AttributeError, match="cannot be changed"):
+        copy[0].key = 5
+    nodes[0].key = 9  # a change in the student's process: the copy keeps its moment
+    assert copy[0].key == 0 and student.read(nodes)[0].key == 9
+
+
+def test_the_students_code_iterates_what_the_test_passes(student):
+    """An iterator the test passes is iterated in the test's process, once, like any iterator."""
+    assert student.module.take(reversed([1, 2, 3])) == ([30, 20, 10], [])
+    assert student.module.take(x for x in (4, 5)) == ([40, 50], [])
+
+
+def test_the_students_log_records_reach_the_tests_loggers(student, caplog):
+    with caplog.at_level("INFO"):
+        student.module.warn("3 blocks in use")
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("starter", "WARNING", "careful: 3 blocks in use")]
+
+
+def test_the_tests_environment_reaches_the_students_code(student, monkeypatch):
+    assert student.module.env("COURSE_TRY") is None
+    monkeypatch.setenv("COURSE_TRY", "seed 1")
+    assert student.module.env("COURSE_TRY") == "seed 1"
+    monkeypatch.delenv("COURSE_TRY")
+    assert student.module.env("COURSE_TRY") is None
+
+
+def test_a_function_read_before_a_patch_is_the_function_it_was(student, monkeypatch):
+    """A method or function the test holds is the one it read (Python's own rule), and a patch
+    the test makes is seen at the next read."""
+    c = student.module.Counter()
+    bump = c.bump
+    assert bump() == 1 and c.bump() == 2 and c.bump is bump
+    original = student.module.env
+    monkeypatch.setattr(student.module, "env", lambda name: "patched")
+    assert student.module.env("HOME") == "patched" and original("COURSE_NONE") is None
+    monkeypatch.setattr(c, "bump", lambda: -1)
+    assert c.bump() == -1 and bump() == 3
+
+
+def test_an_error_keeps_the_students_message_and_shows_their_traceback(student):
+    """The message alone (an anchored `match` holds); the student's frames are its cause."""
+    with pytest.raises(ValueError, match=r"^No free blocks$") as info:
+        student.module.exact()
+    assert isinstance(info.value.__cause__, sp.StudentTraceback)
+    assert "in exact" in str(info.value.__cause__)
 
 
 # --- a hostile student's process: raw messages to the test's side --------------------------------

@@ -16,7 +16,8 @@ not implemented, crashed, timed out...). Any test on which they differ is a viol
 
 That is minutes per lab, so the result is kept in planted_bugs/agreement.json with a digest of
 what it depends on: the lab's files, its labs.toml table, its planted bugs and the tests that
-reject them, and the grading path's code (GRADING_PATH). `course check` compares the digests:
+reject them, and the grading path's code (GRADING_PATH; student_process.py for the labs that
+use it). `course check` compares the digests:
 a lab whose inputs changed since its record fails the check with the command that records it
 again (`python -m course check --write-agreement LAB`). mini_vllm is not among the inputs: the
 reference is the same code for both sides, and the comparison is of the paths, not of it.
@@ -42,6 +43,8 @@ RECORD = Path(BUGS_DIR) / "agreement.json"
 GRADING_PATH = ("course/grading/plugin.py", "course/grading/sandbox.py",
                 "course/grading/grader.py", "course/labs/student_process.py",
                 "course/labs/loader.py")
+# Only on the path of the labs marked `student_process` (no other lab starts one).
+STUDENT_PROCESS_ONLY = "course/labs/student_process.py"
 # Planted bugs of these labs are left out: each graded run builds the CUDA lab's kernels anew
 # in the sandbox's own build folder (minutes a bug); its solution and starter are compared.
 BUGS_LEFT_OUT = {"02-06": "each graded run of a planted bug rebuilds the emulated kernels"}
@@ -56,11 +59,14 @@ def inputs_digest(lab: Lab, root: Path = REPO_ROOT) -> str:
     h = hashlib.sha256()
     files = [p for p in sorted(lab.path.rglob("*")) if p.is_file()
              and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so", ".o"))]
-    files += [root / BUGS_DIR / f"{lab.id}.py", *(root / f for f in GRADING_PATH)]
+    table = lab_metadata().get(lab.id, {})
+    files += [root / BUGS_DIR / f"{lab.id}.py"]
+    files += [root / f for f in GRADING_PATH
+              if f != STUDENT_PROCESS_ONLY or table.get("student_process")]
     for p in files:
         if p.is_file():
             h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    h.update(json.dumps(lab_metadata().get(lab.id, {}), sort_keys=True).encode())
+    h.update(json.dumps(table, sort_keys=True).encode())
     h.update(json.dumps(load_seen_by(root).get(lab.id, {}), sort_keys=True).encode())
     return h.hexdigest()
 

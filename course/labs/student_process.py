@@ -9,7 +9,8 @@ lab's implementation in a process forked for each test, and `lab.<name>` is a pr
 What crosses, and how (the rules hold in both directions; the test's side never unpickles,
 imports or runs anything the student's side names):
 
-- Data by value: None, bool, int, float, str, bytes, and lists, tuples, dicts, sets of data;
+- Data by value: None, bool, int, float, str, bytes, ranges, slices, and lists, tuples, dicts,
+  sets of data;
   torch dtypes and devices; enum members of `mini_vllm` and of the course.
 - Tensors (CPU) by storage: each storage that crosses is mirrored, one copy on each side, and
   every message carries the bytes of the mirrored storages its sender changed since the last
@@ -39,6 +40,7 @@ import dataclasses
 import enum
 import importlib
 import json
+import logging
 import operator
 import os
 import signal
@@ -47,12 +49,14 @@ import struct
 import sys
 import threading
 import traceback
+import types
 from pathlib import Path
 
 ENV_VAR = "COURSE_STUDENT_PROCESS"
 MAX_HEADER = 64 << 20  # bytes of JSON in one message
 MAX_BLOBS = 1 << 30  # bytes of tensor data in one message
 MAX_DEPTH = 64  # nesting of one value
+MAX_READ_OBJECTS = 200_000  # objects in one `read`
 MAX_WRITE = 1 << 16  # characters of one write of the student's stdout or stderr
 # Modules whose classes and enums the test's side rebuilds from their name (its own code).
 TRUSTED_MODULES = ("mini_vllm", "course", "torch")
@@ -81,15 +85,23 @@ def _trusted(module_name: str) -> bool:
 # --- framing ------------------------------------------------------------------------------------
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+class _Reader:
+    """The receiving end of the channel, buffered: a message's length, header and blobs come
+    in as few reads as the socket allows (one, for a short message)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray()
+
+    def exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(max(n - len(self.buf), 1 << 16))
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
 
 
 def _send_message(sock: socket.socket, header: dict, blobs: list[bytes]) -> None:
@@ -99,12 +111,12 @@ def _send_message(sock: socket.socket, header: dict, blobs: list[bytes]) -> None
         sock.sendall(b)
 
 
-def _recv_message(sock: socket.socket) -> tuple[dict, list[bytes]]:
-    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+def _recv_message(reader: _Reader) -> tuple[dict, list[bytes]]:
+    (n,) = struct.unpack("!I", reader.exact(4))
     if n > MAX_HEADER:
         raise StudentProcessError(f"a message header of {n} bytes (the limit is {MAX_HEADER})")
     try:
-        header = json.loads(_recv_exact(sock, n))
+        header = json.loads(reader.exact(n))
     except (ValueError, RecursionError) as exc:
         raise StudentProcessError(f"a message that is not JSON ({exc})") from None
     sizes = header.get("blobs") if isinstance(header, dict) else None
@@ -112,7 +124,7 @@ def _recv_message(sock: socket.socket) -> tuple[dict, list[bytes]]:
         raise StudentProcessError("a message without a valid list of blob sizes")
     if sum(sizes) > MAX_BLOBS:
         raise StudentProcessError(f"{sum(sizes)} bytes of tensor data in one message")
-    return header, [_recv_exact(sock, s) for s in sizes]
+    return header, [reader.exact(s) for s in sizes]
 
 
 # --- values -------------------------------------------------------------------------------------
@@ -251,6 +263,8 @@ class _Message:
         self.copies: dict[int, object] = {}  # copy id -> the original, on the sending side
         self.copy_ids: dict[int, int] = {}  # id(original) -> copy id
         self.back: dict[int, int] = {}  # id(a received copy) -> its copy id (after a call)
+        self.graph: dict[int, int] | None = None  # in a read: id(object) -> its node number
+        self.graph_order: list = []
 
     def copy(self, value) -> int:
         cid = len(self.copies)
@@ -266,6 +280,7 @@ class Side:
 
     def __init__(self, sock: socket.socket, student: bool):
         self.sock = sock
+        self.reader = _Reader(sock)
         self.student = student
         self.exported: dict[int, object] = {}  # handle -> object of this side
         self.export_ids: dict[int, int] = {}  # id(object) -> handle
@@ -273,6 +288,12 @@ class Side:
         self.storages = _Storages(1 if student else 2)
         self.remotes: dict[int, object] = {}  # the other side's handle -> its proxy here
         self.lock = threading.Lock()  # a message is sent whole (the student's threads print)
+        self.env = dict(os.environ._data)  # the environment as the other side last saw it
+        self.log_level = logging.getLogger().level
+        self._read_nodes: list | None = None  # while a read is decoded: its objects
+        self.method_handles: set[int] = set()  # the other side's handles of bound methods
+        self.methods: dict[tuple[int, str], object] = {}  # (object handle, name) -> its method
+        self.epoch = 0  # requests other than reads made so far
 
     # -- encoding: anything of this side -> JSON and blobs --
 
@@ -290,6 +311,11 @@ class Side:
             return {"$": "bytes", "b": len(msg.blobs) - 1}
         if t is range:
             return {"$": "range", "v": [value.start, value.stop, value.step]}
+        if t is slice:  # an index (`tokens[a:b]`), its bounds as data
+            return {"$": "slice", "v": [self.encode(x, msg, depth + 1)
+                                        for x in (value.start, value.stop, value.step)]}
+        if value is Ellipsis:
+            return {"$": "ellipsis"}
         back = msg.back.get(id(value))
         if back is not None:  # a value the other side sent in this call: its own again
             return {"$": "cref", "c": back}
@@ -308,6 +334,10 @@ class Side:
             return {"$": t.__name__, "v": [self.encode(v, msg, depth + 1) for v in value]}
         if isinstance(value, Remote) and value._side is self:
             return {"$": "yours", "h": value._handle}
+        if isinstance(value, _Read):
+            return self._encode_read(value.root, msg)
+        if isinstance(value, _Method):
+            return {"$": "method", "h": self._export(value.bound)}
         torch = sys.modules.get("torch")
         if torch is not None:
             if t is torch.Tensor or t is torch.nn.Parameter:
@@ -328,6 +358,12 @@ class Side:
                 out["c"] = msg.copy(value)
             out["v"] = self.encode(dict(value._fields), msg, depth + 1)
             return out
+        if msg.graph is not None and _has_state(value):
+            node = msg.graph.get(id(value))
+            if node is None:
+                node = msg.graph[id(value)] = len(msg.graph_order)
+                msg.graph_order.append(value)
+            return {"$": "node", "n": node}
         if self.student and _is_record(value):
             # A dataclass that only holds data (a report, a request of a simulation): by value,
             # so that the test keeps it whatever becomes of this process.
@@ -355,6 +391,25 @@ class Side:
             out["v"] = self.encode(_state_of(value), msg, depth + 1)
             return out
         return {"$": "ref", "h": self._export(value)}
+
+    def _encode_read(self, root, msg: _Message) -> dict:
+        """The student's side: `root` and every object it reaches, by state (attributes and
+        properties), each object once, so that identity and cycles (a linked list) hold on the
+        test's side; functions, modules and classes stay here as handles."""
+        msg.graph, msg.graph_order = {}, []
+        top = self.encode(root, msg)
+        nodes = []
+        while len(nodes) < len(msg.graph_order):
+            if len(nodes) >= MAX_READ_OBJECTS:
+                raise ValueError(f"a read that reaches more than {MAX_READ_OBJECTS} objects")
+            obj = msg.graph_order[len(nodes)]
+            state = _state_of(obj, properties=True)
+            t = type(obj)
+            nodes.append([f"{t.__module__}:{t.__qualname__}",
+                          [[k, self.encode(v, msg, 1)] for k, v in state.items()
+                           if isinstance(k, str) and not k.startswith("__")]])
+        msg.graph = None
+        return {"$": "read", "root": top, "nodes": nodes}
 
     def encode_after(self, received: dict, msg: _Message) -> list:
         """The student's side, after a call: the state of every list, dict, set and object the
@@ -470,6 +525,10 @@ class Side:
         if tag == "range" and type(v) is list and len(v) == 3 and all(type(x) is int
                                                                        for x in v):
             return range(*v)
+        if tag == "slice" and type(v) is list and len(v) == 3:
+            return slice(*(sub(x) for x in v))
+        if tag == "ellipsis":
+            return Ellipsis
         if tag == "tensor":
             return self._decode_tensor(data)
         if tag == "meta":
@@ -521,6 +580,15 @@ class Side:
             return tuple(items)
         if tag == "ref" and type(data.get("h")) is int:
             return self._remote(data["h"])
+        if tag == "method" and not self.student and type(data.get("h")) is int:
+            self.method_handles.add(data["h"])
+            return self._remote(data["h"])
+        if tag == "read" and not self.student and type(data.get("nodes")) is list:
+            return self._decode_read(data, blobs)
+        if tag == "node" and self._read_nodes is not None:
+            if type(data.get("n")) is not int or not 0 <= data["n"] < len(self._read_nodes):
+                raise StudentProcessError("a read that names an object it does not hold")
+            return self._read_nodes[data["n"]]
         if tag == "yours" and type(data.get("h")) is int:
             if data["h"] not in self.exported:
                 raise StudentProcessError("a handle of this side that it never gave out")
@@ -533,6 +601,23 @@ class Side:
                 object.__setattr__(obj, name, value)
             return obj
         raise StudentProcessError(f"a value of an unknown form ({tag!r})")
+
+    def _decode_read(self, data, blobs) -> object:
+        nodes = data["nodes"]
+        if len(nodes) > MAX_READ_OBJECTS or not all(
+                type(n) is list and len(n) == 2 and isinstance(n[0], str) and type(n[1]) is list
+                for n in nodes):
+            raise StudentProcessError("a malformed read")
+        self._read_nodes = [ReadObject(n[0]) for n in nodes]  # first: they refer to each other
+        try:
+            for obj, (_, pairs) in zip(self._read_nodes, nodes):
+                for pair in pairs:
+                    if not (type(pair) is list and len(pair) == 2 and isinstance(pair[0], str)):
+                        raise StudentProcessError("a malformed read")
+                    obj._state[pair[0]] = self.decode(pair[1], blobs, 1)
+            return self.decode(data.get("root"), blobs)
+        finally:
+            self._read_nodes = None
 
     def _blob(self, index, blobs):
         if type(index) is not int or not 0 <= index < len(blobs):
@@ -594,7 +679,7 @@ class Side:
 
     def receive(self) -> tuple[dict, list[bytes]]:
         try:
-            header, blobs = _recv_message(self.sock)
+            header, blobs = _recv_message(self.reader)
         except (EOFError, ConnectionError, OSError) as exc:
             raise EOFError(str(exc)) from None
         new, sync, drop = header.get("new", []), header.get("sync", []), header.get("drop", [])
@@ -607,8 +692,29 @@ class Side:
         """Ask the other side to do `op`; serve its requests until the reply comes. A call's
         arguments sent by value get their changes back (`apply_after`)."""
         msg = _Message(track=(op == "call" and not self.student))
-        self.send({"op": op}, values, msg)
+        if op != "read":
+            self.epoch += 1  # the student's state may change from here on
+        header = {"op": op}
+        if not self.student:
+            header.update(self._context_changes())
+        self.send(header, values, msg)
         return self.serve(until_reply=True, msg=msg)
+
+    def _context_changes(self) -> dict:
+        """What the test changed since its last request that the student's code reads from its
+        process: environment variables (`monkeypatch.setenv`) and the root logger's level
+        (`caplog.at_level`)."""
+        out = {}
+        if os.environ._data != self.env:  # compared as bytes: no copy while nothing changed
+            env = dict(os.environ._data)
+            diff = {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()
+                    if self.env.get(k) != v}
+            diff.update({os.fsdecode(k): None for k in self.env if k not in env})
+            out["env"], self.env = diff, env
+        level = logging.getLogger().level
+        if level != self.log_level:
+            out["log_level"] = self.log_level = level
+        return out
 
     def serve(self, until_reply: bool = False, msg: _Message | None = None):
         while True:
@@ -624,6 +730,11 @@ class Side:
                 if stream in ("stdout", "stderr") and isinstance(text, str):
                     getattr(sys, stream).write(text[:MAX_WRITE])
                 continue
+            if op == "log" and not self.student:  # the student's logging: no reply
+                _log_here(header)
+                continue
+            if self.student:
+                _apply_context(header)
             if op == "reply":
                 if not until_reply:
                     raise StudentProcessError("a reply to a request never made")
@@ -678,12 +789,20 @@ class Side:
             if not isinstance(name, str) or name.startswith("_"):
                 raise AttributeError(f"{name!r}: not readable from the student's process")
             return getattr(arg("target"), name)
+        if op == "op" and arg("name") in _OPS_ON_THE_TESTS_OBJECTS:
+            # An iterator, a sequence or a mapping the test passed (`reversed(blocks)`).
+            return _OPS[arg("name")](arg("target"), *arg("args"))
         raise StudentProcessError(f"a request the test's side does not take: {op!r}")
 
     def handle_student(self, op, arg):
         obj = arg("target")
         if op == "getattr":
-            return getattr(obj, arg("name"))
+            name = arg("name")
+            value = getattr(obj, name)
+            if isinstance(value, types.MethodType) and value.__self__ is obj \
+                    and name not in getattr(obj, "__dict__", {}):
+                return _Method(value)  # a method of its class: the test's side keeps it
+            return value
         if op == "setattr":
             setattr(obj, arg("name"), arg("value"))
             return None
@@ -696,6 +815,8 @@ class Side:
             return isinstance(obj, arg("cls"))
         if op == "snapshot":
             return _snapshot(obj)
+        if op == "read":
+            return _Read(obj)
         if op == "module_of":
             return sys.modules[getattr(obj, "__module__", None) or ""]
         if op == "run":  # a helper of the course's, asked for by the test's side (trusted)
@@ -716,6 +837,58 @@ _OPS = {
     "exit": lambda o, *a: o.__exit__(*a), "dir": dir,
     "path": lambda o: f"{o.__module__}:{o.__qualname__}",
 }
+# What the student's code may do with an object of the test's (beyond calling it and reading its
+# public attributes): use it as the iterable, sequence or mapping it was given as.
+_OPS_ON_THE_TESTS_OBJECTS = {"len", "bool", "iter", "next", "getitem", "contains", "repr", "str"}
+
+
+def _apply_context(header: dict) -> None:
+    """The student's side: the test's environment and root log level, as of its request."""
+    env = header.get("env")
+    if isinstance(env, dict):
+        for key, value in env.items():
+            if isinstance(key, str) and value is None:
+                os.environ.pop(key, None)
+            elif isinstance(key, str) and isinstance(value, str):
+                os.environ[key] = value
+    if type(header.get("log_level")) is int:
+        logging.getLogger().setLevel(header["log_level"])
+
+
+def _log_here(header: dict) -> None:
+    """The test's side: a log record of the student's code, handled by the test's own loggers
+    (pytest's caplog, the grader's log) as data: a name, a level and the formatted text."""
+    name, level, text = header.get("name"), header.get("level"), header.get("text")
+    if not (isinstance(name, str) and type(level) is int and isinstance(text, str)):
+        return
+    logger = logging.getLogger(name) if name and name != "root" else logging.getLogger()
+    if logger.isEnabledFor(level):
+        logger.handle(logging.makeLogRecord({
+            "name": name, "levelno": level, "levelname": logging.getLevelName(level),
+            "msg": text[:MAX_WRITE], "args": None,
+            "pathname": str(header.get("where", "")), "lineno": 0}))
+
+
+class _ForwardLog(logging.Handler):
+    """The student's process's only log handler: each record is a message to the test's side."""
+
+    def __init__(self, side):
+        super().__init__(logging.NOTSET)
+        self.side = side
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not format
+            text = str(record.msg)
+        try:
+            with self.side.lock:
+                _send_message(self.side.sock, {"op": "log", "name": record.name,
+                                               "level": record.levelno, "text": text[:MAX_WRITE],
+                                               "where": f"{record.filename}:{record.lineno}"},
+                              [])
+        except OSError:
+            pass
 
 
 def _hashable(value):
@@ -727,20 +900,43 @@ def _naturals(xs) -> bool:
     return type(xs) is list and len(xs) <= 64 and all(type(x) is int and x >= 0 for x in xs)
 
 
+_TYPE_INFO: dict[type, tuple[tuple[str, ...], tuple[str, ...], bool]] = {}
+
+
+def _type_info(t: type) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """A class's slot names, property names, and whether its instances hold state (a
+    __dict__ or slots, and are not callables, classes or modules): looked up once per class."""
+    info = _TYPE_INFO.get(t)
+    if info is None:
+        slots, props = [], []
+        for klass in t.__mro__[:-1]:
+            names = getattr(klass, "__slots__", ())
+            for name in (names,) if isinstance(names, str) else names:
+                if isinstance(name, str) and name not in ("__weakref__", "__dict__"):
+                    slots.append(name)
+            props += [name for name, member in vars(klass).items()
+                      if isinstance(member, property)]
+        callable_instances = any("__call__" in vars(k) for k in t.__mro__)
+        stateful = (t.__dictoffset__ != 0 or bool(slots)) and not callable_instances \
+            and not issubclass(t, (type, types.ModuleType))
+        info = _TYPE_INFO[t] = (tuple(slots), tuple(dict.fromkeys(props)), stateful)
+    return info
+
+
 def _state_of(obj, properties: bool = False) -> dict:
     """An object's attributes (its __dict__ and slots); with `properties`, the values of its
     class's properties too (a record's derived fields, read once, as data)."""
     state = dict(getattr(obj, "__dict__", {}))
-    for klass in type(obj).__mro__[:-1]:
-        for name in getattr(klass, "__slots__", ()):
-            if isinstance(name, str) and hasattr(obj, name) and name != "__weakref__":
+    slots, props, _ = _type_info(type(obj))
+    for name in slots:
+        if name not in state and hasattr(obj, name):
+            state[name] = getattr(obj, name)
+    for name in props if properties else ():
+        if name not in state:
+            try:
                 state[name] = getattr(obj, name)
-        for name, member in vars(klass).items() if properties else ():
-            if isinstance(member, property) and name not in state:
-                try:
-                    state[name] = getattr(obj, name)
-                except Exception:  # noqa: BLE001 - a property that fails is left out
-                    pass
+            except Exception:  # noqa: BLE001 - a property that fails is left out
+                pass
     return state
 
 
@@ -825,9 +1021,15 @@ def rebuild_student_error(info) -> BaseException:
         exc = _MADE.setdefault(("", name, "Exception"), type(name, (Exception,), {}))(message)
     exc.student_where = str(info.get("where", ""))
     exc.student_traceback = str(info.get("traceback", ""))
-    if hasattr(exc, "add_note") and exc.student_traceback:  # pytest prints notes
-        exc.add_note("In the student's process:\n" + exc.student_traceback.rstrip())
+    if exc.student_traceback:  # pytest prints the cause; `raises(match=)` reads only the message
+        exc.__cause__ = StudentTraceback("In the student's process:\n"
+                                         + exc.student_traceback.rstrip())
     return exc
+
+
+class StudentTraceback(Exception):
+    """The traceback of an error raised in the student's process, as text: the cause of the
+    exception it became on the test's side."""
 
 
 # --- the test's side: records and proxies -------------------------------------------------------
@@ -915,6 +1117,51 @@ class Struct:
         return f"{self._path.split(':')[-1]}({inner})"
 
 
+class _Method:
+    """The student's side: a reply that is a method of the object's class, bound to it."""
+
+    def __init__(self, bound):
+        self.bound = bound
+
+
+class _Read:
+    """The student's side: a reply that is the whole object graph of `root`, by state."""
+
+    def __init__(self, root):
+        self.root = root
+
+
+def _has_state(value) -> bool:
+    return _type_info(type(value))[2]
+
+
+class ReadObject:
+    """An object of the student's process as it was when the test read it (`lab.read`): its
+    attributes and properties, read-only; other objects it refers to are ReadObjects too (the
+    same object, the same ReadObject), so `is` and walks along links work here, at no cost."""
+
+    __slots__ = ("_path", "_state")
+
+    def __init__(self, path: str):
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_state", {})
+
+    def __getattr__(self, name):
+        try:
+            return self._state[name]
+        except KeyError:
+            raise AttributeError(f"{self._path.split(':')[-1]} (as read) has no attribute "
+                                 f"{name!r}; call methods on the object itself") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("an object as read is a record of a moment: it cannot be changed")
+
+    def __repr__(self):
+        shown = [f"{k}={v!r}" for k, v in self._state.items()
+                 if v is None or type(v) in (bool, int, float, str)][:6]
+        return f"{self._path.split(':')[-1]}({', '.join(shown)})"
+
+
 # --- the test's side: proxies -------------------------------------------------------------------
 
 
@@ -939,12 +1186,25 @@ class Remote:
                 "__name__", "__qualname__", "__doc__", "__module__", "__wrapped__", "__func__",
                 "__self__", "__dict__", "__class__"):
             raise AttributeError(name)
-        return self._ask("getattr", name=name)
+        # A method of the object's class, read once, is not asked for again (a call is then
+        # one request, not two) until the test sets or deletes an attribute of any object,
+        # as monkeypatch does. Not seen: a method the student's code rebinds on the object
+        # itself after the test has read it.
+        key = (self._handle, name)
+        method = self._side.methods.get(key)
+        if method is not None:
+            return method
+        value = self._ask("getattr", name=name)
+        if isinstance(value, Remote) and value._handle in self._side.method_handles:
+            self._side.methods[key] = value
+        return value
 
     def __setattr__(self, name, value):
+        self._side.methods.clear()
         self._ask("setattr", name=name, value=value)
 
     def __delattr__(self, name):
+        self._side.methods.clear()
         self._ask("delattr", name=name)
 
     def __call__(self, *args, **kwargs):
@@ -1042,7 +1302,7 @@ class Remote:
     def __instancecheck__(self, instance):
         if isinstance(instance, Remote):
             return instance._side.request("isinstance", target=instance, cls=self) is True
-        if isinstance(instance, Struct):  # the same class path (asked as data)
+        if isinstance(instance, (Struct, ReadObject)):  # the same class path (asked as data)
             return instance._path == self._side.request("op", target=self, name="path",
                                                         args=[])
         return False
@@ -1085,6 +1345,7 @@ class StudentProcess:
         self.side = Side(parent, student=False)
         self.side.ended = self._ended
         self.module = self.side._remote(0)
+        self.reads: dict[int, tuple[int, object]] = {}  # handle -> (epoch, what was read)
 
     def _ended(self) -> Exception:
         status = None
@@ -1107,6 +1368,20 @@ class StudentProcess:
     def module_of(self, function) -> Remote:
         """The student's module a function of theirs lives in (to patch a name there)."""
         return self.side.request("module_of", target=function)
+
+    def read(self, obj):
+        """`obj` (a Remote) and all it reaches, as they are now, in one request: ReadObjects.
+        Read again with nothing asked of the student's process in between, an object is not
+        read again: the copy of the last read is the same (the invariants of a test's state
+        machine read one pool three times after each step)."""
+        if not isinstance(obj, Remote):
+            return self.side.request("read", target=obj)
+        cached = self.reads.get(obj._handle)
+        if cached is not None and cached[0] == self.side.epoch:
+            return cached[1]
+        value = self.side.request("read", target=obj)
+        self.reads[obj._handle] = (self.side.epoch, value)
+        return value
 
     def stop(self) -> None:
         try:
@@ -1147,6 +1422,8 @@ def _serve_forever(sock: socket.socket, load) -> None:
         # (pytest's capture, capsys, the grader's log).
         sys.stdout = _Forward(side, "stdout")
         sys.stderr = _Forward(side, "stderr")
+        root = logging.getLogger()
+        root.handlers[:] = [_ForwardLog(side)]
         try:
             module = load()
         except BaseException as exc:  # noqa: B036 - reported on every request
@@ -1297,6 +1574,20 @@ def beside_the_student(function):
     wrapper.__name__, wrapper.__qualname__ = function.__name__, function.__qualname__
     wrapper.__doc__ = function.__doc__
     return wrapper
+
+
+def read(obj):
+    """`obj`, an object of the lab's code (or a list, tuple or dict of them), for a test that
+    reads many of its attributes at once (a check of a whole data structure). While the lab's
+    code runs in a student's process, one request brings `obj` and everything it reaches as
+    read-only copies of this moment (ReadObject): read again after any call that changes it.
+    Elsewhere it is `obj` itself."""
+    if IN_STUDENT_PROCESS or not isinstance(obj, (Remote, list, tuple, dict)):
+        return obj
+    live = [p for p in _CURRENT.values() if getattr(p, "pid_owner", None) == os.getpid()]
+    if isinstance(obj, Remote):
+        live = [p for p in live if p.side is obj._side]
+    return live[-1].read(obj) if live else obj
 
 
 def stop_all() -> None:

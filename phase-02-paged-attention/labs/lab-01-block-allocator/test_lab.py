@@ -18,7 +18,6 @@ import hashlib
 import logging
 import pickle
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from course.labs.loader import load_lab
+from course.labs.student_process import read
 
 lab = load_lab(__file__)
 
@@ -78,27 +78,31 @@ class FakeRequest:
         return out
 
 
-def impl_globals(function) -> dict:
-    """The module namespace a lab function lives in (starter.py or mini_vllm's module)."""
-    return vars(sys.modules[function.__module__])
+def impl_module(function):
+    """The module a lab function lives in (starter.py or mini_vllm's module), where it reads
+    its globals."""
+    return lab.module_of(function)
 
 
 def none_hash() -> bytes:
     """The NONE_HASH the lab's hash_block_tokens reads (its module global, read now)."""
-    return impl_globals(lab.hash_block_tokens)["NONE_HASH"]
+    return impl_module(lab.hash_block_tokens).NONE_HASH
 
 
-def ref_hash(parent: bytes | None, tokens, extra=None) -> bytes:
-    """Independent reference of the chained hash: sha256 of the pickled triple."""
-    parent = parent or none_hash()
+def ref_hash(parent: bytes | None, tokens, extra=None, seed: bytes | None = None) -> bytes:
+    """Independent reference of the chained hash: sha256 of the pickled triple (`seed`: the
+    NONE_HASH to start from, read from the lab's module when not given)."""
+    parent = parent or seed or none_hash()
     data = pickle.dumps((parent, tuple(tokens), extra), protocol=pickle.HIGHEST_PROTOCOL)
     return hashlib.sha256(data).digest()
 
 
-def ref_chain(tokens: list[int], block_size: int) -> list[bytes]:
+def ref_chain(tokens: list[int], block_size: int, seed: bytes | None = None) -> list[bytes]:
+    seed = seed or none_hash()
     hashes: list[bytes] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashes.append(ref_hash(hashes[-1] if hashes else None, tokens[start : start + block_size]))
+        parent = hashes[-1] if hashes else None
+        hashes.append(ref_hash(parent, tokens[start : start + block_size], seed=seed))
     return hashes
 
 
@@ -120,19 +124,21 @@ def walk_free(queue, limit: int) -> list:
 
 
 def free_ids(pool) -> list[int]:
+    pool = read(pool)
     return [b.block_id for b in walk_free(pool.free_block_queue, len(pool.blocks))]
 
 
 def index_ids(pool) -> dict[bytes, list[int]]:
     """The prefix-cache index as {key: sorted block ids}."""
     out = {}
-    for k, v in pool.cached_block_hash_to_block._cache.items():
+    for k, v in read(pool).cached_block_hash_to_block._cache.items():
         out[k] = sorted(v) if isinstance(v, dict) else [v.block_id]
     return out
 
 
 def snapshot(pool) -> tuple:
     """Everything a failed call must leave untouched."""
+    live, pool = pool, read(pool)  # the pool in one read, where the lab has its process
     # Pointers exactly None when unlinked: a "" or 0 left behind is a corrupted block.
     blocks = tuple(
         (
@@ -147,7 +153,7 @@ def snapshot(pool) -> tuple:
     return (
         blocks,
         tuple(free_ids(pool)),
-        pool.get_num_free_blocks(),
+        live.get_num_free_blocks(),
         index_ids(pool),
         len(pool.kv_event_queue),
     )
@@ -186,17 +192,17 @@ def test_kv_cache_block_hash_is_set_once_and_reset():
 
 @pytest.mark.starter_ok
 def test_none_hash_follows_pythonhashseed(monkeypatch):
-    g = impl_globals(lab.init_none_hash)
-    saved = g["NONE_HASH"]
+    m = impl_module(lab.init_none_hash)
+    saved = m.NONE_HASH
     try:
         monkeypatch.setenv("PYTHONHASHSEED", "python hash seed")
         lab.init_none_hash(lab.sha256)
-        assert g["NONE_HASH"] == lab.sha256("python hash seed")
+        assert m.NONE_HASH == lab.sha256("python hash seed")
         monkeypatch.delenv("PYTHONHASHSEED")
         lab.init_none_hash(lab.sha256)
-        assert isinstance(g["NONE_HASH"], bytes) and len(g["NONE_HASH"]) == 32
+        assert isinstance(m.NONE_HASH, bytes) and len(m.NONE_HASH) == 32
     finally:
-        g["NONE_HASH"] = saved
+        m.NONE_HASH = saved
 
 
 @pytest.mark.starter_ok
@@ -921,14 +927,14 @@ def test_hash_block_tokens_hashes_parent_tokens_and_extras():
 
 
 def test_hash_block_tokens_reads_none_hash_when_called():
-    g = impl_globals(lab.hash_block_tokens)
-    saved = g["NONE_HASH"]
+    m = impl_module(lab.hash_block_tokens)
+    saved = m.NONE_HASH
     try:
-        g["NONE_HASH"] = b"another seed"
+        m.NONE_HASH = b"another seed"
         got = lab.hash_block_tokens(lab.sha256, None, [5])
         assert got == lab.sha256((b"another seed", (5,), None))
     finally:
-        g["NONE_HASH"] = saved
+        m.NONE_HASH = saved
 
 
 def test_hash_block_tokens_uses_the_hash_function_it_is_given():
@@ -1088,12 +1094,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.order = list(range(1, NUM_BLOCKS))
         # block id -> the token prefix ending at this block (what its KV was computed from)
         self.content: dict[int, tuple[int, ...]] = {}
+        self.keys: dict[bytes, bytes] = {}
+        self.seed = none_hash()  # NONE_HASH, as the lab's module has it (no step changes it)
 
     def _write(self, seq: Seq, first: int) -> None:
         tokens = seq.req.all_token_ids
-        for i in range(first, len(seq.blocks)):
+        blocks = read(seq.blocks)
+        for i in range(first, len(blocks)):
             end = min((i + 1) * BLOCK_SIZE, len(tokens))
-            self.content[seq.blocks[i].block_id] = tuple(tokens[:end])
+            self.content[blocks[i].block_id] = tuple(tokens[:end])
 
     def _take(self, n: int) -> list[Any] | None:
         """Ask the pool for n blocks. It must refuse exactly when the model has fewer than n
@@ -1107,9 +1116,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert snapshot(self.pool) == before, "a refused allocation changed the pool"
             return None
         assert not must_refuse, f"handed out {n} blocks with only {len(self.order)} free"
-        assert [b.block_id for b in new] == self.order[:n], "not taken from the queue's front"
+        assert [b.block_id for b in read(new)] == self.order[:n], (
+            "not taken from the queue's front"
+        )
         del self.order[:n]
-        for b in new:
+        for b in read(new):
             assert not b.is_null and self.refs[b.block_id] == 0, "handed out a block in use"
             self.refs[b.block_id] = 1
         return new
@@ -1130,7 +1141,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             )
             hits.append(got[0])
         need = -(-len(tokens) // BLOCK_SIZE) - len(hits)
-        reviving = sum(1 for b in hits if b.ref_cnt == 0)
+        reviving = sum(1 for b in read(hits) if b.ref_cnt == 0)
         if need > len(self.order) - reviving:
             # Not enough room: the engine would not admit it. The allocation must be refused.
             assert self._take(len(self.order) + 1) is None, (
@@ -1139,7 +1150,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             )
             return None
         self.pool.touch((hits,))
-        for b in hits:
+        for b in read(hits):
             if self.refs[b.block_id] == 0:
                 self.order.remove(b.block_id)  # revived from wherever it was in the queue
             self.refs[b.block_id] += 1
@@ -1181,11 +1192,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _free(self, seq: Seq) -> None:
         self.seqs.remove(seq)
         self.pool.free_blocks(reversed(seq.blocks))  # tail first, as the manager frees
-        for b in reversed(seq.blocks):
+        blocks = read(seq.blocks)
+        for b in reversed(blocks):
             self.refs[b.block_id] -= 1
             if self.refs[b.block_id] == 0:
                 self.order.append(b.block_id)
-        freed = [b for b in seq.blocks if b.ref_cnt == 0]
+        freed = [live for live, b in zip(seq.blocks, blocks) if b.ref_cnt == 0]
         if freed:
             before = snapshot(self.pool)
             with pytest.raises(ValueError):
@@ -1225,14 +1237,16 @@ class AllocatorMachine(RuleBasedStateMachine):
     def i1_free_queue_is_exactly_the_unreferenced_blocks(self):
         if not hasattr(self, "pool"):
             return
-        pool = self.pool
+        live = self.pool
+        listed = [b.block_id for b in read(live.free_block_queue.get_all_free_blocks())]
+        num_free = live.get_num_free_blocks()
+        usage = live.get_usage()
+        pool = read(live)  # one read of the whole pool (a copy of this moment) for the rest
         walk = walk_free(pool.free_block_queue, NUM_BLOCKS)
-        listed = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         ids = [b.block_id for b in walk]
         assert listed == ids, (
             f"get_all_free_blocks {listed} differs from the linked list walked head to tail {ids}"
         )
-        num_free = pool.get_num_free_blocks()
         assert len(ids) == len(set(ids)) == num_free, (
             f"the free queue holds {ids} ({len(set(ids))} distinct) but num_free_blocks is "
             f"{num_free}"
@@ -1255,7 +1269,6 @@ class AllocatorMachine(RuleBasedStateMachine):
                     f"block {b.block_id} is out of the free queue but keeps its links; set "
                     f"prev_free_block and next_free_block to None when removing it"
                 )
-        usage = pool.get_usage()
         assert usage == pytest.approx(1 - len(ids) / (NUM_BLOCKS - 1)), (
             f"get_usage {usage} with {len(ids)} of {NUM_BLOCKS - 1} blocks free"
         )
@@ -1264,27 +1277,35 @@ class AllocatorMachine(RuleBasedStateMachine):
     def i2_ids_stable_and_reference_counts_match_holders(self):
         if not hasattr(self, "pool"):
             return
-        ids = [b.block_id for b in self.pool.blocks]
+        blocks = read(self.pool).blocks
+        ids = [b.block_id for b in blocks]
         assert ids == list(range(NUM_BLOCKS)), f"pool.blocks[i] must be block i: {ids}"
-        for b in self.pool.blocks[1:]:
+        for b in blocks[1:]:
             assert b.ref_cnt == self.refs[b.block_id], (
                 f"block {b.block_id} has ref_cnt {b.ref_cnt} but {self.refs[b.block_id]} "
                 f"sequence(s) hold it"
             )
-        for seq in self.seqs:
-            held = [b.block_id for b in seq.blocks]
+        for blocks in read([seq.blocks for seq in self.seqs]):
+            held = [b.block_id for b in blocks]
             assert len(set(held)) == len(held), f"one sequence holds a block twice: {held}"
+
+    def _key(self, block_hash: bytes) -> bytes:
+        """key(block_hash), asked once per hash of an example (a call into the lab's code)."""
+        if block_hash not in self.keys:
+            self.keys[block_hash] = key(block_hash)
+        return self.keys[block_hash]
 
     @invariant()
     def i3_i4_index_matches_full_block_content(self):
         if not hasattr(self, "pool"):
             return
-        index = self.pool.cached_block_hash_to_block._cache
+        pool = read(self.pool)
+        index = pool.cached_block_hash_to_block._cache
         in_index = {}
         for k, v in index.items():
             for b in v.values() if isinstance(v, dict) else [v]:
                 in_index[b.block_id] = k
-        for b in self.pool.blocks:
+        for b in pool.blocks:
             if b.block_hash is None:
                 assert b.block_id not in in_index, (
                     f"block {b.block_id} has no hash but the cache index still lists it: "
@@ -1294,7 +1315,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert in_index.get(b.block_id) == b.block_hash, "cached block missing from index"
             content = list(self.content[b.block_id])
             assert len(content) % BLOCK_SIZE == 0, "a partial block was cached"
-            assert b.block_hash == key(ref_chain(content, BLOCK_SIZE)[-1]), (
+            assert b.block_hash == self._key(ref_chain(content, BLOCK_SIZE, self.seed)[-1]), (
                 f"block {b.block_id}'s hash is not the hash chain of the tokens it holds: "
                 f"hashed with the wrong parent or the wrong tokens"
             )
