@@ -447,6 +447,13 @@ def _cmd_engine(args) -> int:
 
     if args.sweep is None:
         args.sweep = GRADED_SWEEP
+    if args.serve and (args.exam or args.prompt or args.list):
+        print("error: --serve runs the server alone; leave out --exam, --prompt and --list",
+              file=sys.stderr)
+        return 2
+    if not 0 < args.port < 65536:
+        print(f"error: --port {args.port} is not a port (1 to 65535)", file=sys.stderr)
+        return 2
     if args.max_tokens < 1 or args.sweep < 0 or args.case_timeout <= 0 or args.timeout <= 0:
         print("error: --max-tokens must be >= 1, --sweep >= 0, --case-timeout and --timeout > 0",
               file=sys.stderr)
@@ -660,6 +667,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true",
                    help="each prompt is a user message, rendered with the model's chat template")
     p.add_argument("--exam", action="store_true", help="run the engine exam")
+    p.add_argument("--serve", action="store_true",
+                   help="serve your engine with mini_vllm's OpenAI-compatible server (as "
+                   "`python -m mini_vllm serve` serves the reference) until Ctrl-C")
+    p.add_argument("--host", default="127.0.0.1", help="with --serve: the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="with --serve: the port")
     p.add_argument("--case", action="append", default=[], help="only this exam case "
                    "(repeatable)")
     p.add_argument("--list", action="store_true", help="list the exam cases")

@@ -174,7 +174,7 @@ class AsyncLLMBase:
         text, ids = self.llm._parse_one(prompt, "the prompt")
         requests = self._make_children(request_id, ids, params)
         self.llm._check_fits(requests)
-        collector = RequestOutputCollector()
+        collector = RequestOutputCollector(self._output_loop_running)
         parent = ParentRequest(request_id, params.n)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for index, request in enumerate(requests):
@@ -211,6 +211,10 @@ class AsyncLLMBase:
             self._input.put(("abort", child_ids, RequestStatus.FINISHED_ABORTED))
 
     # ------------------------------------------------------------------ the engine loop
+
+    def _output_loop_running(self) -> bool:
+        """Whether outputs can still reach the collectors (the output handler task lives)."""
+        return self.output_handler is not None and not self.output_handler.done()
 
     def _run_output_handler(self) -> None:
         """Start the core thread (once) and the output handler on the running event loop.

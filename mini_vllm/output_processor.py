@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +75,19 @@ class RequestOutputCollector:
     however far behind it falls. An exception put replaces whatever waits and is raised by the
     next ``get``.
 
+    Unlike upstream's, a ``get`` that has waited ``LOOP_CHECK_S`` asks ``loop_running`` (when
+    given) whether anything can still arrive, and raises instead of waiting forever: a
+    ``generate`` that never started the engine loop fails in a second, saying so.
+
     upstream: vllm/v1/engine/output_processor.py:26 @ v0.11.0
     """
 
-    def __init__(self) -> None:
+    LOOP_CHECK_S = 1.0
+
+    def __init__(self, loop_running: Callable[[], bool] | None = None) -> None:
         self.output: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
+        self.loop_running = loop_running
 
     def put(self, output: RequestOutput | BaseException) -> None:
         """Leave ``output`` for the consumer without waiting (called from the engine loop)."""
@@ -92,7 +100,17 @@ class RequestOutputCollector:
     async def get(self) -> RequestOutput:
         """Wait for the next output; raise the exception put instead of one."""
         while self.output is None:
-            await self.ready.wait()
+            if self.loop_running is None:
+                await self.ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self.ready.wait(), self.LOOP_CHECK_S)
+            except TimeoutError:
+                if self.output is None and not self.loop_running():
+                    raise RuntimeError(
+                        "AsyncLLM: no output will come: the engine's output loop is not "
+                        "running. Start it with self._run_output_handler() before "
+                        "add_request (AsyncLLM.generate's first step)") from None
         return self._take()
 
     def get_nowait(self) -> RequestOutput | None:

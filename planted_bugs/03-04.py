@@ -113,6 +113,14 @@ BUGS = [
         find="            banned_token_ids=[self._stop_token_ids(s) for s in states],\n",
         replace="",
     ),
+    PlantedBug(
+        name="logprobs-of-the-argmax",
+        description="the log-probabilities are gathered for each row's likeliest token, not the "
+        "token the sampler drew: the same under greedy decoding, wrong for any other",
+        file="mini_vllm/model_runner.py",
+        find="self._gather_sample_logprobs(logits, states, token_tensor)",
+        replace="self._gather_sample_logprobs(logits, states, logits.argmax(-1))",
+    ),
     # The beam step (tasks 6 and 7).
     PlantedBug(
         name="length-penalty-on-generated-tokens",

@@ -41,6 +41,14 @@ BUGS = [
         replace='"request_throughput": len(results) / duration,',
     ),
     PlantedBug(
+        name="itl-includes-the-first-token-wait",
+        description="each stream's inter-token latencies start with its time to first token, "
+        "so ITL mixes the wait for the first token with the gaps between tokens",
+        file=SERVE,
+        find='("itl", [x for r in done for x in r.itls]),',
+        replace='("itl", [x for r in done for x in [r.ttft, *r.itls]]),',
+    ),
+    PlantedBug(
         name="percentile-one-rank-high",
         description="the nearest-rank percentile takes the value one rank above",
         file=SERVE,

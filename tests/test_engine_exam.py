@@ -109,6 +109,14 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path, monke
     assert all(list(recorded.glob(f"{lab_id}-starter-*.json")) for lab_id in STUDENT_LABS)
     again = _run(root, "engine", "--max-tokens", "4", cache=cache)
     assert "Running the tests" not in again.stderr and again.returncode == 0
+    # The exam on that composition passes its case, yet the unfinished labs ran as the
+    # reference: the verdict says the engine is not theirs yet, and which labs it did not test.
+    exam = _run(root, "engine", "--exam", "--case", "prefix-odd-lengths", "--bisect", "none",
+                cache=cache)
+    summary = next(line for line in exam.stdout.splitlines() if "exam cases passed" in line)
+    assert summary.startswith("1/1 exam cases passed") and "not your engine yet" in summary, (
+        exam.stdout + exam.stderr)
+    assert "Labs 03-02, 03-03, 03-04, 03-05, 03-06 ran as the reference" in summary, summary
 
 
 def test_every_failing_case_is_bisected_and_the_diagnosis_is_computed(tmp_path):
@@ -489,3 +497,83 @@ def test_the_case_that_rejected_a_bug_last_time_runs_first_and_the_rest_keep_the
     job = {"sweep": GRADED_SWEEP, "cases": names, "first": names[5]}
     assert [c.name for c in _select_cases(job)] == [names[5], *names[:5], *names[6:]]
     assert [c.name for c in _select_cases({**job, "first": ""})] == names
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(root: Path, labs: str, cache: Path) -> tuple[subprocess.Popen, str, str]:
+    """`course engine --serve --labs LABS` started as a student starts it; returns the process,
+    its base URL and what it printed up to the moment it listens."""
+    import httpx
+
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(cache), OMP_NUM_THREADS="1")
+    env.pop("LAB_IMPL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "course", "engine", "--serve", "--labs", labs,
+                             "--port", str(port)], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base, seen = f"http://127.0.0.1:{port}", []
+    for line in proc.stdout:  # the banner, then uvicorn's start-up lines
+        seen.append(line)
+        if "Uvicorn running" in line or "Application startup complete" in line:
+            break
+    else:
+        pytest.fail("the server never started:\n" + "".join(seen))
+    assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 200
+    return proc, base, "".join(seen)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    import signal
+
+    proc.send_signal(signal.SIGINT)  # Ctrl-C, as a student stops it
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+
+
+def test_your_engine_served_answers_the_official_client_as_the_reference_does(tmp_path):
+    """`course engine --serve`: the student's pieces behind the real server, named at start-up;
+    the official client gets the reference engine's greedy tokens. Then the same server with a
+    mistake planted in the student's allocator fails the request: the pieces really are theirs."""
+    import openai
+
+    from mini_vllm.llm import LLM
+    from mini_vllm.sampling_params import SamplingParams
+
+    root = _course_copy(tmp_path, labs=("02-01", "02-03"))
+    prompt = "ROMEO.\nBut soft, what light"
+    want = LLM().generate(prompt, SamplingParams(temperature=0.0, max_tokens=12),
+                          use_tqdm=False)[0].outputs[0].text
+    proc, base, banner = _serve(root, "02-01,02-03", tmp_path / "cache")
+    try:
+        assert "pieces of 2 lab(s) yours (02-01, 02-03)" in banner, banner
+        assert "02-01  yours" in banner and "03-01  reference (not in --labs)" in banner, banner
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=12,
+                                        temperature=0.0)
+        assert got.choices[0].text == want
+    finally:
+        _stop(proc)
+
+    docstring_end = "ValueError naming both numbers, no change.\"\"\"\n"
+    _plant(root / LABS["02-01"].rel / "starter.py", [(
+        docstring_end, docstring_end + "        raise RuntimeError('planted in the allocator')\n")])
+    proc, base, _ = _serve(root, "02-01,02-03", tmp_path / "cache")
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                      max_tokens=4, temperature=0.0)
+    finally:
+        _stop(proc)

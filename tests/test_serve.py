@@ -519,3 +519,17 @@ def test_python_m_mini_vllm_serve_builds_and_runs_the_server(tmp_path, monkeypat
     assert routes >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                       "/metrics"}
     engine.shutdown()
+
+
+def test_a_leak_names_the_structure_that_holds_the_request():
+    """The message names what still holds a request, not counts of what is empty (a leak left
+    in the output processor once read "holds 0 request(s) and 0 KV block(s)")."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(
+        engine_core=SimpleNamespace(scheduler=SimpleNamespace(requests={}), num_blocks_in_use=0),
+        output_processor=SimpleNamespace(request_states={"req-3": object()}))
+    message = wait_idle(engine, timeout=0)
+    assert message.startswith("the engine still holds 1 request(s) in "
+                              "output_processor.request_states ('req-3')"), message
+    assert "scheduler" not in message and "KV block" not in message, message

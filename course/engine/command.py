@@ -395,6 +395,8 @@ def _cmd_engine(args) -> int:
     try:
         if args.exam:
             return _exam(args, student, reasons, gpu)
+        if args.serve:
+            return _serve(args, student, reasons, gpu)
         return _generate(args, student, reasons, gpu)
     except KeyboardInterrupt:
         print("\ninterrupted; every engine process was stopped.", file=sys.stderr)
@@ -454,6 +456,27 @@ def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> i
     return 0
 
 
+def _serve(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
+    """Your engine behind mini_vllm's real server, in this process: composition patches the
+    process it runs in, and this one does nothing else until the server stops."""
+    from course.engine.compose import compose
+    from mini_vllm.__main__ import DEFAULT_SERVED_NAME
+    from mini_vllm.async_llm import AsyncLLM
+    from mini_vllm.entrypoints.openai.api_server import run_server
+    from mini_vllm.llm import LLM
+
+    composition = compose(student, gpu=gpu)
+    yours = f" ({', '.join(student)})" if student else " (the reference engine)"
+    print(f"Your mini_vllm, served: pieces of {len(student)} lab(s) yours{yours}\n")
+    print(_composition_table(composition.lab_rows(), reasons) + "\n", flush=True)
+    name = args.model or DEFAULT_SERVED_NAME
+    engine = AsyncLLM(LLM(args.model), model_name=name)
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    run_server(engine, host=args.host, port=args.port, model_name=name)
+    return 0
+
+
 def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     from course.engine.exam import cases
 
@@ -475,7 +498,14 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
         mark = "PASS" if r["outcome"] == "passed" else r["outcome"].upper()
         secs = f"{r['seconds']:.1f} s" if "seconds" in r else ""
         print(f"  {mark:8} {r['case']:28} {secs:>7}  {r['message']}")
-    print(f"\n{report['passed']}/{report['total']} exam cases passed ({report['seconds']:.0f} s).")
+    # An unfinished lab runs as the reference: cases it passes say nothing of the student's code.
+    as_reference = sorted(i for i, why in reasons.items() if why.startswith("not finished"))
+    summary = f"{report['passed']}/{report['total']} exam cases passed ({report['seconds']:.0f} s)"
+    if as_reference:
+        print(f"\n{summary}: not your engine yet. Labs {', '.join(as_reference)} ran as the "
+              "reference (not finished), so these cases did not test them.")
+    else:
+        print(f"\n{summary}.")
     if report["error"]:
         print(f"The exam could not finish: {report['error']}")
     failing = [r for r in report["cases"] if r["outcome"] != "passed"]

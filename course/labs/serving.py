@@ -107,7 +107,27 @@ def wait_idle(engine: Any, timeout: float = 20.0) -> str | None:
         if held == (0, 0, 0):
             return None
         if time.monotonic() > deadline:
-            return (f"the engine still holds {held[0]} request(s) and {held[1]} KV block(s) "
-                    f"{timeout:.0f} s after the last client finished or went away: an abort or "
-                    "a finish did not free them")
+            return _still_held(engine, held, timeout)
         time.sleep(0.01)
+
+
+def _still_held(engine: Any, held: tuple[int, int, int], timeout: float) -> str:
+    """What the engine still holds, each structure by name with the request ids in it."""
+    def ids(mapping) -> str:
+        names = [repr(k) for k in list(mapping)[:4]]
+        return ", ".join(names) + (", ..." if len(mapping) > 4 else "")
+
+    core = engine.engine_core
+    parts = []
+    if held[0]:
+        parts.append(f"{held[0]} request(s) in the scheduler (engine_core.scheduler.requests: "
+                     f"{ids(core.scheduler.requests)})")
+    if held[1]:
+        parts.append(f"{held[1]} KV block(s) in use")
+    if held[2]:
+        parts.append(f"{held[2]} request(s) in output_processor.request_states "
+                     f"({ids(engine.output_processor.request_states)}): the output processor "
+                     "never saw their end (a finish it did not process, or an abort that did "
+                     "not reach it)")
+    return (f"the engine still holds {'; '.join(parts)}, {timeout:.0f} s after the last client "
+            "finished or went away: an abort or a finish did not free them")

@@ -301,6 +301,25 @@ def test_sample_hands_its_rows_to_the_given_logprob_gathering():
     assert values == pytest.approx(want[ids].tolist(), abs=1e-4)
 
 
+def test_sample_logprobs_are_the_drawn_tokens_not_the_likeliest():
+    """A hot, seeded request draws a token other than the most likely one: the log-probability
+    recorded first is the drawn token's (greedy requests cannot tell the two apart)."""
+    runner = make_runner()
+    runner._update_states(sched_output(new=[
+        _seeded("h", [9, 10, 11, 12], [4], temperature=5.0, seed=3, logprobs=1)]))
+    meta = lab.build_attention_metadata(["h"], {"h": 4}, {"h": 0}, {"h": [4]}, 4)
+    hidden = torch.randn(4, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
+    sampled = runner._sample(hidden, meta)
+    want = torch.log_softmax(tiny_model().compute_logits(hidden[3:4]).double(), -1)[0]
+    token = sampled[0][0]
+    assert token != int(want.argmax()), "this seed must draw a token other than the argmax"
+    (ids,), (values,), _ = runner.step_logprobs["h"]
+    assert ids[0] == token, (
+        f"the first log-probability is of token {ids[0]}, but the request drew {token}: pass "
+        "the sampler's drawn tokens to self._gather_sample_logprobs, not the likeliest ones")
+    assert values[0] == pytest.approx(float(want[token]), abs=1e-4)
+
+
 def _seeded(rid, tokens, blocks, **params):
     return lab.NewRequestData(
         req_id=rid, prompt_token_ids=list(tokens),

@@ -156,6 +156,18 @@ def results():
     return [result(*args, **kw) for args, kw in RESULTS]
 
 
+def test_inter_token_latencies_are_the_gaps_after_the_first_token():
+    """ITLs are the gaps between one stream's chunks, never its wait for the first token: here
+    the first token takes 5 s, the next chunks 1 s and 2 s (in RESULTS both lists hold 1 and 2,
+    so mixing them up goes unseen there)."""
+    m = lab.calculate_metrics([result(0.0, [(5.0, 1), (6.0, 1), (8.0, 1)])], duration=10.0,
+                              percentiles=(50, 100))
+    assert m["ttft"]["mean"] == pytest.approx(5.0)
+    assert m["itl"] == pytest.approx({"mean": 1.5, "median": 1.5, "p50": 1.0, "p100": 2.0}), (
+        f"ITL {m['itl']}: the gaps are 1 s and 2 s; the 5 s before the first token is the "
+        "TTFT, not an inter-token latency")
+
+
 def test_counts_and_throughputs_use_completed_requests_only():
     m = lab.calculate_metrics(results(), duration=5.0)
     assert (m["completed"], m["failed"], m["duration_s"]) == (2, 1, 5.0)
