@@ -134,6 +134,15 @@ BUGS = [
         "beam.cum_logprob, eos_token_id, length_penalty)",
     ),
     PlantedBug(
+        name="aborted-beam-kept-alive",
+        description="a beam whose request was aborted (no answer) stays among the live beams "
+        "as it was, and can outrank the children of the others",
+        file="mini_vllm/beam_search.py",
+        find="        if answer is None:\n            continue\n",
+        replace="        if answer is None:\n            candidates.append(beam)\n"
+        "            continue\n",
+    ),
+    PlantedBug(
         name="completed-beams-dropped",
         description="the final ranking takes the live beams only: every beam that ended with "
         "EOS is lost, however well it scored",

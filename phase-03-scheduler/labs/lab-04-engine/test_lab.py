@@ -621,18 +621,20 @@ def lp(value):
 
 
 def test_expand_beams_makes_each_beams_children_and_completes_eos():
-    """Three live beams of prompt [7]; the third's request was aborted (no answer). Width 2."""
+    """Three live beams of prompt [7]; the third's request was aborted (no answer): though it
+    scores best, it makes no child and does not live on. Width 2."""
     inst = lab.BeamSearchInstance([7])
     a = lab.BeamSearchSequence([7, 1], [{}], -0.5)
     b = lab.BeamSearchSequence([7, 2], [{}], -1.0)
-    c = lab.BeamSearchSequence([7, 5], [{}], -1.5)
+    c = lab.BeamSearchSequence([7, 5], [{}], -0.1)
     inst.beams = [a, b, c]
     ans_a = {4: lp(-0.1), BEAM_EOS: lp(-0.3), 5: lp(-2.0)}
     ans_b = {4: lp(-0.2), BEAM_EOS: lp(-0.4), 6: lp(-0.9)}
     lab.expand_beams(inst, [ans_a, ans_b, None], 2, BEAM_EOS, False, oracle_key(BEAM_EOS, 1.0))
     got = [(x.tokens, x.cum_logprob) for x in inst.beams]
     assert got == [([7, 1, 4], pytest.approx(-0.6)), ([7, 2, 4], pytest.approx(-1.2))], (
-        "each beam is extended by its own answer only, and the best two non-EOS children live")
+        "each beam is extended by its own answer only, and the best two non-EOS children live; "
+        "a beam whose answer is None (its request was aborted) is dropped, not kept")
     assert [(x.tokens, x.cum_logprob) for x in inst.completed] == [
         ([7, 1, BEAM_EOS], pytest.approx(-0.8)), ([7, 2, BEAM_EOS], pytest.approx(-1.4))], (
         "a child ending in EOS goes to instance.completed, in the order made")
