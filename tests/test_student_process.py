@@ -121,6 +121,18 @@ class Counter:
 
 def exact():
     raise ValueError("No free blocks")
+
+def nap():
+    import time
+    time.sleep(600)
+
+def spawn():
+    pid = os.fork()               # a process of the student's own, left running
+    if pid == 0:
+        import time
+        time.sleep(600)
+        os._exit(0)
+    return pid
 '''
 
 
@@ -291,3 +303,55 @@ def test_the_tests_side_refuses_what_the_protocol_does_not_allow(reply):
         side.serve(until_reply=True)
     mine.close()
     theirs.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone(pid: int, seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _alive(pid)
+
+
+def test_stopping_ends_what_the_students_process_started(student):
+    """The student's process leads a process group of its own: stopping it ends the processes
+    it started too (and a kill of its own group reaches no test)."""
+    pid = student.module.spawn()
+    assert _alive(pid)
+    student.stop()
+    assert _gone(pid), "a process the student's code started outlived its test"
+
+
+def test_the_students_process_dies_with_the_tests_process(tmp_path):
+    """A test's process that dies without stopping it (killed at a timeout, while the student's
+    code is busy and would not notice the channel close) takes the student's process with it."""
+    import os
+    import signal
+
+    (tmp_path / "solution.py").write_text(textwrap.dedent(MODULE))
+    r, w = os.pipe()
+    test_pid = os.fork()
+    if test_pid == 0:  # a test's process: start the student's, say its pid, die
+        try:
+            proc = sp.StudentProcess(tmp_path, "solution", "09-09", _load_module)
+            proc.module.env("HOME")  # it runs
+            os.write(w, str(proc.pid).encode())
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(1)  # dies of it in a second, waiting on the student's nap
+            proc.module.nap()
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        student_pid = int(f.read())
+    os.waitpid(test_pid, 0)
+    assert _gone(student_pid), "the student's process outlived the test's process"

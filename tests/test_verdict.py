@@ -134,3 +134,32 @@ def test_the_grader_was_compared_with_pytest_on_every_lab():
     from course.labs.catalog import discover
 
     assert check_record(discover()) == []
+
+
+def test_a_test_the_session_runs_itself_is_ended_when_it_overruns(tmp_path):
+    """In a lab whose code runs in a student's process, the session runs each test itself; a
+    test still waiting on the student's process past its timeout and grace (pytest-timeout did
+    not end it) is ended by killing that process, and reads "timed out"."""
+    import time
+
+    from course.grading import plugin
+    from course.labs import student_process as sp
+    from course.labs.loader import _load_module
+
+    (tmp_path / "solution.py").write_text("import time\n\ndef hang():\n    time.sleep(600)\n")
+
+    def test_body():
+        proc = sp.current(tmp_path, "solution", "09-09", _load_module)
+        try:
+            proc.module.hang()
+        except sp.StudentProcessError as exc:
+            return {"outcome": "failed", "kind": "error", "message": str(exc)}
+        return {"outcome": "passed"}
+
+    sp.warm(tmp_path)  # its few seconds are not the test's
+    start = time.monotonic()
+    result = plugin._in_session(test_body, 0.5, 0.5)
+    assert result["outcome"] == "timed_out", result
+    assert "timed out" in result["message"]
+    assert time.monotonic() - start < 20
+    assert not sp._CURRENT, "the student's process was not stopped after the test"

@@ -5,10 +5,13 @@ Two modes:
 --course-manifest PATH   collect only (in the instructor's checkout, before any student code
                          runs) and write every test's id, weight, tier and skip reason as JSON.
 --course-channel FD      run the lab: the session process collects the tests but never imports
-                         the student's code; each test runs in a forked child (its own process
-                         group) that reports one JSON message through a pipe of its own. The
-                         session forwards what it verified to the grader through FD, which every
-                         child closes before anything else, so student code never holds it.
+                         the student's code. In a lab whose code runs in a student's process
+                         (course.labs.student_process), each test runs here, in the session,
+                         and only the student's process is forked for it. In any other lab,
+                         each test runs in a forked child (its own process group) that reports
+                         one JSON message through a pipe of its own. The session forwards what
+                         it verified to the grader through FD, which no process that runs
+                         student code holds.
 
 A child that dies before reporting (os._exit, a signal, a crash) or outlives its timeout scores
 what the session saw, not what the child chose: "exited", "crashed", "timed out".
@@ -22,6 +25,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -163,6 +167,9 @@ def pytest_runtestloop(session):
 
     if student_process.enabled() and session.items:  # once here, not in every test's
         student_process.warm(session.items[0].path.parent)  # student process
+    in_session = _runs_in_student_process(session.items)
+    if in_session:
+        sys.stdin = open(os.devnull)
     if spec.get("reference_check") and loader.chosen_impl() == "starter" and session.items:
         reference = _in_child(fd, lambda: _reference_check(session, spec),
                               float(spec.get("test_timeout", 60)))
@@ -180,13 +187,30 @@ def pytest_runtestloop(session):
             continue
         timeout = _timeout_of(item) or float(spec.get("test_timeout", 60))
         start = time.perf_counter()
-        result = _in_child(fd, lambda item=item: _run_test(item), timeout,
-                           float(spec.get("kill_grace", KILL_GRACE)))
+        grace = float(spec.get("kill_grace", KILL_GRACE))
+        if in_session:
+            result = _in_session(lambda item=item: _run_test(item), timeout, grace)
+        else:
+            result = _in_child(fd, lambda item=item: _run_test(item), timeout, grace)
         result = _checked(result)
         _send(fd, {"type": "test", "nodeid": item.nodeid, **result,
                    "duration": round(time.perf_counter() - start, 3)})
     _send(fd, {"type": "done"})
     return True
+
+
+def _runs_in_student_process(items) -> bool:
+    """The session's tests are a lab's whose code runs in a student's process: no student code
+    runs in those tests, so they need no process of their own."""
+    from course.labs import student_process
+
+    if not items or not student_process.enabled():
+        return False
+    try:
+        lab = lab_for_path(items[0].path)
+    except ValueError:  # tests outside the course's labs
+        return False
+    return loader.runs_in_student_process(lab.id)
 
 
 _OUTCOMES = {"passed", "failed", "not_implemented", "skipped"}
@@ -286,6 +310,56 @@ def _in_child(channel: int, work, timeout: float, grace: float = KILL_GRACE) -> 
             f"a result (os._exit, sys.exit or pytest.exit in student code?)", "detail": tail}
 
 
+def _in_session(work, timeout: float, grace: float) -> dict:
+    """Run `work()` here, for a test that holds no student code (its lab's code runs in a
+    student's process, which the test forks and `stop_all` ends). As in a child, what the test
+    and the student's process print goes to a file of the test's own, and a test still waiting
+    on the student's process `grace` seconds past its timeout (pytest-timeout failed to end it)
+    is ended by killing that process: its requests then fail, and the test reads "timed out"."""
+    from course.labs import student_process
+
+    out_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"course-test-{os.getpid()}.log"
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    log = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    overran = threading.Event()
+
+    def overrun():
+        overran.set()
+        student_process.kill_all()
+
+    watchdog = threading.Timer(timeout + grace, overrun)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        message = work()
+    except BaseException as exc:  # noqa: B036 - report anything rather than nothing
+        message = {"outcome": "failed", "kind": "harness",
+                   "message": f"{type(exc).__name__}: {exc}"}
+    finally:
+        watchdog.cancel()
+        student_process.stop_all()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - the file is going away anyway
+                pass
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+    tail = _tail(out_path)
+    if overran.is_set():
+        return {"outcome": "timed_out", "kind": "timeout",
+                "message": f"timed out: still running after {timeout:g} s (the student's "
+                "process was killed)", "detail": tail}
+    return message
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -351,12 +425,21 @@ def _code_changed(before: dict, item) -> list[str]:
     return [f"{name} was replaced" for name, value in before.items() if after.get(name) != value]
 
 
-def _refuse_plugins(config) -> None:
+def _refuse_plugins(config):
+    """Refuse new plugins while a test runs; returns what allows them again (for the session
+    that runs its tests itself)."""
     def refuse(*args, **kwargs):
         raise RuntimeError("registering a pytest plugin is not allowed while grading")
 
-    config.pluginmanager.register = refuse
-    config.pluginmanager.import_plugin = refuse
+    manager = config.pluginmanager
+    manager.register = refuse
+    manager.import_plugin = refuse
+
+    def allow():
+        for name in ("register", "import_plugin"):
+            vars(manager).pop(name, None)
+
+    return allow
 
 
 def _run_test(item) -> dict:
@@ -373,7 +456,7 @@ def _run_test(item) -> dict:
     except Exception:
         pass
     before = _hook_snapshot(config)
-    _refuse_plugins(config)
+    allow_plugins = _refuse_plugins(config)
     result = {"outcome": "passed", "kind": "", "message": ""}
     # The phases go through pytest's hooks (fixtures such as caplog and capsys rely on the
     # logging and capture plugins' wrappers), but the outcome is decided here, from what they
@@ -411,6 +494,7 @@ def _run_test(item) -> dict:
             result["message"] = "in teardown: " + result["message"]
     changed = changed or (_tampered(before, _hook_snapshot(config))
                           + _code_changed(code_before, item))
+    allow_plugins()
     if changed:
         return {"outcome": "failed", "kind": "tampered",
                 "message": "the test's machinery changed while it ran: "

@@ -29,8 +29,9 @@ imports or runs anything the student's side names):
   its message and the student's file and line; `mini_vllm`'s own exception classes are kept.
 
 The student's process is a fork of the test's process, started on the first touch of `lab`
-in a test and killed when the test ends (`stop_all`); it holds no descriptor of the test's but
-its end of the channel.
+in a test and killed, with its process group, when the test ends (`stop_all`) or the test's
+process dies; it holds no descriptor of the test's but its end of the channel. (In grading, the
+test's process is the pytest session itself: course.grading.plugin.)
 """
 
 from __future__ import annotations
@@ -1337,10 +1338,16 @@ class StudentProcess:
         (course.labs.loader), called in the student's process only."""
         self.lab_dir, self.impl, self.lab_id = lab_dir, impl, lab_id
         parent, child = socket.socketpair()
+        test_pid = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:  # the student's process
             parent.close()
+            _on_its_own(test_pid)
             _serve_forever(child, lambda: load(lab_dir, impl, lab_id))
+        try:
+            os.setpgid(self.pid, self.pid)  # as the child does: whichever runs first
+        except OSError:
+            pass
         child.close()
         self.side = Side(parent, student=False)
         self.side.ended = self._ended
@@ -1388,12 +1395,45 @@ class StudentProcess:
             self.side.sock.close()
         except OSError:
             pass
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        _kill(self.pid)
         _ZOMBIES.append(self.pid)  # reaped later: its memory takes the kernel a while to free
         _reap()
+
+
+def _kill(pid: int) -> None:
+    """The student's process and whatever it started in its group."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except OSError:
+            pass
+
+
+def _on_its_own(test_pid: int) -> None:
+    """Before any student code: a process group of its own (so `stop` ends the processes it
+    starts too, and a kill of its own group reaches no test), killed when the test's process
+    dies, first to go when memory runs out, and no terminal to read."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the socket's end still ends it
+        pass
+    if os.getppid() != test_pid:  # the test's process died before the line above
+        os._exit(1)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
 
 
 def _serve_forever(sock: socket.socket, load) -> None:
@@ -1588,6 +1628,14 @@ def read(obj):
     if isinstance(obj, Remote):
         live = [p for p in live if p.side is obj._side]
     return live[-1].read(obj) if live else obj
+
+
+def kill_all() -> None:
+    """Kill every student's process this process started, leaving the bookkeeping to
+    `stop_all` (safe from another thread: a watchdog's)."""
+    for proc in list(_CURRENT.values()):
+        if getattr(proc, "pid_owner", None) == os.getpid():
+            _kill(proc.pid)
 
 
 def stop_all() -> None:
