@@ -36,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import mini_vllm.kv_cache_utils as kcu
 from course.labs.loader import load_lab
+from course.labs.student_process import beside_the_student, read
 
 lab = load_lab(__file__)
 
@@ -49,7 +50,10 @@ def make_request(rid, tokens, block_size, *, salt=None, lora_id=None, own_hasher
     """A request whose block hashes come from the reference hasher, or from the lab's own
     (task 1) when ``own_hasher``: the manager's tests do not depend on task 1."""
     lora = lab.LoRARequest(f"adapter-{lora_id}", lora_id) if lora_id is not None else None
-    make_hasher = lab.get_request_block_hasher if own_hasher else kcu.get_request_block_hasher
+    if own_hasher:
+        hasher = lab.get_request_block_hasher(block_size, lab.sha256)
+    else:
+        hasher = reference_hasher(block_size, lab.sha256, beside=lab)
     return lab.Request(
         rid,
         list(tokens),
@@ -57,8 +61,16 @@ def make_request(rid, tokens, block_size, *, salt=None, lora_id=None, own_hasher
         EOS,
         lora_request=lora,
         cache_salt=salt,
-        block_hasher=make_hasher(block_size, lab.sha256),
+        block_hasher=hasher,
     )
+
+
+@beside_the_student
+def reference_hasher(block_size, hash_fn):
+    """The reference's hasher, made where the request lives: it hashes on every append, and
+    each call from the student's process to the test's would be a round trip. (The tests check
+    its hashes against their own, computed here.)"""
+    return kcu.get_request_block_hasher(block_size, hash_fn)
 
 
 def expected_hashes(tokens, block_size, *, salt=None, lora_id=None, hash_fn=None, parent=None):
@@ -78,8 +90,19 @@ def keyed(block_hash):
     return kcu.make_block_hash_with_group_id(block_hash, 0)
 
 
+@beside_the_student
 def free_ids(manager):
+    """The free queue's block ids, in order (asked where the manager runs, in one request)."""
     return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+@beside_the_student
+def indexed_hashes(manager, block_hashes):
+    """For each hash, the hash of the block the prefix-cache index finds under it (or None);
+    asked where the manager runs, in one request."""
+    pool = manager.block_pool
+    found = [pool.get_cached_block(h, [0]) for h in block_hashes]
+    return [None if f is None else f[0].block_hash for f in found]
 
 
 def stats_of(manager):
@@ -89,14 +112,16 @@ def stats_of(manager):
 
 def snapshot(manager):
     """Everything a refused or rejected call must leave untouched."""
-    pool = manager.block_pool
+    free = free_ids(manager)
+    m = read(manager)  # the whole manager in one read, where the lab has its process
+    pool = m.block_pool
     return (
-        free_ids(manager),
+        free,
         pool.free_block_queue.num_free_blocks,
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-        {r: [b.block_id for b in bl] for r, bl in manager.req_to_blocks.items()},
-        dict(manager.num_cached_block),
-        stats_of(manager),
+        {r: [b.block_id for b in bl] for r, bl in m.req_to_blocks.items()},
+        dict(m.num_cached_block),
+        stats_of(m),
     )
 
 
@@ -126,11 +151,18 @@ def seed_cache(manager, tokens, *, hold=False, salt=None, lora_id=None):
     return blocks
 
 
+@beside_the_student
+def set_table(manager, request_id, blocks, num_cached):
+    """Give a request a table by hand. It runs where the manager runs (its dicts are read there
+    as copies: a write to a copy would change nothing)."""
+    manager.req_to_blocks[request_id] = list(blocks)
+    manager.num_cached_block[request_id] = num_cached
+
+
 def track(manager, req, num_blocks, num_cached=0):
     """Make ``req`` a tracked request by hand: a table of new blocks from the pool."""
     blocks = manager.block_pool.get_new_blocks(num_blocks)
-    manager.req_to_blocks[req.request_id] = blocks
-    manager.num_cached_block[req.request_id] = num_cached
+    set_table(manager, req.request_id, blocks, num_cached)
     return blocks
 
 
@@ -146,21 +178,32 @@ def schedule_prompt(manager, req):
 def assert_cached_exactly(manager, req, num_full):
     """The first ``num_full`` blocks of the table are cached under the request's hashes, and
     indexed; the others have no hash."""
-    want = req.block_hashes
-    for i, blk in enumerate(table(manager, req)):
+    r = read(req)
+    assert_cached(read(manager), r, num_full)
+    assert_indexed(manager, r.block_hashes[:num_full])
+
+
+def assert_cached(m, r, num_full):
+    """assert_cached_exactly but the index, on a manager and a request as read."""
+    want = r.block_hashes
+    for i, blk in enumerate(m.req_to_blocks[r.request_id]):
         if i < num_full:
             assert blk.block_hash == keyed(want[i]), f"block {i} is not cached under its hash"
-            found = manager.block_pool.get_cached_block(want[i], [0])
-            assert found is not None and found[0].block_hash == keyed(want[i]), (
-                f"block {i} has its hash but the prefix-cache index does not find it under it"
-            )
         else:
             assert blk.block_hash is None, f"block {i} is cached but is not full and computed"
-    cached = manager.num_cached_block[req.request_id]
+    cached = m.num_cached_block[r.request_id]
     assert cached == num_full, (
-        f"num_cached_block[{req.request_id!r}] is {cached}, but {num_full} full block(s) are "
+        f"num_cached_block[{r.request_id!r}] is {cached}, but {num_full} full block(s) are "
         f"computed and cached"
     )
+
+
+def assert_indexed(manager, block_hashes):
+    """The prefix-cache index finds a block cached under each of these hashes."""
+    for i, (h, found) in enumerate(zip(block_hashes, indexed_hashes(manager, block_hashes))):
+        assert found == keyed(h), (
+            f"block {i} has its hash but the prefix-cache index does not find it under it"
+        )
 
 
 def message_names(exc_info, *values):
@@ -574,15 +617,25 @@ def test_delay_cache_blocks_caches_nothing_and_skips_the_hash_check():
     assert len(m.allocate_slots(bare, 9, delay_cache_blocks=True).blocks[0]) == 3
 
 
+@beside_the_student
+def save_then_append(manager, request_id, blocks, extra):
+    """Save a list of the caller's as a request's hits, then append to that list; whether the
+    table is that very list. It runs where the manager runs: only there is the list the manager
+    was given the caller's own."""
+    given = list(blocks)
+    manager._save_new_computed_blocks(request_id, given)
+    kept = manager.req_to_blocks[request_id] is given
+    given.append(extra)
+    return kept
+
+
 def test_save_new_computed_blocks_only_the_first_time():
     m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
     hits = seed_cache(m, list(range(8)), hold=True)
-    given = list(hits)
-    m._save_new_computed_blocks("r", given)
+    kept = save_then_append(m, "r", hits, m.block_pool.blocks[5])
+    assert not kept, "the table must be the manager's own list, not the one it was given"
     assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2
-    assert m.req_to_blocks["r"] is not given, "the table must be the manager's own list"
     assert [b.ref_cnt for b in hits] == [1, 1], "claiming is allocate_slots' job"
-    given.append(m.block_pool.blocks[5])
     m._save_new_computed_blocks("r", [m.block_pool.blocks[6]])
     assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2
     m._save_new_computed_blocks("empty", [])
@@ -668,8 +721,7 @@ def test_cache_blocks_resumes_after_the_cached_blocks():
     m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
     hits = seed_cache(m, range(8), hold=True)
     req = make_request("r", range(13), 4)
-    m.req_to_blocks["r"] = hits + m.block_pool.get_new_blocks(2)
-    m.num_cached_block["r"] = 2
+    set_table(m, "r", hits + m.block_pool.get_new_blocks(2), 2)
     m.cache_blocks(req, 13)
     assert_cached_exactly(m, req, 3)
 
@@ -1136,41 +1188,44 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def _allocate(self, seq, num_new, hit=None, num_hit=0, lookahead=0):
         """allocate_slots, checked against the independent count of blocks it needs."""
         req = seq.req
-        hits = hit.blocks[0] if hit is not None else []
-        held = len(self.m.req_to_blocks.get(req.request_id, []))
-        slots = min(req.num_computed_tokens + num_hit + num_new + lookahead, MAX_LEN)
+        before = snapshot(self.m)
+        hits = read(hit).blocks[0] if hit is not None else []
+        held = len(read(self.m).req_to_blocks.get(seq.id, []))
+        slots = min(seq.computed + num_hit + num_new + lookahead, MAX_LEN)
         need = max(cdiv(slots, BLOCK_SIZE) - held - len(hits), 0)
         need += sum(1 for b in hits if b.ref_cnt == 0)
-        free = self.m.block_pool.get_num_free_blocks()
-        before = snapshot(self.m)
+        free = before[1]  # the free queue's count
         new = self.m.allocate_slots(req, num_new, num_hit, hit, lookahead)
         if new is None:
             assert need > free, f"refused although {need} block(s) were needed and {free} free"
             assert snapshot(self.m) == before, "a refused allocation changed something"
             return False
         assert need <= free, f"allocated although {need} block(s) were needed and {free} free"
-        assert ids(table(self.m, req)) == seq.blocks + ids(hits) + ids(new.blocks[0]), (
+        now = ids(read(self.m).req_to_blocks[seq.id])
+        assert now == seq.blocks + ids(hits) + ids(read(new).blocks[0]), (
             "the table is what it was (a new request's: its hits), then the new blocks"
         )
-        seq.blocks = ids(table(self.m, req))
-        req.num_computed_tokens += num_hit + num_new
+        seq.blocks = now
+        seq.computed += num_hit + num_new
+        req.num_computed_tokens = seq.computed
         return True
 
     def _admit(self, seq, chunk):
         req = seq.req
         hit, n = self.m.get_computed_blocks(req)
-        assert n % BLOCK_SIZE == 0 and n < req.num_tokens, (
-            f"get_computed_blocks hit {n} tokens of {req.num_tokens}: a hit is whole blocks and "
+        assert n % BLOCK_SIZE == 0 and n < len(seq.tokens), (
+            f"get_computed_blocks hit {n} tokens of {len(seq.tokens)}: a hit is whole blocks and "
             f"never the last token"
         )
-        assert n == len(hit.blocks[0]) * BLOCK_SIZE, (
-            f"get_computed_blocks says {n} tokens hit but returns {len(hit.blocks[0])} block(s)"
+        hits = read(hit).blocks[0]
+        assert n == len(hits) * BLOCK_SIZE, (
+            f"get_computed_blocks says {n} tokens hit but returns {len(hits)} block(s)"
         )
-        for blk, h in zip(hit.blocks[0], seq.want()):
+        for blk, h in zip(hits, seq.want()):
             assert blk.block_hash == keyed(h), "a hit block holds other tokens than asked for"
         seq.blocks = []
-        if self._allocate(seq, min(chunk, req.num_tokens - n), hit, n):
-            self.live[req.request_id] = seq
+        if self._allocate(seq, min(chunk, len(seq.tokens) - n), hit, n):
+            self.live[seq.id] = seq
             return True
         return False
 
@@ -1190,36 +1245,37 @@ class CacheManagerMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         req = make_request(rid, tokens, BLOCK_SIZE, salt=salt, lora_id=lora_id)
-        seq = SimpleNamespace(req=req, salt=salt, lora_id=lora_id, blocks=[])
-        seq.want = lambda s=seq: expected_hashes(list(s.req.all_token_ids), BLOCK_SIZE,
-                                                 salt=s.salt, lora_id=s.lora_id)
+        # The request as the scheduler knows it (kept here: reading it back from the request
+        # each time would cost a round trip where the lab has its process).
+        seq = SimpleNamespace(req=req, id=rid, tokens=list(tokens), computed=0, salt=salt,
+                              lora_id=lora_id, blocks=[])
+        seq.want = lambda s=seq: expected_hashes(s.tokens, BLOCK_SIZE, salt=s.salt,
+                                                 lora_id=s.lora_id)
         self._admit(seq, chunk)
 
-    @precondition(lambda self: any(s.req.num_computed_tokens < s.req.num_tokens
-                                   for s in self.live.values()))
+    @precondition(lambda self: any(s.computed < len(s.tokens) for s in self.live.values()))
     @rule(i=st.integers(0, 7), chunk=st.integers(1, 6))
     def prefill_chunk(self, i, chunk):
         """The next chunk of a prompt that is not computed yet (it may end inside a block)."""
-        todo = [s for s in self.live.values() if s.req.num_computed_tokens < s.req.num_tokens]
+        todo = [s for s in self.live.values() if s.computed < len(s.tokens)]
         seq = todo[i % len(todo)]
-        left = seq.req.num_tokens - seq.req.num_computed_tokens
-        self._allocate(seq, min(chunk, left))
+        self._allocate(seq, min(chunk, len(seq.tokens) - seq.computed))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 7), token=st.integers(0, 3), lookahead=st.sampled_from([0, 0, 3]))
     def decode(self, i, token, lookahead):
         seq = self._pick(i)
-        req = seq.req
-        if req.num_computed_tokens < req.num_tokens or req.num_tokens >= MAX_LEN:
+        if seq.computed < len(seq.tokens) or len(seq.tokens) >= MAX_LEN:
             return
-        req.append_output_token_ids(token)
+        seq.req.append_output_token_ids(token)
+        seq.tokens.append(token)
         if not self._allocate(seq, 1, lookahead=lookahead):
             self._preempt(seq)
 
     def _preempt(self, seq):
         self.m.free(seq.req)
-        del self.live[seq.req.request_id]
-        seq.req.num_computed_tokens = 0
+        del self.live[seq.id]
+        seq.computed = seq.req.num_computed_tokens = 0
         seq.blocks = []
         self.preempted.append(seq)
 
@@ -1242,7 +1298,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
         """Finished or aborted, at any point of its prefill or decode."""
         seq = self._pick(i)
         self.m.free(seq.req)
-        del self.live[seq.req.request_id]
+        del self.live[seq.id]
 
     @rule()
     def reset(self):
@@ -1250,7 +1306,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
         done = self.m.reset_prefix_cache()
         assert done == (not self.live), "reset refused with nothing in use, or done while in use"
         if done:
-            hashed = [b.block_id for b in self.m.block_pool.blocks if b.block_hash is not None]
+            hashed = [b.block_id for b in read(self.m).block_pool.blocks
+                      if b.block_hash is not None]
             assert not hashed, f"reset_prefix_cache succeeded but blocks {hashed} keep a hash"
         else:
             assert snapshot(self.m) == before, "a refused reset_prefix_cache changed the manager"
@@ -1259,8 +1316,9 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def m1_reference_counts_and_the_free_queue(self):
         if not hasattr(self, "m"):
             return
-        pool = self.m.block_pool
         free = free_ids(self.m)
+        m = read(self.m)  # the whole manager in one read, where the lab has its process
+        pool = m.block_pool
         assert len(free) == len(set(free)) == pool.free_block_queue.num_free_blocks, (
             f"the free queue holds {free} but num_free_blocks is "
             f"{pool.free_block_queue.num_free_blocks}"
@@ -1273,9 +1331,9 @@ class CacheManagerMachine(RuleBasedStateMachine):
                 f"block {blk.block_id} has ref_cnt {blk.ref_cnt} but is "
                 f"{'in' if blk.block_id in free else 'not in'} the free queue"
             )
-        assert set(self.m.req_to_blocks) == set(self.live), "tracked requests are the live ones"
-        assert set(self.m.num_cached_block) == set(self.live), (
-            f"num_cached_block tracks {sorted(self.m.num_cached_block)}, the live requests are "
+        assert set(m.req_to_blocks) == set(self.live), "tracked requests are the live ones"
+        assert set(m.num_cached_block) == set(self.live), (
+            f"num_cached_block tracks {sorted(m.num_cached_block)}, the live requests are "
             f"{sorted(self.live)}: free() must drop a request's entry"
         )
 
@@ -1283,17 +1341,21 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def m2_computed_full_blocks_are_cached_under_their_hashes(self):
         if not hasattr(self, "m"):
             return
-        for seq in self.live.values():
-            req = seq.req
-            assert req.block_hashes == seq.want(), (
-                f"{req.request_id}'s block hashes are not the hash chain of its tokens"
+        m = read(self.m)  # the manager and every live request read once, then the index
+        seqs = list(self.live.values())
+        indexed = []
+        for seq, r in zip(seqs, read([s.req for s in seqs])):
+            assert r.block_hashes == seq.want(), (
+                f"{seq.id}'s block hashes are not the hash chain of its tokens"
             )
-            assert ids(table(self.m, req)) == seq.blocks, "a table changed outside allocate"
-            assert len(seq.blocks) >= cdiv(req.num_computed_tokens, BLOCK_SIZE), (
-                f"{req.request_id} computed {req.num_computed_tokens} tokens but holds only "
+            assert ids(m.req_to_blocks[seq.id]) == seq.blocks, "a table changed outside allocate"
+            assert len(seq.blocks) >= cdiv(seq.computed, BLOCK_SIZE), (
+                f"{seq.id} computed {seq.computed} tokens but holds only "
                 f"{len(seq.blocks)} block(s)"
             )
-            assert_cached_exactly(self.m, req, req.num_computed_tokens // BLOCK_SIZE)
+            assert_cached(m, r, seq.computed // BLOCK_SIZE)
+            indexed += r.block_hashes[: seq.computed // BLOCK_SIZE]
+        assert_indexed(self.m, indexed)
 
 
 TestCacheManagerMachine = pytest.mark.points(3)(CacheManagerMachine.TestCase)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from course.labs.loader import load_lab
+from course.labs.student_process import read
 from course.labs.numerics import assert_close
 from mini_vllm.attention.reference import ref_attention
 
@@ -64,11 +65,12 @@ def table(mgr, request_id: str) -> list[int]:
 
 def snapshot(mgr):
     """Everything a failed call must leave unchanged."""
+    m = read(mgr)  # the whole manager in one read, where the lab has its process
     return (
-        {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_blocks.items()},
-        dict(mgr.num_cached_block),
-        [b.ref_cnt for b in mgr.block_pool.blocks],
-        mgr.block_pool.get_num_free_blocks(),
+        {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()},
+        dict(m.num_cached_block),
+        [b.ref_cnt for b in m.block_pool.blocks],
+        m.block_pool.free_block_queue.num_free_blocks,
     )
 
 
@@ -89,12 +91,20 @@ def ref_counts(mgr, block_ids) -> list[int]:
 
 
 class Sim:
-    """A KV cache manager, its live requests, and a token-level model of the cache contents."""
+    """A KV cache manager, its live requests, and a token-level model of the cache contents.
+
+    The requests' tokens and computed counts are kept here too (as the scheduler knows them), and
+    the manager is read whole once a step (`read`): where the lab has its own process, each
+    attribute of the manager or a request asked one by one would be a round trip."""
 
     def __init__(self, num_blocks: int = 16, *, caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.mgr = make_manager(num_blocks, caching=caching)
         self.live: dict[str, object] = {}
+        self.rid: dict[int, str] = {}  # id(request) -> its request id
+        self.prompt_len: dict[str, int] = {}  # every live request's prompt length,
+        self.tokens: dict[str, list[int]] = {}  # its tokens
+        self.computed: dict[str, int] = {}  # and how many of them are computed
         self.store: dict[int, list[int | None]] = {}
         self.next_id = 0
 
@@ -102,53 +112,74 @@ class Sim:
         self.next_id += 1
         return f"r{self.next_id}"
 
-    def write(self, req, start: int, end: int) -> None:
-        """The model writes the KV of tokens [start, end) of ``req`` through its block table."""
-        ids = table(self.mgr, req.request_id)
+    def tables(self) -> dict[str, list[int]]:
+        """Every live request's block ids, from one read of the manager."""
+        held = read(self.mgr).req_to_blocks
+        return {rid: [b.block_id for b in held[rid]] for rid in self.live}
+
+    def write(self, rid: str, start: int, end: int) -> None:
+        """The model writes the KV of tokens [start, end) of ``rid`` through its block table."""
+        tables = self.tables()
+        ids = tables[rid]
         for pos in range(start, end):
             block = ids[pos // BS]
-            holders = [rid for rid in self.live if block in table(self.mgr, rid)]
-            assert holders == [req.request_id], (
-                f"{req.request_id} writes token {pos} into block {block}, which is also held by "
-                f"{[h for h in holders if h != req.request_id]}: that block needed copy-on-write"
+            holders = [other for other, held in tables.items() if block in held]
+            assert holders == [rid], (
+                f"{rid} writes token {pos} into block {block}, which is also held by "
+                f"{[h for h in holders if h != rid]}: that block needed copy-on-write"
             )
-            self.store.setdefault(block, [None] * BS)[pos % BS] = req.all_token_ids[pos]
+            self.store.setdefault(block, [None] * BS)[pos % BS] = self.tokens[rid][pos]
 
     def apply_copies(self, copies) -> None:
         """What the runner's copy_blocks does to the cache, on the token model."""
         for src, dst in copies:
             self.store[dst] = list(self.store.get(src, [None] * BS))
 
-    def admit(self, prompt: list[int], next_token: int):
-        req = make_request(self.fresh_id(), prompt)
-        hit_blocks, num_hit = self.mgr.get_computed_blocks(req)
-        if self.mgr.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit_blocks) is None:
-            return None
-        self.live[req.request_id] = req
-        self.write(req, num_hit, req.num_tokens)
-        req.num_computed_tokens = req.num_tokens
+    def _sampled(self, req, rid: str, next_token: int) -> None:
         req.append_output_token_ids(next_token)
+        self.tokens[rid].append(next_token)
+
+    def admit(self, prompt: list[int], next_token: int):
+        rid = self.fresh_id()
+        req = make_request(rid, prompt)
+        hit_blocks, num_hit = self.mgr.get_computed_blocks(req)
+        if self.mgr.allocate_slots(req, len(prompt) - num_hit, num_hit, hit_blocks) is None:
+            return None
+        self.live[rid], self.rid[id(req)] = req, rid
+        self.tokens[rid], self.prompt_len[rid] = list(prompt), len(prompt)
+        self.write(rid, num_hit, len(prompt))
+        req.num_computed_tokens = self.computed[rid] = len(prompt)
+        self._sampled(req, rid, next_token)
         return req
 
     def fork(self, parent, next_token: int):
-        child = make_child(parent, self.fresh_id(), next_token)
+        rid, pid = self.fresh_id(), self.rid[id(parent)]
+        # make_child, from what is kept here: a copy of the parent up to its computed tokens
+        tokens, n = self.tokens[pid][: self.computed[pid]], self.computed[pid]
+        child = make_request(rid, tokens[: self.prompt_len[pid]])
+        child.append_output_token_ids(tokens[self.prompt_len[pid] :] + [next_token])
+        child.num_computed_tokens = n
         self.mgr.fork(parent, child)
-        self.live[child.request_id] = child
+        self.live[rid], self.rid[id(child)] = child, rid
+        self.tokens[rid], self.prompt_len[rid] = tokens + [next_token], self.prompt_len[pid]
+        self.computed[rid] = n
         return child
 
-    def needed(self, req, num_new_tokens: int = 1) -> int:
+    def needed(self, rid: str, num_new_tokens: int = 1) -> int:
         """Blocks append_slots must take, counted here: copies of shared blocks from the one
         the step writes first, plus new blocks."""
-        ids = table(self.mgr, req.request_id)
-        first = req.num_computed_tokens // BS
-        shared = sum(1 for b in ids[first:] if self.mgr.block_pool.blocks[b].ref_cnt > 1)
-        slots = min(req.num_computed_tokens + num_new_tokens, self.mgr.max_model_len)
-        return shared + max(0, -(-slots // BS) - len(ids))
+        m = read(self.mgr)
+        held = m.req_to_blocks[rid]
+        first = self.computed[rid] // BS
+        shared = sum(1 for b in held[first:] if b.ref_cnt > 1)
+        slots = min(self.computed[rid] + num_new_tokens, m.max_model_len)
+        return shared + max(0, -(-slots // BS) - len(held))
 
     def step(self, req, next_token: int):
         """One decode step: make room (copying shared blocks), write the token, sample."""
-        need, free = self.needed(req), self.mgr.block_pool.get_num_free_blocks()
+        rid = self.rid[id(req)]
         before = snapshot(self.mgr)
+        need, free = self.needed(rid), before[-1]
         copies = self.mgr.append_slots(req, 1)
         if copies is None:
             assert need > free, f"append_slots refused although {need} block(s) of {free} free"
@@ -156,37 +187,38 @@ class Sim:
             return None
         assert need <= free, f"append_slots succeeded although {need} block(s) of {free} free"
         self.apply_copies(copies)
-        pos = req.num_computed_tokens
-        self.write(req, pos, pos + 1)
-        req.num_computed_tokens = pos + 1
-        req.append_output_token_ids(next_token)
+        pos = self.computed[rid]
+        self.write(rid, pos, pos + 1)
+        req.num_computed_tokens = self.computed[rid] = pos + 1
+        self._sampled(req, rid, next_token)
         return copies
 
     def finish(self, req) -> None:
         self.mgr.free(req)
-        del self.live[req.request_id]
+        rid = self.rid.pop(id(req))
+        del self.live[rid], self.tokens[rid], self.computed[rid], self.prompt_len[rid]
 
     # -- checks ---------------------------------------------------------------------------
 
     def check_reads(self) -> None:
-        for rid, req in self.live.items():
-            ids = table(self.mgr, rid)
-            for pos in range(req.num_computed_tokens):
+        for rid, ids in self.tables().items():
+            tokens = self.tokens[rid]
+            for pos in range(self.computed[rid]):
                 got = self.store.get(ids[pos // BS], [None] * BS)[pos % BS]
-                assert got == req.all_token_ids[pos], (
+                assert got == tokens[pos], (
                     f"{rid} reads token {pos} from block {ids[pos // BS]} and finds {got}, not "
-                    f"its own token {req.all_token_ids[pos]}: a shared block was overwritten or "
+                    f"its own token {tokens[pos]}: a shared block was overwritten or "
                     f"a copy went the wrong way"
                 )
 
     def check_counts(self) -> None:
-        held = Counter(b for rid in self.live for b in table(self.mgr, rid))
-        for block in self.mgr.block_pool.blocks[1:]:
+        held = Counter(b for ids in self.tables().values() for b in ids)
+        for block in read(self.mgr).block_pool.blocks[1:]:
             assert block.ref_cnt == held[block.block_id], (
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but {held[block.block_id]} "
                 f"block table(s) list it"
             )
-        free = self.mgr.block_pool.get_num_free_blocks()
+        free = read(self.mgr).block_pool.free_block_queue.num_free_blocks
         assert free == self.num_blocks - 1 - len(held), (
             f"{free} blocks are free, but {len(held)} of {self.num_blocks - 1} are held"
         )
@@ -807,8 +839,9 @@ class SharingMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 50), next_token=st.integers(0, 2), times=st.integers(1, 5))
     def decode(self, i, next_token, times):
         req = self._pick(i)
+        tokens = self.sim.tokens[self.sim.rid[id(req)]]
         for _ in range(times):
-            if req.num_tokens >= 64 or self.sim.step(req, next_token) is None:
+            if len(tokens) >= 64 or self.sim.step(req, next_token) is None:
                 break
 
     @precondition(lambda self: self.sim.live)
@@ -825,7 +858,8 @@ class SharingMachine(RuleBasedStateMachine):
         for req in list(self.sim.live.values()):
             self.sim.finish(req)
         self.sim.check_counts()
-        held = {b.block_id: b.ref_cnt for b in self.sim.mgr.block_pool.blocks[1:] if b.ref_cnt}
+        held = {b.block_id: b.ref_cnt for b in read(self.sim.mgr).block_pool.blocks[1:]
+                if b.ref_cnt}
         assert not held, f"every request freed, yet blocks are still held (id: ref_cnt): {held}"
 
 
