@@ -232,3 +232,41 @@ def test_what_an_upgrade_leaves_beside_the_starter_is_ignored_by_git():
     assert [p for p in left if not ignored(p)] == []
     assert not ignored(rel / "starter.py")
 
+
+
+def test_a_carried_task_that_never_calls_a_new_given_helper_is_named():
+    """The course added a given helper that a task's contract now relies on (lab 03-04's
+    `_with_logprobs`); a body written before it cannot know to call it, and the upgrade cannot
+    write the call: it names the task and the helper."""
+    new = ('__all__ = ["Runner"]\n\n\nclass Runner:\n'
+           '    def _with_logprobs(self, out):\n        """Given."""\n        return out\n\n'
+           '    def step(self, x):\n        """Pass the result through the given\n'
+           '        ``self._with_logprobs(out)``."""\n'
+           '        raise NotImplementedError("lab 09-01, task 1: step")\n\n'
+           '    def other(self, x):\n        """No helper here."""\n'
+           '        raise NotImplementedError("lab 09-01, task 2: other")\n')
+    old = ('__all__ = ["Runner"]\n\n\nclass Runner:\n'
+           '    def step(self, x):\n        """Old contract."""\n        return x + 1\n\n'
+           '    def other(self, x):\n        """Old."""\n        return x\n')
+    record = {"tasks": ["Runner.step", "Runner.other"]}
+    merge = merge_starters(old, new, "09-01", record)
+    assert merge.conflicts == [] and merge.carried == ["Runner.step", "Runner.other"]
+    assert merge.added == ["Runner._with_logprobs"]
+    assert merge.uncalled == [("Runner.step", ["_with_logprobs"])]
+    # A body that calls it is not named.
+    calls = old.replace("return x + 1", "return self._with_logprobs(x + 1)")
+    assert merge_starters(calls, new, "09-01", record).uncalled == []
+
+
+def test_an_old_03_04_starter_is_told_which_logprob_helpers_its_bodies_must_call():
+    """The real case (the 03-04 starter as published before 60a8c1b): its execute_model and
+    _sample bodies predate the given log-probability helpers their docstrings now name."""
+    old = (Path(__file__).parent / "fixtures" / "upgrade"
+           / "03-04-starter-before-logprob-helpers.py.txt").read_text(encoding="utf-8")
+    (lab,) = select(discover(), ["03-04"])
+    new = (lab.path / "starter.py").read_text(encoding="utf-8")
+    merge = merge_starters(write_tasks(old, "03-04"), new, "03-04", load_given()["03-04"])
+    assert merge.conflicts == []
+    uncalled = dict(merge.uncalled)
+    assert "_with_logprobs" in uncalled["ModelRunner.execute_model"]
+    assert uncalled["ModelRunner._sample"] == ["_gather_sample_logprobs"]

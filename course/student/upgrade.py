@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,8 @@ class Merge:
     kept: list[str] = field(default_factory=list)  # the student's own additions
     added: list[str] = field(default_factory=list)  # definitions only the new starter has
     conflicts: list[str] = field(default_factory=list)  # "name: why"
+    # A carried task whose docstring now names calls its body never makes: (task, names).
+    uncalled: list[tuple[str, list[str]]] = field(default_factory=list)
 
 
 # --- the merge, on text, guided by the two syntax trees ----------------------------------------
@@ -93,6 +96,10 @@ def _is_docstring(node: ast.stmt) -> bool:
             and isinstance(node.value.value, str))
 
 
+# A call a docstring names as code: ``self._with_logprobs(output, hidden, meta)``, ``helper(x)``.
+_CALLS_IN_DOC = re.compile(r"``(?:self\.)?(\w+)\(")
+
+
 class _Merger:
     def __init__(self, student: str, new: str, lab_id: str, record: dict):
         self.s_lines, self.n_lines = student.splitlines(), new.splitlines()
@@ -116,6 +123,7 @@ class _Merger:
         # N line -> blocks to insert after it; (start, end) of N -> replacement lines.
         self.inserts: dict[int, list[list[str]]] = {}
         self.replaces: dict[tuple[int, int], list[str]] = {}
+        self.carried_nodes: list[tuple[str, ast.stmt, ast.stmt]] = []
         self.result = Merge("")
 
     # what to write ------------------------------------------------------------------------
@@ -171,7 +179,20 @@ class _Merger:
             out[start - 1:end] = lines
         self.result.text = "\n".join(out) + "\n"
         self._check_comments()
+        self._uncalled_helpers()
         return self.result
+
+    def _uncalled_helpers(self) -> None:
+        """A task carried over from before its contract named a call it relies on (lab 03-04's
+        docstrings added the given ``self._with_logprobs(...)``): the old body cannot know to
+        make it, and the upgrade cannot write it, so it says which calls are missing."""
+        for name, s, n in self.carried_nodes:
+            named = set(_CALLS_IN_DOC.findall(ast.get_docstring(n) or ""))
+            named -= set(_CALLS_IN_DOC.findall(ast.get_docstring(s) or ""))
+            used = {node.attr for node in ast.walk(s) if isinstance(node, ast.Attribute)}
+            used |= {node.id for node in ast.walk(s) if isinstance(node, ast.Name)}
+            if named - used:
+                self.result.uncalled.append((name, sorted(named - used)))
 
     def _module_head(self) -> int:
         """The last line of the new starter's docstring and ``__future__`` imports: where an
@@ -255,6 +276,7 @@ class _Merger:
             else:  # the student's text replaces the stub, their comments too
                 self.replaces[n_span] = self._with_new_docstring(name, s, n, yours)
                 self.result.carried.append(name)
+                self.carried_nodes.append((name, s, n))
             return
         digest = definition_digest(s)
         if digest == definition_digest(n) or name in self.s_tasks:
@@ -423,6 +445,11 @@ def upgrade_lab(lab: Lab, root: Path = REPO_ROOT) -> tuple[int, list[str]]:
         lines.append(f"  new in the starter: {', '.join(merge.added)}")
     if merge.carried:
         lines.append(f"  your tasks carried: {', '.join(merge.carried)}")
+    for task, helpers in merge.uncalled:
+        names = ", ".join(f"`{h}`" for h in helpers)
+        lines.append(f"  {task}: your body never calls {names}, which its docstring now asks "
+                     "it to; the upgrade cannot write that call: add it as the docstring says, "
+                     "or the tests that rely on it fail")
     if merge.kept:
         lines.append(f"  your additions kept: {', '.join(merge.kept)}")
     return 0, lines
