@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from course.labs.loader import load_lab
-from course.labs.student_process import read
 from course.labs.numerics import assert_close
+from course.labs.student_process import read
 from mini_vllm.attention.reference import ref_attention
 
 lab = load_lab(__file__)
