@@ -136,6 +136,26 @@ def test_the_grader_was_compared_with_pytest_on_every_lab():
     assert check_record(discover()) == []
 
 
+def test_the_record_follows_what_the_tests_read_and_not_the_reading_matter(tmp_path):
+    """A lab's README, hints and measurement change no outcome, so editing them keeps its
+    agreement record; editing its tests (or starter, or solution) asks for a new one."""
+    from course.integrity.agreement import NOT_GRADED, inputs_digest
+    from course.labs.catalog import REPO_ROOT, Lab, discover
+
+    lab = next(lab for lab in discover() if lab.id == "02-01")
+    copy = tmp_path / "course"
+    moved = Lab(copy / lab.path.relative_to(REPO_ROOT))
+    shutil.copytree(lab.path, moved.path)
+    before = inputs_digest(moved, copy)
+    for name in sorted(NOT_GRADED):
+        with open(moved.path / name, "a") as f:
+            f.write("\n")
+    assert inputs_digest(moved, copy) == before
+    with open(moved.path / "test_lab.py", "a") as f:
+        f.write("\n")
+    assert inputs_digest(moved, copy) != before
+
+
 def test_a_test_the_session_runs_itself_is_ended_when_it_overruns(tmp_path):
     """In a lab whose code runs in a student's process, the session runs each test itself; a
     test still waiting on the student's process past its timeout and grace (pytest-timeout did

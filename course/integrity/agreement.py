@@ -15,7 +15,7 @@ its grades.json is compared with pytest's outcomes: passed, skipped, or not pass
 not implemented, crashed, timed out...). Any test on which they differ is a violation.
 
 That is minutes per lab, so the result is kept in planted_bugs/agreement.json with a digest of
-what it depends on: the lab's files, its labs.toml table, its planted bugs and the tests that
+what it depends on: the lab's files (but the ones no test reads: NOT_GRADED), its labs.toml table, its planted bugs and the tests that
 reject them, and the grading path's code (GRADING_PATH; student_process.py for the labs that
 use it). `course check` compares the digests:
 a lab whose inputs changed since its record fails the check with the command that records it
@@ -47,6 +47,8 @@ GRADING_PATH = ("course/grading/plugin.py", "course/grading/sandbox.py",
 STUDENT_PROCESS_ONLY = "course/labs/student_process.py"
 # Planted bugs of these labs are left out: each graded run builds the CUDA lab's kernels anew
 # in the sandbox's own build folder (minutes a bug); its solution and starter are compared.
+# What a student reads and no test imports or opens: editing it changes no outcome.
+NOT_GRADED = frozenset({"README.md", "hints.toml", "measure.py"})
 BUGS_LEFT_OUT = {"02-06": "each graded run of a planted bug rebuilds the emulated kernels"}
 
 
@@ -58,7 +60,8 @@ def inputs_digest(lab: Lab, root: Path = REPO_ROOT) -> str:
     """What the comparison of `lab` depends on, as one SHA-256."""
     h = hashlib.sha256()
     files = [p for p in sorted(lab.path.rglob("*")) if p.is_file()
-             and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so", ".o"))]
+             and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so", ".o"))
+             and p.relative_to(lab.path).as_posix() not in NOT_GRADED]
     table = lab_metadata().get(lab.id, {})
     files += [root / BUGS_DIR / f"{lab.id}.py"]
     files += [root / f for f in GRADING_PATH
