@@ -18,7 +18,8 @@ That is minutes per lab, so the result is kept in planted_bugs/agreement.json wi
 what it depends on: the lab's files (but NOT_GRADED, which no test reads), its labs.toml table,
 its planted bugs and the tests that reject them, and the grading path's code (GRADING_PATH;
 student_process.py for the labs that use it). `course check` compares the digests: a lab whose
-inputs changed since its record fails the check with the command that records it again (`python -m course check --write-agreement LAB`). mini_vllm is not among the inputs: the
+inputs changed since its record fails the check with the command that records it again
+(`python -m course check --write-agreement LAB`). mini_vllm is not among the inputs: the
 reference is the same code for both sides, and the comparison is of the paths, not of it.
 """
 
