@@ -16,6 +16,11 @@ A lab opts in with a `measure.py` in its folder that defines:
                                       # metric gets its own table and plot panel
     ROUNDS = 3                    # optional: sweep the sizes this many times, interleaved, and
                                   # keep each point's minimum (timings on a loaded machine)
+    SPREAD = True                 # optional: keep every round instead; the table shows each
+                                  # point's median and its range (a load test's noise)
+    def seconds(x: int) -> float: ...   # optional: about how long one run of x takes on a quiet
+                                  # 2-core machine; the command then says how long it will take
+                                  # before it starts, and prints a line per finished point
     def summary(values) -> list[str]: ...   # optional: lines printed under the table that
                                   # answer the questions ({series name: {x: value or None}})
 
@@ -53,6 +58,8 @@ class Series:
     # None: not written; a {metric key: value} dict when the measurement defines METRICS
     values: dict[int, float | dict[str, float] | None] = field(default_factory=dict)
     note: str = ""
+    # With SPREAD: every round's value per x (the value above is their median)
+    rounds: dict[int, list] = field(default_factory=dict)
 
 
 def load_measurement(lab: Lab) -> ModuleType:
@@ -167,13 +174,39 @@ def measure(lab: Lab, quick: bool = False, impls: tuple[str, ...] = ("starter", 
         series.append(s)
         runners.append((s, fn))
     xs = module.sizes(quick)
+    rounds = max(1, int(getattr(module, "ROUNDS", 1)))
+    progress = None
+    if hasattr(module, "seconds"):
+        from course.labs.console import Progress
+
+        progress = Progress(rounds * len(xs) * len(runners), "measuring")
     # Rounds interleave the series and the sizes, so that a burst of load from another process
-    # spoils one round's point, not a whole curve; each point keeps its smallest value.
-    for _ in range(max(1, int(getattr(module, "ROUNDS", 1)))):
+    # spoils one round's point, not a whole curve; each point keeps its smallest value (or,
+    # with SPREAD, every value).
+    for r in range(rounds):
         for x in xs:
             for s, fn in runners:
+                if progress is not None:
+                    progress.started(f"{s.name} at {x:,}")
+                start = time.perf_counter()
                 _measure_point(module, s, fn, x)
+                if progress is not None:
+                    progress.finished(f"round {r + 1}, {s.name} at {x:,}: "
+                                      f"{time.perf_counter() - start:.0f} s")
+    if progress is not None:
+        progress.close()
     return module, series if hasattr(module, "METRICS") else _split_named(series)
+
+
+def planned_seconds(module: ModuleType, quick: bool, series: int = 2) -> float | None:
+    """About how long `measure` will take (None when the measurement does not say): every
+    round runs every size for each of `series` implementations and every baseline."""
+    seconds = getattr(module, "seconds", None)
+    if seconds is None:
+        return None
+    runs = max(1, int(getattr(module, "ROUNDS", 1))) * (series + len(getattr(module, "BASELINES",
+                                                                               {})))
+    return runs * sum(seconds(x) for x in module.sizes(quick))
 
 
 def _measure_point(module: ModuleType, s: Series, fn, x: int) -> None:
@@ -189,7 +222,11 @@ def _measure_point(module: ModuleType, s: Series, fn, x: int) -> None:
             value = dict(value)
         else:
             value = float(value)
-        s.values[x] = _smaller(s.values.get(x, value), value)
+        if getattr(module, "SPREAD", False):
+            s.rounds.setdefault(x, []).append(value)
+            s.values[x] = _median(s.rounds[x])
+        else:
+            s.values[x] = _smaller(s.values.get(x, value), value)
     except NotImplementedError as exc:
         s.values[x] = None
         s.note = f"not written yet: {' '.join(str(exc).split())}"
@@ -207,6 +244,17 @@ def _smaller(old, new):
     if old is None or new is None:
         return new
     return min(old, new)
+
+
+def _median(values: list):
+    """The median of one point's rounds (per key for dicts; a None round is left out)."""
+    if values and isinstance(values[0], dict):
+        return {k: _median([v[k] for v in values]) for k in values[0]}
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
 
 def fitted_slope(values: dict[int, float | None]) -> float | None:
@@ -253,9 +301,10 @@ def _split_named(series: list[Series]) -> list[Series]:
         for name in dict.fromkeys(names):
             values = {x: (v or {}).get(name) for x, v in s.values.items()}
             values = {x: None if v is None else float(v) for x, v in values.items()}
+            rounds = {x: [(v or {}).get(name) for v in vs] for x, vs in s.rounds.items()}
             written = any(v is not None for v in values.values())
             note = s.note or ("" if written else "not written yet")
-            out.append(Series(f"{s.name}: {name}", values, note))
+            out.append(Series(f"{s.name}: {name}", values, note, rounds))
     return out
 
 
@@ -269,7 +318,8 @@ def panels(module: ModuleType, series: list[Series]) -> list[tuple[str, list[Ser
             label,
             [
                 Series(s.name, {x: None if v is None else v[key] for x, v in s.values.items()},
-                       s.note)
+                       s.note, {x: [None if v is None else v[key] for v in vs]
+                                for x, vs in s.rounds.items()})
                 for s in series
             ],
         )
@@ -282,7 +332,7 @@ def format_table(module: ModuleType, series: list[Series]) -> str:
     for y_label, panel in panels(module, series):
         xs = sorted({x for s in panel for x in s.values})
         headers = [module.X_LABEL] + [s.name for s in panel]
-        rows = [[f"{x:,}"] + [_fmt(s.values.get(x)) for s in panel] for x in xs]
+        rows = [[f"{x:,}"] + [_cell(s, x) for s in panel] for x in xs]
         widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
         line = "  ".join(f"{{:>{w}}}" for w in widths)
         out += ([""] if out else []) + [y_label, line.format(*headers)]
@@ -299,6 +349,14 @@ def format_table(module: ModuleType, series: list[Series]) -> str:
         if lines:
             out += [""] + list(lines)
     return "\n".join(out)
+
+
+def _cell(s: Series, x: int) -> str:
+    """A table cell: the value, and with several rounds their range, "0.031 (0.027-0.04)"."""
+    known = [v for v in s.rounds.get(x, []) if v is not None]
+    if len(known) < 2 or s.values.get(x) is None:
+        return _fmt(s.values.get(x))
+    return f"{_fmt(s.values[x])} ({_fmt(min(known))}-{_fmt(max(known))})"
 
 
 def _fmt(v: float | None) -> str:
@@ -324,8 +382,15 @@ def plot(module: ModuleType, series: list[Series], path: Path | None, show: bool
     for ax, (y_label, panel) in zip(axes.flat, groups):
         for s in panel:
             pts = [(x, y) for x, y in sorted(s.values.items()) if y is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=s.name)
+            if not pts:
+                continue
+            line, = ax.plot(*zip(*pts), marker="o", label=s.name)
+            ranges = [[v for v in s.rounds.get(x, []) if v is not None] for x, _ in pts]
+            if all(len(r) >= 2 for r in ranges):  # the rounds' range around each median
+                ax.errorbar([x for x, _ in pts], [y for _, y in pts], fmt="none",
+                            ecolor=line.get_color(), alpha=0.5, capsize=3,
+                            yerr=[[y - min(r) for (_, y), r in zip(pts, ranges)],
+                                  [max(r) - y for (_, y), r in zip(pts, ranges)]])
         if getattr(module, "LOG_X", False):
             ax.set_xscale("log")
         if getattr(module, "LOG_Y", False):
@@ -436,6 +501,13 @@ def command(lab: Lab, quick: bool = False, plot_path: Path | None = None, show: 
         if not timed:
             raise ValueError(f"lab {lab.id}'s measurement needs a CUDA GPU, and this machine "
                              "has none")
+        planned = planned_seconds(module, quick)
+        if planned is not None:
+            line = (f"This run takes about {_minutes(planned)} on a quiet 2-core machine "
+                    "(longer on a busy one)")
+            if not quick:
+                line += f"; --quick takes about {_minutes(planned_seconds(module, True))}"
+            print(line + ".\n", flush=True)
         module, series = measure(lab, quick=quick)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -450,6 +522,10 @@ def command(lab: Lab, quick: bool = False, plot_path: Path | None = None, show: 
         print("\nDraw it: add --plot FILE.png (or --show for a window).")
     _after(predict)
     return 0
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def _after(predict: Predict | None) -> None:
