@@ -712,7 +712,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_refs)
 
-    p = sub.add_parser("hint", help="a hint for one task: a question, the steps, upstream lines")
+    p = sub.add_parser("hint", help="a hint for one task: a question, an example, the idea "
+                       "and its tests, upstream lines")
     p.add_argument("lab", help="lab id (02-03), folder name or path")
     p.add_argument("task", type=int, help="the task number (as in the starter's messages)")
     p.add_argument(
@@ -720,8 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=(1, 2, 3, 4),
         default=1,
-        help="1: a question (default); 2: a worked example to trace by hand; 3: the steps; "
-        "4: the upstream lines to read",
+        help="1: a question (default); 2: a worked example to trace by hand; 3: the idea and "
+        "the tests that check it; 4: the upstream lines to read",
     )
     p.set_defaults(func=cmd_hint)
 

@@ -343,7 +343,7 @@ def test_every_task_of_lab_02_01_has_all_four_hint_levels():
     example = render_hint(lab, 3, 2)  # the second rung is a case to trace, not the steps
     assert "hint 2 of 4: a worked example" in example and "Before:" in example
     assert "head <-> 1 <-> 3 <-> tail" in example  # a trace table keeps its layout
-    assert "--level 3 (the steps)" in example
+    assert "--level 3 (the idea, and the tests that check it)" in example
     text = render_hint(lab, 3, 4)
     assert "vllm/v1/core/kv_cache_utils.py:334 @ v0.11.0" in text
     assert "def remove(self, block: KVCacheBlock)" in text
@@ -367,6 +367,41 @@ def test_the_hint_check_requires_a_worked_example_with_its_state_before_and_afte
         "hints.toml: task 3: the example (level 2) must show the state before and after "
         "(say both words)",
     ]
+
+
+def test_the_hint_check_flags_a_rung_that_gives_the_answer(tmp_path, monkeypatch):
+    """The last rung is the idea and a command, never the body: an idea that restates the
+    reference's body (here, lab 03-05's old steps, the body nearly line for line), an idea
+    written as numbered steps and a test the lab does not have are each flagged; the rung as
+    written renders a pytest command that runs just its tests."""
+    import course.student.hints as hints
+
+    (lab,) = select(discover(), ["03-05"])
+    assert hints.check_hints(lab) == []
+    level3 = hints.render_hint(lab, 2, 3)
+    assert "hint 3 of 4: the idea, and the tests that check it" in level3
+    assert ("LAB_IMPL=starter python -m pytest phase-03-scheduler/labs/lab-05-server -q -k "
+            "'test_stream_equals_generate_token_for_token or ") in level3
+    text = hints.hints_path(lab).read_text(encoding="utf-8")
+    start = text.index('idea = """', text.index("[task.2]"))
+    end = text.index('"""', start + 10) + 3
+    old_steps = """idea = \"\"\"
+1. request_id = request_id or a fresh id; self._run_output_handler().
+2. collector = self.add_request(request_id, prompt, sampling_params) (bad input raises here).
+3. finished = False; try: while not finished: out = collector.get_nowait() or
+   await collector.get(); finished = out.finished; yield out.
+4. finally: if not finished: self.abort(request_id).
+\"\"\""""
+    text = text[:start] + old_steps + text[end:]
+    text = text.replace('"test_choices_usage_and_token_ids"', '"test_usage_is_right"')
+    (tmp_path / "hints.toml").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(hints, "hints_path", lambda _lab: tmp_path / "hints.toml")
+    problems = hints.check_hints(lab)
+    assert problems[0] == ("hints.toml: task 2: the idea (level 3) is numbered steps; say the "
+                           "idea and let the tests show the way")
+    assert problems[1].startswith("hints.toml: task 2: its idea restates ")
+    assert problems[1].endswith("% of the reference's body; give the idea, not the code")
+    assert problems[2:] == ["hints.toml: task 3: test_lab.py has no test test_usage_is_right"]
 
 
 def test_hint_and_measure_commands():
@@ -501,3 +536,68 @@ def test_measure_with_several_metrics_gets_a_table_and_a_panel_each(tmp_path):
     assert table.count("reference") == 2 and "not written yet: lab 99-01" in table
     path = plot(module, series, tmp_path / "m.png", show=False)
     assert path is not None and path.stat().st_size > 0
+
+
+def test_a_long_measurement_says_how_long_it_takes_and_shows_the_spread_of_its_rounds(
+        tmp_path, capsys):
+    """A measurement that defines `seconds(x)` gets its duration printed before it starts
+    (and --quick's), a progress line per finished point; with SPREAD each cell is the median of
+    the rounds with their range, on the table and as bars on the plot."""
+    from course.labs.catalog import Lab
+    from course.student.measure import command
+
+    folder = tmp_path / "phase-09-demo" / "labs" / "lab-07-demo"
+    folder.mkdir(parents=True)
+    (folder / "starter.py").write_text(
+        "def f(x):\n    raise NotImplementedError('lab 09-07, task 1: implement f')\n")
+    (folder / "solution.py").write_text("calls = []\n\ndef f(x):\n    calls.append(x)\n"
+                                        "    return {'a': x * len(calls), 'b': 1.0}\n")
+    (folder / "measure.py").write_text(textwrap.dedent("""
+        TITLE, X_LABEL, Y_LABEL = "demo", "x", "y"
+        ROUNDS, SPREAD = 3, True
+
+        def sizes(quick):
+            return [2] if quick else [1, 2]
+
+        def seconds(x):
+            return 30 * x
+
+        def run(impl, x):
+            return impl.f(x)
+    """))
+    lab = Lab(folder)
+    assert command(lab, plot_path=tmp_path / "demo.png") == 0
+    out, err = capsys.readouterr()
+    # 3 rounds x 2 implementations x (30 + 60) s; --quick: 3 x 2 x 60 s
+    assert out.startswith("This run takes about 9 min on a quiet 2-core machine (longer on a "
+                          "busy one); --quick takes about 6 min.\n")
+    assert "[12/12] round 3, reference at 2:" in err and "finished in" in err
+    # the reference's calls: round 1 gives x*1, x*2; round 2 x*3, x*4; round 3 x*5, x*6
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["1"],
+                                                                                       ["2"])}
+    assert "3 (1-5)" in rows["1"] and "8 (4-12)" in rows["2"]
+    assert "yours (starter.py): not written yet: lab 09-07, task 1" in out
+    assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_lab_03_06_readme_says_what_its_measurement_runs_and_how_long():
+    """The README of lab 03-06 gives the measurement's request count, rates, rounds and
+    duration as measure.py has them (a student once read 40 requests and rates up to 24 for a
+    run that sent 24 requests up to 8 per second, and sat through it with no duration)."""
+    from course.student.measure import load_measurement, planned_seconds, predict_questions
+
+    (lab,) = select(discover(), ["03-06"])
+    module = load_measurement(lab)
+    predict = predict_questions(lab)
+    readme = " ".join((lab.path / "README.md").read_text(encoding="utf-8").split())
+    section = readme[readme.index("## Predict, then measure"):]
+    section = section[:section.index("python -m course measure 03-06")]
+    *most, last = module.sizes(False)
+    assert f"the measurement's {module.NUM_REQUESTS} requests" in predict.questions
+    assert f"sends the {module.NUM_REQUESTS} requests at {', '.join(map(str, most))} and " \
+           f"{last} requests per second, twice at each rate" in section
+    assert module.ROUNDS == 2 and module.SPREAD
+    assert f"about {planned_seconds(module, False) / 60:.0f} minutes" in section
+    quick = module.sizes(True)
+    assert (f"`--quick` runs {quick[0]} and {quick[1]} only, about "
+            f"{planned_seconds(module, True) / 60:.0f} minutes") in section
