@@ -137,8 +137,9 @@ def test_the_grader_was_compared_with_pytest_on_every_lab():
 
 
 def test_the_record_follows_what_the_tests_read_and_not_the_reading_matter(tmp_path):
-    """A lab's README, hints and measurement change no outcome, so editing them keeps its
-    agreement record; editing its tests (or starter, or solution) asks for a new one."""
+    """A lab's README, hints and measurement, and the docstrings and comments of its code,
+    change no outcome, so editing them keeps its agreement record; editing its tests' code (or
+    its starter's, or its solution's) asks for a new one."""
     from course.integrity.agreement import NOT_GRADED, inputs_digest
     from course.labs.catalog import REPO_ROOT, Lab, discover
 
@@ -151,8 +152,13 @@ def test_the_record_follows_what_the_tests_read_and_not_the_reading_matter(tmp_p
         with open(moved.path / name, "a") as f:
             f.write("\n")
     assert inputs_digest(moved, copy) == before
+    starter = moved.path / "starter.py"
+    source = starter.read_text(encoding="utf-8")
+    starter.write_text(source.replace('"""', '"""A docstring edit. ', 1) + "# a comment\n",
+                       encoding="utf-8")
+    assert inputs_digest(moved, copy) == before  # docstrings and comments change no outcome
     with open(moved.path / "test_lab.py", "a") as f:
-        f.write("\n")
+        f.write("\nassert True\n")
     assert inputs_digest(moved, copy) != before
 
 

@@ -15,9 +15,10 @@ its grades.json is compared with pytest's outcomes: passed, skipped, or not pass
 not implemented, crashed, timed out...). Any test on which they differ is a violation.
 
 That is minutes per lab, so the result is kept in planted_bugs/agreement.json with a digest of
-what it depends on: the lab's files (but NOT_GRADED, which no test reads), its labs.toml table,
-its planted bugs and the tests that reject them, and the grading path's code (GRADING_PATH;
-student_process.py for the labs that use it). `course check` compares the digests: a lab whose
+what it depends on: the lab's files (but NOT_GRADED, which no test reads, and a Python file's
+docstrings and comments: `graded_bytes`), its labs.toml table, its planted bugs and the tests
+that reject them, and the grading path's code (GRADING_PATH; student_process.py for the labs
+that use it). `course check` compares the digests: a lab whose
 inputs changed since its record fails the check with the command that records it again
 (`python -m course check --write-agreement LAB`). mini_vllm is not among the inputs: the
 reference is the same code for both sides, and the comparison is of the paths, not of it.
@@ -25,6 +26,7 @@ reference is the same code for both sides, and the comparison is of the paths, n
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from course.integrity.bugs import BUGS_DIR, load_bugs, load_seen_by
 from course.labs.catalog import REPO_ROOT, Lab, lab_metadata
+from course.labs.published import code_digest
 from course.labs.runner import run_lab
 
 RECORD = Path(BUGS_DIR) / "agreement.json"
@@ -56,6 +59,18 @@ def _outcome(word: str) -> str:
     return word if word in ("passed", "skipped") else "not passed"
 
 
+def graded_bytes(path: Path) -> bytes:
+    """What of a file can change a test's outcome: a Python file's syntax tree without
+    positions and docstrings (layout, comments and docstrings change none; no test reads a
+    docstring), any other file's bytes. A file that does not parse counts as its bytes."""
+    if path.suffix != ".py":
+        return path.read_bytes()
+    try:
+        return code_digest(ast.parse(path.read_bytes())).encode()
+    except SyntaxError:
+        return path.read_bytes()
+
+
 def inputs_digest(lab: Lab, root: Path = REPO_ROOT) -> str:
     """What the comparison of `lab` depends on, as one SHA-256."""
     h = hashlib.sha256()
@@ -68,7 +83,7 @@ def inputs_digest(lab: Lab, root: Path = REPO_ROOT) -> str:
               if f != STUDENT_PROCESS_ONLY or table.get("student_process")]
     for p in files:
         if p.is_file():
-            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+            h.update(p.relative_to(root).as_posix().encode() + b"\0" + graded_bytes(p) + b"\0")
     h.update(json.dumps(table, sort_keys=True).encode())
     h.update(json.dumps(load_seen_by(root).get(lab.id, {}), sort_keys=True).encode())
     return h.hexdigest()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.integrity import null_starters
+from course.integrity.agreement import graded_bytes
 from course.integrity.bugs import BUGS_DIR
 from course.integrity.checks import CopySlots
 from course.labs.catalog import Lab
@@ -59,10 +60,10 @@ def out_of_scope_note(lab: Lab) -> str:
 
 def inputs_digest(lab: Lab) -> str:
     """SHA-256 of what decides the null variants' outcome: the lab's starter.py and test_lab.py
-    and the generator's source."""
+    and the generator's source (their code: docstrings and comments change no outcome)."""
     h = hashlib.sha256()
     for path in (lab.path / "starter.py", lab.test_file, Path(null_starters.__file__)):
-        data = path.read_bytes()
+        data = graded_bytes(path)
         h.update(f"{path.name} {len(data)}\n".encode())
         h.update(data)
     return h.hexdigest()
