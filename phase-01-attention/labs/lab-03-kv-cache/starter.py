@@ -3,8 +3,8 @@
 Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README. Each
 docstring is a contract: what goes in, what comes out, what must hold, which errors, and the cost.
 How to get there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint
-01-03 N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the
-steps), then ``--level 4`` (the upstream lines to read).
+01-03 N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the idea,
+and the tests that check it), then ``--level 4`` (the upstream lines to read).
 
 Use lab 01's reference for attention (``ref_attention``, already imported); ``MemoryReport`` is
 complete. Run the tests against this file with::

@@ -4,7 +4,7 @@ Fill in every body that raises ``NotImplementedError``, in the task order of thi
 docstring is a contract: what goes in, what comes out, what must hold afterwards, which errors, and
 how fast. How to get there is yours to work out; when stuck, climb the hint ladder: ``python -m
 course hint 02-01 N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level
-3`` (the steps), then ``--level 4`` (the upstream lines to read).
+3`` (the idea, and the tests that check it), then ``--level 4`` (the upstream lines to read).
 
 Everything else in this file is complete and is yours to read and use: the block metadata, the
 queue's constructor with its two sentinels, the prefix-cache index and the events. (The request

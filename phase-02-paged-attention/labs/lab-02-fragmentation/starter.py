@@ -4,7 +4,8 @@ Fill in the bodies that raise ``NotImplementedError`` (tasks 1-4 of the README);
 given and works once they do. Each docstring is a contract: what goes in, what comes out, what must
 hold afterwards, which errors. How to get there is yours to work out; when stuck, climb the hint
 ladder: ``python -m course hint 02-02 N`` (a question), then ``--level 2`` (a small case to trace by
-hand), ``--level 3`` (the steps), then ``--level 4`` (the upstream lines to read).
+hand), ``--level 3`` (the idea, and the tests that check it), then ``--level 4`` (the upstream lines
+to read).
 
 Lab-only material (not part of the engine). A trace of requests, each with a prompt length and an
 output length, is replayed through one memory strategy at a time, under continuous batching:

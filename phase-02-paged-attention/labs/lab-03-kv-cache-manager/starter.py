@@ -4,7 +4,7 @@ Fill in every body that raises ``NotImplementedError``, in the task order of the
 docstring is a contract: what goes in, what comes out, what must hold afterwards, which errors, and
 how fast. How to get there is yours to work out; when stuck, climb the hint ladder: ``python -m
 course hint 02-03 N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level
-3`` (the steps), then ``--level 4`` (the upstream lines to read).
+3`` (the idea, and the tests that check it), then ``--level 4`` (the upstream lines to read).
 
 Given (complete, from ``mini_vllm``): the block pool of lab 02-01 with its hash function,
 ``Request`` and ``SamplingParams``. Given here: ``KVCacheBlocks``, the manager's constructor and

@@ -1,12 +1,12 @@
 """Lab 02-05 starter: sharing blocks between sequences with fork and copy-on-write.
 
 You add four methods to the KV cache manager of lab 02-03. The manager itself (block tables,
-``allocate_slots``, prefix caching, ``free``), the block pool, ``Request`` and the cache
-operations of lab 02-04 are given: they come from ``mini_vllm``. Work in the task order of the
-README. Each docstring is a contract; when stuck, climb the hint ladder:
-``python -m course hint 02-05 N`` (a question), then ``--level 2`` (a small case to trace by
-hand), ``--level 3`` (the steps), then ``--level 4`` (the upstream lines to read). Run the
-graded tests against this file with::
+``allocate_slots``, prefix caching, ``free``), the block pool, ``Request`` and the cache operations
+of lab 02-04 are given: they come from ``mini_vllm``. Work in the task order of the README. Each
+docstring is a contract; when stuck, climb the hint ladder: ``python -m course hint 02-05 N`` (a
+question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the idea, and the
+tests that check it), then ``--level 4`` (the upstream lines to read). Run the graded tests against
+this file with::
 
     LAB_IMPL=starter pytest phase-02-paged-attention/labs/lab-05-sharing -q
 

@@ -3,8 +3,8 @@
 Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README. Each
 docstring is a contract: what goes in, what comes out, what must hold afterwards, which errors. How
 to get there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint 03-01
-N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the steps),
-then ``--level 4`` (the upstream lines to read).
+N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the idea, and
+the tests that check it), then ``--level 4`` (the upstream lines to read).
 
 Everything else is complete: the constructor, ``schedule()`` (which calls your helpers in the
 right order), ``_preempt`` (which counts a preemption and picks its mode), packaging the output,

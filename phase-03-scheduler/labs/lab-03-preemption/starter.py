@@ -3,8 +3,8 @@
 Fill in every body that raises ``NotImplementedError``, in the task order of this lab's README. Each
 docstring is a contract: what goes in, what comes out, what must hold afterwards, which errors. How
 to get there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint 03-03
-N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the steps),
-then ``--level 4`` (the upstream lines to read).
+N`` (a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the idea, and
+the tests that check it), then ``--level 4`` (the upstream lines to read).
 
 The scheduler of lab 03-01 is the base class (the reference, from ``mini_vllm``): it already
 preempts, calls ``_preempt_by_swap`` in swap mode when the CPU pool has room, and calls

@@ -12,8 +12,8 @@ to the engine as a one-token request with ``2 * beam_width`` log-probabilities a
 
 Each docstring is a contract: what goes in, what comes out, what must hold afterwards. How to get
 there is yours to work out; when stuck, climb the hint ladder: ``python -m course hint 03-04 N`` (a
-question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the steps), then
-``--level 4`` (the upstream lines to read).
+question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the idea, and the
+tests that check it), then ``--level 4`` (the upstream lines to read).
 
 Run the graded tests against this file with::
 

@@ -19,8 +19,8 @@ core thread, ``add_request``, ``abort``, the output handler) in ``async_llm.py``
 reference answer: do not read it before you have tried.
 
 Each docstring is a contract. When stuck, climb the hint ladder: ``python -m course hint 03-05 N``
-(a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the steps),
-``--level 4`` (the upstream lines to read).
+(a question), then ``--level 2`` (a small case to trace by hand), ``--level 3`` (the idea, and the
+tests that check it), ``--level 4`` (the upstream lines to read).
 
 Run the graded tests against this file with::
 
