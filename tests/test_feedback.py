@@ -261,6 +261,9 @@ def test_a_crash_in_the_lab_code_reached_from_several_tests_is_rendered_once(cou
         "block (0,4,0)",
     }, out
     assert "the same failure in every other case of test_plain (2)" in out, out
+    assert "_driver" not in out, out
+    # Rendered in full (the run's first failure), the kernel error hides the tools' frames.
+    out = pytest_run(course, "solution", "-k", "asan").stdout
     assert "_driver" not in out and "--emulator-traceback shows them" in out, out
 
 
@@ -601,3 +604,40 @@ def test_lab_03_06_readme_says_what_its_measurement_runs_and_how_long():
     quick = module.sizes(True)
     assert (f"`--quick` runs {quick[0]} and {quick[1]} only, about "
             f"{planned_seconds(module, True) / 60:.0f} minutes") in section
+
+
+def test_one_mistake_that_fails_several_tests_is_one_report_and_a_line_or_two_per_other(course):
+    """The run's first failure is rendered in full; each later one is its message, where the
+    test failed and the command that renders it alone; captured output keeps its tail. With
+    --every-failure every failure is rendered in full, with all its output."""
+    tests = course / LAB / "test_lab.py"
+    tests.write_text(tests.read_text() + textwrap.dedent('''
+
+        def test_several_a():
+            import sys
+            for i in range(50):
+                print(f"server log line {i}", file=sys.stderr)
+            assert lab.double(1) == 2, "double(1) is not 2: double must multiply by two"
+
+
+        def test_several_b():
+            assert lab.double(5) == 10, "double(5) is not 10: look at double's factor"
+
+
+        def test_several_c():
+            got = lab.double(7)
+            assert got == 14, f"double(7) gave {got}: the factor is\\nsecond line\\nthird"
+        '''))
+    out = pytest_run(course, "solution", "-k", "several").stdout
+    assert out.count("def test_several_") == 1, out  # only the first is rendered in full
+    assert "(the first 35 lines are left out: --every-failure shows them)" in out, out
+    assert "server log line 49" in out and "server log line 20" not in out
+    assert ("AssertionError: double(5) is not 10: look at double's factor\n"
+            "  (the test: several b; look at your double (starter.py:5))\n"
+            "  assert 15 == 10\n") in out, out
+    assert re.search(r"\n  \.\.\. \(1 more line\)\n  \(test_lab\.py:\d+; in full: python -m "
+                     rf"pytest '{LAB}/test_lab\.py::test_several_b' --every-failure\)\n", out)
+    assert "AssertionError: double(7) gave 21: the factor is\n" in out
+    assert "3 failed" in out and len(out.splitlines()) < 60, out
+    full = pytest_run(course, "solution", "-k", "several", "--every-failure").stdout
+    assert full.count("def test_several_") == 3 and "server log line 20" in full, full

@@ -11,6 +11,11 @@ What a student sees when they run a lab's tests:
   one). A crash in the code under test (an exception other than an assertion, raised below the
   test file's last frame) is one failure whichever test reached it: the same line failing the
   same way under ten tests renders once;
+- one mistake usually fails several tests, each with a message that names the cause: the first
+  failure of the run is rendered in full (pytest's short style when its traceback would pass
+  MAX_FULL_LINES), every later one as its first message lines under its test's file and line,
+  with the command that renders it alone; captured output keeps its last CAPTURED_TAIL lines
+  (`--every-failure` renders everything);
 - tensors in failure reports are summarised (shape, dtype, first values), not printed;
 - after pytest's closing line, every task the starter still leaves open, in task order, read from
   the starter's source, with the README passage and the hint command for each;
@@ -46,6 +51,13 @@ NI_PREFIX = "NOT IMPLEMENTED  "
 CACHE_ENV = "COURSE_PYTEST_CACHE"  # pyproject.toml: cache_dir = "$COURSE_PYTEST_CACHE"
 STUDENT_SHRINK_SECONDS = 10
 MAX_IDS = 24  # ids of repeated cases listed under the first one's report
+# One mistake, one report: the run's first failure is rendered in full (at most MAX_FULL_LINES
+# of traceback, else pytest's short style), every later one as its message under its test's
+# line, and captured output keeps its last CAPTURED_TAIL lines. --every-failure shows it all.
+FULL_REPORTS = 1
+MAX_FULL_LINES = 60
+BRIEF_LINES = 4
+CAPTURED_TAIL = 15
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +296,7 @@ class _Repeats:
 @dataclass
 class _State:
     every_failure: bool = False
+    full_reports: int = 0  # failures rendered in full so far
     by_signature: dict[tuple, _Repeats] = field(default_factory=dict)
     repeated: set[int] = field(default_factory=set)  # id() of the one-line reports of repeats
     # (test without its parameters, the line) -> nodeids of the cases, for the NI section
@@ -371,24 +384,32 @@ def _base_id(nodeid: str) -> str:
 # sanitizer's exact out-of-bounds read.
 TIER_MARKERS = frozenset({"cuda", "nvcc", "oracle", "emulation", "asan", "race"})
 _TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
+# A case's data quoted in a message: a string's repr, a list, a dict (innermost first).
+_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
+_BRACKETED = re.compile(r"\[[^\[\]]*\]|\{[^{}]*\}")
 _FILE_LINE_OR_NUMBER = re.compile(r"[\w.]+\.\w+:\d+|\w*\d\w*")
 
 
 def message_shape(exc: BaseException) -> str:
     """The first line of `exc`'s message with the values that differ between the cases of one
-    mistake blurred: template arguments dropped, every word holding a digit made "#", except a
+    mistake blurred: template arguments dropped, quoted strings, lists and dicts (a case's data,
+    as an f-string prints it) made "#", every word holding a digit made "#", except a
     file:line, which says where the mistake is. "segmentation fault at starter.cu:189 ... block
     (0,0,0), thread 32 (kernel k<__half, 128>)" and the same for block (3,1,0), thread 7 and
-    k<float, 80> have one shape; an out-of-bounds read at starter.cu:113 has another."""
+    k<float, 80> have one shape; an out-of-bounds read at starter.cu:113 has another; "the
+    pieces of 'naïve' ... ['n', 'a']" and of 'café' have one. The words of a message stay: a
+    test that explains two mistakes in two sentences gives two shapes."""
     try:
         line = (str(exc).strip().splitlines() or [""])[0]
     except Exception:  # an exception whose message cannot be built: its type says enough
         line = ""
-    while True:
-        shorter = _TEMPLATE_ARGS.sub("", line)
-        if shorter == line:
-            break
-        line = shorter
+    line = _QUOTED.sub("#", line)
+    for pattern in (_TEMPLATE_ARGS, _BRACKETED):
+        while True:
+            shorter = pattern.sub("#", line) if pattern is _BRACKETED else pattern.sub("", line)
+            if shorter == line:
+                break
+            line = shorter
     return _FILE_LINE_OR_NUMBER.sub(lambda m: m[0] if ":" in m[0] else "#", line)
 
 
@@ -482,16 +503,40 @@ def pytest_runtest_makereport(item, call):
         return None
     sig = _signature(item, call, excinfo)
     if _is_repeat(state, sig, item):
-        tb = excinfo.traceback[-1] if excinfo.traceback else None
-        crash = _CrashLine(
-            str(tb.path) if tb else str(item.path),
-            (tb.lineno + 1) if tb else 0,
-            _first_line(excinfo.value),
-        )
+        crash = _crash_line(item, excinfo)
         first = state.by_signature[sig].first
         text = f"same failure as {first.nodeid.split('::', 1)[-1]} (shown above): {crash.message}"
         return _report_for(item, call, _OneLine(text, crash))
+    if state.full_reports >= FULL_REPORTS:
+        return _report_for(item, call, _brief(item, excinfo))
     return None
+
+
+def _crash_line(item, excinfo) -> _CrashLine:
+    tb = excinfo.traceback[-1] if excinfo.traceback else None
+    return _CrashLine(str(tb.path) if tb else str(item.path), (tb.lineno + 1) if tb else 0,
+                      _first_line(excinfo.value))
+
+
+def _brief(item, excinfo) -> _OneLine:
+    """A later failure of the run: its exception and the first BRIEF_LINES lines of its message
+    (which name the cause), then where the test failed and the command that renders it in
+    full."""
+    in_test = [e for e in excinfo.traceback if str(e.path) == str(item.path)]
+    where = in_test[-1] if in_test else (excinfo.traceback[-1] if excinfo.traceback else None)
+    place = f"{Path(str(where.path)).name}:{where.lineno + 1}" if where else item.location[0]
+    try:
+        lines = str(excinfo.value).strip().splitlines()
+    except Exception:  # a message that cannot be built: the type says enough
+        lines = []
+    head = f"{excinfo.type.__name__}: {lines[0][:300]}" if lines else excinfo.type.__name__
+    said = [f"  {line[:300]}" for line in lines[1:BRIEF_LINES]]
+    if len(lines) > BRIEF_LINES:
+        more = len(lines) - BRIEF_LINES
+        said.append(f"  ... ({more} more line{'s' if more > 1 else ''})")
+    text = "\n".join([head, *said, f"  ({place}; in full: python -m pytest '{item.nodeid}' "
+                                    "--every-failure)"])
+    return _OneLine(text, _crash_line(item, excinfo))
 
 
 def _is_repeat(state: _State, sig: tuple, item) -> bool:
@@ -525,8 +570,12 @@ def _count_not_implemented(state: _State, item, line: str) -> None:
 def pytest_runtest_makereport_render(item, call):
     """Around every report: tensors summarised while it renders; remember the first report of
     each failure, and which reports are repeats."""
+    excinfo = _excinfo(item, call)  # before pytest's own hooks take it off a unittest item
     with tensors_summarised():
         report = yield
+    state = _state(item.config)
+    if report.failed and call.when != "collect" and not state.every_failure:
+        _keep_it_short(item, report, excinfo, state)
     sig = getattr(item, "_course_signature", None)
     if sig is not None and report.failed:
         group = _state(item.config).by_signature.get(sig)
@@ -537,6 +586,25 @@ def pytest_runtest_makereport_render(item, call):
         _state(item.config).repeated.add(id(report))
         item._course_repeat = False
     return report
+
+
+def _keep_it_short(item, report, excinfo, state: _State) -> None:
+    """A report rendered in full counts against FULL_REPORTS, and one whose traceback runs past
+    MAX_FULL_LINES (a failure deep in a library) is rendered again in pytest's short style;
+    captured output keeps its tail."""
+    if hasattr(report.longrepr, "reprtraceback"):
+        state.full_reports += 1
+        if excinfo is not None and len(str(report.longrepr).splitlines()) > MAX_FULL_LINES:
+            with tensors_summarised():
+                report.longrepr = item._repr_failure_py(excinfo, style="short")
+    sections = []
+    for title, content in report.sections:
+        lines = content.splitlines()
+        if len(lines) > CAPTURED_TAIL:
+            content = "\n".join([f"(the first {len(lines) - CAPTURED_TAIL} lines are left out: "
+                                 "--every-failure shows them)", *lines[-CAPTURED_TAIL:]])
+        sections.append((title, content))
+    report.sections = sections
 
 
 def pytest_report_teststatus(report, config):
