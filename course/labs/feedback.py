@@ -13,9 +13,12 @@ What a student sees when they run a lab's tests:
   same way under ten tests renders once;
 - one mistake usually fails several tests, each with a message that names the cause: the first
   failure of the run is rendered in full (pytest's short style when its traceback would pass
-  MAX_FULL_LINES), every later one as its first message lines under its test's file and line,
-  with the command that renders it alone; captured output keeps its last CAPTURED_TAIL lines
-  (`--every-failure` renders everything);
+  MAX_FULL_LINES), the next MAX_BRIEFS as two lines (the message's first line, then the test's
+  rule and the function to open, with the test file's line), and later ones are counted in one
+  line after pytest's summary, which lists only the failures shown; captured output keeps its
+  last CAPTURED_TAIL lines. A single mistake prints at most about 120 lines
+  (scripts/report_lengths.py measures it over the planted bugs); `--every-failure` renders
+  everything;
 - tensors in failure reports are summarised (shape, dtype, first values), not printed;
 - after pytest's closing line, every task the starter still leaves open, in task order, read from
   the starter's source, with the README passage and the hint command for each;
@@ -51,12 +54,15 @@ NI_PREFIX = "NOT IMPLEMENTED  "
 CACHE_ENV = "COURSE_PYTEST_CACHE"  # pyproject.toml: cache_dir = "$COURSE_PYTEST_CACHE"
 STUDENT_SHRINK_SECONDS = 10
 MAX_IDS = 24  # ids of repeated cases listed under the first one's report
+IDS_CHARS = 200  # ... in at most about two lines
 # One mistake, one report: the run's first failure is rendered in full (at most MAX_FULL_LINES
-# of traceback, else pytest's short style), every later one as its message under its test's
-# line, and captured output keeps its last CAPTURED_TAIL lines. --every-failure shows it all.
+# of traceback, else pytest's short style); the next MAX_BRIEFS as two lines (what failed, and
+# the test's rule with the function to open); later ones only counted. Captured output keeps
+# its last CAPTURED_TAIL lines. --every-failure shows everything.
 FULL_REPORTS = 1
-MAX_FULL_LINES = 60
-BRIEF_LINES = 4
+MAX_FULL_LINES = 50
+MAX_BRIEFS = 8
+BRIEF_CHARS = 200
 CAPTURED_TAIL = 15
 
 
@@ -297,6 +303,8 @@ class _Repeats:
 class _State:
     every_failure: bool = False
     full_reports: int = 0  # failures rendered in full so far
+    briefs: int = 0  # failures rendered in two lines so far
+    unlisted: set[int] = field(default_factory=set)  # id() of reports past MAX_BRIEFS
     by_signature: dict[tuple, _Repeats] = field(default_factory=dict)
     repeated: set[int] = field(default_factory=set)  # id() of the one-line reports of repeats
     # (test without its parameters, the line) -> nodeids of the cases, for the NI section
@@ -507,9 +515,21 @@ def pytest_runtest_makereport(item, call):
         first = state.by_signature[sig].first
         text = f"same failure as {first.nodeid.split('::', 1)[-1]} (shown above): {crash.message}"
         return _report_for(item, call, _OneLine(text, crash))
-    if state.full_reports >= FULL_REPORTS:
+    if state.full_reports >= FULL_REPORTS and _in_a_lab(item):
+        state.briefs += 1
+        if state.briefs > MAX_BRIEFS:
+            item._course_unlisted = True
         return _report_for(item, call, _brief(item, excinfo))
     return None
+
+
+def _in_a_lab(item) -> bool:
+    """A test of a lab (what a student runs); the course's own tests keep every report."""
+    try:
+        lab_for_path(Path(str(item.path)))
+    except ValueError:
+        return False
+    return Path(str(item.path)).name.startswith("test_")
 
 
 def _crash_line(item, excinfo) -> _CrashLine:
@@ -519,24 +539,25 @@ def _crash_line(item, excinfo) -> _CrashLine:
 
 
 def _brief(item, excinfo) -> _OneLine:
-    """A later failure of the run: its exception and the first BRIEF_LINES lines of its message
-    (which name the cause), then where the test failed and the command that renders it in
-    full."""
+    """A later failure of the run in two lines: the exception with its message's first line,
+    then the test's rule and the function to open (the line course/labs/assertions.py adds, or
+    the message's second line) with where in the test file it failed."""
     in_test = [e for e in excinfo.traceback if str(e.path) == str(item.path)]
     where = in_test[-1] if in_test else (excinfo.traceback[-1] if excinfo.traceback else None)
     place = f"{Path(str(where.path)).name}:{where.lineno + 1}" if where else item.location[0]
     try:
-        lines = str(excinfo.value).strip().splitlines()
+        lines = [line.strip() for line in str(excinfo.value).strip().splitlines()]
     except Exception:  # a message that cannot be built: the type says enough
         lines = []
-    head = f"{excinfo.type.__name__}: {lines[0][:300]}" if lines else excinfo.type.__name__
-    said = [f"  {line[:300]}" for line in lines[1:BRIEF_LINES]]
-    if len(lines) > BRIEF_LINES:
-        more = len(lines) - BRIEF_LINES
-        said.append(f"  ... ({more} more line{'s' if more > 1 else ''})")
-    text = "\n".join([head, *said, f"  ({place}; in full: python -m pytest '{item.nodeid}' "
-                                    "--every-failure)"])
+    head = f"{excinfo.type.__name__}: {lines[0]}" if lines else excinfo.type.__name__
+    rule = next((line for line in lines[1:] if line.startswith(("(the test:", "broken:"))),
+                lines[1] if len(lines) > 1 else "")
+    text = f"{_cut(head)}\n  {_cut(rule) + '  ' if rule else ''}[{place}]"
     return _OneLine(text, _crash_line(item, excinfo))
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= BRIEF_CHARS else line[:BRIEF_CHARS - 3] + "..."
 
 
 def _is_repeat(state: _State, sig: tuple, item) -> bool:
@@ -585,13 +606,18 @@ def pytest_runtest_makereport_render(item, call):
     if getattr(item, "_course_repeat", False):
         _state(item.config).repeated.add(id(report))
         item._course_repeat = False
+    if getattr(item, "_course_unlisted", False):
+        _state(item.config).unlisted.add(id(report))
+        item._course_unlisted = False
     return report
 
 
 def _keep_it_short(item, report, excinfo, state: _State) -> None:
-    """A report rendered in full counts against FULL_REPORTS, and one whose traceback runs past
-    MAX_FULL_LINES (a failure deep in a library) is rendered again in pytest's short style;
-    captured output keeps its tail."""
+    """In a lab's tests, a report rendered in full counts against FULL_REPORTS, and one whose
+    traceback runs past MAX_FULL_LINES (a failure deep in a library) is rendered again in
+    pytest's short style; captured output keeps its tail."""
+    if not _in_a_lab(item):
+        return
     if hasattr(report.longrepr, "reprtraceback"):
         state.full_reports += 1
         if excinfo is not None and len(str(report.longrepr).splitlines()) > MAX_FULL_LINES:
@@ -626,7 +652,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             _add_repeats_section(group, state.cases.get(_base_id(group.first.nodeid), 0))
     for key in ("failed", "error"):
         reports = stats.get(key, [])
-        keep = [r for r in reports if id(r) not in state.repeated]
+        keep = [r for r in reports if id(r) not in state.repeated | state.unlisted]
         if len(keep) != len(reports):
             state.hidden[key] = reports
             stats[key] = keep
@@ -636,7 +662,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for key, reports in state.hidden.items():
             stats[key] = reports
         state.hidden.clear()
+        _write_unlisted(terminalreporter, state)
         _write_not_implemented(terminalreporter, state)
+
+
+def _write_unlisted(tr, state: _State) -> None:
+    """After pytest's summary: the failures shown in two lines or not at all, and how to see
+    them rendered in full."""
+    if state.briefs == 0:
+        return
+    if state.unlisted:
+        n = len(state.unlisted) + sum(len(g.others) for g in state.by_signature.values()
+                                      if g.first is not None and id(g.first) in state.unlisted)
+        tr.write_line(f"... and {n} more failing test{'s' if n > 1 else ''} not shown: fix the "
+                      "first failure above, then run again (--lf reruns only the failures).")
+    tr.write_line("Failures after the first show two lines each: python -m pytest "
+                  "'<test id>' renders one in full, --every-failure all of them.")
 
 
 def _add_repeats_section(group: _Repeats, cases: int) -> None:
@@ -655,9 +696,15 @@ def _add_repeats_section(group: _Repeats, cases: int) -> None:
     else:
         params = [o[len(base) :] or o for o in group.others]
         title = f"the same failure in {n} other case{'s' if n > 1 else ''} of {test}"
-    shown = " ".join(params[:MAX_IDS])
-    if n > MAX_IDS:
-        shown += f" ... and {n - MAX_IDS} more (--every-failure renders each; --lf reruns them)"
+    listed: list[str] = []
+    for param in params[:MAX_IDS]:
+        if listed and sum(len(p) + 1 for p in listed) + len(param) > IDS_CHARS:
+            break
+        listed.append(param)
+    shown = " ".join(listed)
+    if n > len(listed):
+        shown += (f" ... and {n - len(listed)} more (--every-failure renders each; --lf reruns "
+                  "them)")
     body = textwrap.fill(shown, width=100, break_on_hyphens=False)
     longrepr = group.first.longrepr
     if hasattr(longrepr, "addsection"):  # printed right under the traceback
