@@ -224,8 +224,8 @@ test_a_box_counts_its_puts = BoxMachine.TestCase
 
 
 def run_demo_lab(root: Path) -> str:
-    """The demo lab's tests run as a student would run them, in the course at `root`; their
-    output."""
+    """The demo lab's tests run as a student would run them, in the course at `root`, every
+    failure rendered in full (--every-failure); their output."""
     lab = root / LAB
     lab.mkdir(parents=True)
     for name, text in {"starter.py": STARTER, "solution.py": STARTER, "test_lab.py": TESTS,
@@ -234,7 +234,7 @@ def run_demo_lab(root: Path) -> str:
     env = dict(os.environ, PYTHONPATH=str(root), LAB_IMPL="starter")
     env.pop("HYPOTHESIS_PROFILE", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", LAB, "-q", "-p", "no:randomly"],
+        [sys.executable, "-m", "pytest", LAB, "-q", "-p", "no:randomly", "--every-failure"],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
