@@ -134,10 +134,11 @@ def reference():
     return LLM(max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine(reference):
-    """The lab's AsyncLLM on the reference's weights (one for the module: loading is the slow
-    part). Each test runs its own event loop; the engine's loop follows it."""
+    """A fresh AsyncLLM of the lab for each test, on the reference's weights (loaded once for
+    the module: loading is the slow part), so that what one test leaves in an engine never fails
+    the next. Each test runs its own event loop; the engine's loop follows it."""
     eng = lab.AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN))
     yield eng
     eng.shutdown()
