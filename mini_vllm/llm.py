@@ -280,6 +280,13 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
+    def peak_blocks(self) -> int:
+        """The most blocks held at once: inside a step when the step counted them (a beam
+        search's requests finish within their step and free everything before the step
+        ends), else after a step."""
+        return max(self.peak_kv_blocks_in_use, self.peak_kv_blocks_in_step)
+
+    @property
     def generation_tokens_per_s(self) -> float:
         return self.num_generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
 
@@ -292,7 +299,7 @@ class EngineStats:
             f"computed), {self.num_generated_tokens} generated, "
             f"{self.generation_tokens_per_s:.1f} generated tokens/s",
             f"KV blocks in use: {self.kv_blocks_in_use} of {self.kv_blocks_total} "
-            f"(peak {self.peak_kv_blocks_in_use})   KV cache dtype: {self.kv_cache_dtype} "
+            f"(peak {self.peak_blocks} within a step)   KV cache dtype: {self.kv_cache_dtype} "
             f"({self.kv_cache_torch_dtype}, {self.kv_block_bytes} bytes per block)",
             f"prefix-cache hit rate: {100 * self.prefix_cache_hit_rate:.1f}% "
             f"({self.prefix_cache_hits} of {self.prefix_cache_queries} tokens)",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -216,5 +217,8 @@ def test_cli_beam_width(capsys):
     assert cli.main(["generate", "KING.\\n", "--beam-width", "3", "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- beam ") == 3 and "cumulative logprob" in out
+    # Each beam step's requests finish inside their step: the peak is counted there, not after.
+    peak = re.search(r"KV blocks in use: 0 of \d+ \(peak (\d+) within a step\)", out)
+    assert peak and int(peak[1]) > 0, out
     assert cli.main(["generate", "KING.", "--beam-width", "0"]) == 2
     assert "beam_width must be an int >= 1, got 0" in capsys.readouterr().err
