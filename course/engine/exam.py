@@ -24,6 +24,7 @@ Run it with ``python -m course engine --exam``; this module holds the cases and 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import signal
@@ -912,8 +913,9 @@ def case_served_over_http(exam: Exam) -> None:
     """The exam's prompts served over HTTP (lab 03-05): the composed engine runs in AsyncLLM's
     loop behind the OpenAI-compatible server, on a Unix socket, and the official ``openai``
     client streams each completion; the token ids it reads equal the oracle's, text pieces
-    included. A client then hangs up mid-stream: the engine must end holding no request and no
-    KV block."""
+    included. Read again as raw bytes, each stream is well-framed server-sent events ending in
+    `[DONE]`, with the oracle's finish reason and token counts. A client then hangs up
+    mid-stream: the engine must end holding no request and no KV block."""
     from course.labs.serving import ServerThread, wait_idle
     from mini_vllm.async_llm import AsyncLLM
     from mini_vllm.entrypoints.openai.api_server import build_app
@@ -945,6 +947,7 @@ def case_served_over_http(exam: Exam) -> None:
                                   f"{text!r}, but its token ids {ids} decode to "
                                   f"{IdTokenizer().decode(ids)!r}: the pieces a stream sends "
                                   "must add up to the decoded output")
+            _check_raw_stream(server, i, prompt, want)
         # A client that hangs up at its third chunk of a long completion: the server must abort
         # the request (its tokens stop well short of max_tokens) and free everything it held.
         before = engine.stat_logger.generation_tokens
@@ -965,6 +968,38 @@ def case_served_over_http(exam: Exam) -> None:
                               "must be aborted when its consumer goes away")
     finally:
         server.stop()
+
+
+def _check_raw_stream(server, i: int, prompt: list[int], want: Completion) -> None:
+    """The same completion read as bytes, as no tolerant client reads it: every event one
+    `data:` line and a blank line, `[DONE]` last, the last choice's finish reason the oracle's,
+    `"usage": null` on every chunk but the usage chunk, which has no choices and the counts."""
+    body = {"model": "exam", "prompt": prompt, "max_tokens": SERVED_TOKENS, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with server.http_client(timeout=30) as http:
+        raw = http.post("/v1/completions", json=body).text
+    events = raw.split("\n\n")
+    if events[-1] != "" or any(not e.startswith("data: ") or "\n" in e for e in events[:-1]):
+        raise ExamFailure(f"raw stream {i}: {raw[:300]!r} is not a sequence of server-sent "
+                          "events (each 'data: <json>' and a blank line)")
+    events = [e[len("data: "):] for e in events[:-1]]
+    if not events or events[-1] != "[DONE]":
+        raise ExamFailure(f"raw stream {i}: its last event is {events[-1:]!r}, not [DONE]: "
+                          "OpenAI clients read until [DONE]")
+    chunks = [json.loads(e) for e in events[:-1]]
+    reasons = [c.get("finish_reason") for chunk in chunks for c in chunk.get("choices", [])]
+    if not reasons or reasons[-1] != want.finish_reason or any(r is not None
+                                                              for r in reasons[:-1]):
+        raise ExamFailure(f"raw stream {i}: finish reasons {reasons}; the oracle's completion "
+                          f"ends with {want.finish_reason!r}, set on its last chunk only")
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(want.token_ids),
+             "total_tokens": len(prompt) + len(want.token_ids)}
+    if chunks[-1].get("choices") != [] or chunks[-1].get("usage") != usage:
+        raise ExamFailure(f"raw stream {i}: with include_usage the last chunk before [DONE] "
+                          f"must have no choices and usage {usage}; it is {chunks[-1]}")
+    if any("usage" not in c or c["usage"] is not None for c in chunks[:-1]):
+        raise ExamFailure(f"raw stream {i}: with include_usage every chunk but the last says "
+                          '"usage": null, as OpenAI\'s do')
 
 
 # The reserved case's engine: max_model_len one past a block boundary (33 = 8 blocks of 4 + 1), so
