@@ -77,6 +77,26 @@ class IdTokenizer:
         return " ".join(str(int(t)) for t in token_ids)
 
 
+class SplitCharTokenizer(IdTokenizer):
+    """Token ids as bytes of UTF-8 text, so that one character can span two tokens: ids 0-31
+    are letters and a space, 32-47 the first byte of a two-byte character (0xC3-0xC6), 48-62 a
+    continuation byte; a lone or cut byte decodes to U+FFFD. What a stream of the exam model's
+    ids reads as text, and where a server must hold a character back (lab 03-05)."""
+
+    PIECES = {**{i: bytes([0x61 + i]) if i < 26 else b" " for i in range(32)},
+              **{i: bytes([0xC3 + (i - 32) % 4]) for i in range(32, 48)},
+              **{i: bytes([0x80 + 2 * (i - 48)]) for i in range(48, EOS)}}
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.PIECES.get(int(t), b"") for t in token_ids).decode(
+            "utf-8", errors="replace")
+
+    @classmethod
+    def splits_a_character(cls, token_ids: Sequence[int]) -> bool:
+        """Some two-byte character of the text is a first byte then a continuation."""
+        return any(32 <= a < 48 and 48 <= b < EOS for a, b in zip(token_ids, token_ids[1:]))
+
+
 # ----------------------------------------------------------------------------------------------
 # The oracle: one request at a time, the whole sequence recomputed for every token
 # ----------------------------------------------------------------------------------------------
@@ -465,8 +485,9 @@ class Exam:
         from mini_vllm.llm import LLM
 
         config.setdefault("max_model_len", TINY.max_position_embeddings)
+        tokenizer = config.pop("tokenizer", None) or IdTokenizer()
         llm = LLM(self.model_for(config.get("kv_cache_dtype", "auto") != "auto"),
-                  tokenizer=IdTokenizer(), **config)
+                  tokenizer=tokenizer, **config)
         swap = llm.engine.scheduler.swap_space
         self._cpu_free[id(llm)] = swap.get_num_free_blocks() if swap is not None else 0
         runner = llm.engine.model_runner
@@ -915,7 +936,8 @@ def case_served_over_http(exam: Exam) -> None:
     client streams each completion; the token ids it reads equal the oracle's, text pieces
     included. Read again as raw bytes, each stream is well-framed server-sent events ending in
     `[DONE]`, with the oracle's finish reason and token counts. A client then hangs up
-    mid-stream: the engine must end holding no request and no KV block."""
+    mid-stream: the engine must end holding no request and no KV block. Last, with a tokenizer
+    whose characters span two tokens, the streamed pieces add up to the decoded text."""
     from course.labs.serving import ServerThread, wait_idle
     from mini_vllm.async_llm import AsyncLLM
     from mini_vllm.entrypoints.openai.api_server import build_app
@@ -966,6 +988,42 @@ def case_served_over_http(exam: Exam) -> None:
             raise ExamFailure(f"a client hung up at the third chunk of a {HANG_UP_TOKENS}-token "
                               f"completion, yet the engine made all {made} tokens: the request "
                               "must be aborted when its consumer goes away")
+    finally:
+        server.stop()
+    _check_split_characters(exam, prompts)
+
+
+SPLIT_TOKENS = 40  # tokens per completion in the split-character check
+
+
+def _check_split_characters(exam: Exam, prompts: list[list[int]]) -> None:
+    """The same prompts served with a tokenizer whose characters span two tokens
+    (SplitCharTokenizer): the text pieces the client reads add up to the decoded output, so no
+    piece ended inside a character (a server that sends U+FFFD, then the character, fails)."""
+    from course.labs.serving import ServerThread
+    from mini_vllm.async_llm import AsyncLLM
+    from mini_vllm.entrypoints.openai.api_server import build_app
+
+    tokenizer = SplitCharTokenizer()
+    llm = exam.llm(block_size=16, num_gpu_blocks=80, tokenizer=tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=SPLIT_TOKENS, ignore_eos=True)
+    wants = [exam.expected(p, params, llm.engine.scheduler.max_model_len) for p in prompts]
+    if not any(tokenizer.splits_a_character(w.token_ids) for w in wants):  # not the student's
+        raise RuntimeError("the exam's premise broke: no output cuts a character in two")
+    server = ServerThread(build_app(AsyncLLM(llm, model_name="exam")), uds=True).start()
+    try:
+        client = server.client(timeout=30)
+        for i, (prompt, want) in enumerate(zip(prompts, wants)):
+            pieces = [choice.text for chunk in client.completions.create(
+                model="exam", prompt=prompt, max_tokens=SPLIT_TOKENS, temperature=0.0,
+                stream=True, extra_body={"ignore_eos": True}) for choice in chunk.choices]
+            text = tokenizer.decode(want.token_ids)
+            if "".join(pieces) != text:
+                raise ExamFailure(
+                    f"streamed completion {i} with characters that span two tokens: the "
+                    f"pieces {pieces} add up to {''.join(pieces)!r}, but the output decodes to "
+                    f"{text!r}: hold a piece that ends inside a character (U+FFFD) until the "
+                    "next token completes it")
     finally:
         server.stop()
 
