@@ -46,6 +46,7 @@ CLAIMS = {"paged": (2, 8), "oracle": (3, 5), "pow2": (4, 4), "max": (8, 2)}
     ("oracle", 5, 10_000, 5, 27),  # max_tokens beyond the model: final length capped at 32
     ("pow2", 20, 100, 20, 12),   # capped at max_model_len, not 128
     ("max", 30, 50, 31, 1),
+    ("oracle", 5, 1, 5, 1),      # one token to make: the final length is 6, not 7
 ])
 def test_admission_lookahead(policy, prompt, max_tokens, after_step, want):
     got = lab.admission_lookahead(policy, prompt, max_tokens, after_step, MAX_LEN)
@@ -133,6 +134,13 @@ def test_burstiness_keeps_the_mean_and_changes_the_spread():
 
 def test_the_burst_sends_everything_at_once_and_bad_rates_are_refused():
     assert lab.arrival_times(5, math.inf) == [0.0] * 5
+    fast = lab.arrival_times(5, 1e6)
+    assert fast[-1] < 0.01, (
+        f"at a million requests per second the fifth is sent at {fast[-1]} s: the times start "
+        "from 0 (the first is its own gap after the start)")
+    assert len(lab.arrival_times(3, 0.5)) == 3, "a rate below one request per second is valid"
+    assert lab.arrival_times(5, 2.0) == lab.arrival_times(5, 2.0, seed=0), (
+        "without a seed the times are those of seed=0 (the signature's default)")
     for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (2.0, 0.0)):
         with pytest.raises(ValueError) as err:
             lab.arrival_times(3, rate, burstiness=burstiness)
