@@ -14,8 +14,9 @@ prints, and writes every count with the command that made it:
 
     python scripts/report_lengths.py [LAB ...] [--json benchmarks/results/report_lengths.json]
 
-Exit status 1 when a report is longer than the limit. The CUDA lab (02-06) is left out by
-default: each of its bugs rebuilds the emulated kernels (minutes a bug).
+Exit status 1 when a report is longer than the limit. LEFT_OUT labs are left out by default
+(named on the command line, they run): the CUDA lab (02-06), each of whose bugs rebuilds the
+emulated kernels, and lab 03-04, one of whose bugs ran for more than 8 minutes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ from course.integrity.checks import CopySlots  # noqa: E402
 from course.labs.catalog import discover, select  # noqa: E402
 
 LIMIT = 120
-LEFT_OUT = {"02-06": "each bug rebuilds the emulated kernels"}
+LEFT_OUT = {
+    "02-06": "each bug rebuilds the emulated kernels",
+    # Not measured yet: its first bug (stale-num-computed-tokens) ran past 8 minutes of CPU
+    # before the run was stopped; a student's command that slow is itself to be looked into.
+    "03-04": "one bug's run took more than 8 minutes (not measured yet)",
+}
 TIMEOUT_S = 900
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -637,3 +638,29 @@ def test_one_mistake_that_fails_many_tests_is_one_report_and_two_lines_per_other
     assert "14 failed" in out and len(out.splitlines()) < 80, out
     full = pytest_run(course, "solution", "-k", "many", "--every-failure").stdout
     assert full.count("def test_many_") == 14 and "server log line 20" in full, full
+
+
+def test_one_planted_mistake_prints_at_most_120_lines_in_every_lab():
+    """benchmarks/results/report_lengths.json (scripts/report_lengths.py, minutes a lab) holds
+    the lines a student's test command prints for each planted bug of every lab but those the
+    script leaves out (the CUDA lab; lab 03-04 until it is measured); every bug is there and
+    none passes the limit."""
+    import json
+
+    from course.integrity.bugs import load_bugs
+
+    spec = importlib.util.spec_from_file_location("report_lengths",
+                                                  REPO_ROOT / "scripts" / "report_lengths.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    record = json.loads((REPO_ROOT / "benchmarks" / "results" / "report_lengths.json").read_text())
+    assert record["limit"] == script.LIMIT == 120
+    for lab in discover():
+        if lab.id in script.LEFT_OUT:
+            continue
+        counts = record["labs"].get(lab.id, {}).get("lines", {})
+        assert sorted(counts) == sorted(b.name for b in load_bugs(lab)), (
+            f"lab {lab.id}: measure it again: python scripts/report_lengths.py {lab.id} --json "
+            "benchmarks/results/report_lengths.json")
+        over = {name: n for name, n in counts.items() if n > script.LIMIT}
+        assert not over, f"lab {lab.id}: reports longer than {script.LIMIT} lines: {over}"
