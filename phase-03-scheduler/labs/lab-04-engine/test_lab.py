@@ -62,6 +62,16 @@ def reference(prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) -> list[int
     return greedy_reference(tiny_model(), list(prompt), max_tokens)
 
 
+def step_until_done(engine, max_steps=2000):
+    """Step until every request finished; a runner that never lets them finish fails the test
+    (instead of hanging it)."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+    pytest.fail(f"the engine did not finish within {max_steps} steps; does step() progress?")
+
+
 def run_engine(prompt_list, params, max_steps=2000, **config):
     """Add every prompt to a fresh ``lab.EngineCore`` and step until all finish."""
     engine = lab.EngineCore(tiny_model(), lab.SchedulerConfig(**config), eos_token_id=None)
@@ -70,12 +80,7 @@ def run_engine(prompt_list, params, max_steps=2000, **config):
         p_i = params[i] if isinstance(params, list) else params
         reqs.append(engine.make_request(f"r{i}", p, p_i))
         engine.add_request(reqs[-1])
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
-    else:
-        pytest.fail(f"the engine did not finish within {max_steps} steps; does step() progress?")
+    step_until_done(engine, max_steps)
     return engine, [list(r.output_token_ids) for r in reqs]
 
 
@@ -476,12 +481,10 @@ def test_finished_requests_leave_the_runner():
                             eos_token_id=None)
     first = engine.make_request("first", prompts()[0], params)
     engine.add_request(first)
-    while engine.has_unfinished_requests():
-        engine.step()
+    step_until_done(engine)
     second = engine.make_request("second", prompts()[1], params)
     engine.add_request(second)
-    while engine.has_unfinished_requests():
-        engine.step()
+    step_until_done(engine)
     assert list(second.output_token_ids) == reference(tuple(prompts()[1]), 3)
     assert "first" not in engine.model_runner.requests
 
