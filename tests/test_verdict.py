@@ -157,9 +157,18 @@ def test_the_record_follows_what_the_tests_read_and_not_the_reading_matter(tmp_p
     starter.write_text(source.replace('"""', '"""A docstring edit. ', 1) + "# a comment\n",
                        encoding="utf-8")
     assert inputs_digest(moved, copy) == before  # docstrings and comments change no outcome
-    with open(moved.path / "test_lab.py", "a") as f:
-        f.write("\nassert True\n")
-    assert inputs_digest(moved, copy) != before
+    tests = moved.path / "test_lab.py"
+    source = tests.read_text(encoding="utf-8")
+    tests.write_text(source + "\nassert x\n", encoding="utf-8")
+    added = inputs_digest(moved, copy)
+    assert added != before
+    # A test's assert message is read only once its assertion has failed: rewording it keeps
+    # the record; in the student's or the reference's code a test may read it.
+    tests.write_text(source + "\nassert x, f'names the cause: {x}'\n", encoding="utf-8")
+    assert inputs_digest(moved, copy) == added
+    starter.write_text(starter.read_text(encoding="utf-8") + "\nassert x, 'a reason'\n",
+                       encoding="utf-8")
+    assert inputs_digest(moved, copy) != added
 
 
 def test_a_test_the_session_runs_itself_is_ended_when_it_overruns(tmp_path):

@@ -16,9 +16,9 @@ not implemented, crashed, timed out...). Any test on which they differ is a viol
 
 That is minutes per lab, so the result is kept in planted_bugs/agreement.json with a digest of
 what it depends on: the lab's files (but NOT_GRADED, which no test reads, and a Python file's
-docstrings and comments: `graded_bytes`), its labs.toml table, its planted bugs and the tests
-that reject them, and the grading path's code (GRADING_PATH; student_process.py for the labs
-that use it). `course check` compares the digests: a lab whose
+docstrings and comments and a test's assert messages: `graded_bytes`), its labs.toml table, its
+planted bugs and the tests that reject them, and the grading path's code (GRADING_PATH;
+student_process.py for the labs that use it). `course check` compares the digests: a lab whose
 inputs changed since its record fails the check with the command that records it again
 (`python -m course check --write-agreement LAB`). mini_vllm is not among the inputs: the
 reference is the same code for both sides, and the comparison is of the paths, not of it.
@@ -62,13 +62,21 @@ def _outcome(word: str) -> str:
 def graded_bytes(path: Path) -> bytes:
     """What of a file can change a test's outcome: a Python file's syntax tree without
     positions and docstrings (layout, comments and docstrings change none; no test reads a
-    docstring), any other file's bytes. A file that does not parse counts as its bytes."""
+    docstring), any other file's bytes. A file that does not parse counts as its bytes.
+
+    In a test file (``test_*.py``) an ``assert``'s message is left out too: it is evaluated only
+    once the assertion has failed, so it changes what a failure says, never whether it fails."""
     if path.suffix != ".py":
         return path.read_bytes()
     try:
-        return code_digest(ast.parse(path.read_bytes())).encode()
+        tree = ast.parse(path.read_bytes())
     except SyntaxError:
         return path.read_bytes()
+    if path.name.startswith("test_"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assert):
+                node.msg = None
+    return code_digest(tree).encode()
 
 
 def inputs_digest(lab: Lab, root: Path = REPO_ROOT) -> str:

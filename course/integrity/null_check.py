@@ -60,7 +60,8 @@ def out_of_scope_note(lab: Lab) -> str:
 
 def inputs_digest(lab: Lab) -> str:
     """SHA-256 of what decides the null variants' outcome: the lab's starter.py and test_lab.py
-    and the generator's source (their code: docstrings and comments change no outcome)."""
+    and the generator's source (their code: docstrings, comments and the tests' assert
+    messages change no outcome)."""
     h = hashlib.sha256()
     for path in (lab.path / "starter.py", lab.test_file, Path(null_starters.__file__)):
         data = graded_bytes(path)

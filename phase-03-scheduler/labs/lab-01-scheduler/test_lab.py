@@ -1278,11 +1278,14 @@ def test_no_block_leak():
         scheduler.add_request(request)
         out = scheduler.schedule()
         scheduler.update_from_output(out, make_output(out))
-    while True:
+    for _ in range(200):  # five 10-token requests finish in about 15 steps; a stall fails, not hangs
         out = scheduler.schedule()
         if len(scheduler.running) == 0:
             break
         scheduler.update_from_output(out, make_output(out))
+    else:
+        pytest.fail("five requests of 10 output tokens each were still running after 200 steps; "
+                    "does update_from_output() finish a request at max_tokens and free it?")
     assert_scheduler_empty(scheduler)
     assert all(len(r.output_token_ids) == 10 for r in requests)
 

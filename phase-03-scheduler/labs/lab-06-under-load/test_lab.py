@@ -94,13 +94,19 @@ def test_a_reserving_request_runs_to_the_end_without_another_block(policy, monke
     scheduler = make_scheduler(policy, monkeypatch)
     add(scheduler, 6)
     blocks = CLAIMS[policy][0]
-    while scheduler.has_unfinished_requests():
+    for _ in range(200):  # six short requests finish in a few dozen steps; a stall fails, not hangs
+        if not scheduler.has_unfinished_requests():
+            break
         out = scheduler.schedule()
         ids = list(out.num_scheduled_tokens)
         for rid, n in held(scheduler).items():
             assert n == blocks, f"{rid} holds {n} blocks mid-run, its reservation is {blocks}"
         scheduler.update_from_output(out, ModelRunnerOutput(
             ids, {r: i for i, r in enumerate(ids)}, [[1] for _ in ids]))
+    else:
+        pytest.fail(f"kv_reservation={policy!r}: six requests of 4 tokens each were still "
+                    "unfinished after 200 steps; does schedule() admit waiting requests and "
+                    "update_from_output() finish them?")
     assert scheduler.stats.num_preemptions == 0
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == USABLE
 
