@@ -664,3 +664,22 @@ def test_one_planted_mistake_prints_at_most_120_lines_in_every_lab():
             "benchmarks/results/report_lengths.json")
         over = {name: n for name, n in counts.items() if n > script.LIMIT}
         assert not over, f"lab {lab.id}: reports longer than {script.LIMIT} lines: {over}"
+
+
+def test_every_assert_a_student_can_fail_says_what_went_wrong(tmp_path):
+    """Past a run's first failure a report shows only the message's first line, and a bare
+    assert has none: `course check` flags every assert without a message in a lab's tests, and
+    no lab has one."""
+    from course.integrity.checks import check_test_messages
+    from course.labs.catalog import Lab
+
+    lab_dir = tmp_path / "phase-09-demo" / "labs" / "lab-01-demo"
+    lab_dir.mkdir(parents=True)
+    (lab_dir / "test_lab.py").write_text(
+        "def test_a():\n    assert 1 == 1, 'says why'\n    assert 2 == 2\n\n"
+        "def test_b():\n    assert True\n")
+    assert check_test_messages(Lab(lab_dir)) == [
+        "test_lab.py: 2 assert(s) without a message (lines 3, 6); add one that says what was "
+        "expected, what came and the likely cause"]
+    flagged = {lab.id: check_test_messages(lab) for lab in discover()}
+    assert not any(flagged.values()), {k: v for k, v in flagged.items() if v}

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import queue
@@ -82,6 +83,22 @@ def check_starter_messages(lab: Lab) -> list[str]:
     if not _RAISE_RE.search(text) and not (lab.path / "starter.cu").is_file():
         problems.append("starter.py leaves nothing to implement (no NotImplementedError)")
     return problems
+
+
+def check_test_messages(lab: Lab) -> list[str]:
+    """Every `assert` in the lab's tests has a message. A student who fails a bare one reads
+    pytest's values and the test's rule but not what went wrong; and past the first failure of
+    a run, a report shows only the message's first line (course/labs/feedback.py)."""
+    try:
+        tree = ast.parse(lab.test_file.read_bytes())
+    except SyntaxError:
+        return []  # the test run reports it
+    bare = sorted(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert) and n.msg is None)
+    if not bare:
+        return []
+    lines = ", ".join(map(str, bare[:8])) + (f" and {len(bare) - 8} more" if len(bare) > 8 else "")
+    return [f"{lab.test_file.name}: {len(bare)} assert(s) without a message (lines {lines}); "
+            "add one that says what was expected, what came and the likely cause"]
 
 
 def check_runs(check: LabCheck, root: Path) -> None:
@@ -261,6 +278,7 @@ def check_lab(lab: Lab, *, bugs_required: bool = True, root: Path = REPO_ROOT) -
         check.violations.append(f"missing {', '.join(missing)}")
         return check
     check.violations.extend(check_starter_messages(lab))
+    check.violations.extend(check_test_messages(lab))
     check.violations.extend(f"hints: {p}" for p in check_hints(lab))
     check.violations.extend(f"measure: {p}" for p in check_predict(lab))
     if (lab.path / "planted_bugs.py").exists():

@@ -174,7 +174,10 @@ def test_causal_mask_is_built_on_the_requested_device():
     # The meta device holds shapes only: a mask built on the CPU and not moved shows up here.
     mask = lab.causal_mask(3, 5, device="meta")
     assert mask.device.type == "meta", f"device='meta' gave a mask on {mask.device}"
-    assert mask.dtype == torch.bool and tuple(mask.shape) == (3, 5)
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (3, 5), (
+        f"causal_mask(3, 5, device='meta') should be a torch.bool [3, 5] mask, "
+        f"got {mask.dtype} {tuple(mask.shape)}"
+    )
     assert lab.causal_mask(2, 3).device == torch.empty(0).device, "default: torch's default device"
 
 
@@ -433,7 +436,10 @@ def test_ref_attention_matches_torch_sdpa_without_calling_it(shape, dtype):
 def test_ref_attention_float64_stays_float64():
     q, k, v = make_qkv(4, 9, 4, 2, 16, torch.float64, seed=3)
     out = lab.ref_attention(q, k, v)
-    assert out.dtype == torch.float64
+    assert out.dtype == torch.float64, (
+        f"ref_attention on float64 inputs should return float64 (query.dtype), got {out.dtype}: "
+        f"is the result cast back to query.dtype?"
+    )
     assert_close(out, naive_attention(q, k, v), dims=OUT_DIMS, msg="float64")
 
 
@@ -580,7 +586,10 @@ def test_varlen_attention_attends_each_sequence_on_its_own(use_alibi):
     q, k, v, cu_q, cu_k = pack(RAGGED)
     slopes = slopes_for(4) if use_alibi else None
     out = lab.ref_varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes)
-    assert tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype
+    assert tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype, (
+        f"ref_varlen_attention should return a tensor like query, {tuple(q.shape)} {q.dtype}, "
+        f"got {tuple(out.shape)} {out.dtype}"
+    )
     check_each_sequence(out, q, k, v, cu_q, cu_k, RAGGED, slopes=slopes)
 
 
@@ -596,7 +605,10 @@ def test_varlen_attention_passes_scale_and_causal_on_to_every_sequence():
 def test_varlen_attention_returns_the_query_dtype():
     q, k, v, cu_q, cu_k = pack(RAGGED, torch.bfloat16)
     out = lab.ref_varlen_attention(q, k, v, cu_q, cu_k)
-    assert out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(q.shape)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(q.shape), (
+        f"ref_varlen_attention on bfloat16 inputs should return bfloat16 {tuple(q.shape)}, "
+        f"got {out.dtype} {tuple(out.shape)}"
+    )
     check_each_sequence(out, q, k, v, cu_q, cu_k, RAGGED)
 
 

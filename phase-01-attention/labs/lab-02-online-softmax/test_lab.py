@@ -250,7 +250,11 @@ def test_finalize_divides_by_the_sum_and_gives_zero_for_no_keys():
     saved = [t.clone() for t in state]
     part = lab.finalize(state)
     assert_partial(part, scores, values, "finalize")
-    assert float(part.exp_sum[1, 2]) == 0.0 and bool(torch.isneginf(part.max_logit[1, 2]))
+    assert float(part.exp_sum[1, 2]) == 0.0 and bool(torch.isneginf(part.max_logit[1, 2])), (
+        f"finalize: row (1, 2) saw no key, so exp_sum must stay 0 and max_logit -inf, got "
+        f"{float(part.exp_sum[1, 2])} and {float(part.max_logit[1, 2])}: "
+        f"return the state's max_logit and exp_sum as they are"
+    )
     assert torch.equal(part.out[1, 2], torch.zeros(4, dtype=torch.float64)), (
         f"a row that saw no key must give out = 0, got {part.out[1, 2].tolist()}"
     )
@@ -261,9 +265,18 @@ def test_finalize_divides_by_the_sum_and_gives_zero_for_no_keys():
 def test_finalize_of_a_state_that_saw_nothing_is_all_zero():
     part = lab.finalize(lab.SoftmaxState.initial((2, 3), 4, dtype=torch.float32))
     assert not torch.isnan(part.out).any(), "0 / 0 gave NaN: a row with no key has out = 0"
-    assert torch.equal(part.out, torch.zeros(2, 3, 4))
-    assert torch.equal(part.exp_sum, torch.zeros(2, 3))
-    assert bool(torch.isneginf(part.max_logit).all())
+    assert torch.equal(part.out, torch.zeros(2, 3, 4)), (
+        f"finalize of a state that saw no key must give out = float32 zeros [2, 3, 4], got "
+        f"{part.out.dtype} {tuple(part.out.shape)} starting {part.out.flatten()[:4].tolist()}"
+    )
+    assert torch.equal(part.exp_sum, torch.zeros(2, 3)), (
+        f"finalize of a state that saw no key must keep exp_sum = float32 zeros [2, 3], got "
+        f"{part.exp_sum.dtype} {tuple(part.exp_sum.shape)} {part.exp_sum.flatten()[:6].tolist()}"
+    )
+    assert bool(torch.isneginf(part.max_logit).all()), (
+        f"finalize of a state that saw no key must keep max_logit = -inf, got "
+        f"{part.max_logit.flatten()[:6].tolist()}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,9 +311,18 @@ def test_merge_of_two_empty_sides_is_empty_without_nan():
     assert_partial(real, scores, values, "merge of two sides that saw keys")
     both = lab.merge_partials(empty_partial(2, 3, 4), empty_partial(2, 3, 4))
     assert not torch.isnan(both.out).any(), "merging two empty partials gave NaN"
-    assert torch.equal(both.out, torch.zeros(2, 3, 4, dtype=torch.float64))
-    assert torch.equal(both.exp_sum, torch.zeros(2, 3, dtype=torch.float64))
-    assert bool(torch.isneginf(both.max_logit).all())
+    assert torch.equal(both.out, torch.zeros(2, 3, 4, dtype=torch.float64)), (
+        f"merging two empty partials must give out = float64 zeros [2, 3, 4], got "
+        f"{both.out.dtype} {tuple(both.out.shape)} starting {both.out.flatten()[:4].tolist()}"
+    )
+    assert torch.equal(both.exp_sum, torch.zeros(2, 3, dtype=torch.float64)), (
+        f"merging two empty partials must give exp_sum = float64 zeros [2, 3], got "
+        f"{both.exp_sum.dtype} {tuple(both.exp_sum.shape)} {both.exp_sum.flatten()[:6].tolist()}"
+    )
+    assert bool(torch.isneginf(both.max_logit).all()), (
+        f"merging two empty partials must keep max_logit = -inf, got "
+        f"{both.max_logit.flatten()[:6].tolist()}"
+    )
 
 
 def test_merge_where_each_side_is_empty_in_different_rows():
@@ -372,7 +394,10 @@ def test_reduce_of_rows_where_every_partial_is_empty_gives_zero():
     reduced = lab.reduce_partials(*stacked(parts))
     assert not torch.isnan(reduced.out).any(), "a row where every partial is empty gave NaN"
     assert_partial(reduced, scores, values, "rows with empty partials")
-    assert torch.equal(reduced.out[0, 1], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(reduced.out[0, 1], torch.zeros(4, dtype=torch.float64)), (
+        f"reduce_partials: row (0, 1) is empty in every partial and must give out = 0, got "
+        f"{reduced.out[0, 1].tolist()}"
+    )
 
 
 def test_reduce_equals_merging_two_at_a_time():

@@ -93,8 +93,14 @@ def test_cache_is_preallocated_flat_and_empty():
         )
         assert not t.any(), f"a new cache holds zeros ({name})"
     assert cache.key_cache.data_ptr() != cache.value_cache.data_ptr(), "K and V share memory"
-    assert cache.seq_lens.dtype == torch.long and cache.seq_lens.tolist() == [0, 0, 0]
-    assert cache.max_seq_len == 16 and isinstance(cache.max_seq_len, int)
+    assert cache.seq_lens.dtype == torch.long and cache.seq_lens.tolist() == [0, 0, 0], (
+        f"a new cache of 3 sequences needs seq_lens = torch.long zeros [3], got "
+        f"{cache.seq_lens.dtype} {cache.seq_lens.tolist()}"
+    )
+    assert cache.max_seq_len == 16 and isinstance(cache.max_seq_len, int), (
+        f"max_seq_len must be the int 16 given to __init__, got {cache.max_seq_len!r} "
+        f"({type(cache.max_seq_len).__name__})"
+    )
 
 
 def test_cache_defaults_to_float32_on_the_default_device():
@@ -102,7 +108,10 @@ def test_cache_defaults_to_float32_on_the_default_device():
     assert cache.key_cache.dtype == torch.float32 and cache.value_cache.dtype == torch.float32, (
         f"the default dtype is float32, got {cache.key_cache.dtype}"
     )
-    assert cache.key_cache.device == torch.empty(0).device
+    assert cache.key_cache.device == torch.empty(0).device, (
+        f"device=None must allocate on torch's default device {torch.empty(0).device}, "
+        f"got key_cache on {cache.key_cache.device}"
+    )
 
 
 def test_cache_is_allocated_on_the_requested_device():
@@ -157,8 +166,14 @@ def test_append_may_fill_a_sequence_exactly():
     _, k, v = sequence(6, 1, 1, 4, seed=2)
     cache.append(0, k[:4], v[:4])
     cache.append(0, k[4:], v[4:])  # 4 + 2 == max_seq_len: fits exactly
-    assert cache.seq_lens.tolist() == [6, 0]
-    assert torch.equal(cache.key_cache[0, 0], k[:, 0])
+    assert cache.seq_lens.tolist() == [6, 0], (
+        f"appends of 4 then 2 tokens to sequence 0 (max_seq_len 6) should give seq_lens [6, 0], "
+        f"got {cache.seq_lens.tolist()}"
+    )
+    assert torch.equal(cache.key_cache[0, 0], k[:, 0]), (
+        "after appends of 4 then 2 tokens, key_cache[0, 0] (head 0) should hold the 6 keys "
+        "in slots 0..5, token t in slot t"
+    )
 
 
 def test_append_of_no_tokens_changes_nothing():
@@ -261,7 +276,9 @@ def test_each_decode_step_equals_full_recomputation(
         cache, 1, q[:prompt_len], k[:prompt_len], v[:prompt_len], alibi_slopes=slopes
     )
     want = ref_attention(q[:prompt_len], k[:prompt_len], v[:prompt_len], alibi_slopes=slopes)
-    assert out.dtype == dtype
+    assert out.dtype == dtype, (
+        f"cached_attention must return the query dtype {dtype}, got {out.dtype}"
+    )
     assert_close(out, want, dims=OUT_DIMS, msg="prefill")
     for t in range(prompt_len, total):
         out = lab.cached_attention(
@@ -269,7 +286,10 @@ def test_each_decode_step_equals_full_recomputation(
         )
         full = ref_attention(q[: t + 1], k[: t + 1], v[: t + 1], alibi_slopes=slopes)
         assert_close(out, full[-1:], dims=OUT_DIMS, msg=f"decode step for token {t}")
-    assert cache.seq_lens.tolist() == [2, total]
+    assert cache.seq_lens.tolist() == [2, total], (
+        f"after a prefill of {prompt_len} and decode steps up to {total} tokens in sequence 1, "
+        f"seq_lens should be [2, {total}], got {cache.seq_lens.tolist()}"
+    )
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.7], ids=str)
@@ -289,7 +309,10 @@ def test_cached_attention_of_no_tokens_is_empty_and_stores_nothing():
     lab.cached_attention(cache, 0, q, k, v)
     out = lab.cached_attention(cache, 0, q[:0], k[:0], v[:0])
     assert tuple(out.shape) == (0, 4, 8), f"n = 0 must give [0, 4, 8], got {tuple(out.shape)}"
-    assert cache.seq_lens.tolist() == [3]
+    assert cache.seq_lens.tolist() == [3], (
+        f"cached_attention of 0 tokens must store nothing: seq_lens should stay [3], "
+        f"got {cache.seq_lens.tolist()}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -353,7 +376,10 @@ def test_batched_decode_equals_recomputation_for_ragged_sequences(num_heads, num
             ]
         )
         assert_close(out, want, dims=BATCH_DIMS, msg=f"decode step {step} (tokens {pos})")
-    assert cache.seq_lens.tolist() == [p + steps for p in prompts]
+    assert cache.seq_lens.tolist() == [p + steps for p in prompts], (
+        f"after {steps} decode steps every sequence should have grown by {steps}: want "
+        f"{[p + steps for p in prompts]}, got {cache.seq_lens.tolist()}"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
@@ -472,7 +498,10 @@ def test_batched_decode_is_one_computation_not_a_loop_of_ref_attention(monkeypat
             monkeypatch.setattr(module, name, forbidden)
     cache, seqs = prefilled([3, 6], 1, 2, 2, torch.float32)
     out = lab.decode_step(cache, *decode_rows(seqs, [3, 6]))
-    assert tuple(out.shape) == (2, 2, 16)
+    assert tuple(out.shape) == (2, 2, 16), (
+        f"decode_step of 2 sequences, 2 heads of 16, should return [2, 2, 16], "
+        f"got {tuple(out.shape)}"
+    )
 
 
 @pytest.mark.parametrize("full", [0, 1, 2])
@@ -553,10 +582,22 @@ def test_memory_report_for_a_llama_sized_batch():
     # 32 layers, 8 KV heads of 128, fp16: 2 * 32 * 8 * 128 * 2 = 131072 bytes per token.
     lens = [100, 2048, 700, 1]
     r = lab.memory_report(lens, 2048, num_kv_heads=8, head_size=128, num_layers=32)
-    assert r.reserved_bytes == 4 * 2048 * 131072
-    assert r.used_bytes == sum(lens) * 131072
-    assert r.wasted_bytes == r.reserved_bytes - r.used_bytes
-    assert r.waste_fraction == pytest.approx(1 - sum(lens) / (4 * 2048), rel=1e-12)
+    assert r.reserved_bytes == 4 * 2048 * 131072, (
+        f"reserved_bytes: 4 sequences x max_seq_len 2048 x 131072 bytes a token (K and V, 32 "
+        f"layers, 8 heads of 128, fp16) = {4 * 2048 * 131072}, got {r.reserved_bytes}"
+    )
+    assert r.used_bytes == sum(lens) * 131072, (
+        f"used_bytes: each sequence's own length ({sum(lens)} tokens) x 131072 = "
+        f"{sum(lens) * 131072}, got {r.used_bytes}"
+    )
+    assert r.wasted_bytes == r.reserved_bytes - r.used_bytes, (
+        f"wasted_bytes must be reserved - used = {r.reserved_bytes - r.used_bytes}, "
+        f"got {r.wasted_bytes}"
+    )
+    assert r.waste_fraction == pytest.approx(1 - sum(lens) / (4 * 2048), rel=1e-12), (
+        f"waste_fraction must be wasted / reserved = {1 - sum(lens) / (4 * 2048):.6f}, "
+        f"got {r.waste_fraction}"
+    )
 
 
 def test_memory_report_defaults_are_float16_and_one_layer():
@@ -570,16 +611,25 @@ def test_memory_report_defaults_are_float16_and_one_layer():
 
 def test_memory_report_at_the_extremes():
     empty = lab.memory_report([0, 0, 0], 16, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    assert empty.used_bytes == 0 and empty.waste_fraction == 1.0
+    assert empty.used_bytes == 0 and empty.waste_fraction == 1.0, (
+        f"all final lengths 0: want used_bytes 0 and waste_fraction 1.0, "
+        f"got {empty.used_bytes} and {empty.waste_fraction}"
+    )
     full = lab.memory_report([16, 16], 16, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    assert full.wasted_bytes == 0 and full.waste_fraction == 0.0
+    assert full.wasted_bytes == 0 and full.waste_fraction == 0.0, (
+        f"every sequence at max_seq_len: want wasted_bytes 0 and waste_fraction 0.0, "
+        f"got {full.wasted_bytes} and {full.waste_fraction}"
+    )
 
 
 def test_waste_for_varied_final_lengths_is_one_minus_mean_over_max():
     g = torch.Generator().manual_seed(14)
     lens = torch.randint(1, 4097, (64,), generator=g).tolist()
     r = lab.memory_report(lens, 4096, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
-    assert r.waste_fraction == pytest.approx(1 - (sum(lens) / len(lens)) / 4096, rel=1e-12)
+    assert r.waste_fraction == pytest.approx(1 - (sum(lens) / len(lens)) / 4096, rel=1e-12), (
+        f"waste_fraction of 64 lengths must be 1 - mean length / max_seq_len = "
+        f"{1 - (sum(lens) / len(lens)) / 4096:.6f}, got {r.waste_fraction}"
+    )
 
 
 @pytest.mark.parametrize("lens", [[], [5, 40], [-1], [3, 33, 2]], ids=str)

@@ -180,14 +180,21 @@ def queue_of(n: int):
 @pytest.mark.starter_ok
 def test_kv_cache_block_hash_is_set_once_and_reset():
     block = lab.KVCacheBlock(block_id=0)
-    assert (block.block_id, block.ref_cnt, block.block_hash) == (0, 0, None)
+    assert (block.block_id, block.ref_cnt, block.block_hash) == (0, 0, None), (
+        "a new KVCacheBlock(0) has block_id 0, ref_cnt 0 and no hash; got "
+        f"{(block.block_id, block.ref_cnt, block.block_hash)!r:.80}"
+    )
     k = key(b"abc")
     block.block_hash = k
-    assert block.block_hash == k
+    assert block.block_hash == k, (
+        f"setting block.block_hash must store the key; block_hash is {block.block_hash!r:.60}"
+    )
     with pytest.raises(AssertionError):
         block.block_hash = key(b"def")
     block.reset_hash()
-    assert block.block_hash is None
+    assert block.block_hash is None, (
+        f"reset_hash() must clear the block's hash; block_hash is {block.block_hash!r:.60}"
+    )
 
 
 @pytest.mark.starter_ok
@@ -197,10 +204,16 @@ def test_none_hash_follows_pythonhashseed(monkeypatch):
     try:
         monkeypatch.setenv("PYTHONHASHSEED", "python hash seed")
         lab.init_none_hash(lab.sha256)
-        assert m.NONE_HASH == lab.sha256("python hash seed")
+        assert m.NONE_HASH == lab.sha256("python hash seed"), (
+            "with PYTHONHASHSEED set, init_none_hash must set NONE_HASH = sha256(the seed); got "
+            f"{m.NONE_HASH!r:.60}"
+        )
         monkeypatch.delenv("PYTHONHASHSEED")
         lab.init_none_hash(lab.sha256)
-        assert isinstance(m.NONE_HASH, bytes) and len(m.NONE_HASH) == 32
+        assert isinstance(m.NONE_HASH, bytes) and len(m.NONE_HASH) == 32, (
+            "without PYTHONHASHSEED, NONE_HASH must be 32 random bytes; got "
+            f"{type(m.NONE_HASH).__name__} {m.NONE_HASH!r:.60}"
+        )
     finally:
         m.NONE_HASH = saved
 
@@ -213,11 +226,25 @@ def test_block_hash_to_block_map_keeps_duplicates():
     cache.insert(k0, b0)
     cache.insert(k0, b1)
     cache.insert(k1, b10)
-    assert cache.pop(k0, 100) is None and cache.get_one_block(k0) is b0
-    assert cache.pop(k0, 0) is b0 and cache.get_one_block(k0) is b1
-    assert cache.pop(k0, 1) is b1 and cache.get_one_block(k0) is None
-    assert cache.pop(k1, 2) is None and cache.get_one_block(k1) is b10
-    assert len(cache) == 1
+    assert cache.pop(k0, 100) is None and cache.get_one_block(k0) is b0, (
+        "pop(k0, 100): no block 100 under k0, so None and block 0 still first under k0; "
+        f"get_one_block(k0) is now {getattr(cache.get_one_block(k0), 'block_id', None)}"
+    )
+    assert cache.pop(k0, 0) is b0 and cache.get_one_block(k0) is b1, (
+        "pop(k0, 0) must return block 0 and leave block 1 under k0; get_one_block(k0) is now "
+        f"{getattr(cache.get_one_block(k0), 'block_id', None)}"
+    )
+    assert cache.pop(k0, 1) is b1 and cache.get_one_block(k0) is None, (
+        "pop(k0, 1) must return block 1 and leave nothing under k0; get_one_block(k0) is now "
+        f"{getattr(cache.get_one_block(k0), 'block_id', None)}"
+    )
+    assert cache.pop(k1, 2) is None and cache.get_one_block(k1) is b10, (
+        "pop(k1, 2): block 2 is not under k1, so None and block 10 stays; get_one_block(k1) is "
+        f"{getattr(cache.get_one_block(k1), 'block_id', None)}"
+    )
+    assert len(cache) == 1, (
+        f"after k0 is emptied only k1 stays in the map: len is {len(cache)}, expected 1"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,48 +254,109 @@ def test_block_hash_to_block_map_keeps_duplicates():
 
 def test_queue_starts_in_block_order_between_the_sentinels():
     blocks, queue = queue_of(5)
-    assert queue.get_all_free_blocks() == blocks
-    assert queue.num_free_blocks == 5
-    assert queue.fake_free_list_head.next_free_block is blocks[0]
-    assert queue.fake_free_list_tail.prev_free_block is blocks[4]
+    assert queue.get_all_free_blocks() == blocks, (
+        "get_all_free_blocks() of a fresh 5-block queue must list blocks 0-4 front to back, no "
+        "sentinels; got ids "
+        f"{[getattr(b, 'block_id', b) for b in queue.get_all_free_blocks() or []]}"
+    )
+    assert queue.num_free_blocks == 5, (
+        f"a fresh 5-block queue has num_free_blocks 5, got {queue.num_free_blocks}"
+    )
+    assert queue.fake_free_list_head.next_free_block is blocks[0], (
+        "a fresh queue's head sentinel links to block 0, got "
+        f"{getattr(queue.fake_free_list_head.next_free_block, 'block_id', None)}"
+    )
+    assert queue.fake_free_list_tail.prev_free_block is blocks[4], (
+        "a fresh queue's tail sentinel links back to block 4, got "
+        f"{getattr(queue.fake_free_list_tail.prev_free_block, 'block_id', None)}"
+    )
     empty = lab.FreeKVCacheBlockQueue([])
-    assert empty.get_all_free_blocks() == []
+    assert empty.get_all_free_blocks() == [], (
+        "get_all_free_blocks() of an empty queue must be [] (never list a sentinel), got "
+        f"{[getattr(b, 'block_id', b) for b in empty.get_all_free_blocks() or []]}"
+    )
 
 
 def test_get_all_free_blocks_follows_pops_removes_and_appends():
     # Upstream's get_all_free_blocks test.
     blocks, queue = queue_of(5)
     queue.popleft()
-    assert walk_free(queue, 5) == blocks[1:]
-    assert queue.get_all_free_blocks() == blocks[1:]
+    assert walk_free(queue, 5) == blocks[1:], (
+        "after popleft() the queue from the head must be blocks 1-4, walked "
+        f"{[b.block_id for b in walk_free(queue, 5)]}"
+    )
+    assert queue.get_all_free_blocks() == blocks[1:], (
+        "after popleft() the linked list is right (1-4) but get_all_free_blocks() gave "
+        f"{[getattr(b, 'block_id', b) for b in queue.get_all_free_blocks() or []]}"
+    )
     queue.remove(blocks[2])
-    assert walk_free(queue, 5) == [blocks[1], blocks[3], blocks[4]]
-    assert queue.get_all_free_blocks() == [blocks[1], blocks[3], blocks[4]]
+    assert walk_free(queue, 5) == [blocks[1], blocks[3], blocks[4]], (
+        "after remove(block 2) the queue from the head must be [1, 3, 4], walked "
+        f"{[b.block_id for b in walk_free(queue, 5)]}"
+    )
+    assert queue.get_all_free_blocks() == [blocks[1], blocks[3], blocks[4]], (
+        "after remove(block 2) the linked list is right ([1, 3, 4]) but get_all_free_blocks() "
+        f"gave {[getattr(b, 'block_id', b) for b in queue.get_all_free_blocks() or []]}"
+    )
     queue.append(blocks[2])
-    assert walk_free(queue, 5) == [blocks[1], blocks[3], blocks[4], blocks[2]]
-    assert queue.get_all_free_blocks() == [blocks[1], blocks[3], blocks[4], blocks[2]]
+    assert walk_free(queue, 5) == [blocks[1], blocks[3], blocks[4], blocks[2]], (
+        "after append(block 2) the queue from the head must be [1, 3, 4, 2], walked "
+        f"{[b.block_id for b in walk_free(queue, 5)]}"
+    )
+    assert queue.get_all_free_blocks() == [blocks[1], blocks[3], blocks[4], blocks[2]], (
+        "after append(block 2) the linked list is right ([1, 3, 4, 2]) but get_all_free_blocks() "
+        f"gave {[getattr(b, 'block_id', b) for b in queue.get_all_free_blocks() or []]}"
+    )
 
 
 def test_popleft_takes_the_front_block_and_unlinks_it():
     blocks, queue = queue_of(5)
     first = queue.popleft()
-    assert first is blocks[0]
-    assert first.prev_free_block is None and first.next_free_block is None
-    assert queue.num_free_blocks == 4
-    assert queue.fake_free_list_head.next_free_block is blocks[1]
-    assert blocks[1].prev_free_block is queue.fake_free_list_head
-    assert walk_free(queue, 1000) == blocks[1:]
+    assert first is blocks[0], (
+        f"popleft() must return the front block 0, got block {getattr(first, 'block_id', first)}"
+    )
+    assert first.prev_free_block is None and first.next_free_block is None, (
+        "popleft() must unlink the block it returns (both pointers None): prev "
+        f"{getattr(first.prev_free_block, 'block_id', None)}, next "
+        f"{getattr(first.next_free_block, 'block_id', None)}"
+    )
+    assert queue.num_free_blocks == 4, (
+        f"popleft() of 5 blocks leaves num_free_blocks 4, got {queue.num_free_blocks}"
+    )
+    assert queue.fake_free_list_head.next_free_block is blocks[1], (
+        "after popleft() the head sentinel must link to the new front block 1, got "
+        f"{getattr(queue.fake_free_list_head.next_free_block, 'block_id', None)}"
+    )
+    assert blocks[1].prev_free_block is queue.fake_free_list_head, (
+        "after popleft() the new front block 1 must link back to the head sentinel, got "
+        f"{getattr(blocks[1].prev_free_block, 'block_id', None)}"
+    )
+    assert walk_free(queue, 1000) == blocks[1:], (
+        "after popleft() the queue from the head must be blocks 1-4, walked "
+        f"{[b.block_id for b in walk_free(queue, 1000)]}"
+    )
 
 
 def test_popleft_until_empty_then_error():
     blocks, queue = queue_of(3)
-    assert [queue.popleft() for _ in range(3)] == blocks
-    assert queue.num_free_blocks == 0
-    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
-    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
+    assert [queue.popleft() for _ in range(3)] == blocks, (
+        "three popleft() calls on a 3-block queue must return blocks 0, 1, 2 in that order"
+    )
+    assert queue.num_free_blocks == 0, (
+        f"an emptied queue counts num_free_blocks 0, got {queue.num_free_blocks}"
+    )
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail, (
+        "after popleft() of the last block the head sentinel must link to the tail sentinel"
+    )
+    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head, (
+        "after popleft() of the last block the tail sentinel must link back to the head sentinel"
+    )
     with pytest.raises(ValueError, match=r"^No free blocks available$"):
         queue.popleft()
-    assert queue.num_free_blocks == 0
+    assert queue.num_free_blocks == 0, (
+        "popleft() on an empty queue must raise and change nothing: num_free_blocks "
+        f"{queue.num_free_blocks}, expected 0"
+    )
 
 
 def test_popleft_n_follows_queue_order_not_block_ids():
@@ -296,7 +384,8 @@ def test_popleft_n_follows_queue_order_not_block_ids():
     assert [b.block_id for b in got] == [1, 3, 5, 4, 0, 2], (
         f"all six in queue order 1, 3, 5, 4, 0, 2: {[b.block_id for b in got]}"
     )
-    stale = [b.block_id for b in got if (b.prev_free_block, b.next_free_block) != (None, None)]
+    stale = [b.block_id for b in got
+             if b.prev_free_block is not None or b.next_free_block is not None]
     assert not stale, f"popped blocks keep links into the queue: {stale} (set them to None)"
     assert queue.num_free_blocks == 0, f"an emptied queue counts 0, not {queue.num_free_blocks}"
     assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail, (
@@ -311,20 +400,39 @@ def test_popleft_n_more_than_free_raises_and_changes_nothing():
     blocks, queue = queue_of(4)
     with pytest.raises(ValueError, match="5"):
         queue.popleft_n(5)
-    assert queue.num_free_blocks == 4
-    assert walk_free(queue, 1000) == blocks
+    assert queue.num_free_blocks == 4, (
+        "popleft_n(5) on 4 blocks must raise before changing anything: num_free_blocks "
+        f"{queue.num_free_blocks}, expected 4"
+    )
+    assert walk_free(queue, 1000) == blocks, (
+        "popleft_n(5) on 4 blocks must raise before changing anything: the queue must stay 0-3, "
+        f"walked {[b.block_id for b in walk_free(queue, 1000)]}"
+    )
     with pytest.raises(ValueError):
         queue.popleft_n(-1)
-    assert queue.num_free_blocks == 4 and walk_free(queue, 1000) == blocks
-    assert all(b.prev_free_block is not None and b.next_free_block is not None for b in blocks)
+    assert queue.num_free_blocks == 4 and walk_free(queue, 1000) == blocks, (
+        "popleft_n(-1) must raise and change nothing: expected 4 free blocks 0-3, num_free_blocks "
+        f"is {queue.num_free_blocks}"
+    )
+    assert all(b.prev_free_block is not None and b.next_free_block is not None for b in blocks), (
+        "a refused popleft_n must leave every block linked (no pointer set to None)"
+    )
 
 
 def test_popleft_n_of_everything_leaves_the_sentinels_linked():
     blocks, queue = queue_of(3)
-    assert queue.popleft_n(3) == blocks
-    assert queue.num_free_blocks == 0
-    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
-    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
+    assert queue.popleft_n(3) == blocks, (
+        "popleft_n(3) of a 3-block queue must return blocks 0, 1, 2 in that order"
+    )
+    assert queue.num_free_blocks == 0, (
+        f"popleft_n of every block leaves num_free_blocks 0, got {queue.num_free_blocks}"
+    )
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail, (
+        "popleft_n of every block must link the head sentinel to the tail sentinel"
+    )
+    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head, (
+        "popleft_n of every block must link the tail sentinel back to the head sentinel"
+    )
 
 
 def test_remove_from_the_middle_relinks_both_neighbours():
@@ -348,11 +456,26 @@ def test_remove_first_and_last_relinks_the_sentinels():
     blocks, queue = queue_of(4)
     queue.remove(blocks[0])
     queue.remove(blocks[3])
-    assert queue.fake_free_list_head.next_free_block is blocks[1]
-    assert blocks[1].prev_free_block is queue.fake_free_list_head
-    assert queue.fake_free_list_tail.prev_free_block is blocks[2]
-    assert blocks[2].next_free_block is queue.fake_free_list_tail
-    assert walk_free(queue, 1000) == blocks[1:3] and queue.num_free_blocks == 2
+    assert queue.fake_free_list_head.next_free_block is blocks[1], (
+        "removing the front block 0 must link the head sentinel to block 1, got "
+        f"{getattr(queue.fake_free_list_head.next_free_block, 'block_id', None)}"
+    )
+    assert blocks[1].prev_free_block is queue.fake_free_list_head, (
+        "after removing block 0, block 1 must link back to the head sentinel, got "
+        f"{getattr(blocks[1].prev_free_block, 'block_id', None)}"
+    )
+    assert queue.fake_free_list_tail.prev_free_block is blocks[2], (
+        "removing the last block 3 must link the tail sentinel back to block 2, got "
+        f"{getattr(queue.fake_free_list_tail.prev_free_block, 'block_id', None)}"
+    )
+    assert blocks[2].next_free_block is queue.fake_free_list_tail, (
+        "after removing block 3, block 2 must link forward to the tail sentinel, got "
+        f"{getattr(blocks[2].next_free_block, 'block_id', None)}"
+    )
+    assert walk_free(queue, 1000) == blocks[1:3] and queue.num_free_blocks == 2, (
+        "after removing blocks 0 and 3 the queue must be [1, 2] with num_free_blocks 2; "
+        f"num_free_blocks is {queue.num_free_blocks}"
+    )
 
 
 def test_remove_a_block_that_is_not_queued_raises():
@@ -360,7 +483,10 @@ def test_remove_a_block_that_is_not_queued_raises():
     popped = queue.popleft()
     with pytest.raises(RuntimeError):
         queue.remove(popped)
-    assert queue.num_free_blocks == 2 and walk_free(queue, 1000) == blocks[1:]
+    assert queue.num_free_blocks == 2 and walk_free(queue, 1000) == blocks[1:], (
+        "remove() of a block not in the queue must raise RuntimeError and change nothing: "
+        f"num_free_blocks {queue.num_free_blocks} (expected 2), the queue must stay [1, 2]"
+    )
 
 
 def test_remove_a_half_linked_block_raises_naming_it_and_changes_nothing():
@@ -371,8 +497,14 @@ def test_remove_a_half_linked_block_raises_naming_it_and_changes_nothing():
     stray.prev_free_block = blocks[1]
     with pytest.raises(RuntimeError, match="4242"):
         queue.remove(stray)
-    assert queue.num_free_blocks == 3 and walk_free(queue, 10) == blocks
-    assert blocks[1].next_free_block is blocks[2] and blocks[2].prev_free_block is blocks[1]
+    assert queue.num_free_blocks == 3 and walk_free(queue, 10) == blocks, (
+        "remove() of a half-linked stray block (4242) must raise before changing anything (check "
+        f"both pointers first): num_free_blocks {queue.num_free_blocks}, expected 3"
+    )
+    assert blocks[1].next_free_block is blocks[2] and blocks[2].prev_free_block is blocks[1], (
+        "remove() of the stray block must leave block 37 and 41 linked to each other both ways; "
+        f"37.next is {getattr(blocks[1].next_free_block, 'block_id', None)}"
+    )
 
 
 def test_remove_touches_only_the_two_neighbours():
@@ -385,22 +517,49 @@ def test_remove_touches_only_the_two_neighbours():
     tail.prev_free_block = None
     queue.remove(blocks[500])
     head.next_free_block, tail.prev_free_block = saved
-    assert blocks[499].next_free_block is blocks[501]
-    assert blocks[501].prev_free_block is blocks[499]
-    assert queue.num_free_blocks == 999
-    assert walk_free(queue, 1000) == blocks[:500] + blocks[501:]
+    assert blocks[499].next_free_block is blocks[501], (
+        "remove(block 500) must link block 499 forward to 501, got "
+        f"{getattr(blocks[499].next_free_block, 'block_id', None)}"
+    )
+    assert blocks[501].prev_free_block is blocks[499], (
+        "remove(block 500) must link block 501 back to 499, got "
+        f"{getattr(blocks[501].prev_free_block, 'block_id', None)}"
+    )
+    assert queue.num_free_blocks == 999, (
+        f"one of 1000 blocks removed: num_free_blocks must be 999, got {queue.num_free_blocks}"
+    )
+    assert walk_free(queue, 1000) == blocks[:500] + blocks[501:], (
+        "after remove(block 500) the queue must be blocks 0-499 then 501-999"
+    )
 
 
 def test_append_links_the_block_before_the_tail():
     blocks, queue = queue_of(5)
     queue.remove(blocks[2])
     queue.append(blocks[2])
-    assert queue.fake_free_list_tail.prev_free_block is blocks[2]
-    assert blocks[2].prev_free_block is blocks[4]
-    assert blocks[2].next_free_block is queue.fake_free_list_tail
-    assert blocks[4].next_free_block is blocks[2]
-    assert queue.num_free_blocks == 5
-    assert walk_free(queue, 1000) == blocks[:2] + blocks[3:] + [blocks[2]]
+    assert queue.fake_free_list_tail.prev_free_block is blocks[2], (
+        "append(block 2) must point the tail sentinel back at block 2, got "
+        f"{getattr(queue.fake_free_list_tail.prev_free_block, 'block_id', None)}"
+    )
+    assert blocks[2].prev_free_block is blocks[4], (
+        "append(block 2) must link block 2 back to the old last block 4, got "
+        f"{getattr(blocks[2].prev_free_block, 'block_id', None)}"
+    )
+    assert blocks[2].next_free_block is queue.fake_free_list_tail, (
+        "append(block 2) must link block 2 forward to the tail sentinel, got "
+        f"{getattr(blocks[2].next_free_block, 'block_id', None)}"
+    )
+    assert blocks[4].next_free_block is blocks[2], (
+        "append(block 2) must link the old last block 4 forward to block 2, got "
+        f"{getattr(blocks[4].next_free_block, 'block_id', None)}"
+    )
+    assert queue.num_free_blocks == 5, (
+        f"remove then append of one block leaves num_free_blocks 5, got {queue.num_free_blocks}"
+    )
+    assert walk_free(queue, 1000) == blocks[:2] + blocks[3:] + [blocks[2]], (
+        "after append(block 2) the queue must be [0, 1, 3, 4, 2], walked "
+        f"{[b.block_id for b in walk_free(queue, 1000)]}"
+    )
 
 
 def test_append_n_keeps_the_given_order():
@@ -440,8 +599,14 @@ def test_popleft_never_returns_a_sentinel():
     blocks, queue = queue_of(2)
     got = [queue.popleft(), queue.popleft()]
     queue.append(got[1])
-    assert queue.popleft() is got[1]
-    assert all(b.block_id >= 0 for b in got)
+    assert queue.popleft() is got[1], (
+        f"append(block {getattr(got[1], 'block_id', None)}) to an emptied queue, then popleft() "
+        "must return that block"
+    )
+    assert all(b.block_id >= 0 for b in got), (
+        "popleft() must never return a sentinel (block id -1): got ids "
+        f"{[getattr(b, 'block_id', None) for b in got]}"
+    )
     with pytest.raises(ValueError):
         queue.popleft()
 
@@ -469,12 +634,25 @@ def test_fresh_pool_reserves_block_0_as_the_null_block():
 def test_get_new_blocks_takes_the_front_with_one_reference():
     pool = lab.BlockPool(num_gpu_blocks=10, enable_caching=True)
     got = pool.get_new_blocks(3)
-    assert [b.block_id for b in got] == [1, 2, 3]
-    assert all(b.ref_cnt == 1 for b in got)
-    assert all(b.prev_free_block is None and b.next_free_block is None for b in got)
-    assert free_ids(pool) == list(range(4, 10)) and pool.get_num_free_blocks() == 6
-    assert pool.get_usage() == pytest.approx(3 / 9)
-    assert pool.get_new_blocks(0) == []
+    assert [b.block_id for b in got] == [1, 2, 3], (
+        "get_new_blocks(3) on a fresh pool must hand out blocks 1, 2, 3 from the front, got "
+        f"{[b.block_id for b in got]}"
+    )
+    assert all(b.ref_cnt == 1 for b in got), (
+        f"each block from get_new_blocks must have ref_cnt 1, got {[b.ref_cnt for b in got]}"
+    )
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in got), (
+        "blocks handed out by get_new_blocks must leave the free queue unlinked (both pointers "
+        "None)"
+    )
+    assert free_ids(pool) == list(range(4, 10)) and pool.get_num_free_blocks() == 6, (
+        f"after get_new_blocks(3) the free queue must be 4-9 with 6 free; queue {free_ids(pool)}, "
+        f"{pool.get_num_free_blocks()} free"
+    )
+    assert pool.get_usage() == pytest.approx(3 / 9), (
+        f"3 of 9 usable blocks in use: get_usage() must be 1/3, got {pool.get_usage()}"
+    )
+    assert pool.get_new_blocks(0) == [], "get_new_blocks(0) must return [] and take nothing"
 
 
 def test_free_blocks_appends_in_the_given_order():
@@ -523,30 +701,52 @@ def test_a_block_freed_twice_in_one_call_drops_two_references_and_links_once():
     a, b = pool.get_new_blocks(2)
     pool.touch(([a],))
     pool.free_blocks([a, b, a])
-    assert (a.ref_cnt, b.ref_cnt) == (0, 0)
+    assert (a.ref_cnt, b.ref_cnt) == (0, 0), (
+        "free_blocks([a, b, a]) with a held twice must drop both counts to 0; ref_cnt "
+        f"a={a.ref_cnt}, b={b.ref_cnt}"
+    )
     # Each entry drops one reference; a joins the queue where its count reaches zero.
-    assert free_ids(pool) == [3, 4, 5, 2, 1] and pool.get_num_free_blocks() == 5
+    assert free_ids(pool) == [3, 4, 5, 2, 1] and pool.get_num_free_blocks() == 5, (
+        "a joins the queue once, where its count reaches 0 (after b): expected [3, 4, 5, 2, 1] "
+        f"with 5 free, got {free_ids(pool)}, {pool.get_num_free_blocks()} free"
+    )
 
 
 def test_the_null_block_is_never_handed_out_nor_counted():
     pool = lab.BlockPool(num_gpu_blocks=5, enable_caching=False)
     got = pool.get_new_blocks(4)
-    assert [b.block_id for b in got] == [1, 2, 3, 4]
-    assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 1.0
+    assert [b.block_id for b in got] == [1, 2, 3, 4], (
+        "get_new_blocks(4) on a 5-block pool must hand out 1-4, never the null block 0; got "
+        f"{[b.block_id for b in got]}"
+    )
+    assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 1.0, (
+        "all 4 usable blocks in use: 0 free and usage 1.0 expected, got "
+        f"{pool.get_num_free_blocks()} free, usage {pool.get_usage()}"
+    )
     with pytest.raises(ValueError):
         pool.get_new_blocks(1)
     pool.free_blocks(got)
     # Touching and freeing the placeholder never moves it into the free queue.
     pool.touch(([pool.null_block],))
     pool.free_blocks([pool.null_block])
-    assert 0 not in free_ids(pool) and pool.get_num_free_blocks() == 4
-    assert pool.null_block.prev_free_block is None and pool.null_block.next_free_block is None
+    assert 0 not in free_ids(pool) and pool.get_num_free_blocks() == 4, (
+        "touch and free_blocks must leave the null block (is_null) out of the free queue: queue "
+        f"{free_ids(pool)}, {pool.get_num_free_blocks()} free (expected 4)"
+    )
+    assert pool.null_block.prev_free_block is None and pool.null_block.next_free_block is None, (
+        "the null block must stay unlinked (both pointers None) after touch and free_blocks"
+    )
 
 
 def test_a_pool_of_one_block_has_nothing_to_give():
     pool = lab.BlockPool(num_gpu_blocks=1, enable_caching=True)
-    assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 0.0
-    assert free_ids(pool) == []
+    assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 0.0, (
+        "a 1-block pool has only the null block: 0 free and usage 0.0 expected, got "
+        f"{pool.get_num_free_blocks()} free, usage {pool.get_usage()}"
+    )
+    assert free_ids(pool) == [], (
+        f"a 1-block pool's free queue must be empty (no null block in it), got {free_ids(pool)}"
+    )
     with pytest.raises(ValueError):
         pool.get_new_blocks(1)
 
@@ -555,17 +755,31 @@ def test_an_allocation_that_fits_exactly_succeeds():
     # An over-strict capacity check (>= instead of >) refuses this.
     pool = lab.BlockPool(num_gpu_blocks=6, enable_caching=True)
     got = pool.get_new_blocks(5)
-    assert [b.block_id for b in got] == [1, 2, 3, 4, 5]
-    assert pool.get_num_free_blocks() == 0 and free_ids(pool) == []
-    assert pool.get_new_blocks(0) == []
+    assert [b.block_id for b in got] == [1, 2, 3, 4, 5], (
+        "get_new_blocks(5) with exactly 5 free must succeed with blocks 1-5, got "
+        f"{[b.block_id for b in got]}"
+    )
+    assert pool.get_num_free_blocks() == 0 and free_ids(pool) == [], (
+        "after taking every free block the queue must be empty with 0 free, got "
+        f"{pool.get_num_free_blocks()} free"
+    )
+    assert pool.get_new_blocks(0) == [], (
+        "get_new_blocks(0) must return [] (also when nothing is free)"
+    )
 
 
 def test_caching_disabled_allocates_the_same_way():
     pool = lab.BlockPool(num_gpu_blocks=4, enable_caching=False)
     got = pool.get_new_blocks(2)
-    assert [(b.block_id, b.ref_cnt) for b in got] == [(1, 1), (2, 1)]
+    assert [(b.block_id, b.ref_cnt) for b in got] == [(1, 1), (2, 1)], (
+        "with caching off, get_new_blocks(2) must give blocks 1 and 2 with ref_cnt 1, got "
+        f"{[(b.block_id, b.ref_cnt) for b in got]}"
+    )
     pool.free_blocks(got)
-    assert free_ids(pool) == [3, 1, 2]
+    assert free_ids(pool) == [3, 1, 2], (
+        "with caching off, free_blocks([1, 2]) must append 1 then 2 behind 3: expected [3, 1, 2], "
+        f"got {free_ids(pool)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,11 +794,16 @@ def test_out_of_blocks_names_both_numbers_and_changes_nothing():
     before = snapshot(pool)
     with pytest.raises(ValueError) as err:
         pool.get_new_blocks(7)
-    assert "7" in str(err.value) and "6" in str(err.value)
-    assert snapshot(pool) == before
+    assert "7" in str(err.value) and "6" in str(err.value), (
+        "get_new_blocks(7) with 6 free must raise a ValueError naming both numbers (7 and 6), got "
+        f"{str(err.value)!r:.100}"
+    )
+    assert snapshot(pool) == before, (
+        "a refused get_new_blocks(7) must change nothing (check the count before taking a block)"
+    )
     with pytest.raises(ValueError):
         pool.get_new_blocks(-1)
-    assert snapshot(pool) == before
+    assert snapshot(pool) == before, "get_new_blocks(-1) must raise ValueError and change nothing"
 
 
 def test_a_failed_free_undoes_everything_before_the_bad_entry():
@@ -598,11 +817,20 @@ def test_a_failed_free_undoes_everything_before_the_bad_entry():
     before = snapshot(pool)
     with pytest.raises(ValueError):
         pool.free_blocks([a, shared, b, gone, c, d])
-    assert snapshot(pool) == before
-    assert (a.ref_cnt, b.ref_cnt, shared.ref_cnt, c.ref_cnt, d.ref_cnt) == (1, 1, 2, 1, 1)
+    assert snapshot(pool) == before, (
+        f"free_blocks stopped by a double free of block {gone.block_id} must undo every change it "
+        "made before it (counts, links, free queue)"
+    )
+    assert (a.ref_cnt, b.ref_cnt, shared.ref_cnt, c.ref_cnt, d.ref_cnt) == (1, 1, 2, 1, 1), (
+        "after the refused free, ref_cnt of a, b, shared, c, d must be back to (1, 1, 2, 1, 1), "
+        f"got {(a.ref_cnt, b.ref_cnt, shared.ref_cnt, c.ref_cnt, d.ref_cnt)}"
+    )
     # And the pool still works: the same blocks free normally afterwards.
     pool.free_blocks([a, shared, b, c, d])
-    assert free_ids(pool) == [7, 8, 9, 10, 11, 6, 1, 2, 4, 5] and shared.ref_cnt == 1
+    assert free_ids(pool) == [7, 8, 9, 10, 11, 6, 1, 2, 4, 5] and shared.ref_cnt == 1, (
+        "after the refused call, freeing a, shared, b, c, d must give the queue [7, 8, 9, 10, 11, "
+        f"6, 1, 2, 4, 5] and shared ref_cnt 1; got {free_ids(pool)}, ref_cnt {shared.ref_cnt}"
+    )
 
 
 def test_a_double_free_names_the_block_and_how_often_it_is_listed():
@@ -620,8 +848,14 @@ def test_blocks_still_referenced_stay_out_and_are_not_counted():
     a, b, c = pool.get_new_blocks(3)
     pool.touch(([a, b],))
     pool.free_blocks([a, b, c])  # a and b are still held once
-    assert (a.ref_cnt, b.ref_cnt, c.ref_cnt) == (1, 1, 0)
-    assert free_ids(pool) == [4, 5, 6, 7, 3] and pool.get_num_free_blocks() == 5
+    assert (a.ref_cnt, b.ref_cnt, c.ref_cnt) == (1, 1, 0), (
+        "free_blocks([a, b, c]) with a and b held twice: ref_cnt must be (1, 1, 0), got "
+        f"{(a.ref_cnt, b.ref_cnt, c.ref_cnt)}"
+    )
+    assert free_ids(pool) == [4, 5, 6, 7, 3] and pool.get_num_free_blocks() == 5, (
+        "only block 3, whose ref_cnt reached 0, may join the queue: expected [4, 5, 6, 7, 3] with "
+        f"5 free, got {free_ids(pool)}, {pool.get_num_free_blocks()} free"
+    )
 
 
 def test_double_free_is_an_error_and_changes_nothing():
@@ -631,12 +865,17 @@ def test_double_free_is_an_error_and_changes_nothing():
     before = snapshot(pool)
     with pytest.raises(ValueError, match=str(a.block_id)):
         pool.free_blocks([a])
-    assert snapshot(pool) == before
+    assert snapshot(pool) == before, (
+        f"a double free of block {a.block_id} must raise ValueError and change nothing"
+    )
     # b is held once but listed twice: the second entry is a double free; b must keep its
     # reference and stay out of the queue.
     with pytest.raises(ValueError):
         pool.free_blocks([b, b])
-    assert snapshot(pool) == before and b.ref_cnt == 1
+    assert snapshot(pool) == before and b.ref_cnt == 1, (
+        "free_blocks([b, b]) with b held once must raise and change nothing (b keeps ref_cnt 1); "
+        f"b has ref_cnt {b.ref_cnt}"
+    )
 
 
 def test_caching_more_blocks_than_were_hashed_is_refused():
@@ -647,7 +886,10 @@ def test_caching_more_blocks_than_were_hashed_is_refused():
     for bad in [(0, 4), (2, 1), (0, 5), (-1, 2)]:
         with pytest.raises(ValueError):
             pool.cache_full_blocks(req, blocks, bad[0], bad[1], 4, 0)
-        assert snapshot(pool) == before
+        assert snapshot(pool) == before, (
+            f"cache_full_blocks(num_cached_blocks={bad[0]}, num_full_blocks={bad[1]}) must raise "
+            "ValueError and change nothing"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,13 +903,26 @@ def test_identical_content_gets_different_blocks_both_indexed():
     req_b = FakeRequest(list(range(8)), block_size=4)
     a = allocate_and_cache(pool, req_a)
     b = allocate_and_cache(pool, req_b)
-    assert [x.block_id for x in a] == [1, 2] and [x.block_id for x in b] == [3, 4]
-    assert [x.block_hash for x in a] == [x.block_hash for x in b]
+    assert [x.block_id for x in a] == [1, 2] and [x.block_id for x in b] == [3, 4], (
+        f"two 8-token requests must get blocks [1, 2] and [3, 4], got {[x.block_id for x in a]} "
+        f"and {[x.block_id for x in b]}"
+    )
+    assert [x.block_hash for x in a] == [x.block_hash for x in b], (
+        "equal tokens under the same prefix must leave both requests' blocks with equal hashes "
+        "(block i's hash is the key of request.block_hashes[i])"
+    )
     h0, h1 = req_a.block_hashes
-    assert index_ids(pool) == {key(h0): [1, 3], key(h1): [2, 4]}
+    assert index_ids(pool) == {key(h0): [1, 3], key(h1): [2, 4]}, (
+        "both copies must be indexed, never merged (I2): expected block ids [1, 3] and [2, 4] "
+        f"under the two keys, got {sorted(index_ids(pool).values())}"
+    )
     # A lookup returns the first cached block; ids never move.
-    assert pool.get_cached_block(req_a.block_hashes[0], [0]) == [a[0]]
-    assert [x.block_id for x in pool.blocks] == list(range(10))
+    assert pool.get_cached_block(req_a.block_hashes[0], [0]) == [a[0]], (
+        "get_cached_block of the shared first hash must return the block indexed first, 1"
+    )
+    assert [x.block_id for x in pool.blocks] == list(range(10)), (
+        "block ids never change: pool.blocks[i] must be block i"
+    )
 
 
 def test_evicting_one_duplicate_keeps_the_other():
@@ -705,15 +960,32 @@ def test_evicting_one_duplicate_keeps_the_other():
 def test_partial_block_is_not_cached_until_it_fills():
     pool = lab.BlockPool(num_gpu_blocks=8, enable_caching=True)
     req = FakeRequest(list(range(14)), block_size=4)
-    assert len(req.block_hashes) == 3
+    assert len(req.block_hashes) == 3, (
+        "test premise: 14 tokens in blocks of 4 give 3 full-block hashes, got "
+        f"{len(req.block_hashes)}"
+    )
     blocks = allocate_and_cache(pool, req)
-    assert [b.block_hash is not None for b in blocks] == [True, True, True, False]
-    assert len(pool.cached_block_hash_to_block) == 3
+    assert [b.block_hash is not None for b in blocks] == [True, True, True, False], (
+        "cache_full_blocks(0, 3) must cache the 3 full blocks, not the partial 4th (I3); has a "
+        f"hash: {[b.block_hash is not None for b in blocks]}"
+    )
+    assert len(pool.cached_block_hash_to_block) == 3, (
+        "3 full blocks cached: the index must hold 3 keys, got "
+        f"{len(pool.cached_block_hash_to_block)}"
+    )
     req.append_tokens([14, 15])  # the last block is full now
-    assert len(req.block_hashes) == 4
+    assert len(req.block_hashes) == 4, (
+        "test premise: 16 tokens in blocks of 4 give 4 full-block hashes, got "
+        f"{len(req.block_hashes)}"
+    )
     pool.cache_full_blocks(req, blocks, 3, 4, 4, 0)
-    assert blocks[3].block_hash == key(req.block_hashes[3])
-    assert pool.get_cached_block(req.block_hashes[3], [0]) == [blocks[3]]
+    assert blocks[3].block_hash == key(req.block_hashes[3]), (
+        "once the 4th block fills, cache_full_blocks(3, 4) must give it the key of "
+        "request.block_hashes[3]"
+    )
+    assert pool.get_cached_block(req.block_hashes[3], [0]) == [blocks[3]], (
+        "the newly cached 4th block must be found by get_cached_block of its hash"
+    )
 
 
 def test_cache_full_blocks_continues_from_num_cached_blocks():
@@ -722,14 +994,27 @@ def test_cache_full_blocks_continues_from_num_cached_blocks():
     req = FakeRequest(list(range(14)), block_size=4)
     blocks = [lab.KVCacheBlock(block_id=i) for i in range(2)]
     pool.cache_full_blocks(req, blocks, 0, 2, 4, 0)
-    assert len(pool.cached_block_hash_to_block) == 2
-    assert all(b.block_hash is not None for b in blocks)
+    assert len(pool.cached_block_hash_to_block) == 2, (
+        f"cache_full_blocks(0, 2) must index 2 blocks, got {len(pool.cached_block_hash_to_block)}"
+    )
+    assert all(b.block_hash is not None for b in blocks), (
+        "cache_full_blocks(0, 2) must give both blocks a hash; has a hash: "
+        f"{[b.block_hash is not None for b in blocks]}"
+    )
     blocks.append(lab.KVCacheBlock(block_id=2))
     pool.cache_full_blocks(req, blocks, 2, 3, 4, 0)
-    assert len(pool.cached_block_hash_to_block) == 3
-    assert [b.block_hash for b in blocks] == [key(h) for h in req.block_hashes]
+    assert len(pool.cached_block_hash_to_block) == 3, (
+        "cache_full_blocks(2, 3) must add the third block: 3 keys expected, got "
+        f"{len(pool.cached_block_hash_to_block)}"
+    )
+    assert [b.block_hash for b in blocks] == [key(h) for h in req.block_hashes], (
+        "block i's hash must be make_block_hash_with_group_id(request.block_hashes[i], 0)"
+    )
     pool.cache_full_blocks(req, blocks, 3, 3, 4, 0)  # nothing new: a no-op
-    assert len(pool.cached_block_hash_to_block) == 3
+    assert len(pool.cached_block_hash_to_block) == 3, (
+        "cache_full_blocks(3, 3) caches nothing: still 3 keys expected, got "
+        f"{len(pool.cached_block_hash_to_block)}"
+    )
 
 
 def test_evicting_a_block_whose_key_indexes_another_changes_nothing():
@@ -741,12 +1026,28 @@ def test_evicting_a_block_whose_key_indexes_another_changes_nothing():
     b1.block_hash = h
     pool.cached_block_hash_to_block.insert(h, b1)
     b2.block_hash = h
-    assert pool._maybe_evict_cached_block(b2) is False
-    assert index_ids(pool) == {h: [1]} and b2.block_hash == h and pool.take_events() == []
-    assert pool._maybe_evict_cached_block(pool.blocks[3]) is False  # no hash at all
-    assert pool._maybe_evict_cached_block(b1) is True
-    assert index_ids(pool) == {} and b1.block_hash is None
-    assert pool.take_events() == [lab.BlockRemoved(block_hashes=[b"h"], medium=lab.MEDIUM_GPU)]
+    assert pool._maybe_evict_cached_block(b2) is False, (
+        "block 2 carries block 1's key but is not indexed itself: _maybe_evict_cached_block must "
+        "return False (remove only the entry of this block id)"
+    )
+    assert index_ids(pool) == {h: [1]} and b2.block_hash == h and pool.take_events() == [], (
+        "evicting a block that is not indexed must change nothing (index, its hash, events); "
+        f"index {index_ids(pool)}"
+    )
+    assert pool._maybe_evict_cached_block(pool.blocks[3]) is False, (  # no hash at all
+        "a block with no hash is not cached: _maybe_evict_cached_block must return False"
+    )
+    assert pool._maybe_evict_cached_block(b1) is True, (
+        "block 1 is indexed under its own hash: _maybe_evict_cached_block must return True"
+    )
+    assert index_ids(pool) == {} and b1.block_hash is None, (
+        f"evicting block 1 must drop its index entry and reset its hash: index {index_ids(pool)}, "
+        f"hash {b1.block_hash!r:.40}"
+    )
+    assert pool.take_events() == [lab.BlockRemoved(block_hashes=[b"h"], medium=lab.MEDIUM_GPU)], (
+        "evicting block 1 must record one BlockRemoved(block_hashes=[b'h'], medium=MEDIUM_GPU): "
+        "the hash without the group id"
+    )
 
 
 def test_get_cached_block_needs_a_hit_in_every_group():
@@ -757,10 +1058,19 @@ def test_get_cached_block_needs_a_hit_in_every_group():
         blk.block_hash = key(h, group)
         pool.cached_block_hash_to_block.insert(key(h, group), blk)
     before = snapshot(pool)
-    assert pool.get_cached_block(h, [3, 7]) == [b2, b1]  # in the order asked
-    assert pool.get_cached_block(h, [7, 5]) is None  # group 5 misses
-    assert pool.get_cached_block(h, []) == []
-    assert snapshot(pool) == before  # a lookup changes nothing, not even reference counts
+    assert pool.get_cached_block(h, [3, 7]) == [b2, b1], (  # in the order asked
+        "get_cached_block(h, [3, 7]) must return one block per group in the order asked: blocks "
+        "[2, 1]"
+    )
+    assert pool.get_cached_block(h, [7, 5]) is None, (  # group 5 misses
+        "group 5 has no block under h: get_cached_block(h, [7, 5]) must return None"
+    )
+    assert pool.get_cached_block(h, []) == [], (
+        "no groups asked: get_cached_block(h, []) must return []"
+    )
+    assert snapshot(pool) == before, (  # a lookup changes nothing, not even reference counts
+        "a lookup with get_cached_block must change nothing, not even reference counts"
+    )
 
 
 def test_cache_full_blocks_errors_say_what_is_wrong():
@@ -779,9 +1089,19 @@ def test_cache_full_blocks_errors_say_what_is_wrong():
     before = snapshot(pool)
     with pytest.raises(ValueError) as err:
         pool.cache_full_blocks(req, [blocks[1], blocks[0]], 0, 2, 4, 0)
-    assert "cached" in str(err.value).lower() and str(blocks[0].block_id) in str(err.value)
-    assert "null" not in str(err.value).lower()
-    assert snapshot(pool) == before  # blocks[1], checked first, was not cached either
+    assert "cached" in str(err.value).lower() and str(blocks[0].block_id) in str(err.value), (
+        f"caching an already-cached block must raise naming it (block {blocks[0].block_id}) and "
+        f"saying 'cached', got {str(err.value)!r:.100}"
+    )
+    assert "null" not in str(err.value).lower(), (
+        "the block is already cached, not the null block: the message must not say 'null', got "
+        f"{str(err.value)!r:.100}"
+    )
+    assert snapshot(pool) == before, (  # blocks[1], checked first, was not cached either
+        f"the refused call must change nothing: block {blocks[1].block_id}, first in the range, "
+        f"must not be cached before block {blocks[0].block_id} is found cached (check every block "
+        "first)"
+    )
 
 
 def test_the_null_block_is_never_cached():
@@ -790,7 +1110,10 @@ def test_the_null_block_is_never_cached():
     before = snapshot(pool)
     with pytest.raises(ValueError):
         pool.cache_full_blocks(req, [pool.null_block], 0, 1, 4, 0)
-    assert snapshot(pool) == before and pool.null_block.block_hash is None
+    assert snapshot(pool) == before and pool.null_block.block_hash is None, (
+        "cache_full_blocks with the null block must raise and change nothing (the null block "
+        "keeps no hash)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -836,10 +1159,21 @@ def test_touch_revives_in_o1_without_walking_the_queue():
     queue.fake_free_list_tail.prev_free_block = None
     pool.touch(([target],))
     queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail.prev_free_block = saved
-    assert target.ref_cnt == 1 and target.prev_free_block is None
-    assert pool.blocks[4999].next_free_block is pool.blocks[5001]
-    assert pool.blocks[5001].prev_free_block is pool.blocks[4999]
-    assert pool.get_num_free_blocks() == 9_999
+    assert target.ref_cnt == 1 and target.prev_free_block is None, (
+        "touch of free block 5000 must give it ref_cnt 1 and take it out of the free queue; "
+        f"ref_cnt {target.ref_cnt}, prev {getattr(target.prev_free_block, 'block_id', None)}"
+    )
+    assert pool.blocks[4999].next_free_block is pool.blocks[5001], (
+        "touch must unlink block 5000: block 4999 must link forward to 5001, got "
+        f"{getattr(pool.blocks[4999].next_free_block, 'block_id', None)}"
+    )
+    assert pool.blocks[5001].prev_free_block is pool.blocks[4999], (
+        "touch must unlink block 5000: block 5001 must link back to 4999, got "
+        f"{getattr(pool.blocks[5001].prev_free_block, 'block_id', None)}"
+    )
+    assert pool.get_num_free_blocks() == 9_999, (
+        f"one block revived from 10000 free: 9999 free expected, got {pool.get_num_free_blocks()}"
+    )
 
 
 def test_upstream_evict_scenario_block_ids_and_queue_order():
@@ -850,20 +1184,41 @@ def test_upstream_evict_scenario_block_ids_and_queue_order():
     req1 = FakeRequest(list(range(last, last + 3 * 16)), block_size=16)
     b0 = allocate_and_cache(pool, req0)
     b1 = allocate_and_cache(pool, req1)
-    assert [b.block_id for b in b0] == [1, 2, 3, 4, 5, 6]
-    assert [b.block_id for b in b1] == [7, 8, 9]
-    assert pool.get_num_free_blocks() == 1
+    assert [b.block_id for b in b0] == [1, 2, 3, 4, 5, 6], (
+        "req0 (87 tokens, block size 16) needs 6 blocks: 1-6 from a fresh pool, got "
+        f"{[b.block_id for b in b0]}"
+    )
+    assert [b.block_id for b in b1] == [7, 8, 9], (
+        f"req1 (48 tokens) needs 3 blocks: 7, 8, 9, got {[b.block_id for b in b1]}"
+    )
+    assert pool.get_num_free_blocks() == 1, (
+        f"9 of 10 usable blocks handed out: 1 free expected, got {pool.get_num_free_blocks()}"
+    )
     pool.free_blocks(reversed(b0))  # a finished request frees its tail first
     pool.free_blocks(reversed(b1))
-    assert free_ids(pool) == [10, 6, 5, 4, 3, 2, 1, 9, 8, 7]
+    assert free_ids(pool) == [10, 6, 5, 4, 3, 2, 1, 9, 8, 7], (
+        "free_blocks appends in the order given (tail first): expected [10, 6, 5, 4, 3, 2, 1, 9, "
+        f"8, 7], got {free_ids(pool)}"
+    )
     req2 = FakeRequest(list(range(2 * 16 + 3)), block_size=16)
     hits = [pool.get_cached_block(h, [0])[0] for h in req2.block_hashes]
-    assert [b.block_id for b in hits] == [1, 2]
+    assert [b.block_id for b in hits] == [1, 2], (
+        "req2 shares req0's first 2 full blocks: the prefix hits must be blocks 1, 2, got "
+        f"{[b.block_id for b in hits]}"
+    )
     pool.touch((hits,))
     new = pool.get_new_blocks(1)
-    assert [b.block_id for b in new] == [10]
-    assert pool.get_num_free_blocks() == 7
-    assert free_ids(pool) == [6, 5, 4, 3, 9, 8, 7]
+    assert [b.block_id for b in new] == [10], (
+        "after touch revived 1, 2, get_new_blocks(1) must take the front block 10, got "
+        f"{[b.block_id for b in new]}"
+    )
+    assert pool.get_num_free_blocks() == 7, (
+        f"7 free expected after reviving 2 and taking 1, got {pool.get_num_free_blocks()}"
+    )
+    assert free_ids(pool) == [6, 5, 4, 3, 9, 8, 7], (
+        "touch revives 1, 2 out of the queue and get_new_blocks takes 10: expected [6, 5, 4, 3, "
+        f"9, 8, 7], got {free_ids(pool)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -932,7 +1287,10 @@ def test_hash_block_tokens_reads_none_hash_when_called():
     try:
         m.NONE_HASH = b"another seed"
         got = lab.hash_block_tokens(lab.sha256, None, [5])
-        assert got == lab.sha256((b"another seed", (5,), None))
+        assert got == lab.sha256((b"another seed", (5,), None)), (
+            "hash_block_tokens must read NONE_HASH when called, not a copy taken earlier: with "
+            "NONE_HASH = b'another seed' the first block's hash did not follow"
+        )
     finally:
         m.NONE_HASH = saved
 
@@ -944,8 +1302,13 @@ def test_hash_block_tokens_uses_the_hash_function_it_is_given():
         seen.append(obj)
         return b"fake"
 
-    assert lab.hash_block_tokens(fake, b"p", [1, 2], (9,)) == b"fake"
-    assert seen == [(b"p", (1, 2), (9,))]
+    assert lab.hash_block_tokens(fake, b"p", [1, 2], (9,)) == b"fake", (
+        "hash_block_tokens must return what hash_function returns (b'fake'), unchanged"
+    )
+    assert seen == [(b"p", (1, 2), (9,))], (
+        "hash_block_tokens must call hash_function once with (parent, tokens as a tuple, "
+        f"extra_keys); calls: {seen!r:.100}"
+    )
 
 
 def test_same_tokens_under_different_parents_hash_differently():
@@ -953,29 +1316,55 @@ def test_same_tokens_under_different_parents_hash_differently():
     h_xy = lab.hash_block_tokens(lab.sha256, None, [7, 8])
     cd_after_ab = lab.hash_block_tokens(lab.sha256, h_ab, [2, 3])
     cd_after_xy = lab.hash_block_tokens(lab.sha256, h_xy, [2, 3])
-    assert cd_after_ab != cd_after_xy
-    assert cd_after_ab == lab.hash_block_tokens(lab.sha256, h_ab, (2, 3))
+    assert cd_after_ab != cd_after_xy, (
+        "the same tokens [2, 3] under different parents hashed equal: the parent hash must go "
+        "into the hash"
+    )
+    assert cd_after_ab == lab.hash_block_tokens(lab.sha256, h_ab, (2, 3)), (
+        "tokens given as a list and as a tuple must hash the same (hash them as a tuple)"
+    )
 
 
 def test_request_hashes_chain_full_blocks_only():
     req = FakeRequest(list(range(10)), block_size=4)
-    assert req.block_hashes == ref_chain(list(range(10)), 4)
-    assert len(req.block_hashes) == 2
+    assert req.block_hashes == ref_chain(list(range(10)), 4), (
+        "hash_block_tokens chained over 2 full blocks of 4 differs from the reference "
+        "sha256((parent or NONE_HASH, tuple(tokens), None))"
+    )
+    assert len(req.block_hashes) == 2, (
+        "test premise: 10 tokens in blocks of 4 give 2 full-block hashes, got "
+        f"{len(req.block_hashes)}"
+    )
     req.append_tokens([10, 11, 12])  # 13 tokens: one more full block, incrementally
-    assert req.block_hashes == ref_chain(list(range(13)), 4)
+    assert req.block_hashes == ref_chain(list(range(13)), 4), (
+        "after 3 more tokens (13 in all) the chain of 3 full blocks differs from the reference "
+        "sha256((parent, tuple(tokens), None))"
+    )
     other = FakeRequest([99, 98, 97, 96] + list(range(4, 8)), block_size=4)
-    assert other.block_hashes[1] != req.block_hashes[1]  # same tokens, other prefix
+    assert other.block_hashes[1] != req.block_hashes[1], (  # same tokens, other prefix
+        "the same tokens 4-7 after another first block hashed equal: the parent hash must go into "
+        "the hash"
+    )
 
 
 def test_lora_id_in_every_block_cache_salt_in_the_first_only():
     tokens = list(range(8))
     req = FakeRequest(tokens, block_size=4, lora_request=LoRA(7), cache_salt="salt")
     h0 = ref_hash(None, tokens[:4], (7, "salt"))
-    assert req.block_hashes == [h0, ref_hash(h0, tokens[4:], (7,))]
+    assert req.block_hashes == [h0, ref_hash(h0, tokens[4:], (7,))], (
+        "with LoRA 7 and salt the chain differs from the reference sha256((parent, tuple(tokens), "
+        "extra_keys)), extra keys (7, 'salt') on block 0 and (7,) on block 1"
+    )
     salted = FakeRequest(tokens, block_size=4, cache_salt="salt")
     s0 = ref_hash(None, tokens[:4], ("salt",))
-    assert salted.block_hashes == [s0, ref_hash(s0, tokens[4:], None)]
-    assert FakeRequest(tokens, block_size=4).block_hashes == ref_chain(tokens, 4)
+    assert salted.block_hashes == [s0, ref_hash(s0, tokens[4:], None)], (
+        "with salt only the chain differs from the reference sha256((parent, tuple(tokens), "
+        "extra_keys)), extra keys ('salt',) on block 0 and None on block 1"
+    )
+    assert FakeRequest(tokens, block_size=4).block_hashes == ref_chain(tokens, 4), (
+        "without LoRA or salt the chain differs from the reference sha256((parent, "
+        "tuple(tokens), None))"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1007,17 +1396,27 @@ def test_events_stored_removed_and_cleared():
             lora_id=3,
             medium=lab.MEDIUM_GPU,
         ),
-    ]
-    assert pool.take_events() == []
+    ], (
+        "two cache_full_blocks calls must record two BlockStored events (hashes, parent, tokens, "
+        f"block_size 4, lora_id 3, MEDIUM_GPU); got {len(events)} event(s)"
+    )
+    assert pool.take_events() == [], "take_events must clear the events: a second call returns []"
     pool.free_blocks(blocks)  # queue: 1, 2, 3 (block 3 never filled)
     pool.get_new_blocks(2)  # evicts blocks 1 and 2, in that order
     assert pool.take_events() == [
         lab.BlockRemoved(block_hashes=[req.block_hashes[0]], medium=lab.MEDIUM_GPU),
         lab.BlockRemoved(block_hashes=[req.block_hashes[1]], medium=lab.MEDIUM_GPU),
-    ]
+    ], (
+        "get_new_blocks(2) evicts cached blocks 1 then 2: expected two BlockRemoved events with "
+        "their hashes, in that order"
+    )
     pool.free_blocks(blocks[:2])
-    assert pool.reset_prefix_cache() is True
-    assert pool.take_events() == [lab.AllBlocksCleared()]
+    assert pool.reset_prefix_cache() is True, (
+        "every block free: reset_prefix_cache must succeed and return True"
+    )
+    assert pool.take_events() == [lab.AllBlocksCleared()], (
+        "a successful reset_prefix_cache must record one AllBlocksCleared() event"
+    )
 
 
 def test_no_events_when_disabled():
@@ -1026,19 +1425,26 @@ def test_no_events_when_disabled():
     blocks = allocate_and_cache(pool, req)
     pool.free_blocks(blocks)
     pool.get_new_blocks(3)
-    assert pool.take_events() == [] and pool.kv_event_queue == []
+    assert pool.take_events() == [] and pool.kv_event_queue == [], (
+        "events disabled: nothing may be recorded; kv_event_queue holds "
+        f"{len(pool.kv_event_queue)} event(s)"
+    )
 
 
 def test_a_refused_reset_logs_a_warning_with_the_blocks_in_use(caplog):
     pool = lab.BlockPool(num_gpu_blocks=9, enable_caching=True)
     held = pool.get_new_blocks(3)
     with caplog.at_level(logging.INFO):
-        assert pool.reset_prefix_cache() is False
+        assert pool.reset_prefix_cache() is False, (
+            "3 blocks in use: reset_prefix_cache must refuse and return False"
+        )
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings, "a refused reset must log a warning"
     assert "3" in re.findall(r"\d+", warnings[-1].getMessage()), warnings[-1].getMessage()
     pool.free_blocks(held)
-    assert pool.reset_prefix_cache() is True
+    assert pool.reset_prefix_cache() is True, (
+        "every block freed: reset_prefix_cache must now succeed and return True"
+    )
 
 
 def test_reset_prefix_cache_only_when_nothing_is_in_use():
@@ -1047,15 +1453,31 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use():
     blocks = allocate_and_cache(pool, req)
     pool.take_events()
     before = snapshot(pool)
-    assert pool.reset_prefix_cache() is False
-    assert snapshot(pool) == before and pool.take_events() == []
+    assert pool.reset_prefix_cache() is False, (
+        "blocks 1 and 2 in use: reset_prefix_cache must refuse and return False"
+    )
+    assert snapshot(pool) == before and pool.take_events() == [], (
+        "a refused reset_prefix_cache must change nothing and record no event"
+    )
     pool.free_blocks(blocks)
     order = free_ids(pool)
-    assert pool.reset_prefix_cache() is True
-    assert len(pool.cached_block_hash_to_block) == 0
-    assert all(b.block_hash is None for b in pool.blocks)
-    assert free_ids(pool) == order
-    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+    assert pool.reset_prefix_cache() is True, (
+        "every block freed: reset_prefix_cache must succeed and return True"
+    )
+    assert len(pool.cached_block_hash_to_block) == 0, (
+        "after a reset the prefix-cache index must be empty, got "
+        f"{len(pool.cached_block_hash_to_block)} keys"
+    )
+    assert all(b.block_hash is None for b in pool.blocks), (
+        "after a reset no block may keep a hash; hashed: "
+        f"{[b.block_id for b in pool.blocks if b.block_hash is not None][:8]}"
+    )
+    assert free_ids(pool) == order, (
+        f"a reset must keep the free queue's order: {order} before, {free_ids(pool)} after"
+    )
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None, (
+        "after a reset the old hash must miss: get_cached_block must return None"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

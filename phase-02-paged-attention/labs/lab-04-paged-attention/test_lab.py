@@ -406,8 +406,14 @@ def test_x_is_one_16_byte_vector():
 
 
 def test_kv_cache_shape_is_two_halves_of_flat_blocks():
-    assert tuple(lab.get_kv_cache_shape(5, 16, 4, 64)) == (2, 5, 16 * 4 * 64)
-    assert tuple(lab.get_kv_cache_shape(1, 8, 1, 80)) == (2, 1, 8 * 80)
+    assert tuple(lab.get_kv_cache_shape(5, 16, 4, 64)) == (2, 5, 16 * 4 * 64), (
+        f"get_kv_cache_shape(5, 16, 4, 64) must be (2, num_blocks, block_size * num_kv_heads * "
+        f"head_size) = (2, 5, 4096), got {tuple(lab.get_kv_cache_shape(5, 16, 4, 64))}"
+    )
+    assert tuple(lab.get_kv_cache_shape(1, 8, 1, 80)) == (2, 1, 8 * 80), (
+        f"get_kv_cache_shape(1, 8, 1, 80) must be (2, 1, 640), "
+        f"got {tuple(lab.get_kv_cache_shape(1, 8, 1, 80))}"
+    )
     good = [5, 16, 4, 64]
     for i, name in enumerate(("num_blocks", "block_size", "num_kv_heads", "head_size")):
         for bad in (0, -1, 2.0):
@@ -422,22 +428,37 @@ def test_split_kv_cache_views_the_combined_tensor():
     shape = lab.get_kv_cache_shape(5, 16, 4, 64)
     kv = torch.zeros(shape, dtype=torch.float16)
     key_cache, value_cache = lab.split_kv_cache(kv, 4, 64)
-    assert tuple(key_cache.shape) == (5, 4, 64 // 8, 16, 8)
-    assert tuple(value_cache.shape) == (5, 4, 64, 16)
+    assert tuple(key_cache.shape) == (5, 4, 64 // 8, 16, 8), (
+        f"split_kv_cache, fp16 (x = 8): key_cache must be [num_blocks, num_kv_heads, "
+        f"head_size // x, block_size, x] = (5, 4, 8, 16, 8), got {tuple(key_cache.shape)}"
+    )
+    assert tuple(value_cache.shape) == (5, 4, 64, 16), (
+        f"split_kv_cache: value_cache must be [num_blocks, num_kv_heads, head_size, block_size] "
+        f"= (5, 4, 64, 16), got {tuple(value_cache.shape)}"
+    )
     # Views, not copies: a write lands in the combined tensor, keys in half 0, values in half 1.
     key_cache[3, 2, 1, 5, 7] = 1.0
     value_cache[4, 1, 9, 15] = 2.0
     assert kv[0, 3, ((2 * 8 + 1) * 16 + 5) * 8 + 7] == 1.0, "key_cache is not a view of kv[0]"
     assert kv[1, 4, (1 * 64 + 9) * 16 + 15] == 2.0, "value_cache is not a view of kv[1]"
-    assert int((kv != 0).sum()) == 2
+    assert int((kv != 0).sum()) == 2, (
+        f"one write through key_cache and one through value_cache should change exactly 2 "
+        f"elements of kv, got {int((kv != 0).sum())} nonzero"
+    )
 
 
 def test_split_kv_cache_infers_the_block_size():
     # float32 (x = 4), block size 8, two KV heads of 32: the block size comes from the tensor.
     kv = torch.zeros(2, 3, 8 * 2 * 32)
     key_cache, value_cache = lab.split_kv_cache(kv, 2, 32)
-    assert tuple(key_cache.shape) == (3, 2, 32 // 4, 8, 4)
-    assert tuple(value_cache.shape) == (3, 2, 32, 8)
+    assert tuple(key_cache.shape) == (3, 2, 32 // 4, 8, 4), (
+        f"split_kv_cache, float32 (x = 4), rows of 8 * 2 * 32: block_size 8 comes from the row "
+        f"length, so key_cache must be (3, 2, 8, 8, 4), got {tuple(key_cache.shape)}"
+    )
+    assert tuple(value_cache.shape) == (3, 2, 32, 8), (
+        f"split_kv_cache, rows of 8 * 2 * 32: block_size 8 comes from the row length, so "
+        f"value_cache must be (3, 2, 32, 8), got {tuple(value_cache.shape)}"
+    )
 
 
 def test_layout_helpers_reject_bad_shapes():
@@ -1571,10 +1592,14 @@ def test_swap_blocks_gpu_to_cpu_and_back():
     gpu = keys[0].cuda()
     cpu = torch.zeros(3, *gpu.shape[1:], dtype=gpu.dtype)
     lab.swap_blocks(gpu, cpu, torch.tensor([[4, 2]], dtype=torch.int64))
-    assert torch.equal(cpu[2], keys[0][4])
+    assert torch.equal(cpu[2], keys[0][4]), (
+        "swap_blocks [[4, 2]] from GPU to CPU: CPU block 2 should be a copy of GPU block 4"
+    )
     again = torch.zeros_like(gpu)
     lab.swap_blocks(cpu, again, torch.tensor([[2, 0]], dtype=torch.int64))
-    assert torch.equal(again[0].cpu(), keys[0][4])
+    assert torch.equal(again[0].cpu(), keys[0][4]), (
+        "swap_blocks [[2, 0]] from CPU back to GPU: GPU block 0 should be a copy of CPU block 2"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -1611,7 +1636,9 @@ def test_fp8_quant_rounds_to_e4m3_within_half_a_step(scale, dtype):
         f"scaled_fp8_quant must return torch.float8_e4m3fn (e4m3: 3 mantissa bits, max 448), "
         f"got {getattr(q, 'dtype', type(q).__name__)}"
     )
-    assert q.shape == x.shape
+    assert q.shape == x.shape, (
+        f"scaled_fp8_quant must keep x's shape {tuple(x.shape)}, got {tuple(q.shape)}"
+    )
     back = q.float() * scale
     err = (back - x.float()).abs()
     normal = x.float().abs() >= 2.0**-6 * scale
@@ -1621,7 +1648,11 @@ def test_fp8_quant_rounds_to_e4m3_within_half_a_step(scale, dtype):
         f"mantissa steps gives at most 2**-4 = 0.0625 (is the format e4m3, and is x divided "
         f"by the scale before the cast?)"
     )
-    assert float(err[~normal].max()) <= 2.0**-10 * scale * (1 + 1e-6)
+    assert float(err[~normal].max()) <= 2.0**-10 * scale * (1 + 1e-6), (
+        f"largest absolute error {float(err[~normal].max()):.4g} below e4m3's normal range "
+        f"(|x / scale| < 2**-6); the nearest e4m3 value is within 2**-10 * scale = "
+        f"{2.0**-10 * scale:.4g}"
+    )
     assert torch.equal(bytes_of(q), bytes_of(fp8_of(x, scale))), "not the nearest e4m3 value"
 
 
@@ -1634,7 +1665,10 @@ def test_fp8_quant_saturates_at_448_times_the_scale(scale):
     assert_close(got, torch.cat([want, -want]), atol=0, rtol=0,
                  msg=f"stored values of x = [416, 448, 480, 1000, inf] * {scale} (the clamp "
                  "applies to x / scale, so a value saturates at 448 * scale, not at 448): ")
-    assert torch.isnan(lab.scaled_fp8_quant(torch.tensor([NAN]), scale).float()).all()
+    assert torch.isnan(lab.scaled_fp8_quant(torch.tensor([NAN]), scale).float()).all(), (
+        f"scaled_fp8_quant(NaN) must stay NaN, "
+        f"got {lab.scaled_fp8_quant(torch.tensor([NAN]), scale).float().tolist()}"
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -1643,7 +1677,10 @@ def test_fp8_dequant_multiplies_by_the_scale(dtype):
     grid = grid[torch.isfinite(grid.float())]
     for scale in (1.0, 0.0137, 3.0):
         got = lab.scaled_fp8_dequant(grid, scale, dtype)
-        assert got.dtype == dtype and got.shape == grid.shape
+        assert got.dtype == dtype and got.shape == grid.shape, (
+            f"scaled_fp8_dequant(q, {scale}, {dtype}) must return {dtype} of q's shape "
+            f"{tuple(grid.shape)}, got {got.dtype} {tuple(got.shape)}"
+        )
         assert_close(got, (grid.float() * scale).to(dtype), atol=0, rtol=0,
                      msg=f"scale {scale}: ")
 

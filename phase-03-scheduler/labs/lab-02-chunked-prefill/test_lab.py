@@ -103,14 +103,23 @@ def test_query_start_loc():
     lens = torch.tensor([4, 6], dtype=torch.int32)
     loc = lab.compute_query_start_loc(lens)
     assert loc.dtype == torch.int32, f"query_start_loc must be int32, got {loc.dtype}"
-    assert _ints(loc) == [0, 4, 10]
+    assert _ints(loc) == [0, 4, 10], (
+        f"compute_query_start_loc([4, 6]) must be [0, 4, 10] (a leading 0, then the running "
+        f"sums), got {_ints(loc)}"
+    )
     assert _ints(lens) == [4, 6], "the input was changed"
     assert _ints(lab.compute_query_start_loc(torch.tensor([1, 1, 5, 3], dtype=torch.int32))) == [
-        0, 1, 2, 7, 10]
+        0, 1, 2, 7, 10], (
+        "compute_query_start_loc([1, 1, 5, 3]) must be [0, 1, 2, 7, 10], got "
+        f"{_ints(lab.compute_query_start_loc(torch.tensor([1, 1, 5, 3], dtype=torch.int32)))}"
+    )
 
 
 def test_query_start_loc_of_one_none_and_int64():
-    assert _ints(lab.compute_query_start_loc(torch.tensor([7], dtype=torch.int32))) == [0, 7]
+    assert _ints(lab.compute_query_start_loc(torch.tensor([7], dtype=torch.int32))) == [0, 7], (
+        "compute_query_start_loc([7]) must be [0, 7], got "
+        f"{_ints(lab.compute_query_start_loc(torch.tensor([7], dtype=torch.int32)))}"
+    )
     empty = lab.compute_query_start_loc(torch.tensor([], dtype=torch.int32))
     assert _ints(empty) == [0] and empty.dtype == torch.int32, "no sequences: [0]"
     wide = lab.compute_query_start_loc(torch.tensor([3, 4, 1], dtype=torch.int64))
@@ -130,8 +139,11 @@ def test_slot_mapping_follows_the_block_table():
     req_indices = torch.tensor([0, 0, 0, 1, 1])
     positions = torch.tensor([1, 2, 3, 0, 1])
     slots = lab.compute_slot_mapping(tables, req_indices, positions, 2)
-    assert slots.dtype == torch.int64
-    assert _ints(slots) == [5 * 2 + 1, 9 * 2 + 0, 9 * 2 + 1, 3 * 2 + 0, 3 * 2 + 1]
+    assert slots.dtype == torch.int64, f"compute_slot_mapping must return int64, got {slots.dtype}"
+    assert _ints(slots) == [5 * 2 + 1, 9 * 2 + 0, 9 * 2 + 1, 3 * 2 + 0, 3 * 2 + 1], (
+        f"block size 2, tables [[5, 9], [3, 0]]: slot = table[row][pos // 2] * 2 + pos % 2 "
+        f"gives [11, 18, 19, 6, 7], got {_ints(slots)}"
+    )
 
 
 def test_slot_mapping_of_tokens_in_any_order():
@@ -223,7 +235,10 @@ def test_worked_example_two_prompts_one_split():
         assert not wrong, f"step {step + 1} of the worked example, (got, want): {wrong}"
         for name in ("query_start_loc", "seq_start_loc", "seq_lens", "context_lens"):
             assert getattr(md, name).dtype == torch.int32, name
-        assert md.slot_mapping.dtype == torch.int64
+        assert md.slot_mapping.dtype == torch.int64, (
+            f"step {step + 1} of the worked example: slot_mapping must be int64, "
+            f"got {md.slot_mapping.dtype}"
+        )
 
 
 def _loop_metadata(order, counts, computed, tables, bs):
@@ -275,18 +290,25 @@ def test_metadata_matches_a_token_by_token_computation(seed):
         for name, value in want.items():
             assert _ints(getattr(md, name)) == value, f"{where}: {name}"
         assert md.num_decodes == sum(is_decode), where
-        assert md.num_decode_tokens + md.num_prefill_tokens == so.total_num_scheduled_tokens
+        assert md.num_decode_tokens + md.num_prefill_tokens == so.total_num_scheduled_tokens, (
+            f"{where}: num_decode_tokens {md.num_decode_tokens} + num_prefill_tokens "
+            f"{md.num_prefill_tokens} must be the {so.total_num_scheduled_tokens} tokens scheduled"
+        )
         width = max(len(tracker.blocks[r]) for r in tracker.order)
         assert tuple(md.block_tables.shape) == (len(tracker.order), width), where
         for i, rid in enumerate(tracker.order):
             row = _ints(md.block_tables[i])
             assert row[: len(tracker.blocks[rid])] == tracker.blocks[rid], where
             assert all(b == 0 for b in row[len(tracker.blocks[rid]):]), "pad with the null block"
-        assert len(set(want["slot_mapping"])) == len(want["slot_mapping"])
+        assert len(set(want["slot_mapping"])) == len(want["slot_mapping"]), (
+            f"test premise: {where}: the scheduler's block tables give two tokens one slot"
+        )
         scheduler.update_from_output(so, tracker.sampled(so))
         for rid, n in counts.items():
             tracker.computed[rid] += n
-    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.has_unfinished_requests(), (
+        f"test premise: the reference scheduler left requests unfinished after {steps} steps"
+    )
 
 
 def _hand_batch():
@@ -315,8 +337,13 @@ def test_build_fills_every_field_of_a_hand_made_batch():
         assert got == value, f"{name}: expected {value!r}, got {got!r}"
         if isinstance(value, int):
             assert type(got) is int, f"{name} must be a Python int, got {type(got).__name__}"
-    assert _ints(md.block_tables.flatten()) == [7, 3, 12, 0, 5, 0, 0, 0, 2, 8, 6, 0, 11, 4, 9, 1]
-    assert md.block_tables.dtype == torch.int32
+    assert _ints(md.block_tables.flatten()) == [7, 3, 12, 0, 5, 0, 0, 0, 2, 8, 6, 0, 11, 4, 9, 1], (
+        f"block_tables must be the 4 tables padded with 0 (the null block) to the longest, 4 "
+        f"wide; got {tuple(md.block_tables.shape)} {_ints(md.block_tables.flatten())}"
+    )
+    assert md.block_tables.dtype == torch.int32, (
+        f"block_tables must be int32, got {md.block_tables.dtype}"
+    )
     for name in ("query_start_loc", "seq_start_loc", "query_lens", "seq_lens", "context_lens"):
         assert getattr(md, name).dtype == torch.int32, f"{name} must be int32"
     for name in ("positions", "slot_mapping"):
@@ -336,7 +363,11 @@ def test_build_max_fields_are_0_for_an_empty_group_and_the_threshold_counts():
     # With decode_threshold=3, p1 (3 tokens) is a decode: it must then come before p0.
     md = lab.build_attention_metadata(["d0", "d1", "p1", "p0"], counts, computed, tables, 4,
                                       decode_threshold=3)
-    assert (md.num_decodes, md.num_decode_tokens, md.max_decode_seq_len) == (3, 5, 10)
+    assert (md.num_decodes, md.num_decode_tokens, md.max_decode_seq_len) == (3, 5, 10), (
+        f"decode_threshold=3 makes d0, d1 and p1 (3 tokens) decodes: (num_decodes, "
+        f"num_decode_tokens, max_decode_seq_len) must be (3, 5, 10), got "
+        f"{(md.num_decodes, md.num_decode_tokens, md.max_decode_seq_len)}"
+    )
     with pytest.raises(ValueError):
         lab.build_attention_metadata(order, counts, computed, tables, 4, decode_threshold=3)
         pytest.fail("with decode_threshold=3, p1 is a decode after the prefill p0")
@@ -345,7 +376,10 @@ def test_build_max_fields_are_0_for_an_empty_group_and_the_threshold_counts():
 def test_build_accepts_a_table_that_fits_exactly():
     # Context 3 + query 5 = 8 positions = exactly two blocks of 4.
     md = lab.build_attention_metadata(["a"], {"a": 5}, {"a": 3}, {"a": [6, 2]}, 4)
-    assert _ints(md.slot_mapping) == [6 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3]
+    assert _ints(md.slot_mapping) == [6 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3], (
+        f"context 3 + query 5 in blocks [6, 2] of 4: slots must be [27, 8, 9, 10, 11], "
+        f"got {_ints(md.slot_mapping)}"
+    )
 
 
 def test_build_with_blocks_of_one_token():
@@ -355,7 +389,10 @@ def test_build_with_blocks_of_one_token():
     assert _ints(md.slot_mapping) == [9, 3, 5, 8], (
         f"block_size 1: slots must be the table entries [9, 3, 5, 8], got {_ints(md.slot_mapping)}"
     )
-    assert _ints(md.positions) == [2, 0, 1, 2]
+    assert _ints(md.positions) == [2, 0, 1, 2], (
+        f"positions are context + offset in the query: a (context 2, 1 token), b (context 0, "
+        f"3 tokens) give [2, 0, 1, 2], got {_ints(md.positions)}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -402,14 +439,28 @@ def test_reorder_uses_the_fewest_swaps():
     order = ["p0", "d1", "p2", "d3", "d4"]
     counts = {"p0": 5, "d1": 1, "p2": 9, "d3": 1, "d4": 1}
     same_list = order
-    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is True
+    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is True, (
+        "reorder of ['p0', 'd1', 'p2', 'd3', 'd4'] (d: decode, p: prefill) must swap the decodes "
+        "to the front and return True"
+    )
     assert order is same_list, "reorder in place"
     # d4 (last decode) swaps with p0 (first prefill), d3 with p2; d1 was already in place.
-    assert order == ["d4", "d1", "d3", "p2", "p0"]
-    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is False
+    assert order == ["d4", "d1", "d3", "p2", "p0"], (
+        f"fewest swaps: d4 (last decode) takes p0's place, d3 takes p2's, d1 stays; want "
+        f"['d4', 'd1', 'd3', 'p2', 'p0'], got {order}"
+    )
+    assert lab.reorder_batch_to_split_decodes_and_prefills(order, counts) is False, (
+        "reorder of ['d4', 'd1', 'd3', 'p2', 'p0'], already decodes first, must move nothing "
+        "and return False"
+    )
     same = ["d1", "d3", "p0"]
-    assert lab.reorder_batch_to_split_decodes_and_prefills(same, counts) is False
-    assert same == ["d1", "d3", "p0"]
+    assert lab.reorder_batch_to_split_decodes_and_prefills(same, counts) is False, (
+        "reorder of ['d1', 'd3', 'p0'], already decodes first, must return False"
+    )
+    assert same == ["d1", "d3", "p0"], (
+        f"reorder of ['d1', 'd3', 'p0'], already decodes first, must leave it as it is, "
+        f"got {same}"
+    )
 
 
 def _oracle_reorder(order, counts, threshold=1):
@@ -675,7 +726,10 @@ def test_chunk_does_not_see_its_future():
     s, e = int(md.query_start_loc[-2]), int(md.query_start_loc[-1])
     assert torch.equal(out[:s], out2[:s]), "other sequences changed"
     assert torch.equal(out[s:e - 1], out2[s:e - 1]), f"{rid}: an earlier query saw a later key"
-    assert not torch.equal(out[e - 1], out2[e - 1])
+    assert not torch.equal(out[e - 1], out2[e - 1]), (
+        f"{rid}: changing the key and value at position {last} left the last query row's output "
+        f"unchanged; that row sits at position {last} and must see its own key"
+    )
 
 
 def test_decodes_agree_with_paged_attention_v1():

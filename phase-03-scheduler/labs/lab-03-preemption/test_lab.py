@@ -163,24 +163,53 @@ def test_swap_out_pairs_each_gpu_block_with_its_own_cpu_block():
     mapping = space.swap_out("a", [5, 3, 9])
     assert [g for g, _ in mapping] == [5, 3, 9], "pair i must be logical block i"
     cpu = [c for _, c in mapping]
-    assert len(set(cpu)) == 3 and 0 not in cpu
-    assert all(1 <= c < 8 for c in cpu)
-    assert space.get_num_free_blocks() == 7 - 3
-    assert space.num_swapped_blocks("a") == 3
-    assert [b.block_id for b in space.req_to_cpu_blocks["a"]] == cpu
+    assert len(set(cpu)) == 3 and 0 not in cpu, (
+        f"swap_out of 3 GPU blocks must give 3 distinct CPU blocks, never the null block 0; "
+        f"got CPU blocks {cpu}"
+    )
+    assert all(1 <= c < 8 for c in cpu), (
+        f"CPU block ids lie in 1..7 (a pool of 8, block 0 reserved); got {cpu}: take the CPU "
+        f"blocks from self.block_pool"
+    )
+    assert space.get_num_free_blocks() == 7 - 3, (
+        f"swapping out 3 blocks should leave 4 of 7 CPU blocks free, got "
+        f"{space.get_num_free_blocks()}: take the CPU blocks from self.block_pool"
+    )
+    assert space.num_swapped_blocks("a") == 3, (
+        f"request 'a' should hold 3 CPU blocks, num_swapped_blocks gives "
+        f"{space.num_swapped_blocks('a')}: record them in req_to_cpu_blocks['a']"
+    )
+    assert [b.block_id for b in space.req_to_cpu_blocks["a"]] == cpu, (
+        f"req_to_cpu_blocks['a'] must list the mapping's CPU blocks {cpu} in the same order, got "
+        f"{[b.block_id for b in space.req_to_cpu_blocks.get('a', [])]}"
+    )
     more = space.swap_out("b", [1, 2])
     assert not set(c for _, c in more) & set(cpu), "a CPU block given to two requests"
-    assert space.get_num_free_blocks() == 2
+    assert space.get_num_free_blocks() == 2, (
+        f"3 CPU blocks held by 'a' and 2 by 'b' leave 2 of 7 free, got "
+        f"{space.get_num_free_blocks()}"
+    )
 
 
 def test_swap_out_may_use_every_free_cpu_block_and_free_gives_them_back():
     space = lab.SwapSpace(5)  # 4 usable
     mapping = space.swap_out("a", [10, 11, 12, 13])
-    assert sorted(c for _, c in mapping) == [1, 2, 3, 4]
-    assert space.get_num_free_blocks() == 0 and space.can_swap_out(1) is False
+    assert sorted(c for _, c in mapping) == [1, 2, 3, 4], (
+        f"a pool of 5 CPU blocks has 4 usable, all of which may be used: expected CPU blocks "
+        f"[1, 2, 3, 4], got {sorted(c for _, c in mapping)}"
+    )
+    assert space.get_num_free_blocks() == 0 and space.can_swap_out(1) is False, (
+        f"all 4 usable CPU blocks taken: expected 0 free and can_swap_out(1) False, got "
+        f"{space.get_num_free_blocks()} free, can_swap_out(1)={space.can_swap_out(1)}"
+    )
     space.free("a")  # given: an aborted swapped request drops its CPU blocks
-    assert space.get_num_free_blocks() == 4 and space.num_swapped_blocks("a") == 0
-    assert len(space.swap_out("b", [7, 8, 9, 6])) == 4
+    assert space.get_num_free_blocks() == 4 and space.num_swapped_blocks("a") == 0, (
+        f"the given free('a') frees the blocks in req_to_cpu_blocks['a']: expected 4 free and 0 "
+        f"held, got {space.get_num_free_blocks()} free, {space.num_swapped_blocks('a')} held"
+    )
+    assert len(space.swap_out("b", [7, 8, 9, 6])) == 4, (
+        "after free('a') the 4 CPU blocks are free again: swap_out of 4 blocks gives 4 pairs"
+    )
 
 
 @pytest.mark.parametrize("case, numbers", [("twice", ["req-A"]), ("too-big", ["4", "3"])])
@@ -194,9 +223,18 @@ def test_swap_out_refuses_and_changes_nothing(case, numbers):
             space.swap_out("req-B", [3, 4, 5, 6])
     for number in numbers:
         assert number in str(excinfo.value), f"the message must give {number!r}"
-    assert space.num_swapped_blocks("req-A") == 2
-    assert space.num_swapped_blocks("req-B") == 0 and "req-B" not in space.req_to_cpu_blocks
-    assert space.get_num_free_blocks() == 3
+    assert space.num_swapped_blocks("req-A") == 2, (
+        f"case {case!r}: a refused swap_out changes nothing, req-A still holds 2 CPU blocks; got "
+        f"{space.num_swapped_blocks('req-A')}"
+    )
+    assert space.num_swapped_blocks("req-B") == 0 and "req-B" not in space.req_to_cpu_blocks, (
+        f"case {case!r}: a refused swap_out records nothing for req-B; it holds "
+        f"{space.num_swapped_blocks('req-B')} CPU block(s)"
+    )
+    assert space.get_num_free_blocks() == 3, (
+        f"case {case!r}: a refused swap_out takes no CPU block: 3 free expected, got "
+        f"{space.get_num_free_blocks()}: refuse before allocating"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,10 +270,22 @@ def test_swap_in_of_one_request_leaves_the_others_parked():
     space = lab.SwapSpace(8)
     a = space.swap_out("a", [1, 2])
     b = space.swap_out("b", [3, 4, 5])
-    assert space.swap_in("b", [6, 7, 8]) == [(c, g) for (_, c), g in zip(b, [6, 7, 8])]
-    assert space.num_swapped_blocks("a") == 2 and space.get_num_free_blocks() == 5
-    assert space.swap_in("a", [9, 10]) == [(c, g) for (_, c), g in zip(a, [9, 10])]
-    assert space.get_num_free_blocks() == 7
+    assert space.swap_in("b", [6, 7, 8]) == [(c, g) for (_, c), g in zip(b, [6, 7, 8])], (
+        f"swap_in('b', [6, 7, 8]) must pair b's CPU blocks {[c for _, c in b]}, in order, with "
+        f"GPU blocks 6, 7, 8 as (cpu, gpu)"
+    )
+    assert space.num_swapped_blocks("a") == 2 and space.get_num_free_blocks() == 5, (
+        f"swap_in('b') frees b's 3 CPU blocks, leaving 'a' parked: expected 'a' holding 2 and "
+        f"5 free, got {space.num_swapped_blocks('a')} held, {space.get_num_free_blocks()} free"
+    )
+    assert space.swap_in("a", [9, 10]) == [(c, g) for (_, c), g in zip(a, [9, 10])], (
+        f"swap_in('a', [9, 10]) must pair a's CPU blocks {[c for _, c in a]}, in order, with "
+        f"GPU blocks 9, 10 as (cpu, gpu)"
+    )
+    assert space.get_num_free_blocks() == 7, (
+        f"both requests swapped back in: all 7 CPU blocks free expected, got "
+        f"{space.get_num_free_blocks()}: does swap_in free the request's CPU blocks?"
+    )
 
 
 @pytest.mark.parametrize("case, numbers", [("unknown", ["req-B"]), ("too-few", ["2", "1"]),
@@ -252,9 +302,18 @@ def test_swap_in_refuses_and_changes_nothing(case, numbers):
             space.swap_in("req-A", [7, 8, 9])
     for number in numbers:
         assert number in str(excinfo.value), f"the message must give {number!r}"
-    assert space.num_swapped_blocks("req-A") == 2
-    assert space.get_num_free_blocks() == 3
-    assert space.swap_in("req-A", [7, 8]) == [(c, g) for (_, c), g in zip(mapping, [7, 8])]
+    assert space.num_swapped_blocks("req-A") == 2, (
+        f"case {case!r}: a refused swap_in changes nothing, req-A still holds 2 CPU blocks; got "
+        f"{space.num_swapped_blocks('req-A')}"
+    )
+    assert space.get_num_free_blocks() == 3, (
+        f"case {case!r}: a refused swap_in frees nothing: 3 CPU blocks free expected, got "
+        f"{space.get_num_free_blocks()}: refuse before freeing"
+    )
+    assert space.swap_in("req-A", [7, 8]) == [(c, g) for (_, c), g in zip(mapping, [7, 8])], (
+        f"case {case!r}: after the refusal, swap_in('req-A', [7, 8]) must still pair its CPU "
+        f"blocks {[c for _, c in mapping]} with 7, 8"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,19 +331,49 @@ def test_swap_preemption_keeps_progress_and_moves_the_right_blocks():
     victim_blocks = scheduler.kv_cache_manager.get_block_ids("r2")[0]
     scheduler.update_from_output(so, one_token_each(so))
     so = scheduler.schedule()
-    assert so.preempted_req_ids == ["r2"]
+    assert so.preempted_req_ids == ["r2"], (
+        f"only the newest request r2 should be preempted, got {so.preempted_req_ids} (more "
+        f"victims: does _preempt_by_swap give r2's GPU blocks back?)"
+    )
     victim = requests[2]
-    assert victim.status == RequestStatus.SWAPPED
+    assert victim.status == RequestStatus.SWAPPED, (
+        f"the swapped-out victim r2 should have status SWAPPED, got {victim.status!r}"
+    )
     assert victim.num_computed_tokens == 12, "swapping keeps the computed tokens"
-    assert list(scheduler.swapped) == [victim] and len(scheduler.waiting) == 0
-    assert [g for g, _ in so.blocks_to_swap_out] == victim_blocks
-    assert so.blocks_to_swap_in == []
-    assert len(set(c for _, c in so.blocks_to_swap_out)) == 3
+    assert list(scheduler.swapped) == [victim] and len(scheduler.waiting) == 0, (
+        f"r2 should be parked in swapped, with nobody waiting; swapped "
+        f"{[r.request_id for r in scheduler.swapped]}, waiting "
+        f"{[r.request_id for r in scheduler.waiting]}"
+    )
+    assert [g for g, _ in so.blocks_to_swap_out] == victim_blocks, (
+        f"blocks_to_swap_out should move r2's GPU blocks {victim_blocks} in table order, got "
+        f"{[g for g, _ in so.blocks_to_swap_out]}"
+    )
+    assert so.blocks_to_swap_in == [], (
+        f"nothing is swapped in in the step that swaps r2 out; blocks_to_swap_in "
+        f"{so.blocks_to_swap_in}"
+    )
+    assert len(set(c for _, c in so.blocks_to_swap_out)) == 3, (
+        f"r2's 3 GPU blocks need 3 distinct CPU blocks; blocks_to_swap_out {so.blocks_to_swap_out}"
+    )
     assert [c.block_id for c in scheduler.swap_space.req_to_cpu_blocks["r2"]] == [
-        c for _, c in so.blocks_to_swap_out]
-    assert scheduler.stats.num_blocks_swapped_out == 3
-    assert scheduler.stats.num_swap_preemptions == 1 and victim.num_preemptions == 1
-    assert gpu_free(scheduler) == 1
+        c for _, c in so.blocks_to_swap_out], (
+        f"req_to_cpu_blocks['r2'] must list the CPU blocks of blocks_to_swap_out, in order: "
+        f"{[c for _, c in so.blocks_to_swap_out]}, got "
+        f"{[c.block_id for c in scheduler.swap_space.req_to_cpu_blocks.get('r2', [])]}"
+    )
+    assert scheduler.stats.num_blocks_swapped_out == 3, (
+        f"3 blocks swapped out, stats.num_blocks_swapped_out is "
+        f"{scheduler.stats.num_blocks_swapped_out}: _preempt_by_swap counts them"
+    )
+    assert scheduler.stats.num_swap_preemptions == 1 and victim.num_preemptions == 1, (
+        f"one swap preemption expected: stats.num_swap_preemptions "
+        f"{scheduler.stats.num_swap_preemptions}, r2.num_preemptions {victim.num_preemptions}"
+    )
+    assert gpu_free(scheduler) == 1, (
+        f"r0 and r1 each take one of r2's 3 freed GPU blocks, leaving 1 free; got "
+        f"{gpu_free(scheduler)}: does _preempt_by_swap free the victim's GPU blocks?"
+    )
     check_pools(scheduler)
 
 
@@ -364,23 +453,44 @@ def test_an_aborted_swapped_request_gives_its_cpu_blocks_back():
         scheduler.add_request(request)
         run_by_hand(scheduler, request, 12, outputs=[5])
     swap_out_by_hand(scheduler, requests[1])
-    assert scheduler.swap_space.get_num_free_blocks() == 7 - 3
+    assert scheduler.swap_space.get_num_free_blocks() == 7 - 3, (
+        f"swapping r1 out (3 blocks) should leave 4 of 7 CPU blocks free, got "
+        f"{scheduler.swap_space.get_num_free_blocks()}"
+    )
     scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.swap_space.get_num_free_blocks() == 7
-    assert scheduler.swap_space.num_swapped_blocks("r1") == 0
-    assert list(scheduler.swapped) == [] and "r1" not in scheduler.requests
-    assert requests[1].status == RequestStatus.FINISHED_ABORTED
+    assert scheduler.swap_space.get_num_free_blocks() == 7, (
+        f"aborting the swapped r1 gives its 3 CPU blocks back: 7 free expected, got "
+        f"{scheduler.swap_space.get_num_free_blocks()}"
+    )
+    assert scheduler.swap_space.num_swapped_blocks("r1") == 0, (
+        f"the aborted r1 holds no CPU block, got {scheduler.swap_space.num_swapped_blocks('r1')}"
+    )
+    assert list(scheduler.swapped) == [] and "r1" not in scheduler.requests, (
+        f"the aborted r1 leaves swapped and requests; swapped "
+        f"{[r.request_id for r in scheduler.swapped]}, in requests: {'r1' in scheduler.requests}"
+    )
+    assert requests[1].status == RequestStatus.FINISHED_ABORTED, (
+        f"the aborted r1 should be FINISHED_ABORTED, got {requests[1].status!r}"
+    )
     check_pools(scheduler)
     so = scheduler.schedule()
-    assert "r1" in so.finished_req_ids and so.blocks_to_swap_in == []
+    assert "r1" in so.finished_req_ids and so.blocks_to_swap_in == [], (
+        f"the next step reports r1 finished and swaps nothing in; finished "
+        f"{sorted(so.finished_req_ids)}, blocks_to_swap_in {so.blocks_to_swap_in}"
+    )
     for _ in range(50):  # the others run to the end
         scheduler.update_from_output(so, one_token_each(so))
         check_pools(scheduler)
         if not scheduler.has_unfinished_requests():
             break
         so = scheduler.schedule()
-    assert [r.num_output_tokens for r in requests] == [6, 1, 6]
-    assert scheduler.swap_space.get_num_free_blocks() == 7
+    assert [r.num_output_tokens for r in requests] == [6, 1, 6], (
+        f"r0 and r2 run to their 6 tokens, the aborted r1 keeps its 1; got "
+        f"{[r.num_output_tokens for r in requests]}"
+    )
+    assert scheduler.swap_space.get_num_free_blocks() == 7, (
+        f"at the end all 7 CPU blocks are free, got {scheduler.swap_space.get_num_free_blocks()}"
+    )
 
 
 def test_full_cpu_pool_falls_back_to_recompute():
@@ -391,9 +501,18 @@ def test_full_cpu_pool_falls_back_to_recompute():
     runner = ToyModelRunner(bs, 10, 4)
     run_engine(scheduler, runner, {0: make_requests([(12, 8)] * 4, bs)},
                on_step=lambda s, so, sch: (check_pools(sch), check_kv(runner, sch)))
-    assert scheduler.stats.num_swap_preemptions >= 1
-    assert scheduler.stats.num_recompute_preemptions >= 1
-    assert scheduler.swap_space.get_num_free_blocks() == 3
+    assert scheduler.stats.num_swap_preemptions >= 1, (
+        f"the first victim fits the 3 CPU blocks and is swapped; stats.num_swap_preemptions "
+        f"{scheduler.stats.num_swap_preemptions}"
+    )
+    assert scheduler.stats.num_recompute_preemptions >= 1, (
+        f"with the CPU pool full, later victims are recomputed; stats.num_recompute_preemptions "
+        f"{scheduler.stats.num_recompute_preemptions}"
+    )
+    assert scheduler.swap_space.get_num_free_blocks() == 3, (
+        f"at the end all 3 CPU blocks are free again, got "
+        f"{scheduler.swap_space.get_num_free_blocks()}: does swap_in free the CPU blocks?"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,7 +552,11 @@ def test_swapped_request_resumes_with_exactly_its_kv(upto):
             n = request.num_computed_tokens
             old = runner.requests[rid].block_ids  # the runner has not run this step yet
             snapshots[rid] = (n, runner.cached_kv(old, n), attend(old, n))
-            assert [g for g, _ in so.blocks_to_swap_out][-cdiv(n, bs):] == old[: cdiv(n, bs)]
+            assert [g for g, _ in so.blocks_to_swap_out][-cdiv(n, bs):] == old[: cdiv(n, bs)], (
+                f"{rid} swapped out with {n} computed tokens: its first {cdiv(n, bs)} GPU blocks "
+                f"{old[: cdiv(n, bs)]} must be swapped out in table order, got "
+                f"{[g for g, _ in so.blocks_to_swap_out][-cdiv(n, bs):]}"
+            )
         cached = so.scheduled_cached_reqs
         mro = runner.execute_model(so)
         for i, rid in enumerate(cached.req_ids):
@@ -448,9 +571,18 @@ def test_swapped_request_resumes_with_exactly_its_kv(upto):
         check_pools(scheduler)
         check_kv(runner, scheduler)
     assert resumed, "the workload must swap a request out and back in"
-    assert scheduler.stats.num_swap_preemptions >= 1
-    assert scheduler.stats.num_recompute_preemptions == 0
-    assert not scheduler.has_unfinished_requests()
+    assert scheduler.stats.num_swap_preemptions >= 1, (
+        f"the workload should swap a request out; stats.num_swap_preemptions "
+        f"{scheduler.stats.num_swap_preemptions}"
+    )
+    assert scheduler.stats.num_recompute_preemptions == 0, (
+        f"64 CPU blocks hold every victim, so nobody is recomputed; "
+        f"stats.num_recompute_preemptions {scheduler.stats.num_recompute_preemptions}"
+    )
+    assert not scheduler.has_unfinished_requests(), (
+        f"after 200 steps requests are unfinished: {len(scheduler.running)} running, "
+        f"{len(scheduler.waiting)} waiting, {len(scheduler.swapped)} swapped"
+    )
 
 
 def _one_swapped_and_room(max_num_seqs=8, budget=64):
@@ -476,18 +608,44 @@ def test_resume_pairs_the_cpu_blocks_with_the_first_new_blocks():
     so = scheduler.schedule()
     table = scheduler.kv_cache_manager.get_block_ids("r2")[0]
     assert len(table) == 4, "room for its 12 parked tokens and the new one"
-    assert so.blocks_to_swap_in == [(c, g) for (_, c), g in zip(swapped_out, table[:3])]
-    assert so.num_scheduled_tokens == {"r1": 1, "r2": 1}
+    assert so.blocks_to_swap_in == [(c, g) for (_, c), g in zip(swapped_out, table[:3])], (
+        f"r2's CPU blocks {[c for _, c in swapped_out]} go, in order, into the first 3 blocks "
+        f"of its new table {table}; blocks_to_swap_in {so.blocks_to_swap_in}"
+    )
+    assert so.num_scheduled_tokens == {"r1": 1, "r2": 1}, (
+        f"r1 runs 1 token and the resumed r2 1; num_scheduled_tokens {so.num_scheduled_tokens}"
+    )
     cached = so.scheduled_cached_reqs
-    assert cached.req_ids == ["r1", "r2"]
-    assert cached.resumed_from_preemption == [False, True]
+    assert cached.req_ids == ["r1", "r2"], (
+        f"scheduled_cached_reqs should list r1, then the resumed r2; got {cached.req_ids}"
+    )
+    assert cached.resumed_from_preemption == [False, True], (
+        f"r2 resumes from preemption, r1 does not: expected [False, True], got "
+        f"{cached.resumed_from_preemption}: put r2 in step.scheduled_resumed_reqs"
+    )
     assert cached.new_block_ids[1] == (table,), "a resumed request gets its whole table"
-    assert cached.num_computed_tokens == [12, 12]
-    assert victim.status == RequestStatus.RUNNING and victim.num_computed_tokens == 13
-    assert [r.request_id for r in scheduler.running] == ["r1", "r2"]
-    assert list(scheduler.swapped) == []
-    assert scheduler.stats.num_blocks_swapped_in == 3
-    assert scheduler.swap_space.get_num_free_blocks() == 63
+    assert cached.num_computed_tokens == [12, 12], (
+        f"r1 and r2 both resume from 12 computed tokens, got {cached.num_computed_tokens}"
+    )
+    assert victim.status == RequestStatus.RUNNING and victim.num_computed_tokens == 13, (
+        f"after the step r2 is RUNNING with 13 computed tokens; got {victim.status!r}, "
+        f"{victim.num_computed_tokens}"
+    )
+    assert [r.request_id for r in scheduler.running] == ["r1", "r2"], (
+        f"the resumed r2 joins the back of running: expected ['r1', 'r2'], got "
+        f"{[r.request_id for r in scheduler.running]}"
+    )
+    assert list(scheduler.swapped) == [], (
+        f"r2 has left swapped; swapped still holds {[r.request_id for r in scheduler.swapped]}"
+    )
+    assert scheduler.stats.num_blocks_swapped_in == 3, (
+        f"3 blocks swapped in, stats.num_blocks_swapped_in is "
+        f"{scheduler.stats.num_blocks_swapped_in}: _schedule_swapped counts them"
+    )
+    assert scheduler.swap_space.get_num_free_blocks() == 63, (
+        f"swap_in frees r2's 3 CPU blocks: 63 free expected, got "
+        f"{scheduler.swap_space.get_num_free_blocks()}"
+    )
     check_pools(scheduler)
 
 
@@ -577,9 +735,17 @@ def test_swapped_requests_come_back_before_new_ones():
     run_engine(scheduler, runner, {0: early, 3: [late]}, on_step=on_step)
     resumes = [s for kind, _, s in order if kind == "resume"]
     admit_late = [s for kind, rid, s in order if kind == "admit" and rid == "late"]
-    assert any(kind == "late-waits-behind-swapped" for kind, _, _ in order)
-    assert resumes and admit_late and min(resumes) <= admit_late[0]
-    assert scheduler.swap_space.get_num_free_blocks() == 63
+    assert any(kind == "late-waits-behind-swapped" for kind, _, _ in order), (
+        f"the workload should make 'late' wait while requests are swapped out; it never did "
+        f"(events {order[:6]})"
+    )
+    assert resumes and admit_late and min(resumes) <= admit_late[0], (
+        f"a swapped request resumes before 'late' is admitted: resume steps {resumes[:8]}, "
+        f"'late' admitted at steps {admit_late[:1]}"
+    )
+    assert scheduler.swap_space.get_num_free_blocks() == 63, (
+        f"at the end all 63 CPU blocks are free, got {scheduler.swap_space.get_num_free_blocks()}"
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -615,16 +781,38 @@ def test_swap_recompute_and_no_preemption_agree(seed):
         run_engine(scheduler, runner, arrivals, on_step=on_step)
         results[label] = ([list(r.output_token_ids) for r in requests], scheduler.stats)
         kv = scheduler.kv_cache_manager.block_pool
-        assert kv.get_num_free_blocks() == kv.num_gpu_blocks - 1
+        assert kv.get_num_free_blocks() == kv.num_gpu_blocks - 1, (
+            f"seed {seed}, {label} run: at the end all {kv.num_gpu_blocks - 1} GPU blocks are "
+            f"free, got {kv.get_num_free_blocks()}"
+        )
         if scheduler.swap_space is not None:
-            assert scheduler.swap_space.get_num_free_blocks() == 199
-    assert results["swap"][0] == results["roomy"][0] == results["recompute"][0]
+            assert scheduler.swap_space.get_num_free_blocks() == 199, (
+                f"seed {seed}, {label} run: at the end all 199 CPU blocks are free, got "
+                f"{scheduler.swap_space.get_num_free_blocks()}"
+            )
+    assert results["swap"][0] == results["roomy"][0] == results["recompute"][0], (
+        f"seed {seed}: the swap, recompute and roomy runs must generate the same tokens; they "
+        f"differ (swap == roomy: {results['swap'][0] == results['roomy'][0]}, recompute == roomy: "
+        f"{results['recompute'][0] == results['roomy'][0]})"
+    )
     swap_stats, rec_stats = results["swap"][1], results["recompute"][1]
-    assert results["roomy"][1].num_preemptions == 0
-    assert swap_stats.num_recomputed_tokens == 0
-    assert swap_stats.num_blocks_swapped_out == swap_stats.num_blocks_swapped_in
+    assert results["roomy"][1].num_preemptions == 0, (
+        f"test premise: the roomy run (400 blocks) preempts nobody, but preempted "
+        f"{results['roomy'][1].num_preemptions} times"
+    )
+    assert swap_stats.num_recomputed_tokens == 0, (
+        f"seed {seed}: swap mode with 200 CPU blocks recomputes nothing, but "
+        f"{swap_stats.num_recomputed_tokens} tokens were recomputed"
+    )
+    assert swap_stats.num_blocks_swapped_out == swap_stats.num_blocks_swapped_in, (
+        f"seed {seed}: every block swapped out comes back in: {swap_stats.num_blocks_swapped_out} "
+        f"out, {swap_stats.num_blocks_swapped_in} in"
+    )
     if rec_stats.num_preemptions:
-        assert rec_stats.num_recomputed_tokens > 0
+        assert rec_stats.num_recomputed_tokens > 0, (
+            f"test premise: recompute mode preempted {rec_stats.num_preemptions} times but "
+            f"recomputed no token"
+        )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -653,12 +841,23 @@ def test_aborts_at_any_point_leave_both_pools_clean(seed):
     run_engine(scheduler, runner, {0: requests}, on_step=on_step)
     assert scheduler.stats.num_swap_preemptions > 0, "the workload must swap"
     for request in requests:
-        assert request.is_finished()
+        assert request.is_finished(), (
+            f"seed {seed}: {request.request_id} never finished (status {request.status!r})"
+        )
         if request.status != RequestStatus.FINISHED_ABORTED:
-            assert request.num_output_tokens == request.max_tokens
-    assert scheduler.swap_space.get_num_free_blocks() == 39
+            assert request.num_output_tokens == request.max_tokens, (
+                f"seed {seed}: {request.request_id} (not aborted) generated "
+                f"{request.num_output_tokens} of its {request.max_tokens} tokens"
+            )
+    assert scheduler.swap_space.get_num_free_blocks() == 39, (
+        f"seed {seed}: at the end all 39 CPU blocks are free, got "
+        f"{scheduler.swap_space.get_num_free_blocks()}"
+    )
     pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, (
+        f"seed {seed}: at the end all {pool.num_gpu_blocks - 1} GPU blocks are free, got "
+        f"{pool.get_num_free_blocks()}"
+    )
 
 
 def test_the_two_modes_trade_recompute_for_copies():
@@ -672,8 +871,22 @@ def test_the_two_modes_trade_recompute_for_copies():
         runner = ToyModelRunner(bs, 20, 64, with_kv=False)
         run_engine(scheduler, runner, {0: make_requests([(20, 24)] * 4, bs)})
         stats[mode] = scheduler.stats
-    assert stats["recompute"].num_preemptions > 0 and stats["swap"].num_preemptions > 0
-    assert stats["recompute"].num_recomputed_tokens > 0
-    assert stats["recompute"].num_blocks_swapped_out == 0
-    assert stats["swap"].num_recomputed_tokens == 0
-    assert stats["swap"].num_blocks_swapped_in == stats["swap"].num_blocks_swapped_out > 0
+    assert stats["recompute"].num_preemptions > 0 and stats["swap"].num_preemptions > 0, (
+        f"the workload must preempt in both modes: recompute {stats['recompute'].num_preemptions}"
+        f", swap {stats['swap'].num_preemptions} preemptions"
+    )
+    assert stats["recompute"].num_recomputed_tokens > 0, (
+        "test premise: recompute mode preempts, so it recomputes tokens; it recomputed none"
+    )
+    assert stats["recompute"].num_blocks_swapped_out == 0, (
+        f"test premise: recompute mode swaps nothing out, got "
+        f"{stats['recompute'].num_blocks_swapped_out} blocks"
+    )
+    assert stats["swap"].num_recomputed_tokens == 0, (
+        f"swap mode with 64 CPU blocks recomputes nothing, but "
+        f"{stats['swap'].num_recomputed_tokens} tokens were recomputed"
+    )
+    assert stats["swap"].num_blocks_swapped_in == stats["swap"].num_blocks_swapped_out > 0, (
+        f"swap mode copies every preempted block out and back in: "
+        f"{stats['swap'].num_blocks_swapped_out} out, {stats['swap'].num_blocks_swapped_in} in"
+    )

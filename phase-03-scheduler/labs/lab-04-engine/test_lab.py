@@ -159,19 +159,26 @@ def test_update_states_tracks_new_cached_resumed_and_finished_requests():
     runner = make_runner()
     runner._update_states(sched_output(new=[new_req("a", range(1, 7), [1, 2])]))
     a = runner.requests["a"]
-    assert a.token_ids == [1, 2, 3, 4, 5, 6] and a.block_ids == [1, 2]
-    assert a.num_computed_tokens == 0
+    assert a.token_ids == [1, 2, 3, 4, 5, 6] and a.block_ids == [1, 2], (
+        f"new request a: want tokens [1..6], blocks [1, 2], got {a.token_ids}, {a.block_ids}: "
+        "give each scheduled_new_reqs entry self._new_request_state(new)")
+    assert a.num_computed_tokens == 0, (
+        f"new request a: num_computed_tokens is the scheduler's 0, got {a.num_computed_tokens}")
 
     runner._update_states(sched_output(cached=cached_reqs(("a", False, [3], 6))))
     assert a.block_ids == [1, 2, 3], "new block ids of a running request are appended"
     assert a.num_computed_tokens == 6, "take num_computed_tokens from the scheduler each step"
 
     runner._update_states(sched_output(cached=cached_reqs(("a", False, None, 7))))
-    assert a.block_ids == [1, 2, 3] and a.num_computed_tokens == 7
+    assert a.block_ids == [1, 2, 3] and a.num_computed_tokens == 7, (
+        "new_block_ids None means no new block: want blocks [1, 2, 3], computed 7, got "
+        f"{a.block_ids}, {a.num_computed_tokens}")
 
     runner._update_states(sched_output(cached=cached_reqs(("a", True, [9, 8], 0))))
     assert a.block_ids == [9, 8], "a request resumed after preemption gets a new table"
-    assert a.num_computed_tokens == 0
+    assert a.num_computed_tokens == 0, (
+        "a resumed request takes the scheduler's num_computed_tokens (0), got "
+        f"{a.num_computed_tokens}")
 
     runner._update_states(sched_output(finished=["a"]))
     assert "a" not in runner.requests, "finished requests must be forgotten"
@@ -185,18 +192,28 @@ def test_update_states_edge_cases():
         new=[new_req("a", range(1, 10), [1, 2, 3], computed=8), new_req("b", [4, 5], [4])],
         finished=["never-seen"],
     ))
-    assert runner.requests["a"].num_computed_tokens == 8
+    assert runner.requests["a"].num_computed_tokens == 8, (
+        "a new request starts at its prefix-cache hit: num_computed_tokens 8, got "
+        f"{runner.requests['a'].num_computed_tokens}: take it from the NewRequestData")
     runner.requests["b"].token_ids.append(33)
     runner._update_states(sched_output(
         cached=cached_reqs(("b", True, None, 0), ("a", False, [5], 9)), finished=["ghost"],
     ))
-    assert runner.requests["b"].block_ids == [] and runner.requests["b"].num_computed_tokens == 0
+    assert runner.requests["b"].block_ids == [] and runner.requests["b"].num_computed_tokens == 0, (
+        "b resumed with new_block_ids None: want an empty table and 0 computed, got "
+        f"{runner.requests['b'].block_ids}, {runner.requests['b'].num_computed_tokens}")
     assert runner.requests["b"].token_ids == [4, 5, 33], "the runner's samples are kept"
-    assert runner.requests["a"].block_ids == [1, 2, 3, 5]
-    assert runner.requests["a"].num_computed_tokens == 9
+    assert runner.requests["a"].block_ids == [1, 2, 3, 5], (
+        "a running request's new block ids [5] are appended: want [1, 2, 3, 5], got "
+        f"{runner.requests['a'].block_ids}")
+    assert runner.requests["a"].num_computed_tokens == 9, (
+        "take num_computed_tokens from the scheduler (9), got "
+        f"{runner.requests['a'].num_computed_tokens}")
     # finished and new in one step: the old record goes, the new one is the new request's
     runner._update_states(sched_output(new=[new_req("c", [7], [6])], finished=["a", "b"]))
-    assert sorted(runner.requests) == ["c"]
+    assert sorted(runner.requests) == ["c"], (
+        "finished a, b must go and new c come in the same step: want ['c'], got "
+        f"{sorted(runner.requests)}")
 
 
 # ----------------------------------------------------------------------------- task 2
@@ -217,20 +234,33 @@ def test_prepare_inputs_orders_decodes_first_and_slices_each_request():
     )
     input_ids, meta = runner._prepare_inputs(so)
     assert meta.req_ids == ["a", "b"], "decodes first"
-    assert runner.batch_req_ids == ["a", "b"]
-    assert input_ids.dtype == torch.long
-    assert input_ids.tolist() == [16, 20, 21, 22]
-    assert meta.positions.tolist() == [6, 0, 1, 2]
+    assert runner.batch_req_ids == ["a", "b"], (
+        "self.batch_req_ids must be this step's batch order ['a', 'b'], got "
+        f"{runner.batch_req_ids}")
+    assert input_ids.dtype == torch.long, (
+        f"input_ids must be int64 (torch.long), got {input_ids.dtype}")
+    assert input_ids.tolist() == [16, 20, 21, 22], (
+        "input_ids: a's 1 token from its num_computed_tokens (16), then b's first 3: want "
+        f"[16, 20, 21, 22], got {input_ids.tolist()}")
+    assert meta.positions.tolist() == [6, 0, 1, 2], (
+        f"positions: want [6, 0, 1, 2], got {meta.positions.tolist()}: pass each record's "
+        "num_computed_tokens to build_attention_metadata")
     # a: position 6 -> block table [1, 2], block 1 (id 2), offset 2 -> slot 10.
-    assert meta.slot_mapping.tolist() == [10, 20, 21, 22]
+    assert meta.slot_mapping.tolist() == [10, 20, 21, 22], (
+        f"slot_mapping: want [10, 20, 21, 22], got {meta.slot_mapping.tolist()}: pass each "
+        "record's block_ids to build_attention_metadata")
 
     # Next step: b continues its prefill at position 3 (the chunk after the first three).
     runner._update_states(sched_output(cached=cached_reqs(("b", False, None, 3))))
     so = sched_output(cached=cached_reqs(("b", False, None, 3)), num_scheduled={"b": 2})
     input_ids, meta = runner._prepare_inputs(so)
-    assert input_ids.tolist() == [23, 24]
-    assert meta.positions.tolist() == [3, 4]
-    assert meta.context_lens.tolist() == [3]
+    assert input_ids.tolist() == [23, 24], (
+        "b's second chunk starts at its num_computed_tokens 3: want input_ids [23, 24], got "
+        f"{input_ids.tolist()}")
+    assert meta.positions.tolist() == [3, 4], (
+        f"b's second chunk: want positions [3, 4], got {meta.positions.tolist()}")
+    assert meta.context_lens.tolist() == [3], (
+        f"b's second chunk: want context_lens [3], got {meta.context_lens.tolist()}")
     assert runner.batch_req_ids == ["b"], "only the scheduled requests"
 
 
@@ -249,12 +279,21 @@ def test_batch_order_is_kept_from_the_previous_step_then_made_decodes_first():
     cached = cached_reqs(("a", False, None, 4), ("c", False, None, 3))
     runner._update_states(sched_output(new=new, cached=cached))
     so = sched_output(new=new, cached=cached, num_scheduled={"a": 1, "b": 1, "c": 3, "d": 2})
-    assert so.scheduled_req_ids == ["d", "b", "a", "c"]
+    assert so.scheduled_req_ids == ["d", "b", "a", "c"], (
+        "test premise: SchedulerOutput.scheduled_req_ids should be new then cached, got "
+        f"{so.scheduled_req_ids}")
     input_ids, meta = runner._prepare_inputs(so)
-    assert meta.req_ids == ["b", "a", "d", "c"]
-    assert runner.batch_req_ids == ["b", "a", "d", "c"]
-    assert input_ids.tolist() == [14, 40, 12, 13, 8, 9, 10]
-    assert meta.positions.tolist() == [0, 4, 0, 1, 3, 4, 5]
+    assert meta.req_ids == ["b", "a", "d", "c"], (
+        "want batch ['b', 'a', 'd', 'c'] (kept order c, a, newcomers d, b, then "
+        f"reorder_batch_to_split_decodes_and_prefills), got {meta.req_ids}")
+    assert runner.batch_req_ids == ["b", "a", "d", "c"], (
+        "self.batch_req_ids must be the reordered batch ['b', 'a', 'd', 'c'], got "
+        f"{runner.batch_req_ids}")
+    assert input_ids.tolist() == [14, 40, 12, 13, 8, 9, 10], (
+        "input_ids in batch order [b, a, d, c], each from its num_computed_tokens: want "
+        f"[14, 40, 12, 13, 8, 9, 10], got {input_ids.tolist()}")
+    assert meta.positions.tolist() == [0, 4, 0, 1, 3, 4, 5], (
+        f"positions in batch order: want [0, 4, 0, 1, 3, 4, 5], got {meta.positions.tolist()}")
     assert runner.requests["a"].token_ids == [1, 2, 3, 4, 40], "preparing changes no record"
 
 
@@ -277,10 +316,16 @@ def test_sample_uses_the_last_row_and_skips_requests_mid_prefill():
     sampled = runner._sample(hidden, meta)
     logits = tiny_model().compute_logits(hidden)
     want_a, want_c = int(logits[2].argmax()), int(logits[9].argmax())
-    assert sampled == [[want_a], [], [want_c]]
-    assert runner.requests["a"].token_ids == [1, 2, 3, want_a]
+    assert sampled == [[want_a], [], [want_c]], (
+        f"want [[{want_a}], [], [{want_c}]] (a and c from their last rows 2 and 9, b "
+        f"mid-prefill samples nothing), got {sampled}")
+    assert runner.requests["a"].token_ids == [1, 2, 3, want_a], (
+        f"a's sampled token is appended to its record: want [1, 2, 3, {want_a}], got "
+        f"{runner.requests['a'].token_ids}")
     assert runner.requests["b"].token_ids == [4, 5, 6, 7, 8], "no token mid-prefill"
-    assert runner.requests["c"].token_ids == [9, 10, 11, 12, want_c]
+    assert runner.requests["c"].token_ids == [9, 10, 11, 12, want_c], (
+        f"c's sampled token is appended to its record: want [9, 10, 11, 12, {want_c}], got "
+        f"{runner.requests['c'].token_ids}")
 
 
 def test_sample_hands_its_rows_to_the_given_logprob_gathering():
@@ -302,8 +347,12 @@ def test_sample_hands_its_rows_to_the_given_logprob_gathering():
         "states and the drawn tokens to self._gather_sample_logprobs(logits, states, tokens)")
     want = torch.log_softmax(tiny_model().compute_logits(hidden[9:10]).double(), -1)[0]
     (ids,), (values,), _ = runner.step_logprobs["c"]
-    assert ids[0] == sampled[2][0] and ids[1:] == want.topk(2).indices.tolist()
-    assert values == pytest.approx(want[ids].tolist(), abs=1e-4)
+    assert ids[0] == sampled[2][0] and ids[1:] == want.topk(2).indices.tolist(), (
+        f"c's logprob ids {ids}: want its drawn token {sampled[2]} then the top 2 "
+        f"{want.topk(2).indices.tolist()} of its last row (9): pass the sampling rows' logits")
+    assert values == pytest.approx(want[ids].tolist(), abs=1e-4), (
+        f"c's log-probabilities {[round(v, 4) for v in values]} are not the log_softmax of "
+        "its own logits row (row 9): pass _gather_sample_logprobs the sampling rows' logits")
 
 
 def test_sample_logprobs_are_the_drawn_tokens_not_the_likeliest():
@@ -322,7 +371,9 @@ def test_sample_logprobs_are_the_drawn_tokens_not_the_likeliest():
     assert ids[0] == token, (
         f"the first log-probability is of token {ids[0]}, but the request drew {token}: pass "
         "the sampler's drawn tokens to self._gather_sample_logprobs, not the likeliest ones")
-    assert values[0] == pytest.approx(float(want[token]), abs=1e-4)
+    assert values[0] == pytest.approx(float(want[token]), abs=1e-4), (
+        f"drawn token {token}: log-probability {values[0]:.4f}, want {float(want[token]):.4f}, "
+        "the log_softmax of its last row's raw logits (row 3, before temperature)")
 
 
 def _seeded(rid, tokens, blocks, **params):
@@ -346,7 +397,8 @@ def test_a_seeded_request_draws_from_its_own_generator_only_when_it_samples():
     a.requests["o"].sampling_params = lab.SamplingParams(temperature=1.0)
     meta = lab.build_attention_metadata(["o", "s"], {"o": 2, "s": 3}, {"o": 0, "s": 0},
                                         {"o": [1], "s": [2, 3]}, 4)
-    assert a._sample(hidden[:5], meta)[1] == []
+    assert a._sample(hidden[:5], meta)[1] == [], (
+        "s computes 3 of its 5 prompt tokens: it samples nothing ([]) in this step")
     a.requests["s"].num_computed_tokens = 3
     meta = lab.build_attention_metadata(["s"], {"s": 2}, {"s": 3}, {"s": [2, 3]}, 4)
     token_a = a._sample(hidden[5:7], meta)
@@ -355,7 +407,9 @@ def test_a_seeded_request_draws_from_its_own_generator_only_when_it_samples():
     meta = lab.build_attention_metadata(["s"], {"s": 5}, {"s": 0}, {"s": [2, 3]}, 4)
     rows = torch.cat([hidden[:3], hidden[5:7]])
     token_b = b._sample(rows, meta)
-    assert token_a == token_b
+    assert token_a == token_b, (
+        f"seeded s drew {token_a} in two chunks beside another request, {token_b} alone: sample "
+        "only when it reaches its last token, from that row, with its own state.generator")
 
 
 def test_min_tokens_bans_the_stop_tokens_while_it_holds():
@@ -368,11 +422,17 @@ def test_min_tokens_bans_the_stop_tokens_while_it_holds():
     runner._update_states(sched_output(new=[_seeded(
         "r", [9], [1], temperature=0.0, min_tokens=2, stop_token_ids=[best])]))
     meta = lab.build_attention_metadata(["r"], {"r": 1}, {"r": 0}, {"r": [1]}, 4)
-    assert runner._sample(hidden, meta) == [[second]]
-    assert runner.requests["r"].token_ids == [9, second]
+    assert runner._sample(hidden, meta) == [[second]], (
+        f"min_tokens 2 not reached: stop token {best} must be banned, want [[{second}]]: pass "
+        "self._stop_token_ids(state) as the banned tokens")
+    assert runner.requests["r"].token_ids == [9, second], (
+        f"the sampled token is appended to the record: want [9, {second}], got "
+        f"{runner.requests['r'].token_ids}")
     runner.requests["r"].token_ids.append(second)  # 2 output tokens: min_tokens is reached
     meta = lab.build_attention_metadata(["r"], {"r": 1}, {"r": 2}, {"r": [1]}, 4)
-    assert runner._sample(hidden, meta) == [[best]]
+    assert runner._sample(hidden, meta) == [[best]], (
+        f"min_tokens reached: stop token {best} is allowed again, want [[{best}]]: ban "
+        "self._stop_token_ids(state) of this step, not the stop tokens always")
 
 
 # ----------------------------------------------------------------------------- task 4
@@ -398,9 +458,14 @@ def test_your_runner_with_the_reference_loop_equals_full_recomputation(name):
     if name.startswith("preempt"):
         assert scheduler.stats.num_preemptions > 0, "this configuration is meant to preempt"
     if name == "preempt-swap":
-        assert runner.stats.num_blocks_swapped_in > 0
-    assert runner.stats.num_forward_passes == scheduler.stats.num_steps
-    assert runner.stats.num_tokens_computed > 0
+        assert runner.stats.num_blocks_swapped_in > 0, (
+            f"{name}: the runner swapped no block back in: does execute_model call "
+            "self._execute_block_ops(scheduler_output)?")
+    assert runner.stats.num_forward_passes == scheduler.stats.num_steps, (
+        f"{name}: {runner.stats.num_forward_passes} forward passes over "
+        f"{scheduler.stats.num_steps} scheduler steps: one model run, one self._account(meta) each")
+    assert runner.stats.num_tokens_computed > 0, (
+        f"{name}: no token counted as computed: call self._account(meta) when the model runs")
 
 
 def test_a_step_that_schedules_nothing_still_applies_the_diff_and_the_copies():
@@ -415,11 +480,19 @@ def test_a_step_that_schedules_nothing_still_applies_the_diff_and_the_copies():
     so = sched_output(finished=["a"])
     so.blocks_to_swap_out = [(2, 1), (3, 2)]
     out = runner.execute_model(so)
-    assert out.req_ids == [] and out.sampled_token_ids == [] and out.req_id_to_index == {}
-    assert "a" not in runner.requests and "b" in runner.requests
+    assert out.req_ids == [] and out.sampled_token_ids == [] and out.req_id_to_index == {}, (
+        "a step with no token scheduled returns an empty ModelRunnerOutput, got ids "
+        f"{out.req_ids}, tokens {out.sampled_token_ids}, index {out.req_id_to_index}")
+    assert "a" not in runner.requests and "b" in runner.requests, (
+        "with no token scheduled the diff still applies: want a gone, b kept, got "
+        f"{sorted(runner.requests)}")
     cpu_key, cpu_value = runner.cpu_kv_caches[0]
-    assert torch.equal(cpu_key[1], key[2]) and torch.equal(cpu_value[2], value[3])
-    assert runner.stats.num_forward_passes == 0 and runner.stats.num_blocks_swapped_out == 2
+    assert torch.equal(cpu_key[1], key[2]) and torch.equal(cpu_value[2], value[3]), (
+        "b's blocks 2, 3 were not swapped out to CPU blocks 1, 2: call "
+        "self._execute_block_ops(so) also when nothing is scheduled")
+    assert runner.stats.num_forward_passes == 0 and runner.stats.num_blocks_swapped_out == 2, (
+        "want 0 forward passes and 2 blocks swapped out, got "
+        f"{runner.stats.num_forward_passes} and {runner.stats.num_blocks_swapped_out}")
 
 
 def test_execute_model_answers_in_batch_order():
@@ -428,11 +501,21 @@ def test_execute_model_answers_in_batch_order():
     so = sched_output(new=new, num_scheduled={"p": 7, "q": 1})
     out = runner.execute_model(so)
     assert out.req_ids == ["q", "p"] == runner.batch_req_ids, "decodes (one token) first"
-    assert out.req_id_to_index == {"q": 0, "p": 1}
-    assert [len(t) for t in out.sampled_token_ids] == [1, 1]
-    assert runner.requests["p"].token_ids[-1] == out.sampled_token_ids[1][0]
-    assert out.sampled_token_ids[1] == [reference(tuple(range(1, 8)), 1)[0]]
-    assert runner.stats.num_forward_passes == 1 and runner.stats.num_tokens_computed == 8
+    assert out.req_id_to_index == {"q": 0, "p": 1}, (
+        f"req_id_to_index maps each id to its batch position: want {{'q': 0, 'p': 1}}, got "
+        f"{out.req_id_to_index}")
+    assert [len(t) for t in out.sampled_token_ids] == [1, 1], (
+        "q and p both finish their prompts and sample one token each, got "
+        f"{out.sampled_token_ids}")
+    assert runner.requests["p"].token_ids[-1] == out.sampled_token_ids[1][0], (
+        f"p's record ends with {runner.requests['p'].token_ids[-1:]}, the output says "
+        f"{out.sampled_token_ids[1]}: append each sampled token to its record")
+    assert out.sampled_token_ids[1] == [reference(tuple(range(1, 8)), 1)[0]], (
+        f"p's token: want {[reference(tuple(range(1, 8)), 1)[0]]} (greedy after its 7-token "
+        f"prompt), got {out.sampled_token_ids[1]}: sample p from its last token's row")
+    assert runner.stats.num_forward_passes == 1 and runner.stats.num_tokens_computed == 8, (
+        "one step over 8 tokens: want 1 forward pass and 8 tokens, got "
+        f"{runner.stats.num_forward_passes} and {runner.stats.num_tokens_computed}")
 
 
 def test_execute_model_attaches_the_steps_logprobs():
@@ -447,12 +530,20 @@ def test_execute_model_attaches_the_steps_logprobs():
         "return self._with_logprobs(output, hidden, meta) from execute_model")
     want = torch.log_softmax(tiny_model().forward_reference(torch.tensor(prompt)).double(), -1)
     (ids,), (values,), _ = out.logprobs["p"]
-    assert ids[0] == out.sampled_token_ids[1][0] and len(ids) == 4
-    assert values == pytest.approx(want[-1, ids].tolist(), abs=1e-4)
+    assert ids[0] == out.sampled_token_ids[1][0] and len(ids) == 4, (
+        f"p asked for 3 logprobs: want its drawn token {out.sampled_token_ids[1]} then 3 more, "
+        f"got ids {ids}")
+    assert values == pytest.approx(want[-1, ids].tolist(), abs=1e-4), (
+        f"p's log-probabilities {[round(v, 4) for v in values]} are not the log_softmax of "
+        "its last prompt row's logits")
     first, rows = out.prompt_logprobs_dict["p"]
-    assert first == 1 and [r[0] for r in rows.logprob_token_ids] == prompt[1:]
+    assert first == 1 and [r[0] for r in rows.logprob_token_ids] == prompt[1:], (
+        f"p's prompt logprobs: want first position 1 and tokens {prompt[1:]}, got {first}, "
+        f"{[r[0] for r in rows.logprob_token_ids]}: pass the whole hidden and meta")
     sample, prompt_rows = runner.take_logprobs()
-    assert list(sample) == ["p"] and list(prompt_rows) == ["p"]
+    assert list(sample) == ["p"] and list(prompt_rows) == ["p"], (
+        f"take_logprobs() gave ids {list(sample)}, {list(prompt_rows)}, want ['p'] each: "
+        "return self._with_logprobs(output, hidden, meta) from execute_model")
 
 
 # ----------------------------------------------------------------------------- task 5
@@ -470,7 +561,9 @@ def test_greedy_generation_equals_full_recomputation(name):
     if name.startswith("preempt"):
         assert stats.num_preemptions > 0, "this configuration is meant to preempt"
     if name == "preempt-swap":
-        assert stats.num_blocks_swapped_in > 0
+        assert stats.num_blocks_swapped_in > 0, (
+            "preempt-swap: the scheduler swapped no block back in "
+            f"({stats.num_blocks_swapped_in}); this configuration is meant to swap out and back in")
     if name == "chunked-prefill":
         assert engine.prefix_cache_hits > 0, "call self._record_stats() in step()"
 
@@ -485,16 +578,25 @@ def test_finished_requests_leave_the_runner():
     second = engine.make_request("second", prompts()[1], params)
     engine.add_request(second)
     step_until_done(engine)
-    assert list(second.output_token_ids) == reference(tuple(prompts()[1]), 3)
-    assert "first" not in engine.model_runner.requests
+    assert list(second.output_token_ids) == reference(tuple(prompts()[1]), 3), (
+        f"second request after the first finished: got {list(second.output_token_ids)}, want "
+        f"{reference(tuple(prompts()[1]), 3)}")
+    assert "first" not in engine.model_runner.requests, (
+        "the finished request 'first' is still in the runner: _update_states must drop "
+        "every id of finished_req_ids")
 
 
 def test_step_without_requests_does_nothing():
     engine = lab.EngineCore(tiny_model(), lab.SchedulerConfig(block_size=4, num_gpu_blocks=8),
                             eos_token_id=None)
-    assert engine.step() == []
-    assert engine.scheduler.stats.num_steps == 0
-    assert engine.model_runner.stats.num_forward_passes == 0
+    assert engine.step() == [], (
+        "step() with no unfinished request must return [] and do nothing else")
+    assert engine.scheduler.stats.num_steps == 0, (
+        "an idle step must not call schedule(): the scheduler counted "
+        f"{engine.scheduler.stats.num_steps} steps")
+    assert engine.model_runner.stats.num_forward_passes == 0, (
+        f"an idle step runs no model: got {engine.model_runner.stats.num_forward_passes} "
+        "forward passes")
 
 
 def test_step_returns_the_news_and_records_the_statistics():
@@ -508,17 +610,33 @@ def test_step_returns_the_news_and_records_the_statistics():
     want = reference(tuple(p), 2)
     outputs = engine.step()
     assert [(o.request_id, o.new_token_ids, o.finished) for o in outputs] == [("a", want[:1],
-                                                                                False)]
-    assert engine.scheduler.stats.num_steps == 1
-    assert engine.model_runner.stats.num_forward_passes == 1
-    assert engine.peak_blocks_in_use == 6  # 23 prompt tokens + 1 = 6 blocks of 4
+                                                                                False)], (
+        f"first step: want [('a', {want[:1]}, False)], got "
+        f"{[(o.request_id, o.new_token_ids, o.finished) for o in outputs]}: return "
+        "update_from_output's outputs")
+    assert engine.scheduler.stats.num_steps == 1, (
+        "one step() calls schedule() once, the scheduler counted "
+        f"{engine.scheduler.stats.num_steps} steps")
+    assert engine.model_runner.stats.num_forward_passes == 1, (
+        f"one step() runs the model once, got {engine.model_runner.stats.num_forward_passes} "
+        "forward passes")
+    assert engine.peak_blocks_in_use == 6, (  # 23 prompt tokens + 1 = 6 blocks of 4
+        "peak_blocks_in_use should be 6 (24 tokens in blocks of 4), got "
+        f"{engine.peak_blocks_in_use}: does step() call self._record_stats()?")
     outputs = engine.step()
     assert [(o.request_id, o.new_token_ids, o.finished) for o in outputs] == [("a", want[1:],
-                                                                                True)]
+                                                                                True)], (
+        f"second step: want [('a', {want[1:]}, True)], got "
+        f"{[(o.request_id, o.new_token_ids, o.finished) for o in outputs]}: return "
+        "update_from_output's outputs")
     engine.add_request(engine.make_request("b", p, params))  # the same prompt: 5 blocks hit
     engine.step()
-    assert engine.prefix_cache_hits == 20
-    assert engine.prefix_cache_queries == 2 * 23
+    assert engine.prefix_cache_hits == 20, (
+        f"the same prompt again hits 5 full blocks (20 tokens), got {engine.prefix_cache_hits}"
+        ": does step() call self._record_stats() after every step?")
+    assert engine.prefix_cache_queries == 2 * 23, (
+        "two 23-token prompts make 46 prefix-cache queries, got "
+        f"{engine.prefix_cache_queries}: does step() call self._record_stats() once per step?")
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():
@@ -530,12 +648,16 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     _, alone = run_engine([p[1]], seeded, block_size=4, num_gpu_blocks=64)
     _, batched = run_engine(p, [other, seeded, other, other, other],
                             block_size=4, num_gpu_blocks=12, max_num_batched_tokens=12)
-    assert batched[1] == alone[0]
+    assert batched[1] == alone[0], (
+        f"seeded r1 alone drew {alone[0]}, in a batch with preemption {batched[1]}: it must "
+        "draw from its own state.generator only")
     # And the seed matters: a different seed gives a different sequence here.
     _, other_seed = run_engine([p[1]], lab.SamplingParams(
         temperature=1.0, top_k=20, seed=99, max_tokens=MAX_TOKENS), block_size=4,
         num_gpu_blocks=64)
-    assert other_seed[0] != alone[0]
+    assert other_seed[0] != alone[0], (
+        f"seeds 1234 and 99 drew the same tokens {alone[0]}: the seeded request must draw "
+        "from its own generator")
 
 
 def test_min_tokens_holds_back_stop_tokens():
@@ -562,7 +684,8 @@ def test_beam_score_divides_by_the_whole_length_without_a_final_eos():
     assert score([5, 6, 7, 9], -3.0, None, 1.0) == pytest.approx(-0.75), "no EOS id: all count"
     assert score([1, 2, 3, 9], -3.0, 9, 0.0) == pytest.approx(-3.0), "penalty 0: the sum alone"
     assert score([1, 2, 9], -4.0, 9, 2.0) == pytest.approx(-1.0), "length ** length_penalty"
-    assert score([1, 2, 3, 4], -2.0, 9, -1.0) == pytest.approx(-8.0)
+    assert score([1, 2, 3, 4], -2.0, 9, -1.0) == pytest.approx(-8.0), (
+        f"length_penalty -1: -2.0 / 4 ** -1 = -8.0, got {score([1, 2, 3, 4], -2.0, 9, -1.0)}")
 
 
 def test_the_sort_key_scores_the_whole_sequence_prompt_included():
@@ -571,9 +694,15 @@ def test_the_sort_key_scores_the_whole_sequence_prompt_included():
     assert lab.create_sort_beams_key_function(9, 1.0)(beam) == pytest.approx(-1.0), (
         "the length counts the prompt too: 5 tokens here, not the 2 generated")
     ended = lab.BeamSearchSequence(tokens=[1, 2, 3, 4, 9], logprobs=[{}, {}], cum_logprob=-2.0)
-    assert lab.create_sort_beams_key_function(9, 1.0)(ended) == pytest.approx(-0.5)
-    assert lab.create_sort_beams_key_function(9, 2.0)(beam) == pytest.approx(-0.2)
-    assert lab.create_sort_beams_key_function(None, 1.0)(ended) == pytest.approx(-0.4)
+    assert lab.create_sort_beams_key_function(9, 1.0)(ended) == pytest.approx(-0.5), (
+        "a final EOS is not counted: -2.0 / 4 = -0.5, got "
+        f"{lab.create_sort_beams_key_function(9, 1.0)(ended)}")
+    assert lab.create_sort_beams_key_function(9, 2.0)(beam) == pytest.approx(-0.2), (
+        "length_penalty 2: -5.0 / 5 ** 2 = -0.2, got "
+        f"{lab.create_sort_beams_key_function(9, 2.0)(beam)}: is length_penalty passed on?")
+    assert lab.create_sort_beams_key_function(None, 1.0)(ended) == pytest.approx(-0.4), (
+        "eos_token_id None: every token counts, -2.0 / 5 = -0.4, got "
+        f"{lab.create_sort_beams_key_function(None, 1.0)(ended)}")
 
 
 # ----------------------------------------------------------------------------- task 7
@@ -641,17 +770,25 @@ def test_expand_beams_makes_each_beams_children_and_completes_eos():
     assert [(x.tokens, x.cum_logprob) for x in inst.completed] == [
         ([7, 1, BEAM_EOS], pytest.approx(-0.8)), ([7, 2, BEAM_EOS], pytest.approx(-1.4))], (
         "a child ending in EOS goes to instance.completed, in the order made")
-    assert inst.beams[0].logprobs == [{}, ans_a] and inst.beams[1].logprobs == [{}, ans_b]
+    assert inst.beams[0].logprobs == [{}, ans_a] and inst.beams[1].logprobs == [{}, ans_b], (
+        "each child's logprobs is its parent's list plus its parent's answer dict "
+        f"(lengths {[len(x.logprobs) for x in inst.beams]}, want [2, 2])")
     assert a.tokens == [7, 1] and a.logprobs == [{}] and a.cum_logprob == -0.5, (
         "the parent is left as it was")
-    assert inst.history == [[[7, 1, 4], [7, 2, 4]]]
+    assert inst.history == [[[7, 1, 4], [7, 2, 4]]], (
+        "history gets one entry per step, the new live beams' tokens in rank order: want "
+        f"[[[7, 1, 4], [7, 2, 4]]], got {inst.history}")
 
 
 def test_expand_beams_with_ignore_eos_keeps_eos_children_live():
     inst = lab.BeamSearchInstance([7])
     lab.expand_beams(inst, [{BEAM_EOS: lp(-0.1), 4: lp(-0.2)}], 2, BEAM_EOS, True,
                      oracle_key(BEAM_EOS, 1.0))
-    assert [x.tokens for x in inst.beams] == [[7, BEAM_EOS], [7, 4]] and inst.completed == []
+    assert [x.tokens for x in inst.beams] == [[7, BEAM_EOS], [7, 4]] and inst.completed == [], (
+        f"want live [[7, 3], [7, 4]], completed [], got {[x.tokens for x in inst.beams]}, "
+        f"{[x.tokens for x in inst.completed]}: both score -0.1, so swapped means your sort "
+        "reverses ties (keep the order made: sorted(..., reverse=True), not [::-1]); "
+        "[7, 3] in completed means ignore_eos is not honoured")
 
 
 def test_expand_beams_refuses_an_answer_count_that_is_not_the_beam_count():
@@ -660,7 +797,9 @@ def test_expand_beams_refuses_an_answer_count_that_is_not_the_beam_count():
         lab.expand_beams(inst, [{4: lp(-0.1)}, {5: lp(-0.2)}], 2, BEAM_EOS, False,
                          oracle_key(BEAM_EOS, 1.0))
     assert "1" in str(err.value) and "2" in str(err.value), "name both counts"
-    assert [x.tokens for x in inst.beams] == [[7]] and inst.history == []
+    assert [x.tokens for x in inst.beams] == [[7]] and inst.history == [], (
+        "a refused step changes nothing: want beams [[7]], history [], got "
+        f"{[x.tokens for x in inst.beams]}, {inst.history}: raise before touching the instance")
 
 
 def test_finish_beams_ranks_completed_and_live_beams_together():
@@ -673,7 +812,8 @@ def test_finish_beams_ranks_completed_and_live_beams_together():
     out = lab.finish_beams(inst, 2, oracle_key(BEAM_EOS, 1.0))
     assert [x.tokens for x in out.sequences] == [[7, 2, 4, 5], [7, 1, BEAM_EOS]], (
         "a completed beam competes with the live ones for the final ranking")
-    assert out.beam_history == inst.history
+    assert out.beam_history == inst.history, (
+        f"beam_history must be instance.history, got {out.beam_history}")
 
 
 CASES = [  # (width, length_penalty, ignore_eos)
@@ -696,7 +836,11 @@ def test_beam_search_on_a_table_equals_brute_force(width, length_penalty, ignore
         assert got == [t[len(prompt):] for t, _ in want], (
             f"width {width}, length_penalty {length_penalty}, ignore_eos {ignore_eos}, prompt "
             f"{i} {prompt}: your beams {got}, brute force {[t[len(prompt):] for t, _ in want]}")
-        assert [x.cum_logprob for x in out.sequences] == pytest.approx([c for _, c in want])
+        assert [x.cum_logprob for x in out.sequences] == pytest.approx([c for _, c in want]), (
+            f"width {width}, prompt {i}: same beams, but cum_logprobs "
+            f"{[round(x.cum_logprob, 4) for x in out.sequences]} vs "
+            f"{[round(c, 4) for _, c in want]}"
+            ": a child's cum_logprob is its parent's plus its token's .logprob")
     if not ignore_eos:
         assert any(x.tokens[-1] == BEAM_EOS for o in outputs for x in o.sequences), (
             "no completed beam among the results: this case would not test completion")

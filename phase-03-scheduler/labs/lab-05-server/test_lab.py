@@ -80,7 +80,8 @@ def test_an_incomplete_character_is_held_and_the_window_stays():
     detok = lab.IncrementalDetokenizer(TOK, lab.SamplingParams(temperature=0.0))
     smile = TOK.encode("🙂")  # four bytes, four tokens
     detok.token_ids.extend(TOK.encode("ab"))
-    assert detok.decode_next() == "ab"
+    assert detok.decode_next() == "ab", (
+        "decode_next with the new tokens of 'ab' (two whole characters) must return 'ab'")
     assert (detok.prefix_offset, detok.read_offset) == (0, 2), (
         f"after 'ab' the window is ({detok.prefix_offset}, {detok.read_offset}): prefix_offset "
         "takes the old read_offset (0) and read_offset the number of tokens (2)")
@@ -94,8 +95,12 @@ def test_an_incomplete_character_is_held_and_the_window_stays():
             "decode_next moved the window while the character was incomplete: it must keep "
             "the bytes unread so that the next call decodes them with the rest")
     detok.token_ids.append(smile[-1])
-    assert detok.decode_next() == "🙂"
-    assert (detok.prefix_offset, detok.read_offset) == (2, 6)
+    assert detok.decode_next() == "🙂", (
+        "the 4th byte completes 🙂: decode_next must now return the whole character, decoding "
+        "the held bytes with it")
+    assert (detok.prefix_offset, detok.read_offset) == (2, 6), (
+        f"after 🙂 the window is ({detok.prefix_offset}, {detok.read_offset}): prefix_offset "
+        "takes the old read_offset (2) and read_offset the number of tokens (6)")
     assert detok.decode_next() == "", "with no new token decode_next must return ''"
 
 
@@ -112,7 +117,10 @@ def test_each_step_decodes_a_short_window_not_the_whole_output():
     text = "naïve café — 東京 🙂 " * 12  # 1- to 4-byte characters, 250+ tokens
     tok = CountingTokenizer()
     pieces, _, _ = stream_text(TOK.encode(text), tokenizer=tok)
-    assert "".join(pieces) == text
+    assert "".join(pieces) == text, (
+        f"the streamed pieces ({len(''.join(pieces))} characters, "
+        f"{sum(p.count(lab.REPLACEMENT_CHAR) for p in pieces)} of them U+FFFD) do not add up to "
+        f"the text ({len(text)}, no U+FFFD): decode_next must return each new character once")
     assert max(tok.calls) <= 8, (
         f"a decode call was given {max(tok.calls)} tokens of {len(TOK.encode(text))}: "
         "decode_next must decode only token_ids[prefix_offset:], and move prefix_offset on")
@@ -120,7 +128,9 @@ def test_each_step_decodes_a_short_window_not_the_whole_output():
 
 def test_stop_string_cuts_the_stream_and_is_never_shown():
     pieces, _, found = stream_text(TOK.encode("to be or not to be"), stop=["not"])
-    assert found == "not"
+    assert found == "not", (
+        f"with stop=['not'] the given update returned {found!r}, want 'not': it searches the text "
+        f"decode_next returned, {''.join(pieces)!r}")
     assert "".join(pieces) == "to be or ", (
         f"with stop='not' the stream showed {''.join(pieces)!r}; it must end before the stop "
         "string")
@@ -310,8 +320,12 @@ def test_each_delta_is_one_chunk_and_the_stream_ends_with_done():
         "id": "cmpl-1", "object": "text_completion", "created": 99, "model": "tiny",
         "choices": [{"index": 0, "text": "He", "logprobs": None, "finish_reason": None,
                      "stop_reason": None}],
-    }
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    }, (
+        f"the first chunk is {chunks[0]}: it needs id, object, created, model and one choice "
+        "with index, text, logprobs, finish_reason and stop_reason, nothing else")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", (
+        f"the last chunk's finish_reason is {chunks[-1]['choices'][0]['finish_reason']!r}, "
+        "want 'length': the finished delta's finish_reason")
 
 
 def test_choices_usage_and_token_ids():
@@ -335,7 +349,9 @@ def test_choices_usage_and_token_ids():
     assert {k: chunks[-1].get(k) for k in envelope} == envelope, (
         f"the usage chunk is {chunks[-1]}: it is a chunk like the others, with the stream's id, "
         "object, created and model")
-    assert chunks[3]["choices"][0]["stop_reason"] == "\n"
+    assert chunks[3]["choices"][0]["stop_reason"] == "\n", (
+        f"the chunk of choice 1's finishing delta has stop_reason "
+        f"{chunks[3]['choices'][0]['stop_reason']!r}, want '\\n': the delta's stop_reason")
     not_null = [c for c in chunks[:-1] if c.get("usage", "absent") is not None]
     assert not not_null, (
         f"chunk {not_null[0]} has no \"usage\": null: with include_usage every chunk but the "
