@@ -326,8 +326,9 @@ def pytest_addoption(parser):
         "--every-failure",
         action="store_true",
         default=False,
-        help="render every failing case in full (by default a failure that repeats across "
-        "cases of one test is rendered once, with the ids of the others)",
+        help="render every failure in full (by default a lab's run renders its first failure in "
+        "full, the next 8 in two lines each and counts the rest, and a failure that repeats "
+        "across cases or tests is rendered once, with the ids of the others)",
     )
 
 
@@ -612,6 +613,18 @@ def pytest_runtest_makereport_render(item, call):
     return report
 
 
+@contextmanager
+def _tbstyle(config, style: str):
+    """pytest's --tb for the calls inside (`Item.repr_failure` reads it): the public way to
+    render one report in another style."""
+    before = config.option.tbstyle
+    config.option.tbstyle = style
+    try:
+        yield
+    finally:
+        config.option.tbstyle = before
+
+
 def _keep_it_short(item, report, excinfo, state: _State) -> None:
     """In a lab's tests, a report rendered in full counts against FULL_REPORTS, and one whose
     traceback runs past MAX_FULL_LINES (a failure deep in a library) is rendered again in
@@ -621,8 +634,8 @@ def _keep_it_short(item, report, excinfo, state: _State) -> None:
     if hasattr(report.longrepr, "reprtraceback"):
         state.full_reports += 1
         if excinfo is not None and len(str(report.longrepr).splitlines()) > MAX_FULL_LINES:
-            with tensors_summarised():
-                report.longrepr = item._repr_failure_py(excinfo, style="short")
+            with tensors_summarised(), _tbstyle(item.config, "short"):
+                report.longrepr = item.repr_failure(excinfo)
     sections = []
     for title, content in report.sections:
         lines = content.splitlines()

@@ -125,6 +125,16 @@ def snapshot(manager):
     )
 
 
+def granted(new):
+    """What allocate_slots returned where the test leaves room for it: None (a refusal) fails
+    here with the cause, not later as an AttributeError on None."""
+    assert new is not None, (
+        "allocate_slots returned None (refused) where the blocks fit: count only what it must take "
+        "beyond the blocks the request holds (new blocks, and hit blocks it claims from the free "
+        "queue) against the free ones")
+    return new
+
+
 def table(manager, req):
     return manager.req_to_blocks[req.request_id]
 
@@ -242,7 +252,10 @@ def test_hasher_chains_parents():
     a = make_request("a", [1, 2, 3, 4, 9, 9, 9, 9], 4, own_hasher=True)
     b = make_request("b", [5, 6, 7, 8, 9, 9, 9, 9], 4, own_hasher=True)
     assert a.block_hashes[1] != b.block_hashes[1], "same tokens under different parents collided"
-    assert a.block_hashes == expected_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4)
+    assert a.block_hashes == expected_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4), (
+        "the 2 hashes of [1, 2, 3, 4 | 9, 9, 9, 9] must be the chain (block 1's parent is block "
+        f"0's hash); got {len(a.block_hashes)} hash(es), not those"
+    )
 
 
 def test_hasher_extra_keys_lora_on_every_block_salt_on_the_first():
@@ -283,7 +296,10 @@ def test_hasher_uses_the_given_hash_function_once_per_block():
     for t in range(9, 20):
         req.append_output_token_ids(t)
     ran = len(calls)
-    assert req.block_hashes == expected_hashes(list(range(20)), 4, hash_fn=blake)
+    assert req.block_hashes == expected_hashes(list(range(20)), 4, hash_fn=blake), (
+        "20 tokens in blocks of 4: 5 chained hashes made with the given caching_hash_fn (not "
+        f"sha256); got {len(req.block_hashes)} hash(es), not those"
+    )
     assert ran == 5, f"5 blocks filled, but the hash function ran {ran} times"
 
 
@@ -300,15 +316,25 @@ def test_hasher_starts_after_the_known_hashes_and_does_not_modify_the_request():
     )
     hasher = lab.get_request_block_hasher(4, lab.sha256)
     got = hasher(fake)
-    assert got == expected_hashes(list(range(4, 12)), 4, parent=planted)
-    assert fake.block_hashes == [planted] and fake.all_token_ids == list(range(12))
+    assert got == expected_hashes(list(range(4, 12)), 4, parent=planted), (
+        "the request holds 1 hash: the hasher returns blocks 1 and 2 only, chained onto that hash "
+        "(no salt: that is block 0's); got "
+        f"{len(got) if isinstance(got, list) else repr(got)[:40]} hash(es), not those"
+    )
+    assert fake.block_hashes == [planted] and fake.all_token_ids == list(range(12)), (
+        "the hasher must not modify the request (block_hashes, all_token_ids): it returns the new "
+        "hashes and the Request appends them"
+    )
     fake.block_hashes = [planted, *got]
     assert hasher(fake) == [], "no new full block: nothing to return"
 
 
 def test_hasher_with_blocks_of_one_token():
     req = make_request("r", [5, 6, 7], 1, own_hasher=True)
-    assert req.block_hashes == expected_hashes([5, 6, 7], 1)
+    assert req.block_hashes == expected_hashes([5, 6, 7], 1), (
+        "block_size 1: each of the 3 tokens is a full block, 3 chained hashes; got "
+        f"{len(req.block_hashes)} hash(es), not those"
+    )
 
 
 def test_hasher_rejects_a_bad_block_size():
@@ -327,13 +353,23 @@ def test_lookup_finds_the_longest_cached_prefix_and_claims_nothing():
     req = make_request("r", list(range(8)) + [50, 51, 52, 53, 54], 4)
     before = snapshot(m)
     hit, n = m.get_computed_blocks(req)
-    assert isinstance(hit, lab.KVCacheBlocks) and n == 8
+    assert isinstance(hit, lab.KVCacheBlocks) and n == 8, (
+        "tokens 0..7 (2 blocks) are cached: expected a KVCacheBlocks and 8 hit tokens, got "
+        f"{'a KVCacheBlocks' if isinstance(hit, lab.KVCacheBlocks) else type(hit).__name__} and "
+        f"{n!r}"
+    )
     assert hit.blocks[0] == cached[:2], "the hit must be the cached blocks, front first"
     assert snapshot(m) == before, "a lookup claims nothing: no count or queue position changes"
     held = seed_cache(m, [7] * 9, hold=True)  # blocks somebody holds hit too
     hit, n = m.get_computed_blocks(make_request("h", [7] * 12 + [1], 4))
-    assert hit.blocks[0] == held and n == 8
-    assert [b.ref_cnt for b in held] == [1, 1]
+    assert hit.blocks[0] == held and n == 8, (
+        f"cached blocks another request holds hit too: expected blocks {ids(held)} and 8 tokens, "
+        f"got {ids(hit.blocks[0])} and {n}"
+    )
+    assert [b.ref_cnt for b in held] == [1, 1], (
+        "a lookup claims nothing: the held hit blocks keep ref_cnt [1, 1], got "
+        f"{[b.ref_cnt for b in held]}: get_computed_blocks must not touch them"
+    )
 
 
 def test_lookup_stops_at_the_first_miss():
@@ -371,7 +407,9 @@ def test_find_longest_cache_hit_respects_max_length():
     hashes = make_request("r", list(range(16)), 4).block_hashes
     for max_length, k in [(0, 0), (3, 0), (4, 1), (11, 2), (16, 4), (100, 4)]:
         assert m._find_longest_cache_hit(hashes, max_length) == cached[:k], max_length
-    assert m._find_longest_cache_hit([], 100) == []
+    assert m._find_longest_cache_hit([], 100) == [], (
+        "no hashes: _find_longest_cache_hit([], 100) finds no block and returns []"
+    )
 
 
 def test_lookup_with_caching_off_is_an_empty_block_list_and_counts_nothing():
@@ -379,8 +417,14 @@ def test_lookup_with_caching_off_is_an_empty_block_list_and_counts_nothing():
                            log_stats=True)
     hit, n = m.get_computed_blocks(make_request("r", range(9), 4))
     assert isinstance(hit, lab.KVCacheBlocks), "an empty KVCacheBlocks, not a list"
-    assert hit.blocks == ([],) and n == 0
-    assert stats_of(m) == (0, 0, 0, False)
+    assert hit.blocks == ([],) and n == 0, (
+        "caching off: no hit blocks (blocks == ([],)) and 0 tokens, got "
+        f"{[len(g) for g in hit.blocks]} block(s) per group and {n} tokens"
+    )
+    assert stats_of(m) == (0, 0, 0, False), (
+        "caching off: the lookup counts nothing, (requests, queries, hits, reset) = (0, 0, 0, "
+        f"False), got {stats_of(m)}"
+    )
 
 
 def test_lookup_counts_requests_queries_and_hits():
@@ -408,19 +452,33 @@ def test_lookup_rejects_a_request_without_matching_hashes_before_counting():
     before = snapshot(m)
     with pytest.raises(ValueError):
         m.get_computed_blocks(bare)
-    assert snapshot(m) == before
+    assert snapshot(m) == before, (
+        "get_computed_blocks raised ValueError but changed the manager first (its stats or "
+        "blocks): check the block hashes before counting"
+    )
 
 
 def test_lookup_salt_and_lora_change_the_whole_chain():
     m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
     seed_cache(m, list(range(12)), salt="salt1")
     tokens = list(range(12)) + [1]
-    assert m.get_computed_blocks(make_request("same", tokens, 4, salt="salt1"))[1] == 12
-    assert m.get_computed_blocks(make_request("other", tokens, 4, salt="salt2"))[1] == 0
-    assert m.get_computed_blocks(make_request("none", tokens, 4))[1] == 0
+    assert m.get_computed_blocks(make_request("same", tokens, 4, salt="salt1"))[1] == 12, (
+        "blocks 0-2 were cached with salt 'salt1': the same tokens and salt hit 12 tokens (3 "
+        "blocks)"
+    )
+    assert m.get_computed_blocks(make_request("other", tokens, 4, salt="salt2"))[1] == 0, (
+        "another salt ('salt2') must miss blocks cached with 'salt1': 0 hit tokens"
+    )
+    assert m.get_computed_blocks(make_request("none", tokens, 4))[1] == 0, (
+        "an unsalted request must miss blocks cached with salt 'salt1': 0 hit tokens"
+    )
     seed_cache(m, list(range(12)), lora_id=3)
-    assert m.get_computed_blocks(make_request("l3", tokens, 4, lora_id=3))[1] == 12
-    assert m.get_computed_blocks(make_request("l4", tokens, 4, lora_id=4))[1] == 0
+    assert m.get_computed_blocks(make_request("l3", tokens, 4, lora_id=3))[1] == 12, (
+        "blocks 0-2 were cached under LoRA id 3: the same tokens with LoRA 3 hit 12 tokens"
+    )
+    assert m.get_computed_blocks(make_request("l4", tokens, 4, lora_id=4))[1] == 0, (
+        "LoRA id 4 must miss blocks cached under LoRA id 3: 0 hit tokens"
+    )
 
 
 # --------------------------------------------------------------------------- 3. capacity
@@ -478,28 +536,50 @@ def test_allocate_a_new_request_without_caching():
     m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
     req = make_request("r", range(10), 4)
     new = m.allocate_slots(req, 10)
-    assert isinstance(new, lab.KVCacheBlocks) and new.get_block_ids() == ([1, 2, 3],)
-    assert table(m, req) == new.blocks[0]
-    assert m.num_cached_block["r"] == 0
-    assert [b.ref_cnt for b in new.blocks[0]] == [1, 1, 1]
-    assert all(b.block_hash is None for b in m.block_pool.blocks)
-    assert free_ids(m) == [4, 5, 6, 7]
+    assert isinstance(new, lab.KVCacheBlocks) and new.get_block_ids() == ([1, 2, 3],), (
+        "caching off, 10 tokens in blocks of 4: a KVCacheBlocks of the 3 new blocks [1, 2, 3], "
+        f"got {new.get_block_ids() if isinstance(new, lab.KVCacheBlocks) else new!r:.60}"
+    )
+    assert table(m, req) == new.blocks[0], (
+        f"the table must be the 3 new blocks, {ids(new.blocks[0])}; req_to_blocks['r'] is "
+        f"{ids(table(m, req))}"
+    )
+    assert m.num_cached_block["r"] == 0, (
+        f"caching off: num_cached_block['r'] is 0, got {m.num_cached_block['r']}"
+    )
+    assert [b.ref_cnt for b in new.blocks[0]] == [1, 1, 1], (
+        "each new block is held by the request once (ref_cnt 1), got "
+        f"{[b.ref_cnt for b in new.blocks[0]]}"
+    )
+    assert all(b.block_hash is None for b in m.block_pool.blocks), (
+        "caching off: no block may be cached, but block(s) "
+        f"{[b.block_id for b in m.block_pool.blocks if b.block_hash is not None][:8]} have a hash"
+    )
+    assert free_ids(m) == [4, 5, 6, 7], (
+        f"blocks 1-3 taken from the front: the free queue is [4, 5, 6, 7], got {free_ids(m)}"
+    )
     bare = lab.Request("bare", list(range(5)), lab.SamplingParams(), EOS)  # no block hashes
-    assert m.allocate_slots(bare, 5).get_block_ids() == ([4, 5],), "no hash check, caching off"
+    assert granted(m.allocate_slots(bare, 5)).get_block_ids() == ([4, 5],), (
+        "no hash check, caching off")
 
 
 def test_decode_takes_a_block_only_when_the_last_one_is_full():
     m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
     req = make_request("r", range(6), 4)
-    first = m.allocate_slots(req, 6).blocks[0]
+    first = granted(m.allocate_slots(req, 6)).blocks[0]
     req.num_computed_tokens = 6
     for t in range(6, 8):
         req.append_output_token_ids(t)
-        assert m.allocate_slots(req, 1).get_block_ids() == ([],)
+        assert granted(m.allocate_slots(req, 1)).get_block_ids() == ([],), (
+            f"decoding token {t}: {t + 1} slots fit the 2 blocks the request holds, so no new "
+            "block (the table grows only to cdiv(slots, block_size) blocks)"
+        )
         req.num_computed_tokens += 1
     req.append_output_token_ids(8)
     new = m.allocate_slots(req, 1)
-    assert new.get_block_ids() == ([3],)
+    assert new.get_block_ids() == ([3],), (
+        f"token 8 is the 9th slot: one new block, 3; got {new.get_block_ids()}"
+    )
     assert table(m, req) == first + new.blocks[0], "blocks are appended, never replaced"
 
 
@@ -509,7 +589,7 @@ def test_a_chunk_shorter_than_the_rest_of_the_prompt():
     req = make_request("r", range(10), 4)
     for computed, chunk, new_block in ((0, 3, 1), (3, 5, 2), (8, 2, 3)):
         req.num_computed_tokens = computed
-        new = m.allocate_slots(req, chunk).get_block_ids()
+        new = granted(m.allocate_slots(req, chunk)).get_block_ids()
         assert new == ([new_block],), (
             f"{computed} tokens computed, a chunk of {chunk}: {computed + chunk} slots need "
             f"block {new_block} as the one new block; allocate_slots returned {new}"
@@ -520,13 +600,25 @@ def test_a_chunk_shorter_than_the_rest_of_the_prompt():
 def test_an_allocation_that_fits_exactly_succeeds():
     m = lab.KVCacheManager(num_blocks=6, block_size=4, max_model_len=64, enable_caching=False)
     req = make_request("r", range(20), 4)
-    assert m.block_pool.get_num_free_blocks() == 5
-    assert len(m.allocate_slots(req, 20).blocks[0]) == 5
-    assert m.block_pool.get_num_free_blocks() == 0
+    assert m.block_pool.get_num_free_blocks() == 5, (
+        "test premise: 6 blocks minus the null block leave 5 free"
+    )
+    assert len(granted(m.allocate_slots(req, 20)).blocks[0]) == 5, (
+        "20 tokens in blocks of 4 take exactly the 5 free blocks: an exact fit must succeed with "
+        "5 new blocks"
+    )
+    assert m.block_pool.get_num_free_blocks() == 0, (
+        f"the exact fit takes every free block, but {m.block_pool.get_num_free_blocks()} are left"
+    )
     other = make_request("o", range(3), 4)
     before = snapshot(m)
-    assert m.allocate_slots(other, 3) is None
-    assert snapshot(m) == before
+    assert m.allocate_slots(other, 3) is None, (
+        "no free block is left: allocate_slots must refuse a request needing 1 block (None)"
+    )
+    assert snapshot(m) == before, (
+        "a refused allocation (None) must change nothing: check capacity before claiming or "
+        "taking blocks"
+    )
 
 
 def test_a_tracked_request_that_fits_exactly():
@@ -536,9 +628,15 @@ def test_a_tracked_request_that_fits_exactly():
     m.allocate_slots(req, 8)
     req.num_computed_tokens = 8
     req.append_output_token_ids(list(range(8, 20)))
-    assert m.block_pool.get_num_free_blocks() == 3
-    assert len(m.allocate_slots(req, 12).blocks[0]) == 3
-    assert m.block_pool.get_num_free_blocks() == 0
+    assert m.block_pool.get_num_free_blocks() == 3, (
+        f"8 tokens take 2 of the 5 free blocks: 3 left, got {m.block_pool.get_num_free_blocks()}"
+    )
+    assert len(granted(m.allocate_slots(req, 12)).blocks[0]) == 3, (
+        "the request holds 2 blocks; 20 tokens need 5: 3 new blocks, exactly the free ones"
+    )
+    assert m.block_pool.get_num_free_blocks() == 0, (
+        f"the exact fit takes every free block, but {m.block_pool.get_num_free_blocks()} are left"
+    )
 
 
 @pytest.mark.parametrize("hold", [False, True], ids=["free-hits", "held-hits"])
@@ -549,25 +647,38 @@ def test_hits_are_claimed_and_fit_exactly(hold):
     m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
     hits = seed_cache(m, list(range(8)), hold=hold)
     spare = 5 if hold else 7  # free blocks, hit blocks included when they are free
-    assert m.block_pool.get_num_free_blocks() == spare
+    assert m.block_pool.get_num_free_blocks() == spare, (
+        f"test premise: seed_cache leaves {spare} free blocks"
+    )
     too_big = make_request("big", list(range(8)) + [9] * (4 * (spare - (0 if hold else 2)) + 1), 4)
     hit, n = m.get_computed_blocks(too_big)
-    assert n == 8
+    assert n == 8, f"tokens 0..7 are cached (2 blocks): the lookup hits 8 tokens, got {n}"
     before = snapshot(m)
     assert m.allocate_slots(too_big, too_big.num_tokens - n, n, hit,
-                            delay_cache_blocks=True) is None
+                            delay_cache_blocks=True) is None, (
+        f"the request needs one block more than the {spare} free ones (free hit blocks count, "
+        "held ones do not): allocate_slots must refuse (None)"
+    )
     assert snapshot(m) == before, "a refused allocation changed something"
 
     req = make_request("r", list(range(8)) + [9] * (4 * (spare - (0 if hold else 2)) - 1), 4)
     hit, n = m.get_computed_blocks(req)
     new = m.allocate_slots(req, req.num_tokens - n, n, hit, delay_cache_blocks=True)
     assert new is not None, "an allocation that fits exactly was refused"
-    assert m.block_pool.get_num_free_blocks() == 0
+    assert m.block_pool.get_num_free_blocks() == 0, (
+        f"the exact fit takes every free block, but {m.block_pool.get_num_free_blocks()} are left"
+    )
     assert table(m, req) == hits + new.blocks[0], "the table is the hits, then the new blocks"
     assert not set(ids(hits)) & set(new.get_block_ids()[0]), "hit blocks returned as new"
-    assert [b.ref_cnt for b in hits] == ([2, 2] if hold else [1, 1])
+    assert [b.ref_cnt for b in hits] == ([2, 2] if hold else [1, 1]), (
+        f"claimed hit blocks get one more holder: ref_cnt {[2, 2] if hold else [1, 1]}, got "
+        f"{[b.ref_cnt for b in hits]}"
+    )
     assert all(b.block_hash is not None for b in hits), "a claimed hit block lost its hash"
-    assert m.num_cached_block["r"] == 2
+    assert m.num_cached_block["r"] == 2, (
+        "the 2 hit blocks are cached already: num_cached_block['r'] is 2, got "
+        f"{m.num_cached_block['r']}"
+    )
 
 
 def test_hits_are_claimed_before_new_blocks_are_taken():
@@ -596,25 +707,40 @@ def test_hits_are_claimed_before_new_blocks_are_taken():
 def test_lookahead_slots_and_the_model_length_cap():
     m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64, enable_caching=False)
     r = make_request("r", range(6), 4)
-    assert len(m.allocate_slots(r, 6, num_lookahead_tokens=4).blocks[0]) == 3  # 10 slots
+    new = granted(m.allocate_slots(r, 6, num_lookahead_tokens=4))  # 10 slots
+    assert len(new.blocks[0]) == 3, (
+        "6 tokens + 4 lookahead slots = 10 slots: 3 blocks of 4"
+    )
     r.num_computed_tokens = 6
     r.append_output_token_ids(6)
-    assert m.allocate_slots(r, 1).get_block_ids() == ([],), "the table never shrinks"
-    assert len(table(m, r)) == 3
+    assert granted(m.allocate_slots(r, 1)).get_block_ids() == ([],), "the table never shrinks"
+    assert len(table(m, r)) == 3, (
+        f"the table never shrinks: it keeps its 3 blocks, got {len(table(m, r))}"
+    )
     capped = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=8,
                                 enable_caching=False)
     c = make_request("c", range(6), 4)
-    assert len(capped.allocate_slots(c, 6, num_lookahead_tokens=8).blocks[0]) == 2
+    assert len(granted(capped.allocate_slots(c, 6, num_lookahead_tokens=8)).blocks[0]) == 2, (
+        "max_model_len 8 caps the slots: 6 tokens + 8 lookahead = 14, capped to 8: 2 blocks"
+    )
 
 
 def test_delay_cache_blocks_caches_nothing_and_skips_the_hash_check():
     m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
     d = make_request("d", range(100, 108), 4)
     new = m.allocate_slots(d, 8, delay_cache_blocks=True)
-    assert len(new.blocks[0]) == 2 and all(b.block_hash is None for b in new.blocks[0])
-    assert m.num_cached_block["d"] == 0
+    assert len(new.blocks[0]) == 2 and all(b.block_hash is None for b in new.blocks[0]), (
+        f"delay_cache_blocks: 2 new blocks and none cached; got {len(new.blocks[0])} block(s), "
+        f"cached: {[b.block_id for b in new.blocks[0] if b.block_hash is not None]}"
+    )
+    assert m.num_cached_block["d"] == 0, (
+        "delay_cache_blocks caches nothing: num_cached_block['d'] is 0, got "
+        f"{m.num_cached_block['d']}"
+    )
     bare = lab.Request("bare", list(range(9)), lab.SamplingParams(), EOS)  # no hashes
-    assert len(m.allocate_slots(bare, 9, delay_cache_blocks=True).blocks[0]) == 3
+    assert len(granted(m.allocate_slots(bare, 9, delay_cache_blocks=True)).blocks[0]) == 3, (
+        "delay_cache_blocks skips the hash check: a request without block hashes gets its 3 blocks"
+    )
 
 
 @beside_the_student
@@ -634,12 +760,21 @@ def test_save_new_computed_blocks_only_the_first_time():
     hits = seed_cache(m, list(range(8)), hold=True)
     kept = save_then_append(m, "r", hits, m.block_pool.blocks[5])
     assert not kept, "the table must be the manager's own list, not the one it was given"
-    assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2
+    assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2, (
+        f"_save_new_computed_blocks: the table is the 2 hit blocks {ids(hits)} and "
+        f"num_cached_block 2; got {ids(m.req_to_blocks['r'])} and {m.num_cached_block.get('r')}"
+    )
     assert [b.ref_cnt for b in hits] == [1, 1], "claiming is allocate_slots' job"
     m._save_new_computed_blocks("r", [m.block_pool.blocks[6]])
-    assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2
+    assert m.req_to_blocks["r"] == hits and m.num_cached_block["r"] == 2, (
+        "a second _save_new_computed_blocks for a tracked request changes nothing; got "
+        f"{ids(m.req_to_blocks['r'])} and {m.num_cached_block.get('r')}"
+    )
     m._save_new_computed_blocks("empty", [])
-    assert m.req_to_blocks["empty"] == [] and m.num_cached_block["empty"] == 0
+    assert m.req_to_blocks["empty"] == [] and m.num_cached_block["empty"] == 0, (
+        "saving no hits still starts tracking: an empty table and num_cached_block 0; got "
+        f"{len(m.req_to_blocks['empty'])} block(s) and {m.num_cached_block.get('empty')}"
+    )
 
 
 def test_allocate_new_blocks_grows_a_table_from_the_front_of_the_queue():
@@ -648,20 +783,29 @@ def test_allocate_new_blocks_grows_a_table_from_the_front_of_the_queue():
     held = list(track(m, req, 1))
     m.block_pool.free_blocks([m.block_pool.get_new_blocks(1)[0]])  # queue: 3, ..., 9, 2
     new = m._allocate_new_blocks("r", 9)
-    assert ids(new) == [3, 4]
-    assert table(m, req) == held + new
-    assert m._allocate_new_blocks("r", 12) == [] and m._allocate_new_blocks("r", 2) == []
-    assert len(table(m, req)) == 3
+    assert ids(new) == [3, 4], (
+        f"growing 1 block to 3 takes 2 from the front of the free queue, [3, 4]; got {ids(new)}"
+    )
+    assert table(m, req) == held + new, (
+        f"the new blocks are appended: the table is {ids(held) + ids(new)}, got "
+        f"{ids(table(m, req))}"
+    )
+    assert m._allocate_new_blocks("r", 12) == [] and m._allocate_new_blocks("r", 2) == [], (
+        "a table of 3 blocks is long enough for 12 or 2 tokens: no new block ([]), never shrink"
+    )
+    assert len(table(m, req)) == 3, f"the table keeps its 3 blocks, got {len(table(m, req))}"
 
 
 def test_bad_input_is_rejected_and_changes_nothing():
     m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=13)
     seed_cache(m, range(9))
     warm = make_request("warm", range(8), 4)
-    assert m.allocate_slots(warm, 8, delay_cache_blocks=True) is not None
+    assert m.allocate_slots(warm, 8, delay_cache_blocks=True) is not None, (
+        "'warm' (8 tokens, 2 blocks) must fit: 7 blocks are free"
+    )
     req = make_request("fresh", range(9), 4)
     hit, n = m.get_computed_blocks(req)
-    assert n == 8
+    assert n == 8, f"tokens 0..7 are cached (2 blocks): the lookup hits 8 tokens, got {n}"
     before = snapshot(m)
     bad_calls = [
         (lambda: m.allocate_slots(req, 0), [0]),
@@ -677,14 +821,23 @@ def test_bad_input_is_rejected_and_changes_nothing():
         with pytest.raises(ValueError) as exc:
             call()
         message_names(exc, *named)
-        assert snapshot(m) == before
-    assert m.allocate_slots(req, 5, n, hit, delay_cache_blocks=True) is not None  # 13: fits
+        assert snapshot(m) == before, (
+            f"allocate_slots raised ValueError ({str(exc.value)[:50]!r}) but changed the manager "
+            "first: check every argument before claiming or taking blocks"
+        )
+    assert m.allocate_slots(req, 5, n, hit, delay_cache_blocks=True) is not None, (  # 13: fits
+        "8 hit + 5 new tokens = 13 = max_model_len: this must fit (refuse only beyond "
+        "max_model_len)"
+    )
 
     off = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64, enable_caching=False)
     stray = seed_cache(m, [3] * 4)
     with pytest.raises(ValueError):
         off.allocate_slots(make_request("x", range(9), 4), 5, 4, lab.KVCacheBlocks((stray,)))
-    assert off.req_to_blocks == {} and off.block_pool.get_num_free_blocks() == 7
+    assert off.req_to_blocks == {} and off.block_pool.get_num_free_blocks() == 7, (
+        "caching off with hit blocks: ValueError and nothing changed; tracked "
+        f"{sorted(off.req_to_blocks)}, {off.block_pool.get_num_free_blocks()} free (7 before)"
+    )
 
 
 # --------------------------------------------------------------------------- 5. caching
@@ -700,7 +853,10 @@ def test_cache_blocks_caches_the_full_blocks_once():
     m.cache_blocks(req, 10)  # nothing new: no "already cached" error, no change
     m.cache_blocks(req, 5)  # fewer tokens than are cached: no change
     m.cache_blocks(req, 0)
-    assert snapshot(m) == before
+    assert snapshot(m) == before, (
+        "cache_blocks for tokens already cached (10, 5, 0) must change nothing: only blocks "
+        "beyond num_cached_block are new"
+    )
     req.append_output_token_ids([10, 11, 12])
     m.cache_blocks(req, 12)  # only block 2 is new
     assert_cached_exactly(m, req, 3)
@@ -712,8 +868,14 @@ def test_cache_blocks_reports_stored_blocks_with_their_block_size():
     req = make_request("r", range(10), 4, lora_id=5)
     m.allocate_slots(req, 10)
     (event,) = m.take_events()
-    assert (event.block_hashes, event.token_ids) == (req.block_hashes, list(range(8)))
-    assert (event.parent_block_hash, event.block_size, event.lora_id) == (None, 4, 5)
+    assert (event.block_hashes, event.token_ids) == (req.block_hashes, list(range(8))), (
+        "one BlockStored for blocks 0-1: their 2 hashes and tokens 0..7; got "
+        f"{len(event.block_hashes)} hash(es), {len(event.token_ids)} token(s)"
+    )
+    assert (event.parent_block_hash, event.block_size, event.lora_id) == (None, 4, 5), (
+        "BlockStored: parent None, block_size 4 (the manager's), lora_id 5; got "
+        f"({event.parent_block_hash!r:.20}, {event.block_size}, {event.lora_id})"
+    )
 
 
 def test_cache_blocks_resumes_after_the_cached_blocks():
@@ -733,24 +895,33 @@ def test_cache_blocks_rejects_bad_calls_and_changes_nothing():
     with pytest.raises(ValueError) as exc:
         m.cache_blocks(req, 8)
     message_names(exc, "unknown-req")
-    assert snapshot(m) == before
+    assert snapshot(m) == before, (
+        "cache_blocks raised ValueError for an untracked request but changed the manager first"
+    )
     held = make_request("held", range(11), 4)
     track(m, held, 2)
     before = snapshot(m)
     with pytest.raises(ValueError) as exc:
         m.cache_blocks(held, 11)  # 2 blocks hold 8 tokens
     message_names(exc, 11, 2)
-    assert snapshot(m) == before
+    assert snapshot(m) == before, (
+        "cache_blocks raised ValueError (11 tokens, 2 blocks) but changed the manager first"
+    )
     bare = lab.Request("bare", list(range(8)), lab.SamplingParams(), EOS)
     track(m, bare, 2)
     before = snapshot(m)
     with pytest.raises(ValueError):
         m.cache_blocks(bare, 8)
-    assert snapshot(m) == before
+    assert snapshot(m) == before, (
+        "cache_blocks raised ValueError (no block hashes) but changed the manager first"
+    )
     off = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64,
                              enable_caching=False)
     off.cache_blocks(req, 8)  # caching off: nothing happens, not even the check
-    assert off.req_to_blocks == {}
+    assert off.req_to_blocks == {}, (
+        "caching off: cache_blocks does nothing, but the manager tracks "
+        f"{sorted(off.req_to_blocks)}"
+    )
 
 
 def test_seed_worked_example_block_size_4():
@@ -763,17 +934,31 @@ def test_seed_worked_example_block_size_4():
     m = lab.KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
     a = make_request("A", tok("The cat sat on the mat and then"), 4)
     hit, n, new = schedule_prompt(m, a)
-    assert n == 0 and new.get_block_ids() == ([1, 2],)
+    assert n == 0 and new.get_block_ids() == ([1, 2],), (
+        f"A is the first request: no hit and the new blocks [1, 2]; got {n} hit tokens, new "
+        f"{new.get_block_ids() if isinstance(new, lab.KVCacheBlocks) else new!r:.40}"
+    )
     assert_cached_exactly(m, a, 2)
 
     b = make_request("B", tok("The cat sat on the rug"), 4)
-    assert len(b.block_hashes) == 1  # "the rug" is a partial block: not hashed
+    assert len(b.block_hashes) == 1, (  # "the rug" is a partial block: not hashed
+        "test premise: 'The cat sat on the rug' is 6 tokens, 1 full block hashed"
+    )
     hit, n, new = schedule_prompt(m, b)
-    assert hit.get_block_ids() == ([1],) and n == 4  # prefill skips "The cat sat on"
-    assert new.get_block_ids() == ([3],)
-    assert m.block_pool.blocks[1].ref_cnt == 2
+    assert hit.get_block_ids() == ([1],) and n == 4, (  # prefill skips "The cat sat on"
+        "B shares block 0 ('The cat sat on') with A: hit [1] and 4 tokens, got "
+        f"{hit.get_block_ids()} and {n}"
+    )
+    assert new.get_block_ids() == ([3],), (
+        f"B's partial block 'the rug' is one new block, 3; got {new.get_block_ids()}"
+    )
+    assert m.block_pool.blocks[1].ref_cnt == 2, (
+        f"block 1 is held by A and B: ref_cnt 2, got {m.block_pool.blocks[1].ref_cnt}"
+    )
     assert_cached_exactly(m, b, 1)
-    assert m.get_block_ids("B") == ([1, 3],)
+    assert m.get_block_ids("B") == ([1, 3],), (
+        f"B's table is the hit block 1, then the new block 3; got {m.get_block_ids('B')}"
+    )
 
 
 def test_chunked_prefill_caches_each_block_when_its_chunk_completes_it():
@@ -785,7 +970,9 @@ def test_chunked_prefill_caches_each_block_when_its_chunk_completes_it():
     m.allocate_slots(req, 5)  # tokens 3..7: blocks 0 and 1 are full and computed now
     assert_cached_exactly(m, req, 2)
     req.num_computed_tokens = 8
-    assert m.allocate_slots(req, 2).get_block_ids() == ([3],)
+    assert granted(m.allocate_slots(req, 2)).get_block_ids() == ([3],), (
+        "tokens 8..9 need a third block: one new block, 3"
+    )
     assert_cached_exactly(m, req, 2)  # block 2 holds 2 of 4 tokens
 
 
@@ -794,25 +981,37 @@ def test_decode_allocates_only_when_a_block_fills():
     m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
     r0 = make_request("0", COMMON + [3] * 7, 16)
     _, _, new = schedule_prompt(m, r0)
-    assert new.get_block_ids() == ([1, 2, 3, 4],)
+    assert new.get_block_ids() == ([1, 2, 3, 4],), (
+        f"55 tokens in blocks of 16: the new blocks [1, 2, 3, 4], got {new.get_block_ids()}"
+    )
 
     for _ in range(4):
         r0.append_output_token_ids(8)
     new = m.allocate_slots(r0, 4)  # 55 + 4 = 59 tokens still fit 4 blocks
-    assert new is not None and new.get_block_ids() == ([],)
-    assert table(m, r0)[-1].block_hash is None
+    assert new is not None and new.get_block_ids() == ([],), (
+        "55 + 4 = 59 tokens fit the 4 blocks held (64 slots): no new block; got "
+        f"{new.get_block_ids() if new is not None else None}"
+    )
+    assert table(m, r0)[-1].block_hash is None, (
+        "the last block is partial (59 of 64 slots filled): it must not be cached"
+    )
     r0.num_computed_tokens = 59
 
     r0.append_output_token_ids([7] * 19)  # fills block 4, and 14 tokens into a fifth
     new = m.allocate_slots(r0, 19)
-    assert new is not None and len(new.blocks[0]) == 1
+    assert new is not None and len(new.blocks[0]) == 1, (
+        "78 tokens need 5 blocks, 4 held: one new block; got "
+        f"{len(new.blocks[0]) if new is not None else None}"
+    )
     assert_cached_exactly(m, r0, 4)
 
 
 def test_lookahead_slots_are_never_cached_and_delayed_blocks_are_cached_later():
     m = lab.KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
     r = make_request("r", range(6), 4)
-    assert len(m.allocate_slots(r, 6, num_lookahead_tokens=6).blocks[0]) == 3
+    assert len(granted(m.allocate_slots(r, 6, num_lookahead_tokens=6)).blocks[0]) == 3, (
+        "6 tokens + 6 lookahead slots = 12 slots: 3 blocks of 4"
+    )
     assert_cached_exactly(m, r, 1)
     d = make_request("d", range(100, 108), 4)
     m.allocate_slots(d, 8, delay_cache_blocks=True)
@@ -826,35 +1025,57 @@ def test_salt_changes_the_whole_chain():
     tokens = COMMON + [3] * 11
     r0 = make_request("0", tokens, 16, salt="salt1")
     hit, n, new = schedule_prompt(m, r0)
-    assert n == 0 and new.get_block_ids() == ([1, 2, 3, 4],)
+    assert n == 0 and new.get_block_ids() == ([1, 2, 3, 4],), (
+        f"r0 is the first request: no hit and the new blocks [1, 2, 3, 4]; got {n} hit tokens, new "
+        f"{new.get_block_ids() if isinstance(new, lab.KVCacheBlocks) else new!r:.40}"
+    )
     r0.append_output_token_ids([8] * 5)
-    assert m.allocate_slots(r0, 5).get_block_ids() == ([],)
+    assert granted(m.allocate_slots(r0, 5)).get_block_ids() == ([],), (
+        "59 + 5 = 64 tokens fill the 4 blocks held: no new block"
+    )
     assert_cached_exactly(m, r0, 4)
-    assert r0.block_hashes == expected_hashes(tokens + [8] * 5, 16, salt="salt1")
+    assert r0.block_hashes == expected_hashes(tokens + [8] * 5, 16, salt="salt1"), (
+        "test premise: r0's hashes come from the given reference hasher (salt 'salt1' on block 0)"
+    )
 
     same_salt = make_request("1", COMMON + [4] * 11, 16, salt="salt1")
     hit, n = m.get_computed_blocks(same_salt)
-    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48
+    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48, (
+        f"same salt, same first 3 blocks: hit [1, 2, 3] and 48 tokens, got {hit.get_block_ids()} "
+        f"and {n}"
+    )
     other_salt = make_request("2", COMMON + [4] * 11, 16, salt="salt2")
     hit, n = m.get_computed_blocks(other_salt)
-    assert hit.get_block_ids() == ([],) and n == 0
+    assert hit.get_block_ids() == ([],) and n == 0, (
+        f"another salt must miss: hit [] and 0 tokens, got {hit.get_block_ids()} and {n}"
+    )
     no_salt = make_request("3", COMMON + [4] * 11, 16)
-    assert m.get_computed_blocks(no_salt)[1] == 0
+    assert m.get_computed_blocks(no_salt)[1] == 0, (
+        "an unsalted request must miss blocks cached with salt 'salt1': 0 hit tokens"
+    )
 
 
 def test_prefix_cache_stats():
     """Upstream test_prefix_cache_stats_disabled, plus queries / hits / hit rate."""
     off = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
     schedule_prompt(off, make_request("0", range(16), 16))
-    assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None
+    assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None, (
+        "without log_stats there are no prefix-cache stats (None)"
+    )
     m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192, log_stats=True)
     schedule_prompt(m, make_request("a", COMMON + [3] * 7, 16))  # 55 queried, 0 hit
     schedule_prompt(m, make_request("b", COMMON + [4] * 2, 16))  # 50 queried, 48 hit
     stats = m.make_prefix_cache_stats()
-    assert (stats.requests, stats.queries, stats.hits) == (2, 105, 48)
-    assert stats.hit_rate == pytest.approx(48 / 105)
+    assert (stats.requests, stats.queries, stats.hits) == (2, 105, 48), (
+        "two lookups (55 queried, 0 hit; 50 queried, 48 hit): (requests, queries, hits) = (2, "
+        f"105, 48), got {(stats.requests, stats.queries, stats.hits)}"
+    )
+    assert stats.hit_rate == pytest.approx(48 / 105), f"hit rate 48 / 105, got {stats.hit_rate}"
     fresh = m.make_prefix_cache_stats()
-    assert (fresh.requests, fresh.queries, fresh.hits, fresh.hit_rate) == (0, 0, 0, 0.0)
+    assert (fresh.requests, fresh.queries, fresh.hits, fresh.hit_rate) == (0, 0, 0, 0.0), (
+        "make_prefix_cache_stats starts new stats: all zero, got "
+        f"{(fresh.requests, fresh.queries, fresh.hits, fresh.hit_rate)}"
+    )
 
 
 # --------------------------------------------------------------------------- 6. free
@@ -888,10 +1109,17 @@ def test_free_leaves_blocks_shared_with_others():
     b = make_request("b", list(range(8)) + [7, 7], 4)
     schedule_prompt(m, a)
     schedule_prompt(m, b)
-    assert m.get_block_ids("b") == ([1, 2, 4],)
+    assert m.get_block_ids("b") == ([1, 2, 4],), (
+        f"b shares a's 2 full blocks (1, 2) and takes block 4; got {m.get_block_ids('b')}"
+    )
     m.free(a)
-    assert [m.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [1, 1, 0, 1]
-    assert free_ids(m) == [5, 6, 7, 3]
+    assert [m.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [1, 1, 0, 1], (
+        "after freeing a: blocks 1, 2 and 4 are b's (ref_cnt 1), block 3 is free (0); got "
+        f"{[m.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)]}"
+    )
+    assert free_ids(m) == [5, 6, 7, 3], (
+        f"only a's own block 3 goes back to the free queue (behind 5, 6, 7); got {free_ids(m)}"
+    )
 
 
 def test_a_request_freed_and_allocated_again_starts_from_scratch():
@@ -912,7 +1140,10 @@ def test_a_request_freed_and_allocated_again_starts_from_scratch():
     m.free(filler)
     req.num_computed_tokens = 0
     hit, n, new = schedule_prompt(m, req)  # re-admitted: its KV is recomputed
-    assert n == 0 and new is not None
+    assert n == 0 and new is not None, (
+        f"re-admitted after its blocks were evicted: no hit, and the allocation fits; got {n} hit "
+        f"tokens, new is {'None' if new is None else 'not None'}"
+    )
     assert_cached_exactly(m, req, 4)
     m.free(req)
     again_hit, n, _ = schedule_prompt(m, make_request("again", range(17), 4))
@@ -926,7 +1157,10 @@ def test_a_request_freed_mid_prefill_keeps_only_its_completed_blocks_cached():
     m.allocate_slots(req, 6)
     req.num_computed_tokens = 6
     m.free(req)
-    assert m.block_pool.get_num_free_blocks() == 7
+    assert m.block_pool.get_num_free_blocks() == 7, (
+        "freeing a request mid-prefill returns all its blocks: 7 free, got "
+        f"{m.block_pool.get_num_free_blocks()}"
+    )
     hit, n = m.get_computed_blocks(make_request("s", range(14), 4))
     assert n == 4, "only the block the first chunk completed is cached"
 
@@ -936,38 +1170,77 @@ def test_prefill_partial_hit_and_free_queue_order():
     m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
     r0 = make_request("0", COMMON + [3] * 7, 16)
     hit, n, new = schedule_prompt(m, r0)
-    assert n == 0 and hit.get_block_ids() == ([],)
-    assert new.get_block_ids() == ([1, 2, 3, 4],)
+    assert n == 0 and hit.get_block_ids() == ([],), f"an empty cache: no hit, got {n} hit tokens"
+    assert new.get_block_ids() == ([1, 2, 3, 4],), (
+        f"55 tokens in blocks of 16: the new blocks [1, 2, 3, 4], got {new.get_block_ids()}"
+    )
     for i, h in enumerate(expected_hashes(COMMON, 16)):
-        assert m.block_pool.blocks[i + 1].block_hash == keyed(h)
-        assert m.block_pool.blocks[i + 1].ref_cnt == 1
-    assert m.block_pool.blocks[4].block_hash is None and m.block_pool.blocks[4].ref_cnt == 1
+        assert m.block_pool.blocks[i + 1].block_hash == keyed(h), (
+            f"block {i + 1} holds r0's full block {i}: it must be cached under that block's hash"
+        )
+        assert m.block_pool.blocks[i + 1].ref_cnt == 1, (
+            f"block {i + 1} is held by r0 alone: ref_cnt 1, got "
+            f"{m.block_pool.blocks[i + 1].ref_cnt}"
+        )
+    assert m.block_pool.blocks[4].block_hash is None and m.block_pool.blocks[4].ref_cnt == 1, (
+        "block 4 holds r0's partial block (7 of 16 tokens): held (ref_cnt 1) and not cached; got "
+        f"ref_cnt {m.block_pool.blocks[4].ref_cnt}, cached: "
+        f"{m.block_pool.blocks[4].block_hash is not None}"
+    )
 
     r1 = make_request("1", COMMON + [3] * 5, 16)
     hit, n, new = schedule_prompt(m, r1)
-    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48
-    assert new.get_block_ids() == ([5],)
-    assert [b.ref_cnt for b in hit.blocks[0]] == [2, 2, 2]
-    assert m.block_pool.get_num_free_blocks() == 5
+    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48, (
+        f"r1 shares r0's 3 full blocks: hit [1, 2, 3] and 48 tokens, got {hit.get_block_ids()} and "
+        f"{n}"
+    )
+    assert new.get_block_ids() == ([5],), (
+        f"r1's partial block is one new block, 5; got {new.get_block_ids()}"
+    )
+    assert [b.ref_cnt for b in hit.blocks[0]] == [2, 2, 2], (
+        "the hit blocks are held by r0 and r1: ref_cnt [2, 2, 2], got "
+        f"{[b.ref_cnt for b in hit.blocks[0]]}"
+    )
+    assert m.block_pool.get_num_free_blocks() == 5, (
+        f"5 of the 10 usable blocks are held: 5 free, got {m.block_pool.get_num_free_blocks()}"
+    )
 
     m.free(r0)
     m.free(r1)
     # Never used first, then each request's tail, and the shared prefix last, deepest first.
-    assert free_ids(m) == [6, 7, 8, 9, 10, 4, 5, 3, 2, 1]
+    assert free_ids(m) == [6, 7, 8, 9, 10, 4, 5, 3, 2, 1], (
+        "each table is freed tail first: the queue is [6, 7, 8, 9, 10, 4, 5, 3, 2, 1], got "
+        f"{free_ids(m)}"
+    )
 
     r2 = make_request("2", COMMON + [3] * 6, 16)
     hit, n, new = schedule_prompt(m, r2)
-    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48
-    assert new.get_block_ids() == ([6],)
-    assert m.block_pool.get_num_free_blocks() == 6
-    assert all(b.ref_cnt == 0 for b in m.block_pool.free_block_queue.get_all_free_blocks())
+    assert hit.get_block_ids() == ([1, 2, 3],) and n == 48, (
+        "r2 shares the 3 cached full blocks: hit [1, 2, 3] and 48 tokens, got "
+        f"{hit.get_block_ids()} and {n}"
+    )
+    assert new.get_block_ids() == ([6],), (
+        f"r2's new block comes from the front of the free queue, 6; got {new.get_block_ids()}"
+    )
+    assert m.block_pool.get_num_free_blocks() == 6, (
+        f"4 of the 10 usable blocks are held: 6 free, got {m.block_pool.get_num_free_blocks()}"
+    )
+    assert all(b.ref_cnt == 0 for b in m.block_pool.free_block_queue.get_all_free_blocks()), (
+        "every block in the free queue has ref_cnt 0, got "
+        f"{[b.ref_cnt for b in m.block_pool.free_block_queue.get_all_free_blocks()]}"
+    )
     m.free(r2)
 
     r3 = make_request("3", [99] * 160, 16)
     hit, n, new = schedule_prompt(m, r3)
-    assert n == 0
-    assert new.get_block_ids() == ([7, 8, 9, 10, 4, 5, 6, 3, 2, 1],)  # the eviction order
-    assert m.block_pool.get_num_free_blocks() == 0
+    assert n == 0, f"r3 shares no block with the cache: 0 hit tokens, got {n}"
+    assert new.get_block_ids() == ([7, 8, 9, 10, 4, 5, 6, 3, 2, 1],), (  # the eviction order
+        "160 tokens take all 10 free blocks in free-queue order [7, 8, 9, 10, 4, 5, 6, 3, 2, 1]; "
+        f"got {new.get_block_ids()}"
+    )
+    assert m.block_pool.get_num_free_blocks() == 0, (
+        f"r3 takes every free block, but {m.block_pool.get_num_free_blocks()} are left"
+    )
 
 
 def test_lru_eviction_order_after_free():
@@ -976,22 +1249,41 @@ def test_lru_eviction_order_after_free():
     n0 = 5 * 16 + 7
     r0 = make_request("0", range(n0), 16)
     _, _, new = schedule_prompt(m, r0)
-    assert len(new.blocks[0]) == 6
+    assert len(new.blocks[0]) == 6, (
+        f"87 tokens in blocks of 16 need 6 blocks, got {len(new.blocks[0])}"
+    )
     r1 = make_request("1", range(n0, n0 + 48), 16)
     _, _, new = schedule_prompt(m, r1)
-    assert len(new.blocks[0]) == 3
-    assert m.block_pool.get_num_free_blocks() == 1
+    assert len(new.blocks[0]) == 3, (
+        f"48 tokens in blocks of 16 need 3 blocks, got {len(new.blocks[0])}"
+    )
+    assert m.block_pool.get_num_free_blocks() == 1, (
+        f"9 of the 10 usable blocks are held: 1 free, got {m.block_pool.get_num_free_blocks()}"
+    )
 
     m.free(r0)
     m.free(r1)
-    assert m.block_pool.get_num_free_blocks() == 10
-    assert free_ids(m) == [10, 6, 5, 4, 3, 2, 1, 9, 8, 7]
+    assert m.block_pool.get_num_free_blocks() == 10, (
+        f"freeing both requests returns all 10 blocks, got {m.block_pool.get_num_free_blocks()} "
+        "free"
+    )
+    assert free_ids(m) == [10, 6, 5, 4, 3, 2, 1, 9, 8, 7], (
+        "r0 then r1, each freed tail first: the queue is [10, 6, 5, 4, 3, 2, 1, 9, 8, 7], got "
+        f"{free_ids(m)}"
+    )
 
     r2 = make_request("2", range(2 * 16 + 3), 16)
     hit, n, new = schedule_prompt(m, r2)
-    assert hit.get_block_ids() == ([1, 2],) and n == 32
-    assert new.get_block_ids() == ([10],)
-    assert m.block_pool.get_num_free_blocks() == 7
+    assert hit.get_block_ids() == ([1, 2],) and n == 32, (
+        f"r2 shares r0's first 2 blocks: hit [1, 2] and 32 tokens, got {hit.get_block_ids()} and "
+        f"{n}"
+    )
+    assert new.get_block_ids() == ([10],), (
+        f"r2's new block comes from the front of the free queue, 10; got {new.get_block_ids()}"
+    )
+    assert m.block_pool.get_num_free_blocks() == 7, (
+        f"3 of the 10 usable blocks are held: 7 free, got {m.block_pool.get_num_free_blocks()}"
+    )
 
 
 def test_reused_block_loses_its_old_hash():
@@ -999,27 +1291,40 @@ def test_reused_block_loses_its_old_hash():
     m = lab.KVCacheManager(num_blocks=2, block_size=16, max_model_len=8192)
     r0 = make_request("0", range(16), 16)
     _, _, new = schedule_prompt(m, r0)
-    assert new.get_block_ids() == ([1],) and m.block_pool.blocks[1].block_hash is not None
+    assert new.get_block_ids() == ([1],) and m.block_pool.blocks[1].block_hash is not None, (
+        f"16 tokens fill block 1, which is then cached; got {new.get_block_ids()}, cached: "
+        f"{m.block_pool.blocks[1].block_hash is not None}"
+    )
     m.free(r0)
     r1 = make_request("1", range(15), 16)
     _, n, new = schedule_prompt(m, r1)
-    assert n == 0 and new.get_block_ids() == ([1],)
-    assert m.block_pool.blocks[1].block_hash is None
+    assert n == 0 and new.get_block_ids() == ([1],), (
+        f"15 tokens, no full block: no hit and block 1 reused; got {n} hit tokens, new "
+        f"{new.get_block_ids() if isinstance(new, lab.KVCacheBlocks) else new!r:.40}"
+    )
+    assert m.block_pool.blocks[1].block_hash is None, (
+        "block 1 was reused for r1's 15 tokens (a partial block): it must not be cached"
+    )
 
 
 def test_hit_blocks_are_not_evicted_while_other_blocks_are_free():
     """Upstream test_computed_blocks_not_evicted."""
     m = lab.KVCacheManager(num_blocks=3, block_size=16, max_model_len=8192)
     r0 = make_request("0", range(16), 16)
-    assert schedule_prompt(m, r0)[2].get_block_ids() == ([1],)
+    assert schedule_prompt(m, r0)[2].get_block_ids() == ([1],), "r0's 16 tokens take block 1"
     r1 = make_request("1", range(16, 32), 16)
-    assert schedule_prompt(m, r1)[2].get_block_ids() == ([2],)
+    assert schedule_prompt(m, r1)[2].get_block_ids() == ([2],), "r1's 16 tokens take block 2"
     m.free(r0)
     m.free(r1)
     r2 = make_request("2", range(32), 16)
     hit, n, new = schedule_prompt(m, r2)
-    assert hit.get_block_ids() == ([1],) and n == 16
-    assert new.get_block_ids() == ([2],)
+    assert hit.get_block_ids() == ([1],) and n == 16, (
+        f"r2 shares r0's block 1: hit [1] and 16 tokens, got {hit.get_block_ids()} and {n}"
+    )
+    assert new.get_block_ids() == ([2],), (
+        "the hit block 1 is claimed first, so the new block is the other free one, 2; got "
+        f"{new.get_block_ids()}"
+    )
 
 
 def test_caching_disabled():
@@ -1027,15 +1332,27 @@ def test_caching_disabled():
     m = lab.KVCacheManager(num_blocks=5, block_size=4, max_model_len=8192, enable_caching=False)
     r1 = make_request("1", range(10), 4)
     hit, n, new = schedule_prompt(m, r1)
-    assert n == 0 and len(new.blocks[0]) == 3
-    assert all(b.block_hash is None for b in m.block_pool.blocks)
+    assert n == 0 and new is not None and len(new.blocks[0]) == 3, (
+        f"caching off: no hit and 3 new blocks for 10 tokens; got {n} hit tokens, "
+        f"{len(new.blocks[0]) if new is not None else None} new block(s)"
+    )
+    assert all(b.block_hash is None for b in m.block_pool.blocks), (
+        "caching off: no block may be cached, but block(s) "
+        f"{[b.block_id for b in m.block_pool.blocks if b.block_hash is not None][:8]} have a hash"
+    )
     m.free(r1)
     r2 = make_request("2", range(16), 4)
     hit, n, new = schedule_prompt(m, r2)
-    assert n == 0 and not hit.blocks[0] and len(new.blocks[0]) == 4
+    assert n == 0 and not hit.blocks[0] and new is not None and len(new.blocks[0]) == 4, (
+        f"caching off: no hit and 4 new blocks for 16 tokens; got {n} hit tokens, "
+        f"{len(new.blocks[0]) if new is not None else None} new block(s)"
+    )
     r3 = make_request("3", range(4), 4)
     hit, n, new = schedule_prompt(m, r3)
-    assert n == 0 and new is None  # all 4 usable blocks are held by r2
+    assert n == 0 and new is None, (  # all 4 usable blocks are held by r2
+        f"all 4 usable blocks are held by r2: no hit and r3 refused (None); got {n} hit tokens, "
+        f"new is {'None' if new is None else 'not None'}"
+    )
 
 
 def test_failed_allocation_touches_nothing():
@@ -1046,37 +1363,61 @@ def test_failed_allocation_touches_nothing():
     part0 = list(table(m, r0))
     r1 = make_request("1", COMMON * 2, 16)
     hit, n = m.get_computed_blocks(r1)
-    assert hit.blocks[0] == part0 and n == 48
+    assert hit.blocks[0] == part0 and n == 48, (
+        f"r1 hits r0's 3 cached blocks, 48 tokens; got {ids(hit.blocks[0])} and {n}"
+    )
     m.allocate_slots(r1, 48, n, hit)
     part1 = list(table(m, r1))
     m.free(r1)
-    assert [b.ref_cnt for b in part1] == [1, 1, 1, 0, 0, 0]
+    assert [b.ref_cnt for b in part1] == [1, 1, 1, 0, 0, 0], (
+        "after freeing r1: its 3 hit blocks stay r0's (ref_cnt 1), its own 3 are free; got "
+        f"{[b.ref_cnt for b in part1]}"
+    )
 
     r2 = make_request("2", [7] * 32, 16)
     schedule_prompt(m, r2)
-    assert m.block_pool.get_num_free_blocks() == 5
+    assert m.block_pool.get_num_free_blocks() == 5, (
+        "5 of the 10 usable blocks are held (r0's 3, r2's 2): 5 free, got "
+        f"{m.block_pool.get_num_free_blocks()}"
+    )
     # r3 hits all six blocks of r1, three of them free (eviction candidates), and needs three
     # more: 3 + 3 > 5 free, so nothing may happen.
     r3 = make_request("3", COMMON * 3, 16)
     hit, n = m.get_computed_blocks(r3)
-    assert hit.blocks[0] == part1 and n == 96
+    assert hit.blocks[0] == part1 and n == 96, (
+        f"r3 hits all 6 of r1's cached blocks, 96 tokens; got {ids(hit.blocks[0])} and {n}"
+    )
     before = snapshot(m)
-    assert m.allocate_slots(r3, 48, n, hit) is None
-    assert snapshot(m) == before
-    assert [b.ref_cnt for b in part1] == [1, 1, 1, 0, 0, 0]
+    assert m.allocate_slots(r3, 48, n, hit) is None, (
+        "r3 needs 3 new blocks plus its 3 free hit blocks out of the queue: 6 > 5 free, so "
+        "allocate_slots must refuse (None)"
+    )
+    assert snapshot(m) == before, (
+        "a refused allocation must change nothing: check capacity before claiming the hits"
+    )
+    assert [b.ref_cnt for b in part1] == [1, 1, 1, 0, 0, 0], (
+        "a refused allocation claims no hit block: ref_cnt [1, 1, 1, 0, 0, 0], got "
+        f"{[b.ref_cnt for b in part1]}"
+    )
 
 
 def test_evicted_then_reused_block_is_never_served_for_its_old_hash():
     m = lab.KVCacheManager(num_blocks=3, block_size=4, max_model_len=64)
     old = make_request("old", [1, 2, 3, 4, 5], 4)
     schedule_prompt(m, old)
-    assert m.get_block_ids("old") == ([1, 2],)
+    assert m.get_block_ids("old") == ([1, 2],), (
+        f"'old' (5 tokens) takes blocks [1, 2]; got {m.get_block_ids('old')}"
+    )
     m.free(old)  # block 1 stays cached, as an eviction candidate
     new = make_request("new", [9, 9, 9, 9, 8, 8, 8, 8, 7], 4)
-    assert m.allocate_slots(new, 9) is None  # needs 3 blocks, only 2 usable
+    assert m.allocate_slots(new, 9) is None, (  # needs 3 blocks, only 2 usable
+        "9 tokens need 3 blocks but only 2 are usable: allocate_slots must refuse (None)"
+    )
     new = make_request("new", [9, 9, 9, 9, 8, 8, 8, 8], 4)
     schedule_prompt(m, new)  # evicts and refills blocks 2 and 1
-    assert sorted(m.get_block_ids("new")[0]) == [1, 2]
+    assert sorted(m.get_block_ids("new")[0]) == [1, 2], (
+        f"'new' takes both usable blocks, 1 and 2; got {m.get_block_ids('new')}"
+    )
     m.free(new)
 
     again = make_request("again", [1, 2, 3, 4, 5], 4)
@@ -1084,9 +1425,11 @@ def test_evicted_then_reused_block_is_never_served_for_its_old_hash():
     assert n == 0, "a block reused for new content was served for its old hash"
     same_as_new = make_request("same", [9, 9, 9, 9, 8, 8, 8, 8, 1], 4)
     hit, n = m.get_computed_blocks(same_as_new)
-    assert n == 8
+    assert n == 8, f"'same' shares the 2 blocks 'new' cached: 8 hit tokens, got {n}"
     for blk, h in zip(hit.blocks[0], same_as_new.block_hashes):
-        assert blk.block_hash == keyed(h)
+        assert blk.block_hash == keyed(h), (
+            f"a hit block must be cached under the hash asked for (block {blk.block_id})"
+        )
 
 
 # --------------------------------------------------------------------------- 7. reset, prefix
@@ -1096,26 +1439,47 @@ def test_reset_only_when_nothing_is_in_use():
     """Upstream test_reset_prefix_cache."""
     m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192, log_stats=True)
     r0 = make_request("0", COMMON + [3] * 7, 16)
-    assert m.allocate_slots(r0, 55).get_block_ids() == ([1, 2, 3, 4],)
+    assert granted(m.allocate_slots(r0, 55)).get_block_ids() == ([1, 2, 3, 4],), (
+        "55 tokens in blocks of 16 take blocks [1, 2, 3, 4]"
+    )
     r1 = make_request("1", COMMON + [4] * 7, 16)
     hit, n = m.get_computed_blocks(r1)
-    assert len(hit.blocks[0]) == 3
-    assert m.allocate_slots(r1, 7, n, hit).get_block_ids() == ([5],)
+    assert len(hit.blocks[0]) == 3, (
+        f"r1 shares r0's 3 full blocks: 3 hit blocks, got {len(hit.blocks[0])}"
+    )
+    assert granted(m.allocate_slots(r1, 7, n, hit)).get_block_ids() == ([5],), (
+        "r1's 7 new tokens take one new block, 5"
+    )
 
     before = snapshot(m)
-    assert m.reset_prefix_cache() is False
-    assert snapshot(m) == before
-    assert m.make_prefix_cache_stats().reset is False
+    assert m.reset_prefix_cache() is False, (
+        "blocks are in use: reset_prefix_cache must refuse (False)"
+    )
+    assert snapshot(m) == before, "a refused reset_prefix_cache must change nothing"
+    assert m.make_prefix_cache_stats().reset is False, (
+        "a refused reset_prefix_cache must not set prefix_cache_stats.reset"
+    )
 
     m.free(r0)
     m.free(r1)
-    assert m.reset_prefix_cache() is True
-    assert all(b.block_hash is None for b in m.block_pool.blocks)
-    assert m.get_computed_blocks(make_request("2", COMMON + [3], 16))[1] == 0
-    assert m.make_prefix_cache_stats().reset is True
+    assert m.reset_prefix_cache() is True, (
+        "nothing is in use after both frees: reset_prefix_cache must succeed (True)"
+    )
+    assert all(b.block_hash is None for b in m.block_pool.blocks), (
+        "after a reset no block is cached, but block(s) "
+        f"{[b.block_id for b in m.block_pool.blocks if b.block_hash is not None][:8]} have a hash"
+    )
+    assert m.get_computed_blocks(make_request("2", COMMON + [3], 16))[1] == 0, (
+        "after a reset nothing hits: 0 hit tokens"
+    )
+    assert m.make_prefix_cache_stats().reset is True, (
+        "a successful reset_prefix_cache sets prefix_cache_stats.reset to True"
+    )
 
     off = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
-    assert off.reset_prefix_cache() is True and off.prefix_cache_stats is None
+    assert off.reset_prefix_cache() is True and off.prefix_cache_stats is None, (
+        "without log_stats, reset_prefix_cache succeeds (True) and there are no stats (None)"
+    )
 
 
 def test_num_common_prefix_blocks():
@@ -1125,34 +1489,53 @@ def test_num_common_prefix_blocks():
     for r in (a, b):
         schedule_prompt(m, r)
         r.status = lab.RequestStatus.RUNNING
-    assert m.get_num_common_prefix_blocks(a, 2) == [1]  # b shares only block 0 with a
-    assert m.get_num_common_prefix_blocks(a, 1) == [0]
-    assert m.get_num_common_prefix_blocks(a, 3) == [0]
-    assert m.get_num_common_prefix_blocks(b, 2) == [1]
+    assert m.get_num_common_prefix_blocks(a, 2) == [1], (  # b shares only block 0 with a
+        "a and b (2 running) both hold block 0 only (ref_cnt 2): [1]"
+    )
+    assert m.get_num_common_prefix_blocks(a, 1) == [0], (
+        "1 running request, but block 0 has ref_cnt 2: [0] (count blocks whose ref_cnt equals the "
+        "number running)"
+    )
+    assert m.get_num_common_prefix_blocks(a, 3) == [0], (
+        "3 running requests, but block 0 has ref_cnt 2: [0]"
+    )
+    assert m.get_num_common_prefix_blocks(b, 2) == [1], (
+        "b shares block 0 with a (ref_cnt 2, 2 running): [1]"
+    )
     c = make_request("c", list(range(10)), 4)
     schedule_prompt(m, c)
     c.status = lab.RequestStatus.RUNNING
-    assert m.get_num_common_prefix_blocks(c, 3) == [1]  # block 0: a, b, c; block 1: a, c
-    assert m.usage == pytest.approx(6 / 10)
+    assert m.get_num_common_prefix_blocks(c, 3) == [1], (  # block 0: a, b, c; block 1: a, c
+        "block 0 is held by a, b, c (ref_cnt 3), block 1 by a and c only: [1]"
+    )
+    assert m.usage == pytest.approx(6 / 10), (
+        f"a, b and c hold 6 of the 10 usable blocks: usage 0.6, got {m.usage}"
+    )
     d = make_request("d", list(range(8)) + [9], 4)
     schedule_prompt(m, d)
     d.status = lab.RequestStatus.RUNNING
-    assert m.get_num_common_prefix_blocks(d, 4) == [1]  # block 0: a, b, c, d
+    assert m.get_num_common_prefix_blocks(d, 4) == [1], (  # block 0: a, b, c, d
+        "block 0 is held by all 4 running requests, block 1 by 3: [1]"
+    )
     e = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
     pair = [make_request(r, list(range(12)), 4) for r in ("x", "y")]
     for r in pair:
         schedule_prompt(e, r)
         r.status = lab.RequestStatus.RUNNING
-    assert e.get_num_common_prefix_blocks(pair[0], 2) == [2]  # two full blocks shared
+    assert e.get_num_common_prefix_blocks(pair[0], 2) == [2], (  # two full blocks shared
+        "x and y share their first 2 blocks (the hit stops before the last token): [2]"
+    )
     lone = make_request("lone", [1], 4)
     lone.status = lab.RequestStatus.RUNNING
-    assert m.get_num_common_prefix_blocks(lone, 1) == [0]
+    assert m.get_num_common_prefix_blocks(lone, 1) == [0], "a request with no table: [0]"
     before = snapshot(m)
     a.status = lab.RequestStatus.WAITING
     with pytest.raises(ValueError) as exc:
         m.get_num_common_prefix_blocks(a, 2)
     message_names(exc, "WAITING")
-    assert snapshot(m) == before
+    assert snapshot(m) == before, (
+        "get_num_common_prefix_blocks raised ValueError but changed the manager: it changes nothing"
+    )
 
 
 # --------------------------------------------------------------------------- 8. state machine

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from course.labs.loader import load_lab
 from course.labs.numerics import assert_close
-from course.labs.student_process import read
+from course.labs.student_process import beside_the_student, read
 from mini_vllm.attention.reference import ref_attention
 
 lab = load_lab(__file__)
@@ -49,6 +49,16 @@ def make_request(request_id: str, prompt: list[int]):
     )
 
 
+def request_maker():
+    """``make_request`` with the lab's names looked up once: where the lab has its own process,
+    each lookup and call is a round trip, and a simulation makes hundreds of requests (the
+    hasher reads the request it hashes and keeps nothing, so one serves them all)."""
+    request, params = lab.Request, lab.SamplingParams()
+    hasher = lab.get_request_block_hasher(BS, lab.sha256)
+    return lambda request_id, prompt: request(request_id, list(prompt), params,
+                                              eos_token_id=None, block_hasher=hasher)
+
+
 def make_child(parent, child_id: str, next_token: int):
     """A copy of ``parent`` up to its computed tokens, which then sampled ``next_token``."""
     n = parent.num_computed_tokens
@@ -57,6 +67,13 @@ def make_child(parent, child_id: str, next_token: int):
     child.append_output_token_ids(tokens[parent.num_prompt_tokens :] + [next_token])
     child.num_computed_tokens = n
     return child
+
+
+@beside_the_student
+def same_table_object(mgr, a: str, b: str) -> bool:
+    """Whether two requests' req_to_blocks entries are one list object: asked where the manager
+    runs (a list read from there is a copy, never the same object as another)."""
+    return mgr.req_to_blocks[a] is mgr.req_to_blocks[b]
 
 
 def table(mgr, request_id: str) -> list[int]:
@@ -107,6 +124,7 @@ class Sim:
         self.computed: dict[str, int] = {}  # and how many of them are computed
         self.store: dict[int, list[int | None]] = {}
         self.next_id = 0
+        self.make_request = request_maker()
 
     def fresh_id(self) -> str:
         self.next_id += 1
@@ -141,22 +159,24 @@ class Sim:
 
     def admit(self, prompt: list[int], next_token: int):
         rid = self.fresh_id()
-        req = make_request(rid, prompt)
+        req = self.make_request(rid, prompt)
         hit_blocks, num_hit = self.mgr.get_computed_blocks(req)
         if self.mgr.allocate_slots(req, len(prompt) - num_hit, num_hit, hit_blocks) is None:
             return None
         self.live[rid], self.rid[id(req)] = req, rid
         self.tokens[rid], self.prompt_len[rid] = list(prompt), len(prompt)
-        self.write(rid, num_hit, len(prompt))
         req.num_computed_tokens = self.computed[rid] = len(prompt)
         self._sampled(req, rid, next_token)
+        # Written after the request's own updates, which leave the manager as it is: the read
+        # of the manager this takes then serves the step's checks too (see `step`).
+        self.write(rid, num_hit, len(prompt))
         return req
 
     def fork(self, parent, next_token: int):
         rid, pid = self.fresh_id(), self.rid[id(parent)]
         # make_child, from what is kept here: a copy of the parent up to its computed tokens
         tokens, n = self.tokens[pid][: self.computed[pid]], self.computed[pid]
-        child = make_request(rid, tokens[: self.prompt_len[pid]])
+        child = self.make_request(rid, tokens[: self.prompt_len[pid]])
         child.append_output_token_ids(tokens[self.prompt_len[pid] :] + [next_token])
         child.num_computed_tokens = n
         self.mgr.fork(parent, child)
@@ -188,9 +208,11 @@ class Sim:
         assert need <= free, f"append_slots succeeded although {need} block(s) of {free} free"
         self.apply_copies(copies)
         pos = self.computed[rid]
-        self.write(rid, pos, pos + 1)
         req.num_computed_tokens = self.computed[rid] = pos + 1
         self._sampled(req, rid, next_token)
+        # After the request's updates: the manager is read once, here, and that read serves
+        # the checks after this step and the snapshot before the next (nothing asked between).
+        self.write(rid, pos, pos + 1)
         return copies
 
     def finish(self, req) -> None:
@@ -256,7 +278,7 @@ def test_fork_shares_every_block_and_counts_it():
         f"{mgr.num_cached_block['p']}; got {mgr.num_cached_block['c']}"
     )
     # The child's table is its own list: replacing an entry of one never changes the other.
-    assert mgr.req_to_blocks["c"] is not mgr.req_to_blocks["p"], (
+    assert not same_table_object(mgr, "c", "p", beside=lab), (
         "fork: the child's req_to_blocks entry is the parent's list object; give it a copy "
         "(copy-on-write later replaces entries of one table only)"
     )
