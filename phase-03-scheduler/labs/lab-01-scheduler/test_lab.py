@@ -195,17 +195,43 @@ def check_step_invariants(scheduler, so):
 def test_add_requests_queues_them_in_order():
     scheduler = make_scheduler()
     requests = create_requests(num_requests=5)
-    assert scheduler.get_num_unfinished_requests() == 0
-    assert scheduler.has_unfinished_requests() is False
+    assert scheduler.get_num_unfinished_requests() == 0, (
+        "a new scheduler has 0 unfinished requests, get_num_unfinished_requests() gave "
+        f"{scheduler.get_num_unfinished_requests()!r}"
+    )
+    assert scheduler.has_unfinished_requests() is False, (
+        "has_unfinished_requests() must be False (a bool) before any request is added, got "
+        f"{scheduler.has_unfinished_requests()!r}"
+    )
     for i, request in enumerate(requests):
         scheduler.add_request(request)
-        assert scheduler.requests[request.request_id] is request
-        assert len(scheduler.waiting) == i + 1
-    assert list(scheduler.waiting) == requests
-    assert scheduler.running == []
-    assert requests[0].status == RequestStatus.WAITING
-    assert scheduler.get_num_unfinished_requests() == 5
-    assert scheduler.has_unfinished_requests() is True
+        assert scheduler.requests[request.request_id] is request, (
+            "add_request must store the request itself in scheduler.requests under its id "
+            f"{request.request_id!r}; ids stored: {sorted(scheduler.requests)[:8]}"
+        )
+        assert len(scheduler.waiting) == i + 1, (
+            f"after adding {i + 1} request(s) waiting holds {len(scheduler.waiting)}: add_request "
+            "appends each request to waiting once"
+        )
+    assert list(scheduler.waiting) == requests, (
+        "waiting must hold the requests in arrival order (appended at the back): want "
+        f"{ids(requests)}, got {ids(scheduler.waiting)[:8]}"
+    )
+    assert scheduler.running == [], (
+        "add_request only queues in waiting; running must stay empty, got "
+        f"{ids(scheduler.running)[:8]}"
+    )
+    assert requests[0].status == RequestStatus.WAITING, (
+        f"a queued request keeps its status WAITING, got {requests[0].status!r}"
+    )
+    assert scheduler.get_num_unfinished_requests() == 5, (
+        "5 requests waiting: get_num_unfinished_requests() must be 5, got "
+        f"{scheduler.get_num_unfinished_requests()!r}"
+    )
+    assert scheduler.has_unfinished_requests() is True, (
+        "has_unfinished_requests() must be True (a bool) with 5 requests waiting, got "
+        f"{scheduler.has_unfinished_requests()!r}"
+    )
 
 
 def test_unfinished_requests_counts_every_queue():
@@ -272,9 +298,18 @@ def test_add_request_rejects_bad_input_and_changes_nothing(case, numbers):
     assert bad.request_id in message, f"the message must name the request: {message!r}"
     for number in numbers:
         assert number in message, f"the message must give {number}: {message!r}"
-    assert list(scheduler.waiting) == [first]
-    assert list(scheduler.requests) == [first.request_id]
-    assert scheduler.get_num_unfinished_requests() == 1
+    assert list(scheduler.waiting) == [first], (
+        f"a refused request ({case}) must not be queued: waiting must be ['0'], got "
+        f"{ids(scheduler.waiting)}: raise before appending"
+    )
+    assert list(scheduler.requests) == [first.request_id], (
+        f"a refused request ({case}) must not be remembered: requests must be ['0'], got "
+        f"{list(scheduler.requests)}: raise before storing it"
+    )
+    assert scheduler.get_num_unfinished_requests() == 1, (
+        f"one accepted and one refused ({case}) request: get_num_unfinished_requests() must be 1, "
+        f"got {scheduler.get_num_unfinished_requests()!r}"
+    )
 
 
 @pytest.mark.parametrize("case", ["longest-prompt", "exact-fit", "capped-by-max-model-len",
@@ -298,8 +333,14 @@ def test_add_request_accepts_the_limits(case):
     else:
         request = Request("0", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=EOS)
     scheduler.add_request(request)
-    assert list(scheduler.waiting) == [request]
-    assert scheduler.requests == {request.request_id: request}
+    assert list(scheduler.waiting) == [request], (
+        f"add_request must accept and queue the {case} request; waiting holds "
+        f"{ids(scheduler.waiting)}"
+    )
+    assert scheduler.requests == {request.request_id: request}, (
+        f"add_request must remember the {case} request (and only it) in requests; ids stored: "
+        f"{list(scheduler.requests)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,8 +373,15 @@ def test_num_new_tokens(prompt, outputs, computed, threshold, budget, max_model_
     for _ in range(outputs):
         request.append_output_token_ids(7)
     request.num_computed_tokens = computed
-    assert scheduler._num_new_tokens(request, budget) == want
-    assert request.num_computed_tokens == computed and request.num_tokens == prompt + outputs
+    assert scheduler._num_new_tokens(request, budget) == want, (
+        f"_num_new_tokens with {computed} of {prompt + outputs} tokens computed, threshold "
+        f"{threshold}, budget {budget}, max_model_len {max_model_len}: want {want}, got "
+        f"{scheduler._num_new_tokens(request, budget)!r}"
+    )
+    assert request.num_computed_tokens == computed and request.num_tokens == prompt + outputs, (
+        f"_num_new_tokens must change nothing: num_computed_tokens {request.num_computed_tokens} "
+        f"(was {computed}), num_tokens {request.num_tokens} (was {prompt + outputs})"
+    )
 
 
 def test_running_requests_are_scheduled_oldest_first_within_the_budget():
@@ -401,10 +449,22 @@ def test_a_request_with_nothing_to_do_does_not_block_the_others():
     run_by_hand(scheduler, a, 8)
     run_by_hand(scheduler, b_long, 8)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"1": 16}
-    assert out.scheduled_cached_reqs.req_ids == ["1"]
-    assert ids(scheduler.running) == ["0", "1"] and a.status == RequestStatus.RUNNING
-    assert b_long.num_computed_tokens == 24
+    assert out.num_scheduled_tokens == {"1": 16}, (
+        "'0' has nothing to do (prompt computed, no token yet): pass over it and give '1' 16 of "
+        f"its prompt tokens (the budget); got {out.num_scheduled_tokens}"
+    )
+    assert out.scheduled_cached_reqs.req_ids == ["1"], (
+        "only '1' runs in this step: scheduled_cached_reqs.req_ids must be ['1'], got "
+        f"{out.scheduled_cached_reqs.req_ids}"
+    )
+    assert ids(scheduler.running) == ["0", "1"] and a.status == RequestStatus.RUNNING, (
+        "a request with nothing to do stays running: running must be ['0', '1'] with '0' RUNNING; "
+        f"got {ids(scheduler.running)}, '0' is {a.status!r}"
+    )
+    assert b_long.num_computed_tokens == 24, (
+        "'1' had 8 computed + 16 scheduled: 24 after schedule() (which advances it once; "
+        f"_schedule_running must not), got {b_long.num_computed_tokens}"
+    )
 
 
 def test_a_running_request_gets_only_its_new_blocks():
@@ -415,19 +475,38 @@ def test_a_running_request_gets_only_its_new_blocks():
     scheduler.add_request(request)
     run_by_hand(scheduler, request, 6, outputs=[5])
     table = scheduler.kv_cache_manager.get_block_ids("0")[0]
-    assert len(table) == 2
+    assert len(table) == 2, (
+        f"test premise: 6 computed tokens in blocks of 4 take 2 blocks, the table has {len(table)}"
+    )
     out = scheduler.schedule()  # position 6: still block 1
-    assert out.num_scheduled_tokens == {"0": 1}
-    assert out.scheduled_cached_reqs.new_block_ids == [None]
+    assert out.num_scheduled_tokens == {"0": 1}, (
+        "the sampled token (position 6) is the one token to schedule: want '0': 1, got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert out.scheduled_cached_reqs.new_block_ids == [None], (
+        "position 6 fits the request's second block: new_block_ids must be [None] (no new block), "
+        f"got {out.scheduled_cached_reqs.new_block_ids}; store what allocate_slots returned"
+    )
     request.append_output_token_ids(5)
     out = scheduler.schedule()  # position 7: still block 1
-    assert out.scheduled_cached_reqs.new_block_ids == [None]
+    assert out.scheduled_cached_reqs.new_block_ids == [None], (
+        "position 7 still fits the second block: new_block_ids must be [None], got "
+        f"{out.scheduled_cached_reqs.new_block_ids}; store what allocate_slots returned"
+    )
     request.append_output_token_ids(5)
     out = scheduler.schedule()  # position 8: a third block
     table = scheduler.kv_cache_manager.get_block_ids("0")[0]
-    assert len(table) == 3
-    assert out.scheduled_cached_reqs.new_block_ids == [([table[2]],)]
-    assert request.num_computed_tokens == 9
+    assert len(table) == 3, (
+        "position 8 needs a third block: the table must have 3 blocks after schedule(), got "
+        f"{len(table)}"
+    )
+    assert out.scheduled_cached_reqs.new_block_ids == [([table[2]],)], (
+        f"the output carries only the new block: new_block_ids must be [([{table[2]}],)], got "
+        f"{out.scheduled_cached_reqs.new_block_ids}"
+    )
+    assert request.num_computed_tokens == 9, (
+        f"three one-token steps from 6 computed tokens: 9, got {request.num_computed_tokens}"
+    )
 
 
 def _full_cache_of_three(upto, **overrides):
@@ -475,9 +554,17 @@ def test_the_victim_is_the_last_of_running_not_the_latest_arrival():
     for i in (2, 0, 1):
         run_by_hand(scheduler, requests[i], 12, outputs=[5])
     out = scheduler.schedule()
-    assert out.preempted_req_ids == ["1"]
-    assert out.num_scheduled_tokens == {"2": 1, "0": 1}
-    assert ids(scheduler.running) == ["2", "0"]
+    assert out.preempted_req_ids == ["1"], (
+        "the victim is the last of running (ordered 2, 0, 1), so '1' is preempted, not the latest "
+        f"arrival; preempted: {out.preempted_req_ids}"
+    )
+    assert out.num_scheduled_tokens == {"2": 1, "0": 1}, (
+        "after preempting '1', '2' and '0' get one token each, in running order; got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.running) == ["2", "0"], (
+        f"running after the step must be ['2', '0'], got {ids(scheduler.running)}"
+    )
 
 
 def test_one_request_may_preempt_several():
@@ -493,13 +580,29 @@ def test_one_request_may_preempt_several():
     run_by_hand(scheduler, r1, 15, outputs=[5])   # 4 blocks; its token fits the 4th
     run_by_hand(scheduler, r2, 8, outputs=[5])    # 2 blocks
     run_by_hand(scheduler, r3, 8, outputs=[5])    # 2 blocks
-    assert free_blocks(scheduler) == 0
+    assert free_blocks(scheduler) == 0, (
+        f"test premise: 1 + 4 + 2 + 2 blocks fill the 9 usable ones, {free_blocks(scheduler)} free"
+    )
     out = scheduler.schedule()
-    assert out.preempted_req_ids == ["3", "2"]
-    assert out.num_scheduled_tokens == {"0": 16, "1": 1}
-    assert ids(scheduler.running) == ["0", "1"]
-    assert r0.num_computed_tokens == 20
-    assert len(scheduler.kv_cache_manager.get_block_ids("0")[0]) == 5
+    assert out.preempted_req_ids == ["3", "2"], (
+        "'0' needs 4 new blocks: preempt the newest ('3', 2 blocks), retry, then preempt '2'; "
+        f"preempted: {out.preempted_req_ids}"
+    )
+    assert out.num_scheduled_tokens == {"0": 16, "1": 1}, (
+        "after the two preemptions '0' gets its 16 prompt tokens and '1' its one token; got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.running) == ["0", "1"], (
+        f"running must be ['0', '1'] after '3' and '2' were preempted, got {ids(scheduler.running)}"
+    )
+    assert r0.num_computed_tokens == 20, (
+        "'0' had 4 computed and was scheduled for 16: 20 after schedule(), got "
+        f"{r0.num_computed_tokens}"
+    )
+    assert len(scheduler.kv_cache_manager.get_block_ids("0")[0]) == 5, (
+        "'0' holds 5 blocks for its 20 tokens, got "
+        f"{len(scheduler.kv_cache_manager.get_block_ids('0')[0])}"
+    )
 
 
 def test_a_request_that_is_the_newest_preempts_itself():
@@ -513,11 +616,24 @@ def test_a_request_that_is_the_newest_preempts_itself():
     run_by_hand(scheduler, r0, 15, outputs=[5])   # 4 blocks
     run_by_hand(scheduler, r1, 20, outputs=[5])   # 5 blocks, the token needs a 6th
     out = scheduler.schedule()
-    assert out.preempted_req_ids == ["1"]
-    assert out.num_scheduled_tokens == {"0": 1}
-    assert out.scheduled_cached_reqs.req_ids == ["0"]
-    assert ids(scheduler.running) == ["0"]
-    assert r1.status == RequestStatus.PREEMPTED and r1.num_computed_tokens == 0
+    assert out.preempted_req_ids == ["1"], (
+        "'1' needs a sixth block and is itself the newest running request: it preempts itself; "
+        f"preempted: {out.preempted_req_ids}"
+    )
+    assert out.num_scheduled_tokens == {"0": 1}, (
+        "only '0' is scheduled (its token fits its 4th block); a request that preempted itself is "
+        f"not; got {out.num_scheduled_tokens}"
+    )
+    assert out.scheduled_cached_reqs.req_ids == ["0"], (
+        f"scheduled_cached_reqs.req_ids must be ['0'], got {out.scheduled_cached_reqs.req_ids}"
+    )
+    assert ids(scheduler.running) == ["0"], (
+        f"running must be ['0'] after '1' preempted itself, got {ids(scheduler.running)}"
+    )
+    assert r1.status == RequestStatus.PREEMPTED and r1.num_computed_tokens == 0, (
+        f"the self-preempted '1' is PREEMPTED with 0 computed tokens; got {r1.status!r}, "
+        f"{r1.num_computed_tokens}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,18 +647,39 @@ def test_the_victim_drops_its_kv_and_waits_at_the_head():
     scheduler.add_request(late)
     out = scheduler.schedule()
     victim = requests[2]
-    assert out.preempted_req_ids == ["2"]
-    assert victim.status == RequestStatus.PREEMPTED
-    assert victim.num_computed_tokens == 0
+    assert out.preempted_req_ids == ["2"], (
+        "out of blocks, the newest running request ('2') is preempted; preempted: "
+        f"{out.preempted_req_ids}"
+    )
+    assert victim.status == RequestStatus.PREEMPTED, (
+        f"_preempt_by_recompute sets the victim's status to PREEMPTED, got {victim.status!r}"
+    )
+    assert victim.num_computed_tokens == 0, (
+        "_preempt_by_recompute resets the victim's num_computed_tokens to 0 (its KV is dropped), "
+        f"got {victim.num_computed_tokens}"
+    )
     assert list(victim.output_token_ids) == [5], "its output is kept (and recomputed)"
     assert ids(scheduler.waiting) == ["2", "3"], "the victim goes ahead of those waiting"
     assert "2" not in scheduler.kv_cache_manager.req_to_blocks, "its blocks must be freed"
-    assert free_blocks(scheduler) == 1
+    assert free_blocks(scheduler) == 1, (
+        "the victim's 3 blocks go back and '0' and '1' take one each: 1 free, got "
+        f"{free_blocks(scheduler)}; free the victim with kv_cache_manager.free"
+    )
     assert "3" not in out.num_scheduled_tokens, "no admission in a step that preempted"
     stats = scheduler.stats
-    assert (stats.num_preemptions, stats.num_recompute_preemptions) == (1, 1)
-    assert stats.num_recomputed_tokens == 12
-    assert victim.num_preemptions == 1
+    assert (stats.num_preemptions, stats.num_recompute_preemptions) == (1, 1), (
+        "one preemption, by recompute: counts (1, 1), got "
+        f"{(stats.num_preemptions, stats.num_recompute_preemptions)}; hand the victim to "
+        "self._preempt (it counts), count nothing else"
+    )
+    assert stats.num_recomputed_tokens == 12, (
+        f"the victim's 12 computed tokens count as recomputed, got {stats.num_recomputed_tokens}; "
+        "self._preempt counts them, count nothing else"
+    )
+    assert victim.num_preemptions == 1, (
+        f"the victim was preempted once: num_preemptions 1, got {victim.num_preemptions}; "
+        "self._preempt counts it, count nothing else"
+    )
 
 
 def test_two_victims_wait_in_preemption_order_before_the_rest():
@@ -556,9 +693,17 @@ def test_two_victims_wait_in_preemption_order_before_the_rest():
     for request, n in ((r0, 4), (r1, 15), (r2, 8), (r3, 8)):
         run_by_hand(scheduler, request, n, outputs=[5] if n > 4 else [])
     out = scheduler.schedule()
-    assert out.preempted_req_ids == ["3", "2"]
-    assert ids(scheduler.waiting) == ["2", "3", "4"]
-    assert free_blocks(scheduler) == 0
+    assert out.preempted_req_ids == ["3", "2"], (
+        "'0' needs 4 blocks: '3' then '2' are preempted (newest first); preempted: "
+        f"{out.preempted_req_ids}"
+    )
+    assert ids(scheduler.waiting) == ["2", "3", "4"], (
+        "each victim goes to the head of waiting: want ['2', '3', '4'], got "
+        f"{ids(scheduler.waiting)}; _preempt_by_recompute uses appendleft"
+    )
+    assert free_blocks(scheduler) == 0, (
+        f"'3' and '2' free 4 blocks and '0' takes all 4: 0 free, got {free_blocks(scheduler)}"
+    )
 
 
 def test_the_victim_comes_back_first_with_its_whole_table():
@@ -667,28 +812,55 @@ def test_preempt_during_execution():
     requests = create_requests(num_requests=2, num_tokens=80, block_size=16)
     scheduler.add_request(requests[0])
     output0 = scheduler.schedule()
-    assert len(output0.num_scheduled_tokens) == 1
-    assert len(output0.scheduled_new_reqs[0].block_ids[0]) == 5
+    assert len(output0.num_scheduled_tokens) == 1, (
+        f"step 1 schedules only '0', got {output0.num_scheduled_tokens}"
+    )
+    assert len(output0.scheduled_new_reqs[0].block_ids[0]) == 5, (
+        "'0's 80 prompt tokens take 5 blocks of 16, got "
+        f"{len(output0.scheduled_new_reqs[0].block_ids[0])}"
+    )
 
     # The second request is scheduled while the first one's step is still running.
     scheduler.add_request(requests[1])
     output1 = scheduler.schedule()
-    assert len(output1.num_scheduled_tokens) == 1
-    assert len(output1.scheduled_new_reqs[0].block_ids[0]) == 5
+    assert len(output1.num_scheduled_tokens) == 1, (
+        "step 2: '0' awaits its token (nothing to do) and '1' is admitted: one request scheduled, "
+        f"got {output1.num_scheduled_tokens}"
+    )
+    assert len(output1.scheduled_new_reqs[0].block_ids[0]) == 5, (
+        "'1's 80 prompt tokens take 5 blocks of 16, got "
+        f"{len(output1.scheduled_new_reqs[0].block_ids[0])}"
+    )
 
     scheduler.update_from_output(output0, make_output(output0))
     # Request 0 needs a sixth block: the cache is full, so the newest request is preempted.
     output2 = scheduler.schedule()
-    assert scheduler.running == [requests[0]]
-    assert requests[1].status == RequestStatus.PREEMPTED
-    assert requests[1].num_computed_tokens == 0
-    assert list(scheduler.waiting) == [requests[1]]
-    assert output2.preempted_req_ids == ["1"]
-    assert output2.num_scheduled_tokens == {"0": 1}
+    assert scheduler.running == [requests[0]], (
+        "'0' needs a sixth block and the cache is full: the newest ('1') is preempted and only '0' "
+        f"runs; running: {ids(scheduler.running)}"
+    )
+    assert requests[1].status == RequestStatus.PREEMPTED, (
+        f"the victim '1' is PREEMPTED, got {requests[1].status!r}"
+    )
+    assert requests[1].num_computed_tokens == 0, (
+        f"the victim '1' has num_computed_tokens reset to 0, got {requests[1].num_computed_tokens}"
+    )
+    assert list(scheduler.waiting) == [requests[1]], (
+        f"the victim '1' waits again: waiting must be ['1'], got {ids(scheduler.waiting)}"
+    )
+    assert output2.preempted_req_ids == ["1"], (
+        f"preempted_req_ids must be ['1'], got {output2.preempted_req_ids}"
+    )
+    assert output2.num_scheduled_tokens == {"0": 1}, (
+        f"'0' gets one token (its sampled one), got {output2.num_scheduled_tokens}"
+    )
 
     # The preempted request still receives the token of the step it was part of.
     scheduler.update_from_output(output1, make_output(output1, {"1": [42]}))
-    assert list(requests[1].output_token_ids) == [42]
+    assert list(requests[1].output_token_ids) == [42], (
+        "a request preempted after it was scheduled still receives that step's token: '1' must "
+        f"have [42], got {list(requests[1].output_token_ids)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,23 +876,63 @@ def test_requests_are_scheduled_together(enable_prefix_caching):
     for request in requests:
         scheduler.add_request(request)
     output = scheduler.schedule()
-    assert len(output.scheduled_new_reqs) == len(requests)
-    assert output.scheduled_cached_reqs.num_reqs == 0
-    assert len(output.finished_req_ids) == 0
+    assert len(output.scheduled_new_reqs) == len(requests), (
+        "all 10 prompts fit the budget: 10 new requests in step 1, got "
+        f"{len(output.scheduled_new_reqs)}"
+    )
+    assert output.scheduled_cached_reqs.num_reqs == 0, (
+        "nothing ran before: scheduled_cached_reqs must be empty, got "
+        f"{output.scheduled_cached_reqs.num_reqs}; an admitted WAITING request is a new request"
+    )
+    assert len(output.finished_req_ids) == 0, (
+        "nothing finished: finished_req_ids must be empty, got "
+        f"{sorted(output.finished_req_ids)[:8]}"
+    )
     for req_id, num_tokens in output.num_scheduled_tokens.items():
-        assert num_tokens == len(requests[int(req_id)].prompt_token_ids)
-    assert output.total_num_scheduled_tokens == 100
-    assert len(scheduler.waiting) == 0
-    assert scheduler.running == requests
+        assert num_tokens == len(requests[int(req_id)].prompt_token_ids), (
+            f"request {req_id!r} gets its whole prompt "
+            f"({len(requests[int(req_id)].prompt_token_ids)} tokens), got {num_tokens}"
+        )
+    assert output.total_num_scheduled_tokens == 100, (
+        "10 prompts of 10 tokens: 100 tokens scheduled in all, got "
+        f"{output.total_num_scheduled_tokens}"
+    )
+    assert len(scheduler.waiting) == 0, (
+        f"every request is admitted: waiting must be empty, got {ids(scheduler.waiting)[:8]}"
+    )
+    assert scheduler.running == requests, (
+        f"admitted requests join running in order: want {ids(requests)}, got "
+        f"{ids(scheduler.running)[:12]}"
+    )
     for request in requests:
-        assert request.status == RequestStatus.RUNNING
-        assert request.num_computed_tokens == 10  # advanced right after scheduling
-        assert request.num_cached_tokens == 0
+        assert request.status == RequestStatus.RUNNING, (
+            f"an admitted request is RUNNING, {request.request_id!r} is {request.status!r}"
+        )
+        assert request.num_computed_tokens == 10, (  # advanced right after scheduling
+            f"{request.request_id!r} has 10 computed tokens after schedule(), got "
+            f"{request.num_computed_tokens}: _schedule_waiting sets it to the hit (0), schedule() "
+            "adds the tokens"
+        )
+        assert request.num_cached_tokens == 0, (
+            f"no prefix hit: {request.request_id!r} has num_cached_tokens 0, got "
+            f"{request.num_cached_tokens}; set it to the hit while it is unset (negative)"
+        )
     for new, request in zip(output.scheduled_new_reqs, requests):
-        assert new.req_id == request.request_id
-        assert new.num_computed_tokens == 0  # the output carries the count before the step
-        assert new.block_ids == scheduler.kv_cache_manager.get_block_ids(new.req_id)
-        assert len(new.block_ids[0]) == 1
+        assert new.req_id == request.request_id, (
+            f"scheduled_new_reqs follow admission order: want {request.request_id!r}, got "
+            f"{new.req_id!r}"
+        )
+        assert new.num_computed_tokens == 0, (  # the output carries the count before the step
+            f"the output carries num_computed_tokens before the step (0), {new.req_id!r} has "
+            f"{new.num_computed_tokens}; do not advance it in _schedule_waiting"
+        )
+        assert new.block_ids == scheduler.kv_cache_manager.get_block_ids(new.req_id), (
+            "a new request carries its whole block table "
+            f"{scheduler.kv_cache_manager.get_block_ids(new.req_id)}, got {new.block_ids}"
+        )
+        assert len(new.block_ids[0]) == 1, (
+            f"a 10-token prompt takes 1 block of 16, {new.req_id!r} got {len(new.block_ids[0])}"
+        )
 
 
 def test_partial_scheduling_under_a_small_budget():
@@ -732,20 +944,39 @@ def test_partial_scheduling_under_a_small_budget():
         scheduler.add_request(request)
 
     output = scheduler.schedule()
-    assert len(output.scheduled_new_reqs) == 3
-    assert [output.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224]
+    assert len(output.scheduled_new_reqs) == 3, (
+        f"step 1 admits all 3 requests, got {len(output.scheduled_new_reqs)} new"
+    )
+    assert [output.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224], (
+        "threshold 400, budget 1024: the three prompts get [400, 400, 224], got "
+        f"{[output.num_scheduled_tokens.get(r.request_id) for r in requests]}"
+    )
     scheduler.update_from_output(output, make_output(output, {r.request_id: [] for r in requests}))
 
     output1 = scheduler.schedule()
-    assert len(output1.scheduled_new_reqs) == 0
-    assert output1.scheduled_cached_reqs.num_reqs == 3
-    assert output1.scheduled_cached_reqs.num_computed_tokens == [400, 400, 224]
-    assert [output1.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224]
+    assert len(output1.scheduled_new_reqs) == 0, (
+        f"step 2: no new request (all three already run), got {len(output1.scheduled_new_reqs)}"
+    )
+    assert output1.scheduled_cached_reqs.num_reqs == 3, (
+        "step 2: the 3 running requests are scheduled as cached requests, got "
+        f"{output1.scheduled_cached_reqs.num_reqs}"
+    )
+    assert output1.scheduled_cached_reqs.num_computed_tokens == [400, 400, 224], (
+        "step 2's output carries each count before the step, [400, 400, 224], got "
+        f"{output1.scheduled_cached_reqs.num_computed_tokens}"
+    )
+    assert [output1.num_scheduled_tokens[r.request_id] for r in requests] == [400, 400, 224], (
+        "step 2, threshold 400, budget 1024: [400, 400, 224] again, got "
+        f"{[output1.num_scheduled_tokens.get(r.request_id) for r in requests]}"
+    )
     scheduler.update_from_output(output1, make_output(output1, {"2": []}))
 
     output2 = scheduler.schedule()
-    assert [output2.num_scheduled_tokens[r.request_id] for r in requests] == [1, 1, 800 - 448]
-    assert len(scheduler.running) == 3
+    assert [output2.num_scheduled_tokens[r.request_id] for r in requests] == [1, 1, 800 - 448], (
+        "step 3: '0' and '1' decode 1 token each, '2' takes the 352 left of its prompt; got "
+        f"{[output2.num_scheduled_tokens.get(r.request_id) for r in requests]}"
+    )
+    assert len(scheduler.running) == 3, f"all 3 requests still run, got {ids(scheduler.running)}"
 
 
 def test_budget_splits_a_prompt_and_the_rest_waits():
@@ -755,14 +986,27 @@ def test_budget_splits_a_prompt_and_the_rest_waits():
     for request in requests:
         scheduler.add_request(request)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": 80, "1": 20}
-    assert ids(scheduler.waiting) == ["2"]
+    assert out.num_scheduled_tokens == {"0": 80, "1": 20}, (
+        "budget 100: '0' gets its 80 prompt tokens, '1' the 20 left; got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.waiting) == ["2"], (
+        f"no budget is left for '2': it keeps waiting; waiting: {ids(scheduler.waiting)}"
+    )
     scheduler.update_from_output(out, make_output(out, {"1": []}))
     out = scheduler.schedule()
     # Running first: "0" decodes, "1" finishes its prompt, then "2" takes the rest of the budget.
-    assert out.num_scheduled_tokens == {"0": 1, "1": 60, "2": 39}
-    assert out.scheduled_cached_reqs.req_ids == ["0", "1"]
-    assert [n.req_id for n in out.scheduled_new_reqs] == ["2"]
+    assert out.num_scheduled_tokens == {"0": 1, "1": 60, "2": 39}, (
+        "running first: '0' decodes 1, '1' finishes its prompt (60), then '2' takes the 39 left; "
+        f"got {out.num_scheduled_tokens}"
+    )
+    assert out.scheduled_cached_reqs.req_ids == ["0", "1"], (
+        "'0' and '1' are the running (cached) requests, in order; got "
+        f"{out.scheduled_cached_reqs.req_ids}"
+    )
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["2"], (
+        f"'2' is the one new request, got {[n.req_id for n in out.scheduled_new_reqs]}"
+    )
 
 
 def test_no_admission_once_the_running_requests_took_the_budget():
@@ -773,8 +1017,14 @@ def test_no_admission_once_the_running_requests_took_the_budget():
     scheduler.add_request(waiting)
     run_by_hand(scheduler, running, 4)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": 8}
-    assert ids(scheduler.waiting) == ["1"] and waiting.status == RequestStatus.WAITING
+    assert out.num_scheduled_tokens == {"0": 8}, (
+        "budget 8: the running '0' takes all 8, nothing is left for '1'; got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.waiting) == ["1"] and waiting.status == RequestStatus.WAITING, (
+        f"no budget left: '1' stays WAITING in waiting; waiting {ids(scheduler.waiting)}, '1' is "
+        f"{waiting.status!r}"
+    )
 
 
 @pytest.mark.parametrize("threshold", [1, 5, 12])
@@ -785,8 +1035,14 @@ def test_waiting_requests_are_capped_by_the_threshold(threshold):
     for request in requests:
         scheduler.add_request(request)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": threshold, "1": threshold, "2": threshold}
-    assert [r.num_computed_tokens for r in requests] == [threshold] * 3
+    assert out.num_scheduled_tokens == {"0": threshold, "1": threshold, "2": threshold}, (
+        f"long_prefill_token_threshold={threshold}: each 12-token prompt gets {threshold} tokens, "
+        f"got {out.num_scheduled_tokens}"
+    )
+    assert [r.num_computed_tokens for r in requests] == [threshold] * 3, (
+        f"after schedule() each request has {threshold} computed tokens, got "
+        f"{[r.num_computed_tokens for r in requests]}"
+    )
 
 
 def test_the_last_token_of_the_budget_admits_a_request():
@@ -799,8 +1055,14 @@ def test_the_last_token_of_the_budget_admits_a_request():
     scheduler.add_request(waiting)
     run_by_hand(scheduler, running, 12)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": 8, "1": 1}
-    assert waiting.status == RequestStatus.RUNNING and waiting.num_computed_tokens == 1
+    assert out.num_scheduled_tokens == {"0": 8, "1": 1}, (
+        "budget 9: '0' takes its 8 missing tokens and '1' is admitted with the last one; got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert waiting.status == RequestStatus.RUNNING and waiting.num_computed_tokens == 1, (
+        f"'1' admitted with one token: RUNNING with 1 computed token; got {waiting.status!r}, "
+        f"{waiting.num_computed_tokens}"
+    )
 
 
 @pytest.mark.parametrize("already_running", [0, 2])
@@ -812,10 +1074,17 @@ def test_max_num_seqs_caps_the_running_queue(already_running):
     for request in requests[:already_running]:
         run_by_hand(scheduler, request, 10, outputs=[5])
     out = scheduler.schedule()
-    assert len(scheduler.running) == 3
+    assert len(scheduler.running) == 3, (
+        f"max_num_seqs=3: 3 requests run after the step, got {ids(scheduler.running)}"
+    )
     admitted = [n.req_id for n in out.scheduled_new_reqs]
-    assert admitted == [str(i) for i in range(already_running, 3)]
-    assert ids(scheduler.waiting) == [str(i) for i in range(3, 6)]
+    assert admitted == [str(i) for i in range(already_running, 3)], (
+        f"with {already_running} running, the first waiting ones are admitted in order up to 3 "
+        f"running; admitted {admitted}"
+    )
+    assert ids(scheduler.waiting) == [str(i) for i in range(3, 6)], (
+        f"'3', '4', '5' keep waiting in order, got {ids(scheduler.waiting)}"
+    )
 
 
 def test_admission_stops_at_the_first_request_that_does_not_fit():
@@ -829,9 +1098,18 @@ def test_admission_stops_at_the_first_request_that_does_not_fit():
         scheduler.add_request(request)
     run_by_hand(scheduler, r0, 24, outputs=[5])  # 6 blocks + its token needs a 7th
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": 1}
-    assert ids(scheduler.waiting) == ["1", "2"]
-    assert r2.status == RequestStatus.WAITING and r2.num_computed_tokens == 0
+    assert out.num_scheduled_tokens == {"0": 1}, (
+        "only '0' runs: '1' does not fit and '2' may not overtake it (FCFS); got "
+        f"{out.num_scheduled_tokens}"
+    )
+    assert ids(scheduler.waiting) == ["1", "2"], (
+        f"'1' and '2' keep waiting in order, got {ids(scheduler.waiting)}; admission stops at the "
+        "first request that does not fit"
+    )
+    assert r2.status == RequestStatus.WAITING and r2.num_computed_tokens == 0, (
+        f"'2' must not be admitted past '1': WAITING with 0 computed; got {r2.status!r}, "
+        f"{r2.num_computed_tokens}"
+    )
     assert "1" not in scheduler.kv_cache_manager.req_to_blocks, "a refused claim holds nothing"
 
 
@@ -848,8 +1126,14 @@ def test_admission_claims_through_the_reservation_helper():
         "admission must claim room with self._allocate_on_admission (it adds the reservation); "
         f"scheduled {out.num_scheduled_tokens}"
     )
-    assert len(out.scheduled_new_reqs[0].block_ids[0]) == 10
-    assert ids(scheduler.waiting) == ["1"]
+    assert len(out.scheduled_new_reqs[0].block_ids[0]) == 10, (
+        "kv_reservation='max': '0' holds its whole 10-block reservation, got "
+        f"{len(out.scheduled_new_reqs[0].block_ids[0])} block(s)"
+    )
+    assert ids(scheduler.waiting) == ["1"], (
+        "only one reservation fits the 12 usable blocks: '1' keeps waiting; waiting: "
+        f"{ids(scheduler.waiting)}"
+    )
 
 
 def test_prefix_cache_hit_on_admission():
@@ -862,12 +1146,26 @@ def test_prefix_cache_hit_on_admission():
     second = create_requests(1, block_size=4, prompt=prompt, first_id=1)[0]
     scheduler.add_request(second)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens["1"] == 2  # 16 tokens come from the cache
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
-    assert second.num_cached_tokens == 16
-    assert second.num_computed_tokens == 18
+    assert out.num_scheduled_tokens["1"] == 2, (  # 16 tokens come from the cache
+        "the second request hits 16 cached tokens and computes only 2, got "
+        f"{out.num_scheduled_tokens['1']}; start from kv_cache_manager.get_computed_blocks"
+    )
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 16, (
+        "the new request's output carries its 16-token hit as num_computed_tokens, got "
+        f"{out.scheduled_new_reqs[0].num_computed_tokens}"
+    )
+    assert second.num_cached_tokens == 16, (
+        f"num_cached_tokens is the first admission's hit, 16, got {second.num_cached_tokens}"
+    )
+    assert second.num_computed_tokens == 18, (
+        "after schedule() the second request has 16 + 2 = 18 computed tokens, got "
+        f"{second.num_computed_tokens}"
+    )
     first_blocks = scheduler.kv_cache_manager.get_block_ids("0")[0]
-    assert out.scheduled_new_reqs[0].block_ids[0][:4] == first_blocks[:4]
+    assert out.scheduled_new_reqs[0].block_ids[0][:4] == first_blocks[:4], (
+        f"its first 4 blocks are the first request's cached blocks {first_blocks[:4]}, got "
+        f"{out.scheduled_new_reqs[0].block_ids[0][:4]}"
+    )
 
 
 def test_a_prefix_hit_and_the_budget_together():
@@ -884,7 +1182,10 @@ def test_a_prefix_hit_and_the_budget_together():
     scheduler.add_request(second)
     scheduler.add_request(third)
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"1": 2, "2": 10}
+    assert out.num_scheduled_tokens == {"1": 2, "2": 10}, (
+        "budget 12: '1' computes 2 tokens beyond its 16-token hit, '2' takes the other 10; got "
+        f"{out.num_scheduled_tokens}"
+    )
 
 
 def test_readmission_is_a_resumed_request_and_keeps_its_first_cached_count():
@@ -894,22 +1195,55 @@ def test_readmission_is_a_resumed_request_and_keeps_its_first_cached_count():
     new request."""
     scheduler, requests = _victim_with_a_cached_prefix(upto=4)
     victim = requests[2]
-    assert victim.num_cached_tokens == 0  # its first admission (by hand) hit nothing
+    assert victim.num_cached_tokens == 0, (  # its first admission (by hand) hit nothing
+        "the victim entered running with num_cached_tokens 0 and was preempted, now "
+        f"{victim.num_cached_tokens}; preemption must not change it"
+    )
     newcomer = create_requests(1, num_tokens=3, max_tokens=2, block_size=4, first_id=3)[0]
     scheduler.add_request(newcomer)
     out = scheduler.schedule()
     cached = out.scheduled_cached_reqs
-    assert cached.req_ids == ["2"] and [n.req_id for n in out.scheduled_new_reqs] == ["3"]
-    assert cached.resumed_from_preemption == [True]
-    assert cached.new_block_ids == [scheduler.kv_cache_manager.get_block_ids("2")]
-    assert len(cached.new_block_ids[0][0]) == 4
-    assert cached.num_computed_tokens == [8]
-    assert out.num_scheduled_tokens == {"2": 5, "3": 3}
+    assert cached.req_ids == ["2"] and [n.req_id for n in out.scheduled_new_reqs] == ["3"], (
+        "the victim '2' comes back first as a resumed request, then '3' as new; cached "
+        f"{cached.req_ids}, new {[n.req_id for n in out.scheduled_new_reqs]}"
+    )
+    assert cached.resumed_from_preemption == [True], (
+        "'2' was PREEMPTED: resumed_from_preemption must be [True], got "
+        f"{cached.resumed_from_preemption}"
+    )
+    assert cached.new_block_ids == [scheduler.kv_cache_manager.get_block_ids("2")], (
+        "a resumed request carries its whole block table "
+        f"{scheduler.kv_cache_manager.get_block_ids('2')}, got {cached.new_block_ids}: store "
+        "kv_cache_manager.get_blocks(id)"
+    )
+    assert len(cached.new_block_ids[0][0]) == 4, (
+        "the resumed '2' holds 4 blocks (2 cached + 2 new) for its 13 tokens, got "
+        f"{len(cached.new_block_ids[0][0])}"
+    )
+    assert cached.num_computed_tokens == [8], (
+        "'2' starts from its 8-token prefix hit: num_computed_tokens [8], got "
+        f"{cached.num_computed_tokens}"
+    )
+    assert out.num_scheduled_tokens == {"2": 5, "3": 3}, (
+        "'2' computes its other 5 tokens and '3' its 3-token prompt; got "
+        f"{out.num_scheduled_tokens}"
+    )
     assert victim.num_cached_tokens == 0, "set on the first admission only"
-    assert newcomer.num_cached_tokens == 0
-    assert victim.status == RequestStatus.RUNNING and newcomer.status == RequestStatus.RUNNING
-    assert ids(scheduler.running) == ["0", "2", "3"] and not scheduler.waiting
-    assert out.scheduled_new_reqs[0].block_ids == scheduler.kv_cache_manager.get_block_ids("3")
+    assert newcomer.num_cached_tokens == 0, (
+        f"the newcomer had no prefix hit: num_cached_tokens 0, got {newcomer.num_cached_tokens}"
+    )
+    assert victim.status == RequestStatus.RUNNING and newcomer.status == RequestStatus.RUNNING, (
+        f"both admitted requests are RUNNING; '2' is {victim.status!r}, '3' is {newcomer.status!r}"
+    )
+    assert ids(scheduler.running) == ["0", "2", "3"] and not scheduler.waiting, (
+        f"running must be ['0', '2', '3'] and waiting empty; got running {ids(scheduler.running)}, "
+        f"waiting {ids(scheduler.waiting)}"
+    )
+    assert out.scheduled_new_reqs[0].block_ids == scheduler.kv_cache_manager.get_block_ids("3"), (
+        "the new '3' carries its whole block table "
+        f"{scheduler.kv_cache_manager.get_block_ids('3')}, got "
+        f"{out.scheduled_new_reqs[0].block_ids}"
+    )
 
 
 def test_no_admission_in_a_step_that_preempted():
@@ -935,8 +1269,14 @@ def test_no_admission_in_a_step_that_preempted():
 
     records = run_engine(scheduler, runner, {0: requests}, on_step=check)
     assert preempting_steps, "the workload must preempt"
-    assert records[4].num_scheduled_tokens == {"1": 1} and records[4].preempted == ["2"]
-    assert all(r.num_output_tokens == r.max_tokens for r in requests)
+    assert records[4].num_scheduled_tokens == {"1": 1} and records[4].preempted == ["2"], (
+        "step 4: '1' decodes 1 token and '2' (mid-prefill) is preempted; got scheduled "
+        f"{records[4].num_scheduled_tokens}, preempted {records[4].preempted}"
+    )
+    assert all(r.num_output_tokens == r.max_tokens for r in requests), (
+        "every request ends with max_tokens outputs (ignore_eos): (id, outputs, max_tokens) "
+        f"{[(r.request_id, r.num_output_tokens, r.max_tokens) for r in requests]}"
+    )
     assert_scheduler_empty(scheduler)
 
 
@@ -957,24 +1297,54 @@ def test_stop_on_eos_and_on_stop_token_trims_the_rest():
     scheduler = make_scheduler(upto=5)
     eos_req, out = _one_running(scheduler, max_tokens=10)
     outputs = scheduler.update_from_output(out, make_output(out, {"0": [7, EOS, 9]}))
-    assert eos_req.status == RequestStatus.FINISHED_STOPPED
-    assert eos_req.get_finished_reason() == FinishReason.STOP
-    assert eos_req.stop_reason is None
-    assert list(eos_req.output_token_ids) == [7, EOS]
-    assert len(outputs) == 1
-    assert outputs[0].new_token_ids == [7, EOS] and outputs[0].finished
-    assert outputs[0].finish_reason == FinishReason.STOP and outputs[0].stop_reason is None
+    assert eos_req.status == RequestStatus.FINISHED_STOPPED, (
+        f"EOS after token 7 stops the request: FINISHED_STOPPED, got {eos_req.status!r}"
+    )
+    assert eos_req.get_finished_reason() == FinishReason.STOP, (
+        f"the finish reason of an EOS stop is STOP, got {eos_req.get_finished_reason()!r}"
+    )
+    assert eos_req.stop_reason is None, (
+        f"an EOS stop records no stop_reason (only stop_token_ids do), got {eos_req.stop_reason!r}"
+    )
+    assert list(eos_req.output_token_ids) == [7, EOS], (
+        f"the tokens after EOS are dropped: output [7, {EOS}], got "
+        f"{list(eos_req.output_token_ids)}; append one at a time, check_stop after each"
+    )
+    assert len(outputs) == 1, f"one output for the one request, got {len(outputs)}"
+    assert outputs[0].new_token_ids == [7, EOS] and outputs[0].finished, (
+        f"the output carries the appended tokens [7, {EOS}] and finished; got "
+        f"{outputs[0].new_token_ids}, finished={outputs[0].finished}"
+    )
+    assert outputs[0].finish_reason == FinishReason.STOP and outputs[0].stop_reason is None, (
+        f"the output says STOP and no stop reason; got {outputs[0].finish_reason!r}, "
+        f"{outputs[0].stop_reason!r}"
+    )
 
     stop_req = create_requests(1, stop_token_ids=[13], first_id=1)[0]
     scheduler.add_request(stop_req)
     out = scheduler.schedule()
     outputs = scheduler.update_from_output(out, make_output(out, {"1": [13, 4]}))
-    assert stop_req.status == RequestStatus.FINISHED_STOPPED
-    assert stop_req.stop_reason == 13
-    assert list(stop_req.output_token_ids) == [13]
-    assert outputs[0].stop_reason == 13 and outputs[0].new_token_ids == [13]
-    assert out.finished_req_ids == {"0"}  # finished before this step: the runner drops it
-    assert scheduler.schedule().finished_req_ids == {"1"}
+    assert stop_req.status == RequestStatus.FINISHED_STOPPED, (
+        f"stop token 13 stops the request: FINISHED_STOPPED, got {stop_req.status!r}"
+    )
+    assert stop_req.stop_reason == 13, (
+        f"a stop token is recorded as the stop_reason, 13, got {stop_req.stop_reason!r}"
+    )
+    assert list(stop_req.output_token_ids) == [13], (
+        f"the tokens after the stop token are dropped: [13], got {list(stop_req.output_token_ids)}"
+    )
+    assert outputs[0].stop_reason == 13 and outputs[0].new_token_ids == [13], (
+        f"the output carries stop_reason 13 and new tokens [13]; got {outputs[0].stop_reason!r}, "
+        f"{outputs[0].new_token_ids}"
+    )
+    assert out.finished_req_ids == {"0"}, (  # finished before this step: the runner drops it
+        "this step reports '0' (stopped before it) in finished_req_ids, got "
+        f"{sorted(out.finished_req_ids)}; free a stopped request with _free_request"
+    )
+    assert scheduler.schedule().finished_req_ids == {"1"}, (
+        "the step after '1' stopped reports exactly '1' in finished_req_ids; free a stopped "
+        "request with _free_request"
+    )
     assert_scheduler_empty(scheduler)
 
 
@@ -1010,68 +1380,130 @@ def test_stop_at_max_tokens_and_ignore_eos():
     scheduler = make_scheduler(upto=5)
     request, out = _one_running(scheduler, max_tokens=3, ignore_eos=True)
     outputs = scheduler.update_from_output(out, make_output(out, {"0": [EOS, EOS]}))
-    assert request.status == RequestStatus.RUNNING  # EOS ignored, 2 < 3 tokens
-    assert outputs[0].new_token_ids == [EOS, EOS] and not outputs[0].finished
-    assert outputs[0].finish_reason is None
+    assert request.status == RequestStatus.RUNNING, (  # EOS ignored, 2 < 3 tokens
+        "ignore_eos: 2 EOS tokens of max_tokens=3 do not stop the request; it stays RUNNING, got "
+        f"{request.status!r}"
+    )
+    assert outputs[0].new_token_ids == [EOS, EOS] and not outputs[0].finished, (
+        f"the output carries both tokens and is not finished; got {outputs[0].new_token_ids}, "
+        f"finished={outputs[0].finished}"
+    )
+    assert outputs[0].finish_reason is None, (
+        f"a request still running has finish_reason None, got {outputs[0].finish_reason!r}"
+    )
     out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"0": 2}  # both new tokens need their KV
+    assert out.num_scheduled_tokens == {"0": 2}, (  # both new tokens need their KV
+        f"both sampled tokens need their KV: '0' gets 2 tokens, got {out.num_scheduled_tokens}"
+    )
     scheduler.update_from_output(out, make_output(out, {"0": [EOS, 8]}))
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert list(request.output_token_ids) == [EOS, EOS, EOS]
-    assert request.get_finished_reason() == FinishReason.LENGTH
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        f"the third token reaches max_tokens=3: FINISHED_LENGTH_CAPPED, got {request.status!r}"
+    )
+    assert list(request.output_token_ids) == [EOS, EOS, EOS], (
+        f"the token after the cap is dropped: 3 EOS tokens, got {list(request.output_token_ids)}"
+    )
+    assert request.get_finished_reason() == FinishReason.LENGTH, (
+        f"the finish reason is LENGTH, got {request.get_finished_reason()!r}"
+    )
 
 
 def test_ignore_eos_does_not_ignore_stop_tokens():
     scheduler = make_scheduler(upto=5)
     request, out = _one_running(scheduler, max_tokens=10, ignore_eos=True, stop_token_ids=[EOS])
     scheduler.update_from_output(out, make_output(out, {"0": [EOS, 5]}))
-    assert request.status == RequestStatus.FINISHED_STOPPED
-    assert request.stop_reason == EOS
-    assert list(request.output_token_ids) == [EOS]
+    assert request.status == RequestStatus.FINISHED_STOPPED, (
+        "ignore_eos ignores only EOS as EOS, not a listed stop token: FINISHED_STOPPED, got "
+        f"{request.status!r}"
+    )
+    assert request.stop_reason == EOS, (
+        f"the stop token {EOS} is the stop_reason, got {request.stop_reason!r}"
+    )
+    assert list(request.output_token_ids) == [EOS], (
+        f"the tokens after the stop token are dropped: [{EOS}], got "
+        f"{list(request.output_token_ids)}"
+    )
 
 
 def test_stop_at_max_model_len():
     scheduler = make_scheduler(upto=5, max_model_len=12, block_size=4)
     request, out = _one_running(scheduler, num_tokens=10, max_tokens=100, block_size=4)
     scheduler.update_from_output(out, make_output(out))
-    assert request.status == RequestStatus.RUNNING
+    assert request.status == RequestStatus.RUNNING, (
+        "10 prompt + 1 output = 11 tokens < max_model_len 12: still RUNNING, got "
+        f"{request.status!r}"
+    )
     out = scheduler.schedule()
     scheduler.update_from_output(out, make_output(out, {"0": [EOS]}))  # EOS at the cap
-    assert request.num_tokens == 12
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert request.num_tokens == 12, (
+        f"the EOS sampled at position 11 is appended: 12 tokens, got {request.num_tokens}"
+    )
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        "12 tokens reach max_model_len 12: the length cap wins over EOS, FINISHED_LENGTH_CAPPED, "
+        f"got {request.status!r}"
+    )
 
 
 def test_check_stop_directly():
     request = create_requests(1, max_tokens=5, stop_token_ids=[11])[0]
     request.append_output_token_ids(3)
-    assert lab.check_stop(request, max_model_len=100) is False
-    assert request.status == RequestStatus.WAITING and request.stop_reason is None
+    assert lab.check_stop(request, max_model_len=100) is False, (
+        "1 of max_tokens=5, token 3 is no stop token: check_stop returns False; status now "
+        f"{request.status!r}"
+    )
+    assert request.status == RequestStatus.WAITING and request.stop_reason is None, (
+        "check_stop returning False changes nothing: WAITING and no stop_reason; got "
+        f"{request.status!r}, {request.stop_reason!r}"
+    )
     request.append_output_token_ids(11)
-    assert lab.check_stop(request, max_model_len=100) is True
-    assert request.status == RequestStatus.FINISHED_STOPPED
-    assert request.stop_reason == 11
+    assert lab.check_stop(request, max_model_len=100) is True, (
+        f"stop token 11 makes check_stop return True; status now {request.status!r}"
+    )
+    assert request.status == RequestStatus.FINISHED_STOPPED, (
+        f"a stop token gives FINISHED_STOPPED, got {request.status!r}"
+    )
+    assert request.stop_reason == 11, (
+        f"the stop_reason is the stop token 11, got {request.stop_reason!r}"
+    )
     # The cap on the total length: 10 prompt + 2 output tokens reach max_model_len = 12.
     capped = create_requests(1, max_tokens=50, first_id=1)[0]
     capped.append_output_token_ids([3, 4])
-    assert lab.check_stop(capped, max_model_len=13) is False
-    assert lab.check_stop(capped, max_model_len=12) is True
-    assert capped.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert lab.check_stop(capped, max_model_len=13) is False, (
+        "10 prompt + 2 output = 12 tokens < max_model_len 13: check_stop returns False; status now "
+        f"{capped.status!r}"
+    )
+    assert lab.check_stop(capped, max_model_len=12) is True, (
+        "12 tokens reach max_model_len 12: check_stop returns True (the length cap); status now "
+        f"{capped.status!r}"
+    )
+    assert capped.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        f"reaching max_model_len gives FINISHED_LENGTH_CAPPED, got {capped.status!r}"
+    )
 
 
 def test_check_stop_without_an_eos_id():
     """A request without an EOS id (None) stops only on length and stop tokens."""
     request = Request("a", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_id=None)
     request.append_output_token_ids(EOS)
-    assert lab.check_stop(request, max_model_len=100) is False
-    assert request.status == RequestStatus.WAITING
+    assert lab.check_stop(request, max_model_len=100) is False, (
+        f"eos_token_id None: token {EOS} is no EOS, so check_stop returns False; status now "
+        f"{request.status!r}"
+    )
+    assert request.status == RequestStatus.WAITING, (
+        f"check_stop returning False leaves the status WAITING, got {request.status!r}"
+    )
 
 
 def test_prefill_step_samples_nothing():
     scheduler = make_scheduler(upto=5, max_num_batched_tokens=8)
     request, out = _one_running(scheduler, num_tokens=20)
     outputs = scheduler.update_from_output(out, make_output(out, {"0": []}))
-    assert outputs == [] and request.num_output_tokens == 0
-    assert scheduler.schedule().num_scheduled_tokens == {"0": 8}
+    assert outputs == [] and request.num_output_tokens == 0, (
+        f"a prefill chunk samples nothing: no output, no token appended; got {len(outputs)} "
+        f"output(s), {request.num_output_tokens} token(s)"
+    )
+    assert scheduler.schedule().num_scheduled_tokens == {"0": 8}, (
+        "the next step continues the prompt with 8 tokens (the budget) for '0'"
+    )
 
 
 def test_outputs_follow_the_scheduled_order_and_carry_the_cached_count():
@@ -1085,11 +1517,20 @@ def test_outputs_follow_the_scheduled_order_and_carry_the_cached_count():
     scheduler.add_request(second)
     scheduler.add_request(third)
     out = scheduler.schedule()
-    assert list(out.num_scheduled_tokens) == ["0", "1", "2"]
+    assert list(out.num_scheduled_tokens) == ["0", "1", "2"], (
+        "running '0' first, then '1' and '2' admitted in order; scheduled "
+        f"{list(out.num_scheduled_tokens)}"
+    )
     outputs = scheduler.update_from_output(out, make_output(out, {"0": [6], "1": [7],
                                                                   "2": []}))
-    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("0", [6]), ("1", [7])]
-    assert [o.num_cached_tokens for o in outputs] == [0, 8]
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("0", [6]), ("1", [7])], (
+        "one output per request that gained tokens, in scheduled order: want [('0', [6]), ('1', "
+        f"[7])], got {[(o.request_id, o.new_token_ids) for o in outputs]}"
+    )
+    assert [o.num_cached_tokens for o in outputs] == [0, 8], (
+        "outputs carry max(num_cached_tokens, 0): 0 for '0', 8 (its hit) for '1'; got "
+        f"{[o.num_cached_tokens for o in outputs]}"
+    )
 
 
 def test_an_unset_cached_count_is_reported_as_zero():
@@ -1103,7 +1544,10 @@ def test_an_unset_cached_count_is_reported_as_zero():
     request.num_computed_tokens = 3
     out = scheduler.schedule()
     outputs = scheduler.update_from_output(out, make_output(out, {"0": [9]}))
-    assert outputs[0].num_cached_tokens == 0
+    assert outputs[0].num_cached_tokens == 0, (
+        "num_cached_tokens -1 (never set) is reported as 0, max(num_cached_tokens, 0); got "
+        f"{outputs[0].num_cached_tokens}"
+    )
 
 
 def test_requests_aborted_while_the_step_ran_are_skipped():
@@ -1114,9 +1558,17 @@ def test_requests_aborted_while_the_step_ran_are_skipped():
     out = scheduler.schedule()
     scheduler.finish_requests("0", RequestStatus.FINISHED_ABORTED)
     outputs = scheduler.update_from_output(out, make_output(out, default=5))
-    assert [o.request_id for o in outputs] == ["1"]
-    assert list(requests[0].output_token_ids) == []
-    assert requests[0].status == RequestStatus.FINISHED_ABORTED
+    assert [o.request_id for o in outputs] == ["1"], (
+        "'0' was aborted while the step ran and is skipped: only '1' gets an output; got outputs "
+        f"for {[o.request_id for o in outputs]}"
+    )
+    assert list(requests[0].output_token_ids) == [], (
+        f"an aborted request receives no token, '0' got {list(requests[0].output_token_ids)}; skip "
+        "ids no longer in scheduler.requests"
+    )
+    assert requests[0].status == RequestStatus.FINISHED_ABORTED, (
+        f"the aborted '0' stays FINISHED_ABORTED, got {requests[0].status!r}"
+    )
 
 
 def test_a_request_preempted_after_it_was_scheduled_can_stop():
@@ -1132,13 +1584,28 @@ def test_a_request_preempted_after_it_was_scheduled_can_stop():
     out1 = scheduler.schedule()
     scheduler.update_from_output(out0, make_output(out0))
     out2 = scheduler.schedule()
-    assert out2.preempted_req_ids == ["1"] and ids(scheduler.waiting) == ["1"]
+    assert out2.preempted_req_ids == ["1"] and ids(scheduler.waiting) == ["1"], (
+        "'0' needs a sixth block: '1' is preempted and waits; got preempted "
+        f"{out2.preempted_req_ids}, waiting {ids(scheduler.waiting)}"
+    )
     outputs = scheduler.update_from_output(out1, make_output(out1, {"1": [42]}))
-    assert outputs[0].request_id == "1" and outputs[0].finished
-    assert r1.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert ids(scheduler.waiting) == [] and "1" not in scheduler.requests
-    assert scheduler.get_num_unfinished_requests() == 1
-    assert scheduler.schedule().finished_req_ids == {"1"}
+    assert outputs[0].request_id == "1" and outputs[0].finished, (
+        "'1' receives its last token (max_tokens=1) though preempted: a finished output; got "
+        f"{outputs[0].request_id!r}, finished={outputs[0].finished}"
+    )
+    assert r1.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        f"'1' reached max_tokens=1: FINISHED_LENGTH_CAPPED, got {r1.status!r}"
+    )
+    assert ids(scheduler.waiting) == [] and "1" not in scheduler.requests, (
+        "'1' stopped while in waiting: it must leave waiting and requests; waiting "
+        f"{ids(scheduler.waiting)}, '1' in requests: {'1' in scheduler.requests}"
+    )
+    assert scheduler.get_num_unfinished_requests() == 1, (
+        f"only '0' is unfinished, got {scheduler.get_num_unfinished_requests()!r}"
+    )
+    assert scheduler.schedule().finished_req_ids == {"1"}, (
+        "the next step reports exactly '1' in finished_req_ids"
+    )
 
 
 def test_a_request_swapped_out_after_it_was_scheduled_can_stop():
@@ -1155,9 +1622,18 @@ def test_a_request_swapped_out_after_it_was_scheduled_can_stop():
         request.status = RequestStatus.SWAPPED
         scheduler.swapped.append(request)
     outputs = scheduler.update_from_output(out, make_output(out, default=5))
-    assert [o.request_id for o in outputs] == ["0", "1"] and all(o.finished for o in outputs)
-    assert len(scheduler.swapped) == 0 and scheduler.requests == {}
-    assert scheduler.has_unfinished_requests() is False
+    assert [o.request_id for o in outputs] == ["0", "1"] and all(o.finished for o in outputs), (
+        "both requests stop on their one token (max_tokens=1): finished outputs for '0', '1'; got "
+        f"{[(o.request_id, o.finished) for o in outputs]}"
+    )
+    assert len(scheduler.swapped) == 0 and scheduler.requests == {}, (
+        "requests that stop while in swapped leave swapped and requests; swapped "
+        f"{ids(scheduler.swapped)}, requests {sorted(scheduler.requests)}"
+    )
+    assert scheduler.has_unfinished_requests() is False, (
+        "nothing is left: has_unfinished_requests() must be False, got "
+        f"{scheduler.has_unfinished_requests()!r}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1172,13 +1648,27 @@ def test_finish_requests_from_waiting_and_running():
         scheduler.add_request(request)
     scheduler.schedule()
     scheduler.finish_requests(["0", "2", "unknown"], RequestStatus.FINISHED_ABORTED)
-    assert requests[0].status == RequestStatus.FINISHED_ABORTED
-    assert requests[2].status == RequestStatus.FINISHED_ABORTED
-    assert scheduler.running == [requests[1]] and len(scheduler.waiting) == 0
-    assert "0" not in scheduler.kv_cache_manager.req_to_blocks
-    assert scheduler.get_num_unfinished_requests() == 1
+    assert requests[0].status == RequestStatus.FINISHED_ABORTED, (
+        f"'0' (running) is finished as FINISHED_ABORTED, got {requests[0].status!r}"
+    )
+    assert requests[2].status == RequestStatus.FINISHED_ABORTED, (
+        f"'2' (waiting) is finished as FINISHED_ABORTED, got {requests[2].status!r}"
+    )
+    assert scheduler.running == [requests[1]] and len(scheduler.waiting) == 0, (
+        "'0' leaves running and '2' leaves waiting: running ['1'], waiting []; got "
+        f"{ids(scheduler.running)}, {ids(scheduler.waiting)}"
+    )
+    assert "0" not in scheduler.kv_cache_manager.req_to_blocks, (
+        "the finished '0' must give its blocks back (free it with _free_request)"
+    )
+    assert scheduler.get_num_unfinished_requests() == 1, (
+        f"only '1' is unfinished, got {scheduler.get_num_unfinished_requests()!r}"
+    )
     out = scheduler.schedule()
-    assert out.finished_req_ids == {"0", "2"}
+    assert out.finished_req_ids == {"0", "2"}, (
+        f"the next step reports '0' and '2' as finished, got {sorted(out.finished_req_ids)}; free "
+        "each with _free_request"
+    )
     scheduler.finish_requests("1", RequestStatus.FINISHED_ABORTED)
     assert_scheduler_empty(scheduler)
 
@@ -1194,9 +1684,17 @@ def test_finish_requests_from_swapped():
         request.status = RequestStatus.SWAPPED
         scheduler.swapped.append(request)
     scheduler.finish_requests("1", RequestStatus.FINISHED_ABORTED)
-    assert ids(scheduler.swapped) == ["0", "2"]
-    assert requests[1].status == RequestStatus.FINISHED_ABORTED
-    assert "1" not in scheduler.requests and scheduler.get_num_unfinished_requests() == 2
+    assert ids(scheduler.swapped) == ["0", "2"], (
+        "finish_requests('1') takes '1' out of swapped: ['0', '2'] left, got "
+        f"{ids(scheduler.swapped)}"
+    )
+    assert requests[1].status == RequestStatus.FINISHED_ABORTED, (
+        f"'1' gets the status FINISHED_ABORTED, got {requests[1].status!r}"
+    )
+    assert "1" not in scheduler.requests and scheduler.get_num_unfinished_requests() == 2, (
+        f"'1' leaves requests, 2 stay unfinished; '1' in requests: {'1' in scheduler.requests}, "
+        f"unfinished: {scheduler.get_num_unfinished_requests()!r}"
+    )
 
 
 def test_finish_requests_takes_one_id_as_a_whole_and_keeps_the_others_in_order():
@@ -1245,11 +1743,23 @@ def test_finish_requests_refuses_a_status_that_is_not_finished(status):
     with pytest.raises(ValueError) as excinfo:
         scheduler.finish_requests(["1", "0"], status)
     assert str(status) in str(excinfo.value), "the message must name the status"
-    assert scheduler.running == [requests[0]] and list(scheduler.waiting) == [requests[1]]
-    assert [r.status for r in requests] == [RequestStatus.RUNNING, RequestStatus.WAITING]
-    assert sorted(scheduler.requests) == ["0", "1"]
-    assert "0" in scheduler.kv_cache_manager.req_to_blocks
-    assert scheduler.schedule().finished_req_ids == set()
+    assert scheduler.running == [requests[0]] and list(scheduler.waiting) == [requests[1]], (
+        "a refused finish_requests changes nothing: running ['0'], waiting ['1']; got "
+        f"{ids(scheduler.running)}, {ids(scheduler.waiting)}"
+    )
+    assert [r.status for r in requests] == [RequestStatus.RUNNING, RequestStatus.WAITING], (
+        "a refused finish_requests changes no status: RUNNING, WAITING; got "
+        f"{[str(r.status) for r in requests]}"
+    )
+    assert sorted(scheduler.requests) == ["0", "1"], (
+        f"a refused finish_requests removes nobody from requests, got {sorted(scheduler.requests)}"
+    )
+    assert "0" in scheduler.kv_cache_manager.req_to_blocks, (
+        "a refused finish_requests frees nothing: '0' keeps its blocks"
+    )
+    assert scheduler.schedule().finished_req_ids == set(), (
+        "a refused finish_requests finishes nobody: the next step's finished_req_ids is empty"
+    )
 
 
 def test_finishing_an_unknown_or_finished_id_changes_nothing():
@@ -1258,10 +1768,16 @@ def test_finishing_an_unknown_or_finished_id_changes_nothing():
     scheduler.add_request(request)
     scheduler.finish_requests([], RequestStatus.FINISHED_ABORTED)
     scheduler.finish_requests("nobody", RequestStatus.FINISHED_ABORTED)
-    assert list(scheduler.waiting) == [request] and request.status == RequestStatus.WAITING
+    assert list(scheduler.waiting) == [request] and request.status == RequestStatus.WAITING, (
+        "finishing [] or an unknown id changes nothing: '0' WAITING in waiting; waiting "
+        f"{ids(scheduler.waiting)}, status {request.status!r}"
+    )
     scheduler.finish_requests("0", RequestStatus.FINISHED_ABORTED)
     scheduler.finish_requests("0", RequestStatus.FINISHED_STOPPED)
-    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert request.status == RequestStatus.FINISHED_ABORTED, (
+        "finishing an already finished id is ignored: '0' stays FINISHED_ABORTED, got "
+        f"{request.status!r}"
+    )
     assert_scheduler_empty(scheduler)
 
 
@@ -1278,7 +1794,7 @@ def test_no_block_leak():
         scheduler.add_request(request)
         out = scheduler.schedule()
         scheduler.update_from_output(out, make_output(out))
-    for _ in range(200):  # five 10-token requests finish in about 15 steps; a stall fails, not hangs
+    for _ in range(200):  # five 10-token requests end in about 15 steps; a stall fails, not hangs
         out = scheduler.schedule()
         if len(scheduler.running) == 0:
             break
@@ -1287,7 +1803,10 @@ def test_no_block_leak():
         pytest.fail("five requests of 10 output tokens each were still running after 200 steps; "
                     "does update_from_output() finish a request at max_tokens and free it?")
     assert_scheduler_empty(scheduler)
-    assert all(len(r.output_token_ids) == 10 for r in requests)
+    assert all(len(r.output_token_ids) == 10 for r in requests), (
+        "every request generates max_tokens=10 tokens, got "
+        f"{[len(r.output_token_ids) for r in requests]}"
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -1322,7 +1841,10 @@ def test_invariants_hold_on_random_workloads(seed):
 
     run_engine(scheduler, runner, arrivals, max_steps=2000, on_step=check)
     for request in requests:
-        assert request.num_output_tokens == request.max_tokens
+        assert request.num_output_tokens == request.max_tokens, (
+            f"seed {seed}: request {request.request_id} ends with max_tokens={request.max_tokens} "
+            f"outputs (ignore_eos), got {request.num_output_tokens}"
+        )
     assert_scheduler_empty(scheduler)
 
 
