@@ -57,7 +57,10 @@ def test_admission_lookahead(policy, prompt, max_tokens, after_step, want):
 
 def test_admission_lookahead_is_never_negative():
     # A chunk that already covers the reservation leaves nothing to claim ahead.
-    assert lab.admission_lookahead("oracle", 5, 2, 8, MAX_LEN) == 0
+    assert lab.admission_lookahead("oracle", 5, 2, 8, MAX_LEN) == 0, (
+        f"oracle, prompt 5, max_tokens 2, 8 slots this step: the step covers the 7-slot "
+        f"reservation, so the lookahead is 0 (never negative), got "
+        f"{lab.admission_lookahead('oracle', 5, 2, 8, MAX_LEN)}")
 
 
 def make_scheduler(policy, monkeypatch):
@@ -107,8 +110,12 @@ def test_a_reserving_request_runs_to_the_end_without_another_block(policy, monke
         pytest.fail(f"kv_reservation={policy!r}: six requests of 4 tokens each were still "
                     "unfinished after 200 steps; does schedule() admit waiting requests and "
                     "update_from_output() finish them?")
-    assert scheduler.stats.num_preemptions == 0
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == USABLE
+    assert scheduler.stats.num_preemptions == 0, (
+        f"kv_reservation={policy!r}: {scheduler.stats.num_preemptions} preemptions; a request "
+        f"that reserved its final length never needs another block")
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == USABLE, (
+        f"kv_reservation={policy!r}: after every request finished all {USABLE} blocks should be "
+        f"free, got {scheduler.kv_cache_manager.block_pool.get_num_free_blocks()}")
 
 
 # ------------------------------------------------------------------------------ task 2
@@ -120,14 +127,23 @@ def gaps(times):
 
 def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate():
     times = lab.arrival_times(4000, 5.0, seed=3)
-    assert len(times) == 4000 and times == sorted(times) and times[0] > 0
-    assert times == lab.arrival_times(4000, 5.0, seed=3)
-    assert times != lab.arrival_times(4000, 5.0, seed=4)
+    assert len(times) == 4000 and times == sorted(times) and times[0] > 0, (
+        f"arrival_times(4000, 5.0, seed=3) should give 4000 non-decreasing times after 0, got "
+        f"{len(times)} times, first {times[:1]}, sorted: {times == sorted(times)}")
+    assert times == lab.arrival_times(4000, 5.0, seed=3), (
+        "two calls with seed=3 gave different times: draw the gaps from a random.Random(seed) "
+        "of their own")
+    assert times != lab.arrival_times(4000, 5.0, seed=4), (
+        "seeds 3 and 4 gave the same times: the seed must drive the gaps")
     g = gaps(times)
     # 4000 exponential gaps of mean 0.2: the sample mean is within 5%, and so is the spread
     # (an exponential's standard deviation equals its mean) within 10%.
-    assert statistics.fmean(g) == pytest.approx(0.2, rel=0.05)
-    assert statistics.pstdev(g) == pytest.approx(0.2, rel=0.1)
+    assert statistics.fmean(g) == pytest.approx(0.2, rel=0.05), (
+        f"at 5 requests/s the mean gap is 1/rate = 0.2 s (within 5%), got "
+        f"{statistics.fmean(g):.4f}")
+    assert statistics.pstdev(g) == pytest.approx(0.2, rel=0.1), (
+        f"Poisson gaps are exponential: their spread equals the mean 0.2 s (within 10%), got "
+        f"{statistics.pstdev(g):.4f}")
 
 
 def test_burstiness_keeps_the_mean_and_changes_the_spread():
@@ -139,7 +155,8 @@ def test_burstiness_keeps_the_mean_and_changes_the_spread():
 
 
 def test_the_burst_sends_everything_at_once_and_bad_rates_are_refused():
-    assert lab.arrival_times(5, math.inf) == [0.0] * 5
+    assert lab.arrival_times(5, math.inf) == [0.0] * 5, (
+        f"rate inf is the burst: five times of 0.0, got {lab.arrival_times(5, math.inf)}")
     fast = lab.arrival_times(5, 1e6)
     assert fast[-1] < 0.01, (
         f"at a million requests per second the fifth is sent at {fast[-1]} s: the times start "
@@ -150,7 +167,9 @@ def test_the_burst_sends_everything_at_once_and_bad_rates_are_refused():
     for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (2.0, 0.0)):
         with pytest.raises(ValueError) as err:
             lab.arrival_times(3, rate, burstiness=burstiness)
-        assert str(rate) in str(err.value) and str(burstiness) in str(err.value)
+        assert str(rate) in str(err.value) and str(burstiness) in str(err.value), (
+            f"the ValueError for rate {rate}, burstiness {burstiness} should name both, got "
+            f"{str(err.value)[:120]!r}")
 
 
 # ------------------------------------------------------------------------------ task 3
@@ -176,7 +195,8 @@ def test_inter_token_latencies_are_the_gaps_after_the_first_token():
     so mixing them up goes unseen there)."""
     m = lab.calculate_metrics([result(0.0, [(5.0, 1), (6.0, 1), (8.0, 1)])], duration=10.0,
                               percentiles=(50, 100))
-    assert m["ttft"]["mean"] == pytest.approx(5.0)
+    assert m["ttft"]["mean"] == pytest.approx(5.0), (
+        f"a stream sent at 0 with its first token at 5 s has TTFT 5 s, got {m['ttft']['mean']}")
     assert m["itl"] == pytest.approx({"mean": 1.5, "median": 1.5, "p50": 1.0, "p100": 2.0}), (
         f"ITL {m['itl']}: the gaps are 1 s and 2 s; the 5 s before the first token is the "
         "TTFT, not an inter-token latency")
@@ -184,24 +204,44 @@ def test_inter_token_latencies_are_the_gaps_after_the_first_token():
 
 def test_counts_and_throughputs_use_completed_requests_only():
     m = lab.calculate_metrics(results(), duration=5.0)
-    assert (m["completed"], m["failed"], m["duration_s"]) == (2, 1, 5.0)
-    assert (m["total_input_tokens"], m["total_output_tokens"]) == (16, 5)
-    assert m["request_throughput"] == pytest.approx(2 / 5)
-    assert m["output_throughput"] == pytest.approx(5 / 5)
-    assert m["total_token_throughput"] == pytest.approx(21 / 5)
-    assert m["request_goodput"] is None
+    assert (m["completed"], m["failed"], m["duration_s"]) == (2, 1, 5.0), (
+        f"(completed, failed, duration_s) should be (2, 1, 5.0): r2 has an error; got "
+        f"{(m['completed'], m['failed'], m['duration_s'])}")
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (16, 5), (
+        f"input and output tokens of the 2 completed requests are (10 + 6, 4 + 1) = (16, 5), "
+        f"got {(m['total_input_tokens'], m['total_output_tokens'])}")
+    assert m["request_throughput"] == pytest.approx(2 / 5), (
+        f"request_throughput: 2 completed in 5 s is 0.4/s (the failed one does not count), "
+        f"got {m['request_throughput']}")
+    assert m["output_throughput"] == pytest.approx(5 / 5), (
+        f"output_throughput: 5 tokens in 5 s is 1.0/s, got {m['output_throughput']}")
+    assert m["total_token_throughput"] == pytest.approx(21 / 5), (
+        f"total_token_throughput: (16 + 5) tokens in 5 s is 4.2/s, got "
+        f"{m['total_token_throughput']}")
+    assert m["request_goodput"] is None, (
+        f"without goodput SLOs request_goodput is None, got {m['request_goodput']}")
 
 
 def test_latencies_and_their_percentiles():
     m = lab.calculate_metrics(results(), duration=5.0, percentiles=(50, 90, 99.9))
     assert m["ttft"] == pytest.approx({"mean": 1.5, "median": 1.5, "p50": 1.0, "p90": 2.0,
-                                       "p99.9": 2.0})
-    assert m["tpot"]["mean"] == pytest.approx(0.5) and m["tpot"]["p50"] == pytest.approx(0.0)
+                                       "p99.9": 2.0}), (
+        f"TTFTs 1 s (r0) and 2 s (r1): mean 1.5, median 1.5, p50 1.0, p90 2.0, p99.9 2.0; "
+        f"got {m['ttft']}")
+    assert m["tpot"]["mean"] == pytest.approx(0.5) and m["tpot"]["p50"] == pytest.approx(0.0), (
+        f"TPOTs are r0's (4 - 1) / 3 = 1.0 and r1's 0 (one token): mean 0.5, p50 0.0, "
+        f"got {m['tpot']}")
     assert m["itl"] == pytest.approx({"mean": 1.5, "median": 1.5, "p50": 1.0, "p90": 2.0,
-                                      "p99.9": 2.0})
-    assert m["e2el"]["median"] == pytest.approx(3.0) and m["e2el"]["p50"] == pytest.approx(2.0)
+                                      "p99.9": 2.0}), (
+        f"ITLs are r0's gaps 1 s and 2 s (r1 has one chunk, r2 failed): mean 1.5, p50 1.0, "
+        f"p90 2.0; got {m['itl']}")
+    assert m["e2el"]["median"] == pytest.approx(3.0) and m["e2el"]["p50"] == pytest.approx(2.0), (
+        f"end-to-end latencies 4 s and 2 s: median 3.0, p50 (nearest rank) 2.0, "
+        f"got {m['e2el']}")
     # Normalised latency: the mean of e2el / tokens = (4/4 + 2/1) / 2.
-    assert m["normalized_latency"] == pytest.approx(1.5)
+    assert m["normalized_latency"] == pytest.approx(1.5), (
+        f"normalized_latency is the mean of e2el / output tokens, (4/4 + 2/1) / 2 = 1.5, "
+        f"got {m['normalized_latency']}")
 
 
 def ranked(n):
@@ -241,17 +281,25 @@ def test_percentiles_match_the_definition_for_many_sizes():
 
 def test_goodput_counts_requests_meeting_every_slo():
     assert lab.calculate_metrics(results(), 5.0, {"ttft": 1.5})["request_goodput"] == \
-        pytest.approx(1 / 5)  # r0 only
+        pytest.approx(1 / 5), (  # r0 only
+            f"goodput for TTFT <= 1.5 s: only r0 (1 s) meets it, 1 / 5 s = 0.2, got "
+            f"{lab.calculate_metrics(results(), 5.0, {'ttft': 1.5})['request_goodput']}")
     assert lab.calculate_metrics(results(), 5.0, {"ttft": 2.0})["request_goodput"] == \
-        pytest.approx(2 / 5)  # a limit is met with equality
+        pytest.approx(2 / 5), (  # a limit is met with equality
+            f"goodput for TTFT <= 2.0 s: r1's TTFT of exactly 2 s meets it too (<=), so 2 / 5 s = "
+            f"0.4, got {lab.calculate_metrics(results(), 5.0, {'ttft': 2.0})['request_goodput']}")
     # r0 misses the TPOT limit, r1 the end-to-end one.
     assert lab.calculate_metrics(results(), 5.0, {"tpot": 0.5, "e2el": 1.5})[
-        "request_goodput"] == 0.0
+        "request_goodput"] == 0.0, (
+            "goodput needs every SLO met: r0 misses TPOT <= 0.5 (its TPOT is 1.0) and r1 "
+            "e2el <= 1.5 (its e2el is 2 s), so 0.0")
 
 
 def test_nothing_completed_and_bad_input():
     m = lab.calculate_metrics([result(0.0, [], error="x")], 1.0)
-    assert m["completed"] == 0 and m["normalized_latency"] is None and m["ttft"] == {}
+    assert m["completed"] == 0 and m["normalized_latency"] is None and m["ttft"] == {}, (
+        f"with only a failed request: completed 0, normalized_latency None, ttft {{}} expected, "
+        f"got {m.get('completed')}, {m.get('normalized_latency')}, {m.get('ttft')}")
     with pytest.raises(ValueError, match="latency"):
         lab.calculate_metrics(results(), 5.0, {"latency": 1.0})
     with pytest.raises(ValueError):
@@ -266,12 +314,22 @@ POINTS = [{"rate": 1, "normalized_latency": 0.02}, {"rate": 2, "normalized_laten
 
 def test_sustained_rate_interpolates_the_first_crossing():
     # 0.04 lies a quarter of the way from 0.03 (rate 2) to 0.07 (rate 4).
-    assert lab.sustained_rate(POINTS, 0.04) == pytest.approx(2.5)
-    assert lab.sustained_rate(POINTS, 0.03) == pytest.approx(2.0)
-    assert lab.sustained_rate(POINTS, 0.025) == pytest.approx(1.5)
+    assert lab.sustained_rate(POINTS, 0.04) == pytest.approx(2.5), (
+        f"0.04 lies a quarter of the way from 0.03 (rate 2) to 0.07 (rate 4): rate 2.5, "
+        f"got {lab.sustained_rate(POINTS, 0.04)}")
+    assert lab.sustained_rate(POINTS, 0.03) == pytest.approx(2.0), (
+        f"0.03 is first reached exactly at rate 2: 2.0, got {lab.sustained_rate(POINTS, 0.03)}")
+    assert lab.sustained_rate(POINTS, 0.025) == pytest.approx(1.5), (
+        f"0.025 lies halfway from 0.02 (rate 1) to 0.03 (rate 2): rate 1.5, "
+        f"got {lab.sustained_rate(POINTS, 0.025)}")
 
 
 def test_sustained_rate_edges():
-    assert lab.sustained_rate(POINTS[:2], 0.5) == 2  # never reached: the highest rate
-    assert lab.sustained_rate(POINTS, 0.02) is None  # the first point is already there
-    assert lab.sustained_rate([], 0.04) is None
+    assert lab.sustained_rate(POINTS[:2], 0.5) == 2, (  # never reached: the highest rate
+        f"0.5 is never reached: the highest measured rate, 2, got "
+        f"{lab.sustained_rate(POINTS[:2], 0.5)}")
+    assert lab.sustained_rate(POINTS, 0.02) is None, (  # the first point is already there
+        f"the first point (0.02 at rate 1) already reaches 0.02: None, got "
+        f"{lab.sustained_rate(POINTS, 0.02)}")
+    assert lab.sustained_rate([], 0.04) is None, (
+        f"no points sustain nothing: None, got {lab.sustained_rate([], 0.04)}")
