@@ -143,7 +143,7 @@ def test_check_reports_a_bug_the_tests_miss(demo):
 def test_check_reports_a_test_that_passes_on_the_starter(demo):
     tests = demo / LAB / "test_lab.py"
     tests.write_text(
-        tests.read_text() + "\n\ndef test_trivial():\n    assert lab.Counter(4).value == 4\n"
+        tests.read_text() + "\n\ndef test_trivial():\n    assert lab.Counter(4).value == 4, 'starts at 4'\n"
     )
     proc = run(demo, "-m", "course", "check", "--no-bugs")
     assert proc.returncode == 1
@@ -383,7 +383,7 @@ def test_a_bug_only_an_ungraded_test_sees_counts_only_in_given_code(demo):
     tests.write_text(
         tests.read_text()
         + "\n\n@pytest.mark.starter_ok\ndef test_the_given_helper():\n"
-        + "    assert lab.double(3) == 6\n"
+        + "    assert lab.double(3) == 6, 'double(3) should be 6'\n"
     )
     bugs = demo / "planted_bugs" / "09-01.py"
     bug = (
@@ -486,7 +486,7 @@ def test_check_names_a_graded_test_that_passes_on_a_null_starter(demo):
     original = tests.read_text()
     tests.write_text(original + (
         "\n\ndef test_bump_by_zero_changes_nothing():\n"
-        "    c = lab.Counter(4)\n    c.bump(0)\n    assert c.value == 4\n"))
+        "    c = lab.Counter(4)\n    c.bump(0)\n    assert c.value == 4, 'bump(0) keeps 4'\n"))
     args = ("-m", "course", "check", "09-01", "--no-bugs", "--no-exam")
     proc = run(demo, *args, "--write-null-record")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -506,8 +506,8 @@ def test_check_names_a_graded_test_that_passes_on_a_null_starter(demo):
     # changed test file makes the record stale, so the variants run again.
     tests.write_text(original + (
         "\n\ndef test_bump_by_zero_changes_nothing():\n"
-        "    c = lab.Counter(4)\n    assert c.bump(2) == 6\n    c.bump(0)\n"
-        "    assert c.value == 6\n"))
+        "    c = lab.Counter(4)\n    assert c.bump(2) == 6, 'bump(2) adds 2'\n    c.bump(0)\n"
+        "    assert c.value == 6, 'bump(0) keeps 6'\n"))
     proc = run(demo, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "09-01  ran 4 variants" in proc.stdout and "no graded test passes" in proc.stdout
