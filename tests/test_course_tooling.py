@@ -143,7 +143,8 @@ def test_check_reports_a_bug_the_tests_miss(demo):
 def test_check_reports_a_test_that_passes_on_the_starter(demo):
     tests = demo / LAB / "test_lab.py"
     tests.write_text(
-        tests.read_text() + "\n\ndef test_trivial():\n    assert lab.Counter(4).value == 4, 'starts at 4'\n"
+        tests.read_text()
+        + "\n\ndef test_trivial():\n    assert lab.Counter(4).value == 4, 'starts at 4'\n"
     )
     proc = run(demo, "-m", "course", "check", "--no-bugs")
     assert proc.returncode == 1
