@@ -152,6 +152,15 @@ BUGS = [
         replace="ranked = sorted(instance.beams, key=sort_key, reverse=True)",
     ),
     PlantedBug(
+        name="final-ranking-reverses-ties",
+        description="the final ranking sorts worst first and reverses the list, so beams with "
+        "equal scores come out in the opposite order (a completed beam behind a live one)",
+        file="mini_vllm/beam_search.py",
+        find="ranked = sorted([*instance.completed, *instance.beams], key=sort_key, "
+        "reverse=True)",
+        replace="ranked = sorted([*instance.completed, *instance.beams], key=sort_key)[::-1]",
+    ),
+    PlantedBug(
         name="duplicate-candidates-from-two-beams",
         description="a nested loop where a zip belongs: every live beam is extended by every "
         "beam's answer, so a token two beams both propose makes the same candidate twice",

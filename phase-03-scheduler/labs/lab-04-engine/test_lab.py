@@ -814,6 +814,16 @@ def test_finish_beams_ranks_completed_and_live_beams_together():
         "a completed beam competes with the live ones for the final ranking")
     assert out.beam_history == inst.history, (
         f"beam_history must be instance.history, got {out.beam_history}")
+    # Equal scores keep the order they come in, completed beams first: upstream sorts
+    # completed + live with Python's stable sort, best first. A reversed sort swaps them.
+    tie = lab.BeamSearchInstance([7])
+    tie.completed = [lab.BeamSearchSequence([7, 1, BEAM_EOS], [{}, {}], -0.5)]  # -0.5 / 2
+    tie.beams = [lab.BeamSearchSequence([7, 5, 5], [{}, {}], -0.75),  # -0.75 / 3
+                 lab.BeamSearchSequence([7, 4, 4], [{}, {}], -0.75)]
+    got = [x.tokens for x in lab.finish_beams(tie, 3, oracle_key(BEAM_EOS, 1.0)).sequences]
+    assert got == [[7, 1, BEAM_EOS], [7, 5, 5], [7, 4, 4]], (
+        f"three beams tie at -0.25: keep them in the order they come, completed first, got "
+        f"{got}: sort with reverse=True (stable for ties), not sorted(...)[::-1]")
 
 
 CASES = [  # (width, length_penalty, ignore_eos)
