@@ -640,6 +640,26 @@ def test_one_mistake_that_fails_many_tests_is_one_report_and_two_lines_per_other
     assert full.count("def test_many_") == 14 and "server log line 20" in full, full
 
 
+def test_a_first_failure_whose_report_runs_long_is_rendered_again_in_short_style(course):
+    """A first failure whose full report runs past MAX_FULL_LINES (a long test function, then
+    calls deep into helpers) is rendered again in pytest's short style, a line of source a
+    frame; --every-failure keeps the long one."""
+    filler = "".join(f"    step_{i} = {i}  # filler of the long test\n" for i in range(40))
+    tests = course / LAB / "test_lab.py"
+    tests.write_text(
+        tests.read_text() + "\n\ndef deep(depth):\n"
+        + "    return deep(depth - 1) if depth else bottom()\n\n\ndef bottom():\n"
+        + "    assert lab.double(0.5) == 3, 'double(0.5) is not 3, deep in the calls'\n\n\n"
+        + "def test_long_failure():\n" + filler + "    deep(6)\n"
+    )
+    out = pytest_run(course, "solution", "-k", "long_failure").stdout
+    assert "1 failed" in out and "double(0.5) is not 3, deep in the calls" in out, out
+    assert "filler of the long test" not in out and len(out.splitlines()) < 50, out
+    assert out.count("in deep") == 7, out  # every frame still named
+    full = pytest_run(course, "solution", "-k", "long_failure", "--every-failure").stdout
+    assert full.count("filler of the long test") == 40, full
+
+
 def test_one_planted_mistake_prints_at_most_120_lines_in_every_lab():
     """benchmarks/results/report_lengths.json (scripts/report_lengths.py, minutes a lab) holds
     the lines a student's test command prints for each planted bug of every lab but those the
