@@ -176,9 +176,25 @@ def track(manager, req, num_blocks, num_cached=0):
     return blocks
 
 
+def computed_blocks(manager, req):
+    """get_computed_blocks(req), its shape checked first: a wrong shape fails here with what
+    came back, not later as an AttributeError on it."""
+    got = manager.get_computed_blocks(req)
+    assert isinstance(got, tuple) and len(got) == 2, (
+        "get_computed_blocks returns a pair (the hit blocks as KVCacheBlocks, the number of hit "
+        f"tokens); got {got!r:.120}")
+    hit, num_hit = got
+    assert isinstance(hit, lab.KVCacheBlocks), (
+        "get_computed_blocks returns the hit blocks as KVCacheBlocks (wrap the list: "
+        f"KVCacheBlocks((blocks,))), got {hit!r:.120}")
+    assert isinstance(num_hit, int) and not isinstance(num_hit, bool), (
+        f"get_computed_blocks returns the number of hit tokens as an int, got {num_hit!r}")
+    return got
+
+
 def schedule_prompt(manager, req):
     """What the scheduler does for a new request: look up the cache, allocate the rest."""
-    hit, num_hit = manager.get_computed_blocks(req)
+    hit, num_hit = computed_blocks(manager, req)
     new = manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit)
     if new is not None:
         req.num_computed_tokens = req.num_tokens
@@ -352,7 +368,7 @@ def test_lookup_finds_the_longest_cached_prefix_and_claims_nothing():
     cached = seed_cache(m, list(range(14)))  # 3 full blocks, in the free queue
     req = make_request("r", list(range(8)) + [50, 51, 52, 53, 54], 4)
     before = snapshot(m)
-    hit, n = m.get_computed_blocks(req)
+    hit, n = computed_blocks(m, req)
     assert isinstance(hit, lab.KVCacheBlocks) and n == 8, (
         "tokens 0..7 (2 blocks) are cached: expected a KVCacheBlocks and 8 hit tokens, got "
         f"{'a KVCacheBlocks' if isinstance(hit, lab.KVCacheBlocks) else type(hit).__name__} and "
@@ -361,7 +377,7 @@ def test_lookup_finds_the_longest_cached_prefix_and_claims_nothing():
     assert hit.blocks[0] == cached[:2], "the hit must be the cached blocks, front first"
     assert snapshot(m) == before, "a lookup claims nothing: no count or queue position changes"
     held = seed_cache(m, [7] * 9, hold=True)  # blocks somebody holds hit too
-    hit, n = m.get_computed_blocks(make_request("h", [7] * 12 + [1], 4))
+    hit, n = computed_blocks(m, make_request("h", [7] * 12 + [1], 4))
     assert hit.blocks[0] == held and n == 8, (
         f"cached blocks another request holds hit too: expected blocks {ids(held)} and 8 tokens, "
         f"got {ids(hit.blocks[0])} and {n}"
@@ -378,13 +394,13 @@ def test_lookup_stops_at_the_first_miss():
     # Drop block 1 of the chain from the index (what eviction does); blocks 0 and 2 stay.
     assert m.block_pool._maybe_evict_cached_block(second), "set-up: block 1 evicted"
     assert third.block_hash is not None, "set-up: block 2 stays cached"
-    hit, n = m.get_computed_blocks(make_request("r", list(range(13)), 4))
+    hit, n = computed_blocks(m, make_request("r", list(range(13)), 4))
     assert hit.get_block_ids() == ([first.block_id],) and n == 4, (
         f"blocks 0 and 2 of the prompt are cached, block 1 is not: the hit is block 0 alone "
         f"(a hit is a prefix: stop at the first miss); got {hit.get_block_ids()}, {n} tokens"
     )
     assert m.block_pool._maybe_evict_cached_block(first), "set-up: block 0 evicted"
-    hit, n = m.get_computed_blocks(make_request("s", list(range(13)), 4))
+    hit, n = computed_blocks(m, make_request("s", list(range(13)), 4))
     assert hit.get_block_ids() == ([],) and n == 0, "a cached block behind a miss was served"
 
 
@@ -393,7 +409,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(prompt_len, expect_
     m = lab.KVCacheManager(num_blocks=11, block_size=16, max_model_len=8192)
     seed_cache(m, list(range(64)))
     req = make_request("r", list(range(prompt_len)), 16)
-    hit, n = m.get_computed_blocks(req)
+    hit, n = computed_blocks(m, req)
     assert n == expect_hit and len(hit.blocks[0]) * 16 == n, (
         f"a prompt of {prompt_len} cached tokens hits {expect_hit} (whole blocks, and never the "
         f"last token, which must be computed for its logits); got {n} tokens in "
@@ -415,7 +431,7 @@ def test_find_longest_cache_hit_respects_max_length():
 def test_lookup_with_caching_off_is_an_empty_block_list_and_counts_nothing():
     m = lab.KVCacheManager(num_blocks=5, block_size=4, max_model_len=64, enable_caching=False,
                            log_stats=True)
-    hit, n = m.get_computed_blocks(make_request("r", range(9), 4))
+    hit, n = computed_blocks(m, make_request("r", range(9), 4))
     assert isinstance(hit, lab.KVCacheBlocks), "an empty KVCacheBlocks, not a list"
     assert hit.blocks == ([],) and n == 0, (
         "caching off: no hit blocks (blocks == ([],)) and 0 tokens, got "
@@ -430,8 +446,8 @@ def test_lookup_with_caching_off_is_an_empty_block_list_and_counts_nothing():
 def test_lookup_counts_requests_queries_and_hits():
     m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64, log_stats=True)
     seed_cache(m, list(range(8)))
-    m.get_computed_blocks(make_request("a", list(range(11)), 4))  # 11 queried, 8 hit
-    m.get_computed_blocks(make_request("b", [9] * 6, 4))  # 6 queried, 0 hit
+    computed_blocks(m, make_request("a", list(range(11)), 4))  # 11 queried, 8 hit
+    computed_blocks(m, make_request("b", [9] * 6, 4))  # 6 queried, 0 hit
     stats = m.make_prefix_cache_stats()
     got = (stats.requests, stats.queries, stats.hits)
     assert got == (2, 17, 8), (
@@ -439,7 +455,7 @@ def test_lookup_counts_requests_queries_and_hits():
         f"queries, hits) = (2, 17, 8), got {got}: add to the counts, do not overwrite them"
     )
     off = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
-    off.get_computed_blocks(make_request("c", list(range(11)), 4))
+    computed_blocks(off, make_request("c", list(range(11)), 4))
     assert off.prefix_cache_stats is None and off.make_prefix_cache_stats() is None, (
         "without log_stats there are no prefix-cache stats (None)"
     )
@@ -451,7 +467,7 @@ def test_lookup_rejects_a_request_without_matching_hashes_before_counting():
     bare = lab.Request("bare", list(range(9)), lab.SamplingParams(), EOS)  # no hasher
     before = snapshot(m)
     with pytest.raises(ValueError):
-        m.get_computed_blocks(bare)
+        computed_blocks(m, bare)
     assert snapshot(m) == before, (
         "get_computed_blocks raised ValueError but changed the manager first (its stats or "
         "blocks): check the block hashes before counting"
@@ -462,21 +478,21 @@ def test_lookup_salt_and_lora_change_the_whole_chain():
     m = lab.KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
     seed_cache(m, list(range(12)), salt="salt1")
     tokens = list(range(12)) + [1]
-    assert m.get_computed_blocks(make_request("same", tokens, 4, salt="salt1"))[1] == 12, (
+    assert computed_blocks(m, make_request("same", tokens, 4, salt="salt1"))[1] == 12, (
         "blocks 0-2 were cached with salt 'salt1': the same tokens and salt hit 12 tokens (3 "
         "blocks)"
     )
-    assert m.get_computed_blocks(make_request("other", tokens, 4, salt="salt2"))[1] == 0, (
+    assert computed_blocks(m, make_request("other", tokens, 4, salt="salt2"))[1] == 0, (
         "another salt ('salt2') must miss blocks cached with 'salt1': 0 hit tokens"
     )
-    assert m.get_computed_blocks(make_request("none", tokens, 4))[1] == 0, (
+    assert computed_blocks(m, make_request("none", tokens, 4))[1] == 0, (
         "an unsalted request must miss blocks cached with salt 'salt1': 0 hit tokens"
     )
     seed_cache(m, list(range(12)), lora_id=3)
-    assert m.get_computed_blocks(make_request("l3", tokens, 4, lora_id=3))[1] == 12, (
+    assert computed_blocks(m, make_request("l3", tokens, 4, lora_id=3))[1] == 12, (
         "blocks 0-2 were cached under LoRA id 3: the same tokens with LoRA 3 hit 12 tokens"
     )
-    assert m.get_computed_blocks(make_request("l4", tokens, 4, lora_id=4))[1] == 0, (
+    assert computed_blocks(m, make_request("l4", tokens, 4, lora_id=4))[1] == 0, (
         "LoRA id 4 must miss blocks cached under LoRA id 3: 0 hit tokens"
     )
 
@@ -651,7 +667,7 @@ def test_hits_are_claimed_and_fit_exactly(hold):
         f"test premise: seed_cache leaves {spare} free blocks"
     )
     too_big = make_request("big", list(range(8)) + [9] * (4 * (spare - (0 if hold else 2)) + 1), 4)
-    hit, n = m.get_computed_blocks(too_big)
+    hit, n = computed_blocks(m, too_big)
     assert n == 8, f"tokens 0..7 are cached (2 blocks): the lookup hits 8 tokens, got {n}"
     before = snapshot(m)
     assert m.allocate_slots(too_big, too_big.num_tokens - n, n, hit,
@@ -662,7 +678,7 @@ def test_hits_are_claimed_and_fit_exactly(hold):
     assert snapshot(m) == before, "a refused allocation changed something"
 
     req = make_request("r", list(range(8)) + [9] * (4 * (spare - (0 if hold else 2)) - 1), 4)
-    hit, n = m.get_computed_blocks(req)
+    hit, n = computed_blocks(m, req)
     new = m.allocate_slots(req, req.num_tokens - n, n, hit, delay_cache_blocks=True)
     assert new is not None, "an allocation that fits exactly was refused"
     assert m.block_pool.get_num_free_blocks() == 0, (
@@ -692,7 +708,7 @@ def test_hits_are_claimed_before_new_blocks_are_taken():
     pool.free_blocks(others)
     assert free_ids(m) == [2, 1, 3, 4], f"set-up: the free queue {free_ids(m)}"
     req = make_request("r", list(range(8)) + [5] * 7, 4)
-    hit, n = m.get_computed_blocks(req)
+    hit, n = computed_blocks(m, req)
     new = m.allocate_slots(req, req.num_tokens - n, n, hit, delay_cache_blocks=True)
     assert new.get_block_ids() == ([3, 4],), (
         f"the hit blocks 1, 2 are claimed (touched) first, so the new blocks are 3, 4 from the "
@@ -804,7 +820,7 @@ def test_bad_input_is_rejected_and_changes_nothing():
         "'warm' (8 tokens, 2 blocks) must fit: 7 blocks are free"
     )
     req = make_request("fresh", range(9), 4)
-    hit, n = m.get_computed_blocks(req)
+    hit, n = computed_blocks(m, req)
     assert n == 8, f"tokens 0..7 are cached (2 blocks): the lookup hits 8 tokens, got {n}"
     before = snapshot(m)
     bad_calls = [
@@ -1039,18 +1055,18 @@ def test_salt_changes_the_whole_chain():
     )
 
     same_salt = make_request("1", COMMON + [4] * 11, 16, salt="salt1")
-    hit, n = m.get_computed_blocks(same_salt)
+    hit, n = computed_blocks(m, same_salt)
     assert hit.get_block_ids() == ([1, 2, 3],) and n == 48, (
         f"same salt, same first 3 blocks: hit [1, 2, 3] and 48 tokens, got {hit.get_block_ids()} "
         f"and {n}"
     )
     other_salt = make_request("2", COMMON + [4] * 11, 16, salt="salt2")
-    hit, n = m.get_computed_blocks(other_salt)
+    hit, n = computed_blocks(m, other_salt)
     assert hit.get_block_ids() == ([],) and n == 0, (
         f"another salt must miss: hit [] and 0 tokens, got {hit.get_block_ids()} and {n}"
     )
     no_salt = make_request("3", COMMON + [4] * 11, 16)
-    assert m.get_computed_blocks(no_salt)[1] == 0, (
+    assert computed_blocks(m, no_salt)[1] == 0, (
         "an unsalted request must miss blocks cached with salt 'salt1': 0 hit tokens"
     )
 
@@ -1161,7 +1177,7 @@ def test_a_request_freed_mid_prefill_keeps_only_its_completed_blocks_cached():
         "freeing a request mid-prefill returns all its blocks: 7 free, got "
         f"{m.block_pool.get_num_free_blocks()}"
     )
-    hit, n = m.get_computed_blocks(make_request("s", range(14), 4))
+    hit, n = computed_blocks(m, make_request("s", range(14), 4))
     assert n == 4, "only the block the first chunk completed is cached"
 
 
@@ -1362,7 +1378,7 @@ def test_failed_allocation_touches_nothing():
     schedule_prompt(m, r0)
     part0 = list(table(m, r0))
     r1 = make_request("1", COMMON * 2, 16)
-    hit, n = m.get_computed_blocks(r1)
+    hit, n = computed_blocks(m, r1)
     assert hit.blocks[0] == part0 and n == 48, (
         f"r1 hits r0's 3 cached blocks, 48 tokens; got {ids(hit.blocks[0])} and {n}"
     )
@@ -1383,7 +1399,7 @@ def test_failed_allocation_touches_nothing():
     # r3 hits all six blocks of r1, three of them free (eviction candidates), and needs three
     # more: 3 + 3 > 5 free, so nothing may happen.
     r3 = make_request("3", COMMON * 3, 16)
-    hit, n = m.get_computed_blocks(r3)
+    hit, n = computed_blocks(m, r3)
     assert hit.blocks[0] == part1 and n == 96, (
         f"r3 hits all 6 of r1's cached blocks, 96 tokens; got {ids(hit.blocks[0])} and {n}"
     )
@@ -1421,10 +1437,10 @@ def test_evicted_then_reused_block_is_never_served_for_its_old_hash():
     m.free(new)
 
     again = make_request("again", [1, 2, 3, 4, 5], 4)
-    hit, n = m.get_computed_blocks(again)
+    hit, n = computed_blocks(m, again)
     assert n == 0, "a block reused for new content was served for its old hash"
     same_as_new = make_request("same", [9, 9, 9, 9, 8, 8, 8, 8, 1], 4)
-    hit, n = m.get_computed_blocks(same_as_new)
+    hit, n = computed_blocks(m, same_as_new)
     assert n == 8, f"'same' shares the 2 blocks 'new' cached: 8 hit tokens, got {n}"
     for blk, h in zip(hit.blocks[0], same_as_new.block_hashes):
         assert blk.block_hash == keyed(h), (
@@ -1443,7 +1459,7 @@ def test_reset_only_when_nothing_is_in_use():
         "55 tokens in blocks of 16 take blocks [1, 2, 3, 4]"
     )
     r1 = make_request("1", COMMON + [4] * 7, 16)
-    hit, n = m.get_computed_blocks(r1)
+    hit, n = computed_blocks(m, r1)
     assert len(hit.blocks[0]) == 3, (
         f"r1 shares r0's 3 full blocks: 3 hit blocks, got {len(hit.blocks[0])}"
     )
@@ -1469,7 +1485,7 @@ def test_reset_only_when_nothing_is_in_use():
         "after a reset no block is cached, but block(s) "
         f"{[b.block_id for b in m.block_pool.blocks if b.block_hash is not None][:8]} have a hash"
     )
-    assert m.get_computed_blocks(make_request("2", COMMON + [3], 16))[1] == 0, (
+    assert computed_blocks(m, make_request("2", COMMON + [3], 16))[1] == 0, (
         "after a reset nothing hits: 0 hit tokens"
     )
     assert m.make_prefix_cache_stats().reset is True, (
@@ -1595,7 +1611,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
 
     def _admit(self, seq, chunk):
         req = seq.req
-        hit, n = self.m.get_computed_blocks(req)
+        hit, n = computed_blocks(self.m, req)
         assert n % BLOCK_SIZE == 0 and n < len(seq.tokens), (
             f"get_computed_blocks hit {n} tokens of {len(seq.tokens)}: a hit is whole blocks and "
             f"never the last token"
