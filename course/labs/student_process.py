@@ -295,6 +295,12 @@ class Side:
         self.method_handles: set[int] = set()  # the other side's handles of bound methods
         self.methods: dict[tuple[int, str], object] = {}  # (object handle, name) -> its method
         self.epoch = 0  # requests other than reads made so far
+        # The test's objects the student's side holds (see _Mirrors): mirror id -> object.
+        self.mirrors: dict[int, object] = {}
+        self.mirror_ids: dict[int, int] = {}  # id(object) -> mirror id
+        self.mirror_order: list[int] = []  # in the order they crossed
+        self.mirror_seen: dict[int, dict] = {}  # mirror id -> its state as last synced
+        self.syncing = False  # while mirrored states are compared (Remote == is identity)
 
     # -- encoding: anything of this side -> JSON and blobs --
 
@@ -333,6 +339,9 @@ class Side:
             return out
         if t in (tuple, frozenset):
             return {"$": t.__name__, "v": [self.encode(v, msg, depth + 1) for v in value]}
+        mid = self.mirror_ids.get(id(value))
+        if mid is not None and self.mirrors.get(mid) is value:
+            return {"$": "mirror", "m": mid}
         if isinstance(value, Remote) and value._side is self:
             return {"$": "yours", "h": value._handle}
         if isinstance(value, _Read):
@@ -382,15 +391,9 @@ class Side:
         if not self.student and not callable(value) and _trusted(t.__module__) and (
             dataclasses.is_dataclass(value) or hasattr(value, "__dict__")
         ):
-            # The test's own object (a mini_vllm request, a config): its state, as a copy
-            # whose changes come back after the call.
-            if msg.track and id(value) in msg.copy_ids:
-                return {"$": "cref", "c": msg.copy_ids[id(value)]}
-            out = {"$": "obj", "cls": f"{t.__module__}:{t.__qualname__}"}
-            if msg.track:
-                out["c"] = msg.copy(value)
-            out["v"] = self.encode(_state_of(value), msg, depth + 1)
-            return out
+            # The test's own object (a mini_vllm request, a config): mirrored, its state sent
+            # with this message and its changes, on either side, with every later one.
+            return {"$": "mirror", "m": self._mirror(value)}
         return {"$": "ref", "h": self._export(value)}
 
     def _encode_read(self, root, msg: _Message) -> dict:
@@ -474,6 +477,105 @@ class Side:
         return {"$": "tensor", "s": sid, "o": t.storage_offset(), "size": list(t.shape),
                 "stride": list(t.stride()), "dtype": str(t.dtype).removeprefix("torch.")}
 
+    # -- mirrors: the test's objects that the student's code holds --
+    #
+    # A mini_vllm request handed to a student's scheduler must stay one object: the scheduler
+    # changes it in later calls, returns it in its queues, and the test reads it and compares
+    # it by identity. So such an object is mirrored (as tensor storages are): the student's side
+    # holds a copy, each message carries the state of every mirrored object its sender changed
+    # since the last one, and a mirrored object crossing again is named by its id, so that it
+    # arrives as the same object on each side. Only the test's side mirrors; from the student's
+    # side a change is applied only to attributes the test's object has (never a new one that
+    # would shadow a method), and only as data, handles and mirrors.
+
+    def _mirror(self, value) -> int:
+        mid = len(self.mirror_order) + 1
+        self.mirrors[mid] = value
+        self.mirror_ids[id(value)] = mid
+        self.mirror_order.append(mid)
+        return mid
+
+    def _encode_mirrors(self, msg: _Message) -> list:
+        """The state of every mirrored object that is new or changed since it was last synced;
+        a new one's with its class. Its own copy ids, so lists two objects share stay shared."""
+        states = _Message(track=True)
+        states.blobs, states.new = msg.blobs, msg.new
+        out, i = [], 0
+        while i < len(self.mirror_order):  # encoding a state may mirror more objects
+            mid = self.mirror_order[i]
+            i += 1
+            obj = self.mirrors[mid]
+            state = {k: v for k, v in _state_of(obj).items()
+                     if isinstance(k, str) and not k.startswith("__")}
+            seen = self.mirror_seen.get(mid)
+            if seen is not None and self._same_state(state, seen):
+                continue
+            self.mirror_seen[mid] = {k: _frozen(v) for k, v in state.items()}
+            entry = [mid, [[k, self.encode(v, states)] for k, v in state.items()]]
+            if seen is None and not self.student:
+                t = type(obj)
+                entry.append(f"{t.__module__}:{t.__qualname__}")
+            out.append(entry)
+        return out
+
+    def _same_state(self, state: dict, seen: dict) -> bool:
+        if state.keys() != seen.keys():
+            return False
+        self.syncing = True
+        try:
+            return all(_frozen(v) == seen[k] for k, v in state.items())
+        except Exception:  # noqa: BLE001 - values that cannot say (tensors): send them
+            return False
+        finally:
+            self.syncing = False
+
+    def _receive_mirrors(self, entries, blobs: list[bytes]) -> None:
+        if not isinstance(entries, list) or not all(
+                isinstance(e, list) and len(e) in (2, 3) and type(e[0]) is int
+                and isinstance(e[1], list) for e in entries):
+            raise StudentProcessError("a message with a malformed list of mirrored objects")
+        for entry in entries:  # first every new object: the states may name each other
+            if len(entry) == 3:
+                if not self.student or entry[0] in self.mirrors:
+                    raise StudentProcessError("a mirrored object announced by the wrong side")
+                obj = object.__new__(_class_named(entry[2]))
+                self.mirrors[entry[0]] = obj
+                self.mirror_ids[id(obj)] = entry[0]
+                self.mirror_order.append(entry[0])
+            elif entry[0] not in self.mirrors:
+                raise StudentProcessError(f"a change to object {entry[0]}, which is not mirrored")
+        refs: dict = {}
+        decoded = []
+        for mid, pairs, *_ in entries:
+            if not all(type(p) is list and len(p) == 2 and isinstance(p[0], str)
+                       and not p[0].startswith("__") for p in pairs):
+                raise StudentProcessError("a malformed state of a mirrored object")
+            decoded.append((mid, [(k, self.decode(v, blobs, refs=refs, fresh=True))
+                                  for k, v in pairs]))
+        for mid, pairs in decoded:
+            obj = self.mirrors[mid]
+            have = _state_of(obj)
+            for name, value in pairs:
+                if not self.student and name not in have:
+                    continue
+                now = have.get(name)
+                if type(now) is type(value) and type(value) in (list, dict, set) \
+                        and now is not value:
+                    # In place: another object may hold the same list (a request's tokens and
+                    # the ConstantList that shows them).
+                    now.clear()
+                    if type(value) is list:
+                        now.extend(value)
+                    else:
+                        now.update(value)
+                else:
+                    try:
+                        object.__setattr__(obj, name, value)
+                    except (AttributeError, TypeError):
+                        pass
+            self.mirror_seen[mid] = {k: _frozen(v) for k, v in _state_of(obj).items()
+                                     if isinstance(k, str) and not k.startswith("__")}
+
     def _export(self, value) -> int:
         handle = self.export_ids.get(id(value))
         if handle is not None and self.exported.get(handle) is value:
@@ -485,9 +587,11 @@ class Side:
 
     # -- decoding: JSON and blobs of the other side -> values here --
 
-    def decode(self, data, blobs: list[bytes], depth: int = 0, refs: dict | None = None):
+    def decode(self, data, blobs: list[bytes], depth: int = 0, refs: dict | None = None,
+               fresh: bool = False):
         """`refs`: the values of this side the other side names by copy id ("cref"), and, on
-        the student's side, where the copies it receives are recorded."""
+        the student's side (or with `fresh`: mirrored states), where the copies it receives
+        are recorded."""
         if depth > MAX_DEPTH:
             raise StudentProcessError("a value nested too deep")
         if data is None or type(data) in (bool, int, float, str):
@@ -497,7 +601,7 @@ class Side:
         if type(data) is not dict or not isinstance(data.get("$"), str):
             raise StudentProcessError(f"a value of an unknown form ({type(data).__name__})")
         tag, v = data["$"], data.get("v")
-        sub = lambda x: self.decode(x, blobs, depth + 1, refs)  # noqa: E731
+        sub = lambda x: self.decode(x, blobs, depth + 1, refs, fresh)  # noqa: E731
         if tag == "float" and v in ("nan", "inf", "-inf"):
             return float(v)
         if tag == "bytes":
@@ -509,7 +613,8 @@ class Side:
         if tag in ("list", "dict", "set") and type(v) is list:
             out = {"list": list, "dict": dict, "set": set}[tag]()
             cid = data.get("c")
-            if cid is not None and self.student and refs is not None and type(cid) is int:
+            if cid is not None and (self.student or fresh) and refs is not None \
+                    and type(cid) is int:
                 refs[cid] = out  # registered before its items: a list may hold itself
             for item in v:
                 if tag == "list":
@@ -579,6 +684,10 @@ class Side:
             if type(fields) is list and len(fields) == len(items):
                 return _named_tuple_class(data["cls"], fields)(items)
             return tuple(items)
+        if tag == "mirror":
+            if data.get("m") not in self.mirrors:
+                raise StudentProcessError("a mirrored object that was never announced")
+            return self.mirrors[data["m"]]
         if tag == "ref" and type(data.get("h")) is int:
             return self._remote(data["h"])
         if tag == "method" and not self.student and type(data.get("h")) is int:
@@ -671,12 +780,13 @@ class Side:
         body = {k: self.encode(v, msg) for k, v in values.items()}
         if "after" in header:
             body["after"] = header.pop("after")
+        mirrors = self._encode_mirrors(msg)
         # The bytes of every mirrored storage this side changed, including those just announced.
         sync = self.storages.changed(msg.blobs)
         drop = self.storages.drop_dead()
         with self.lock:
-            _send_message(self.sock, dict(header, **body, new=msg.new, sync=sync, drop=drop),
-                          msg.blobs)
+            _send_message(self.sock, dict(header, **body, new=msg.new, sync=sync, drop=drop,
+                                          mirrors=mirrors), msg.blobs)
 
     def receive(self) -> tuple[dict, list[bytes]]:
         try:
@@ -687,6 +797,7 @@ class Side:
         if not all(isinstance(x, list) for x in (new, sync, drop)):
             raise StudentProcessError("a message with malformed storage lists")
         self.storages.receive(new, sync, drop, blobs, theirs=0 if self.student else 1)
+        self._receive_mirrors(header.get("mirrors", []), blobs)
         return header, blobs
 
     def request(self, op: str, **values):
@@ -939,6 +1050,25 @@ def _state_of(obj, properties: bool = False) -> dict:
             except Exception:  # noqa: BLE001 - a property that fails is left out
                 pass
     return state
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _frozen(value):
+    """An attribute's value as it can be compared later: lists, tuples, dicts and sets copied
+    (one level of nested ones too: a list of block tables), anything else as itself."""
+    t = type(value)
+    if t in (list, tuple):
+        if value and type(value[0]) in (list, tuple, dict, set):
+            return (t, tuple(_frozen(v) for v in value))
+        return (t, tuple(value))
+    if t is dict:
+        return (t, tuple((k, _frozen(v) if type(v) in (list, tuple, dict, set) else v)
+                         for k, v in value.items()))
+    if t in (set, frozenset):
+        return (t, tuple(value))
+    return value
 
 
 def _class_named(path):
@@ -1276,8 +1406,8 @@ class Remote:
         return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
     def __eq__(self, other):
-        if other is self:
-            return True
+        if other is self or self._side.syncing:
+            return other is self
         mine = self._ask("snapshot")
         theirs = other._ask("snapshot") if isinstance(other, Remote) else other
         if isinstance(theirs, Struct):
