@@ -126,6 +126,23 @@ def nap():
     import time
     time.sleep(600)
 
+class Queue:
+    def __init__(self):
+        self.held = []
+    def add(self, request):
+        self.held.append(request)
+    def step(self):               # a later call changes what an earlier one was given
+        for r in self.held:
+            r.num_computed_tokens += 1
+            r.append_output_token_ids(7)
+        return self.held
+    def computed(self):
+        return [r.num_computed_tokens for r in self.held]
+
+def shadow(request):
+    request.is_finished = lambda: True   # a new attribute that would hide a method
+    request.num_computed_tokens = 5
+
 def spawn():
     pid = os.fork()               # a process of the student's own, left running
     if pid == 0:
@@ -179,6 +196,36 @@ def test_the_students_eq_decides_nothing(student):
     m = student.module
     assert m.liar() != 1 and m.liar() != m.liar() and not (m.liar() == [1])
     assert m.liar_list() != [1]
+
+
+def _request(request_id="a"):
+    from mini_vllm.request import Request
+    from mini_vllm.sampling_params import SamplingParams
+
+    return Request(request_id, [1, 2, 3], SamplingParams(), eos_token_id=None)
+
+
+def test_the_tests_objects_stay_one_object_across_calls(student):
+    """A request handed to a student's queue is mirrored: the queue's later calls change it
+    here too, it comes back as the test's own object, and the test's changes reach it there."""
+    req = _request()
+    queue = student.module.Queue()
+    queue.add(req)
+    held = queue.step()
+    assert held[0] is req and req.num_computed_tokens == 1, held
+    assert list(req.output_token_ids) == [7] and req.all_token_ids == [1, 2, 3, 7]
+    assert req.output_token_ids._x is req._output_token_ids  # still one list, shown by both
+    req.num_computed_tokens = 10
+    assert queue.computed() == [10]
+    queue.step()
+    assert req.num_computed_tokens == 11 and list(req.output_token_ids) == [7, 7]
+
+
+def test_a_mirrored_object_takes_only_data_for_the_attributes_it_has(student):
+    req = _request()
+    student.module.shadow(req)
+    assert req.num_computed_tokens == 5
+    assert "is_finished" not in vars(req) and req.is_finished() is False
 
 
 def test_a_function_of_the_test_is_called_back_with_data(student):
@@ -291,8 +338,13 @@ def _raw(header: dict, blobs=()) -> bytes:
     {"op": "reply", "value": 1, "new": [{"id": 2, "b": 0}]},
     {"op": "call", "target": {"$": "yours", "h": 99}, "args": [],
      "kwargs": {"$": "dict", "v": []}},
+    {"op": "reply", "value": 1, "mirrors": [[1, [], "os:system"]]},
+    {"op": "reply", "value": 1, "mirrors": [[3, [["x", 1]]]]},
+    {"op": "reply", "value": {"$": "mirror", "m": 3}},
 ], ids=["object-by-state", "untrusted-enum", "unknown-handle", "tensor-without-storage",
-        "pickle", "storage-of-the-wrong-side", "call-of-a-test-object-it-never-got"])
+        "pickle", "storage-of-the-wrong-side", "call-of-a-test-object-it-never-got",
+        "mirror-announced-by-the-student", "change-to-an-object-never-mirrored",
+        "mirror-never-announced"])
 def test_the_tests_side_refuses_what_the_protocol_does_not_allow(reply):
     """Whatever the student's side sends, the test's side builds data or refuses: nothing is
     imported, unpickled or called on its word."""

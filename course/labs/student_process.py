@@ -22,8 +22,10 @@ imports or runs anything the student's side names):
   data snapshots here (dataclass fields, by value), never by the student's `__eq__`: an object
   that claims to equal everything equals nothing it is not.
 - The test's objects passed to student code: data as above; instances of mini_vllm's and the
-  course's classes by their state (a copy: the student's side sees it, changes stay there);
-  functions and other callables stay here and the student's side gets a handle that calls back.
+  course's classes mirrored (a request handed to a student's scheduler): a copy there, kept in
+  step with this one by every later message, in both directions, and named by its id when it
+  crosses again, so it stays one object (`is` works); functions and other callables stay here
+  and the student's side gets a handle that calls back.
 - An exception raised by student code comes back as the same builtin class (or a class made
   here that carries the student's class name and derives from its nearest builtin base), with
   its message and the student's file and line; `mini_vllm`'s own exception classes are kept.
@@ -37,6 +39,7 @@ test's process is the pytest session itself: course.grading.plugin.)
 from __future__ import annotations
 
 import builtins
+import collections
 import dataclasses
 import enum
 import importlib
@@ -298,7 +301,9 @@ class Side:
         # The test's objects the student's side holds (see _Mirrors): mirror id -> object.
         self.mirrors: dict[int, object] = {}
         self.mirror_ids: dict[int, int] = {}  # id(object) -> mirror id
-        self.mirror_order: list[int] = []  # in the order they crossed
+        # (mirror id, its __dict__ where that is all its state, the object), in the order
+        # they crossed: what each message compares with the state last synced.
+        self.mirror_watch: list[tuple[int, dict | None, object]] = []
         self.mirror_seen: dict[int, dict] = {}  # mirror id -> its state as last synced
         self.syncing = False  # while mirrored states are compared (Remote == is identity)
 
@@ -489,11 +494,15 @@ class Side:
     # would shadow a method), and only as data, handles and mirrors.
 
     def _mirror(self, value) -> int:
-        mid = len(self.mirror_order) + 1
-        self.mirrors[mid] = value
-        self.mirror_ids[id(value)] = mid
-        self.mirror_order.append(mid)
+        mid = len(self.mirror_watch) + 1
+        self._watch(mid, value)
         return mid
+
+    def _watch(self, mid: int, obj) -> None:
+        self.mirrors[mid] = obj
+        self.mirror_ids[id(obj)] = mid
+        plain = not _type_info(type(obj))[0] and hasattr(obj, "__dict__")
+        self.mirror_watch.append((mid, obj.__dict__ if plain else None, obj))
 
     def _encode_mirrors(self, msg: _Message) -> list:
         """The state of every mirrored object that is new or changed since it was last synced;
@@ -501,33 +510,30 @@ class Side:
         states = _Message(track=True)
         states.blobs, states.new = msg.blobs, msg.new
         out, i = [], 0
-        while i < len(self.mirror_order):  # encoding a state may mirror more objects
-            mid = self.mirror_order[i]
-            i += 1
-            obj = self.mirrors[mid]
-            state = {k: v for k, v in _state_of(obj).items()
-                     if isinstance(k, str) and not k.startswith("__")}
-            seen = self.mirror_seen.get(mid)
-            if seen is not None and self._same_state(state, seen):
-                continue
-            self.mirror_seen[mid] = {k: _frozen(v) for k, v in state.items()}
-            entry = [mid, [[k, self.encode(v, states)] for k, v in state.items()]]
-            if seen is None and not self.student:
-                t = type(obj)
-                entry.append(f"{t.__module__}:{t.__qualname__}")
-            out.append(entry)
-        return out
-
-    def _same_state(self, state: dict, seen: dict) -> bool:
-        if state.keys() != seen.keys():
-            return False
-        self.syncing = True
+        self.syncing = True  # a Remote held by a mirrored object compares by identity
         try:
-            return all(_frozen(v) == seen[k] for k, v in state.items())
-        except Exception:  # noqa: BLE001 - values that cannot say (tensors): send them
-            return False
+            while i < len(self.mirror_watch):  # encoding a state may mirror more objects
+                mid, state, obj = self.mirror_watch[i]
+                i += 1
+                if state is None:
+                    state = _state_of(obj)
+                seen = self.mirror_seen.get(mid)
+                if seen is not None:
+                    try:  # a dict comparison, in C, which skips values that are still the same
+                        if state == seen:  # object; tensors cannot say: sent
+                            continue
+                    except Exception:  # noqa: BLE001
+                        pass
+                self.mirror_seen[mid] = _copied(state)
+                entry = [mid, [[k, self.encode(v, states)] for k, v in state.items()
+                               if isinstance(k, str) and not k.startswith("__")]]
+                if seen is None and not self.student:
+                    t = type(obj)
+                    entry.append(f"{t.__module__}:{t.__qualname__}")
+                out.append(entry)
         finally:
             self.syncing = False
+        return out
 
     def _receive_mirrors(self, entries, blobs: list[bytes]) -> None:
         if not isinstance(entries, list) or not all(
@@ -539,9 +545,7 @@ class Side:
                 if not self.student or entry[0] in self.mirrors:
                     raise StudentProcessError("a mirrored object announced by the wrong side")
                 obj = object.__new__(_class_named(entry[2]))
-                self.mirrors[entry[0]] = obj
-                self.mirror_ids[id(obj)] = entry[0]
-                self.mirror_order.append(entry[0])
+                self._watch(entry[0], obj)
             elif entry[0] not in self.mirrors:
                 raise StudentProcessError(f"a change to object {entry[0]}, which is not mirrored")
         refs: dict = {}
@@ -573,8 +577,7 @@ class Side:
                         object.__setattr__(obj, name, value)
                     except (AttributeError, TypeError):
                         pass
-            self.mirror_seen[mid] = {k: _frozen(v) for k, v in _state_of(obj).items()
-                                     if isinstance(k, str) and not k.startswith("__")}
+            self.mirror_seen[mid] = _copied(_state_of(obj))
 
     def _export(self, value) -> int:
         handle = self.export_ids.get(id(value))
@@ -939,8 +942,17 @@ class Side:
         return rebuild_student_error(info)
 
 
+def _iterate(obj):
+    """`iter` asked from the test's side: a builtin container's items come back at once, as
+    data (a scheduler's queue is a deque: one round trip, not one an item); anything else
+    stays an iterator there, asked for each item."""
+    if type(obj) in (list, tuple, dict, set, frozenset, range, collections.deque):
+        return list(obj)
+    return iter(obj)
+
+
 _OPS = {
-    "len": len, "bool": bool, "repr": repr, "str": str, "iter": iter, "next": next,
+    "len": len, "bool": bool, "repr": repr, "str": str, "iter": _iterate, "next": next,
     "getitem": lambda o, k: o[k], "setitem": lambda o, k, v: o.__setitem__(k, v),
     "delitem": lambda o, k: o.__delitem__(k), "contains": lambda o, k: k in o,
     "int": int, "float": float, "index": lambda o: o.__index__(), "hash": hash,
@@ -1052,23 +1064,10 @@ def _state_of(obj, properties: bool = False) -> dict:
     return state
 
 
-_PLAIN = (type(None), bool, int, float, str, bytes)
-
-
-def _frozen(value):
-    """An attribute's value as it can be compared later: lists, tuples, dicts and sets copied
-    (one level of nested ones too: a list of block tables), anything else as itself."""
-    t = type(value)
-    if t in (list, tuple):
-        if value and type(value[0]) in (list, tuple, dict, set):
-            return (t, tuple(_frozen(v) for v in value))
-        return (t, tuple(value))
-    if t is dict:
-        return (t, tuple((k, _frozen(v) if type(v) in (list, tuple, dict, set) else v)
-                         for k, v in value.items()))
-    if t in (set, frozenset):
-        return (t, tuple(value))
-    return value
+def _copied(state: dict) -> dict:
+    """A state as it can be compared with later: its lists, dicts and sets copied (one level:
+    a list held in a list is compared by identity)."""
+    return {k: v.copy() if type(v) in (list, dict, set) else v for k, v in state.items()}
 
 
 def _class_named(path):
@@ -1722,11 +1721,13 @@ def _reap() -> None:
 
 
 def beside_the_student(function):
-    """For a course helper that watches how the student's code runs (what it allocates, what it
-    calls): while a student's process is running, the helper runs there, beside that code, and
-    its result comes back as data. Such a result is the student's process's word, unlike a
-    test's assertions: a test may rest on it only for how the code works, never for what it
-    computes."""
+    """For a course helper that must run where the student's objects live: one that watches how
+    the code runs (what it allocates, what it calls), or one that builds or arranges them for a
+    test (a scheduler class made from the student's, a request put in `running` by hand). While
+    a student's process is running, the helper runs there, beside that code, and its result
+    comes back as data. Such a result is the student's process's word, unlike a test's
+    assertions: a test may rest on it only for how the code works or for its set-up, never for
+    what it computes."""
 
     def wrapper(*args, beside=None, **kwargs):
         """`beside`: the lab (a `load_lab` handle) whose code the helper watches; its student's

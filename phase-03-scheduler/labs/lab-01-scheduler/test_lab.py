@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from course.labs.loader import load_lab
+from course.labs.student_process import beside_the_student, read
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
 from mini_vllm.request import FinishReason, Request, RequestStatus
@@ -66,6 +67,12 @@ def make_scheduler(upto=6, **overrides):
         enable_prefix_caching=False,
     )
     kw.update(overrides)
+    return _scheduler_up_to(upto, SchedulerConfig(**kw), beside=lab)
+
+
+@beside_the_student
+def _scheduler_up_to(upto, config):
+    """Built where your code runs (the class is made from yours there)."""
     cls = lab.Scheduler
     stand_ins = {
         name: vars(ReferenceScheduler)[name]
@@ -75,7 +82,7 @@ def make_scheduler(upto=6, **overrides):
     }
     if stand_ins:
         cls = type(f"SchedulerUpToTask{upto}", (lab.Scheduler,), stand_ins)
-    return cls(SchedulerConfig(**kw))
+    return cls(config)
 
 
 def create_requests(num_requests, num_tokens=10, max_tokens=16, block_size=16, stop_token_ids=None,
@@ -101,10 +108,12 @@ def make_output(scheduler_output, tokens=None, default=0):
     return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
 
 
+@beside_the_student
 def run_by_hand(scheduler, request, computed, outputs=()):
     """Put a request added with ``add_request`` into ``running`` as a step would have left it:
     its first ``computed`` tokens have KV (blocks claimed from the KV cache manager), then the
-    runner sampled ``outputs``. Needs only task 1."""
+    runner sampled ``outputs``. Needs only task 1. (Done where your code runs: the queues are
+    your scheduler's.)"""
     scheduler.waiting.remove(request)
     assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None, (
         f"set-up: the KV cache manager refused {computed} tokens of request "
@@ -116,6 +125,23 @@ def run_by_hand(scheduler, request, computed, outputs=()):
     scheduler.running.append(request)
     for token in outputs:
         request.append_output_token_ids(token)
+
+
+@beside_the_student
+def swap_out_by_hand(scheduler, request, queue="waiting"):
+    """Move a request from ``queue`` to ``swapped`` as lab 03-03's preemption by swapping
+    would: a running one lets its blocks go."""
+    getattr(scheduler, queue).remove(request)
+    if queue == "running":
+        scheduler.kv_cache_manager.free(request)
+    request.status = RequestStatus.SWAPPED
+    scheduler.swapped.append(request)
+
+
+@beside_the_student
+def empty_by_hand(scheduler, *queues):
+    for name in queues:
+        getattr(scheduler, name).clear()
 
 
 def free_blocks(scheduler):
@@ -131,7 +157,10 @@ def ids(requests):
 
 
 def assert_scheduler_empty(scheduler):
-    """Port of upstream's assert_scheduler_empty: nothing queued, nothing held."""
+    """Port of upstream's assert_scheduler_empty: nothing queued, nothing held. (The scheduler
+    is read whole, once: where your code has its own process, each attribute asked one by one
+    would be a round trip.)"""
+    scheduler = read(scheduler)
     left = {
         "requests": sorted(scheduler.requests),
         "waiting": ids(scheduler.waiting),
@@ -142,14 +171,17 @@ def assert_scheduler_empty(scheduler):
         f"after every request finished the scheduler must be empty; still there: "
         f"{ {name: rids for name, rids in left.items() if rids} }"
     )
-    assert free_blocks(scheduler) == usable_blocks(scheduler), "blocks leaked"
+    free = scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+    assert free == usable_blocks(scheduler), (
+        f"blocks leaked: {free} of the {usable_blocks(scheduler)} usable blocks are free")
     assert not scheduler.kv_cache_manager.req_to_blocks, "a finished request still has a table"
     for block in scheduler.kv_cache_manager.block_pool.blocks[1:]:
         assert block.ref_cnt == 0, f"block {block.block_id} kept ref_cnt {block.ref_cnt}"
 
 
 def check_step_invariants(scheduler, so):
-    """The invariants that every schedule() must keep."""
+    """The invariants that every schedule() must keep (on the scheduler read whole, once)."""
+    scheduler = read(scheduler)
     cfg = scheduler.scheduler_config
     total = sum(so.num_scheduled_tokens.values())
     assert so.total_num_scheduled_tokens == total, (
@@ -241,9 +273,7 @@ def test_unfinished_requests_counts_every_queue():
     for request in (waiting, running, swapped):
         scheduler.add_request(request)
     run_by_hand(scheduler, running, 6)
-    scheduler.waiting.remove(swapped)
-    swapped.status = RequestStatus.SWAPPED
-    scheduler.swapped.append(swapped)
+    swap_out_by_hand(scheduler, swapped)
     for queues, want in (("waiting, running, swapped", 3), ("swapped", 1), ("", 0)):
         got = scheduler.get_num_unfinished_requests()
         assert got == want, (
@@ -253,11 +283,7 @@ def test_unfinished_requests_counts_every_queue():
         assert scheduler.has_unfinished_requests() is (want > 0), (
             f"has_unfinished_requests is {want > 0} with {want} unfinished request(s)"
         )
-        if want == 3:
-            scheduler.waiting.clear()
-            scheduler.running.clear()
-        else:
-            scheduler.swapped.clear()
+        empty_by_hand(scheduler, *(["waiting", "running"] if want == 3 else ["swapped"]))
 
 
 @pytest.mark.parametrize(
@@ -1617,10 +1643,7 @@ def test_a_request_swapped_out_after_it_was_scheduled_can_stop():
         scheduler.add_request(request)
     out = scheduler.schedule()
     for request in requests:  # "swapped out" while the step ran
-        scheduler.running.remove(request)
-        scheduler.kv_cache_manager.free(request)
-        request.status = RequestStatus.SWAPPED
-        scheduler.swapped.append(request)
+        swap_out_by_hand(scheduler, request, "running")
     outputs = scheduler.update_from_output(out, make_output(out, default=5))
     assert [o.request_id for o in outputs] == ["0", "1"] and all(o.finished for o in outputs), (
         "both requests stop on their one token (max_tokens=1): finished outputs for '0', '1'; got "

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from course.labs.loader import load_lab
+from course.labs.student_process import beside_the_student, read
 from mini_vllm.attention.paged_attn import paged_attention_v1
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache_manager import cdiv
@@ -57,18 +58,28 @@ def make_scheduler(mode="swap", upto=4, **overrides):
               num_gpu_blocks=25, enable_prefix_caching=False, preemption_mode=mode,
               num_cpu_blocks=64)
     kw.update(overrides)
+    return _scheduler_up_to(upto, SchedulerConfig(**kw), beside=lab)
+
+
+@beside_the_student
+def _scheduler_up_to(upto, config):
+    """Built where your code runs (the class is made from yours there)."""
     cls = lab.Scheduler
     if upto < 4:
         cls = type("SchedulerUpToTask3", (lab.Scheduler,),
                    {"_schedule_swapped": vars(ReferenceScheduler)["_schedule_swapped"]})
-    return cls(SchedulerConfig(**kw))
+    return cls(config)
 
 
-def run_by_hand(scheduler, request, computed, outputs=()):
+@beside_the_student
+def run_by_hand(scheduler, request, computed, outputs=(), lookahead=0):
     """Put an added request into ``running`` as a step would have left it: ``computed`` tokens
-    with KV (GPU blocks claimed from the KV cache manager), then ``outputs`` sampled."""
+    with KV (GPU blocks claimed from the KV cache manager, ``lookahead`` slots more), then
+    ``outputs`` sampled. (Done where your code runs: the queues are your scheduler's.)"""
     scheduler.waiting.remove(request)
-    assert scheduler.kv_cache_manager.allocate_slots(request, computed) is not None, (
+    claimed = scheduler.kv_cache_manager.allocate_slots(request, computed,
+                                                        num_lookahead_tokens=lookahead)
+    assert claimed is not None, (
         f"set-up: the KV cache manager refused {computed} tokens of request "
         f"{request.request_id!r}"
     )
@@ -79,10 +90,11 @@ def run_by_hand(scheduler, request, computed, outputs=()):
         request.append_output_token_ids(token)
 
 
-def swap_out_by_hand(scheduler, request):
+@beside_the_student
+def swap_out_by_hand(scheduler, request, step=None):
     """Preempt a running request through the given ``_preempt`` (which calls your
     ``_preempt_by_swap``); returns the step it recorded into (its ``blocks_to_swap_out``)."""
-    step = _Step(token_budget=0)
+    step = _Step(token_budget=0) if step is None else step
     scheduler.running.remove(request)
     scheduler._preempt(request, step)
     return step
@@ -99,8 +111,11 @@ def gpu_free(scheduler):
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def check_pools(scheduler):
-    """No block lost or owned twice, on either side."""
+def check_pools(live):
+    """No block lost or owned twice, on either side. (The scheduler's state is read whole,
+    once, and its methods asked of the live one: where your code has its own process, each
+    attribute asked one by one would be a round trip.)"""
+    scheduler = read(live)
     bs = scheduler.block_size
     kv = scheduler.kv_cache_manager
     owners: dict[int, str] = {}
@@ -110,7 +125,7 @@ def check_pools(scheduler):
             owners[b.block_id] = rid
     in_use = {b.block_id for b in kv.block_pool.blocks[1:] if b.ref_cnt > 0}
     assert in_use == set(owners), "a GPU block is in use but in no table, or the reverse"
-    gpu_free = kv.block_pool.get_num_free_blocks()
+    gpu_free = live.kv_cache_manager.block_pool.get_num_free_blocks()
     assert gpu_free == kv.block_pool.num_gpu_blocks - 1 - len(in_use), (
         f"{gpu_free} GPU blocks free, but {len(in_use)} of {kv.block_pool.num_gpu_blocks - 1} "
         f"are in use"
@@ -122,7 +137,7 @@ def check_pools(scheduler):
             assert b.block_id != 0, "the CPU null block was handed out"
             assert b.block_id not in cpu_owners, f"CPU block {b.block_id} owned twice"
             cpu_owners[b.block_id] = rid
-    cpu_free = swap.get_num_free_blocks()
+    cpu_free = live.swap_space.get_num_free_blocks()
     assert cpu_free == swap.block_pool.num_gpu_blocks - 1 - len(cpu_owners), (
         f"{cpu_free} CPU blocks free, but swapped requests hold {len(cpu_owners)} of "
         f"{swap.block_pool.num_gpu_blocks - 1}"
@@ -135,7 +150,7 @@ def check_pools(scheduler):
         )
         assert request.request_id not in kv.req_to_blocks, "a swapped request kept GPU blocks"
         want = cdiv(request.num_computed_tokens, bs)
-        got = swap.num_swapped_blocks(request.request_id)
+        got = live.swap_space.num_swapped_blocks(request.request_id)
         assert got == want, (
             f"swapped request {request.request_id!r} computed {request.num_computed_tokens} "
             f"tokens, {want} block(s) of KV, but holds {got} CPU block(s): swap out exactly the "
@@ -384,16 +399,9 @@ def test_only_the_blocks_with_computed_tokens_travel(computed, blocks):
     scheduler = make_scheduler(upto=3, num_gpu_blocks=10)
     request = make_requests([(16, 4)], 4)[0]
     scheduler.add_request(request)
-    scheduler.waiting.remove(request)
-    kv = scheduler.kv_cache_manager
-    assert kv.allocate_slots(request, computed, num_lookahead_tokens=16 - computed) is not None, (
-        "set-up: the KV cache manager refused 16 slots"
-    )
-    table = kv.get_block_ids("r0")[0]
+    run_by_hand(scheduler, request, computed, lookahead=16 - computed)
+    table = scheduler.kv_cache_manager.get_block_ids("r0")[0]
     assert len(table) == 4, f"set-up: a table of 4 blocks, got {table}"
-    request.status = RequestStatus.RUNNING
-    request.num_computed_tokens = computed
-    scheduler.running.append(request)
     step = swap_out_by_hand(scheduler, request)
     moved = [g for g, _ in step.blocks_to_swap_out]
     assert moved == table[:blocks], (
@@ -425,8 +433,7 @@ def test_victims_join_the_back_of_swapped_and_add_to_the_step():
     step = _Step(token_budget=0)
     step.blocks_to_swap_out.append((99, 99))  # what an earlier victim of the step added
     for request in (requests[2], requests[0]):
-        scheduler.running.remove(request)
-        scheduler._preempt(request, step)
+        swap_out_by_hand(scheduler, request, step)
     swapped = [r.request_id for r in scheduler.swapped]
     assert swapped == ["r2", "r0"], (
         f"each victim joins the back of swapped, in the order preempted (r2, then r0); got "
