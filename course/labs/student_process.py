@@ -257,8 +257,9 @@ def _only_ours(storage) -> bool:
 
 class _Message:
     """What one message carries besides its JSON: the blobs (tensor bytes), the storages it
-    announces and, for a call's arguments, the lists, dicts, sets and objects sent by value
-    (each with a copy id, so that the changes the call makes come back to them)."""
+    announces and, for a call's arguments, the lists, dicts, sets and records sent by value
+    (each with a copy id, so that the changes the call makes come back to them; the course's
+    objects are mirrored instead: Side._mirror)."""
 
     def __init__(self, track: bool = False):
         self.blobs: list[bytes] = []
