@@ -1,9 +1,10 @@
-"""A real mini_vllm HTTP server for tests: uvicorn in a thread of the test's process.
+"""A real mini_vllm HTTP server for tests: uvicorn in a thread of the process that starts it.
 
 Shared by ``tests/test_serve.py`` (the reference server) and lab 03-05's graded tests (the
 student's pieces in the same server); :class:`CountingTokenizer` serves the detokenizer's tests
-there and in ``tests/test_serve_detokenizer.py``. The server runs in the test's own process so
-that a test can read the engine's block pool directly. It listens on a TCP port on 127.0.0.1 or,
+there and in ``tests/test_serve_detokenizer.py``. The server runs in the process that holds its
+engine (the test's; for lab 03-05 behind the student channel, the student's), so that the engine's
+block pool can be read directly. It listens on a TCP port on 127.0.0.1 or,
 where the network is cut off (the grader's sandbox has no loopback interface), on a Unix socket;
 either way the official ``openai`` client talks real HTTP to it.
 """
@@ -18,7 +19,9 @@ from typing import Any
 
 from mini_vllm.tokenizer import ByteTokenizer
 
-__all__ = ["CountingTokenizer", "ServerThread", "wait_idle"]
+__all__ = ["CountingTokenizer", "ServerThread", "openai_client", "wait_idle"]
+
+UDS_BASE = "http://mini-vllm.local"  # the host name of requests sent over a Unix socket
 
 
 class CountingTokenizer(ByteTokenizer):
@@ -51,7 +54,7 @@ class ServerThread:
             self.uds: str | None = str(Path(self._tmp.name) / "server.sock")
             self.server = make_server(app)
             self.server.config.uds = self.uds
-            self.base = "http://mini-vllm.local"
+            self.base = UDS_BASE
             run_kwargs: dict[str, Any] = {}
         else:
             self.uds = None
@@ -74,17 +77,11 @@ class ServerThread:
 
     def http_client(self, timeout: float = 60.0) -> Any:
         """An ``httpx.Client`` that reaches this server (over its Unix socket when it has one)."""
-        import httpx
-
-        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
-        return httpx.Client(base_url=self.base, transport=transport, timeout=timeout)
+        return http_client(self.base, self.uds, timeout)
 
     def client(self, timeout: float = 60.0) -> Any:
         """The official ``openai`` client for this server (no retries: a test sees every error)."""
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0,
-                             timeout=timeout, http_client=self.http_client(timeout))
+        return openai_client(self.uds, self.base, timeout)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -93,6 +90,24 @@ class ServerThread:
             self.sock.close()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def http_client(base: str, uds: str | None, timeout: float = 60.0) -> Any:
+    """An ``httpx.Client`` for the server at ``base``, over the Unix socket ``uds`` if given."""
+    import httpx
+
+    transport = httpx.HTTPTransport(uds=uds) if uds else None
+    return httpx.Client(base_url=base, transport=transport, timeout=timeout)
+
+
+def openai_client(uds: str | None, base: str = UDS_BASE, timeout: float = 60.0) -> Any:
+    """The official ``openai`` client for a server listening on the Unix socket ``uds`` (or at
+    ``base`` when ``uds`` is None), with no retries: a test sees every error. A test whose
+    server runs in another process (lab 03-05's, beside the student's code) needs only this."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                         timeout=timeout, http_client=http_client(base, uds, timeout))
 
 
 def wait_idle(engine: Any, timeout: float = 20.0) -> str | None:

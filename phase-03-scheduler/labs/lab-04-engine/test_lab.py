@@ -31,7 +31,10 @@ import torch
 
 from course.engine.exam import beam_score, brute_force_beam_search
 from course.labs.loader import load_lab
+from course.labs.student_process import beside_the_student
+from mini_vllm.config import SchedulerConfig
 from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
+from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import Scheduler as ReferenceScheduler
 
 lab = load_lab(__file__)
@@ -72,9 +75,31 @@ def step_until_done(engine, max_steps=2000):
     pytest.fail(f"the engine did not finish within {max_steps} steps; does step() progress?")
 
 
+def new_engine(**config):
+    """A fresh ``lab.EngineCore`` on the tiny model, no EOS."""
+    return _built_beside_the_lab("EngineCore", config, beside=lab)
+
+
+def make_runner(**kw):
+    """A fresh ``lab.ModelRunner`` on the tiny model (blocks of 4, 32 of them unless told)."""
+    kw.setdefault("num_gpu_blocks", 32)
+    kw.setdefault("block_size", 4)
+    return _built_beside_the_lab("ModelRunner", kw, beside=lab)
+
+
+@beside_the_student
+def _built_beside_the_lab(name, kw):
+    """``lab.<name>`` on the tiny model, made where the lab's code runs: the model is the test's
+    own object there too (that process is a fork of this one), where a model handed across
+    would be a handle whose every forward pass runs back here."""
+    if name == "EngineCore":
+        return lab.EngineCore(tiny_model(), lab.SchedulerConfig(**kw), eos_token_id=None)
+    return lab.ModelRunner(tiny_model(), **kw)
+
+
 def run_engine(prompt_list, params, max_steps=2000, **config):
     """Add every prompt to a fresh ``lab.EngineCore`` and step until all finish."""
-    engine = lab.EngineCore(tiny_model(), lab.SchedulerConfig(**config), eos_token_id=None)
+    engine = new_engine(**config)
     reqs = []
     for i, p in enumerate(prompt_list):
         p_i = params[i] if isinstance(params, list) else params
@@ -84,18 +109,23 @@ def run_engine(prompt_list, params, max_steps=2000, **config):
     return engine, [list(r.output_token_ids) for r in reqs]
 
 
-def make_runner(**kw):
-    kw.setdefault("num_gpu_blocks", 32)
-    return lab.ModelRunner(tiny_model(), block_size=4, **kw)
+@beside_the_student
+def _append_token(runner, req_id, token):
+    """Append ``token`` to the runner's record of ``req_id`` (a sample of an earlier step), in
+    the record itself: a list read from the lab's objects is a copy."""
+    runner.requests[req_id].token_ids.append(token)
+
+
+def append_token(runner, req_id, token):
+    _append_token(runner, req_id, token, beside=lab)
 
 
 def run_by_hand(prompt_list, params, **config):
     """Your runner with the reference scheduler, the engine loop written out (no step())."""
-    config = lab.SchedulerConfig(**config)
+    config = SchedulerConfig(**config)
     scheduler = ReferenceScheduler(config)
-    runner = lab.ModelRunner(tiny_model(), block_size=config.block_size,
-                             num_gpu_blocks=config.num_gpu_blocks,
-                             num_cpu_blocks=config.num_cpu_blocks)
+    runner = make_runner(block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks,
+                         num_cpu_blocks=config.num_cpu_blocks)
     requests = []
     from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
     from mini_vllm.request import Request
@@ -158,7 +188,7 @@ def cached_reqs(*entries):
 def test_update_states_tracks_new_cached_resumed_and_finished_requests():
     runner = make_runner()
     runner._update_states(sched_output(new=[new_req("a", range(1, 7), [1, 2])]))
-    a = runner.requests["a"]
+    a = runner.requests["a"]  # read again after each step: a record read is a copy
     assert a.token_ids == [1, 2, 3, 4, 5, 6] and a.block_ids == [1, 2], (
         f"new request a: want tokens [1..6], blocks [1, 2], got {a.token_ids}, {a.block_ids}: "
         "give each scheduled_new_reqs entry self._new_request_state(new)")
@@ -166,15 +196,18 @@ def test_update_states_tracks_new_cached_resumed_and_finished_requests():
         f"new request a: num_computed_tokens is the scheduler's 0, got {a.num_computed_tokens}")
 
     runner._update_states(sched_output(cached=cached_reqs(("a", False, [3], 6))))
+    a = runner.requests["a"]
     assert a.block_ids == [1, 2, 3], "new block ids of a running request are appended"
     assert a.num_computed_tokens == 6, "take num_computed_tokens from the scheduler each step"
 
     runner._update_states(sched_output(cached=cached_reqs(("a", False, None, 7))))
+    a = runner.requests["a"]
     assert a.block_ids == [1, 2, 3] and a.num_computed_tokens == 7, (
         "new_block_ids None means no new block: want blocks [1, 2, 3], computed 7, got "
         f"{a.block_ids}, {a.num_computed_tokens}")
 
     runner._update_states(sched_output(cached=cached_reqs(("a", True, [9, 8], 0))))
+    a = runner.requests["a"]
     assert a.block_ids == [9, 8], "a request resumed after preemption gets a new table"
     assert a.num_computed_tokens == 0, (
         "a resumed request takes the scheduler's num_computed_tokens (0), got "
@@ -195,7 +228,7 @@ def test_update_states_edge_cases():
     assert runner.requests["a"].num_computed_tokens == 8, (
         "a new request starts at its prefix-cache hit: num_computed_tokens 8, got "
         f"{runner.requests['a'].num_computed_tokens}: take it from the NewRequestData")
-    runner.requests["b"].token_ids.append(33)
+    append_token(runner, "b", 33)
     runner._update_states(sched_output(
         cached=cached_reqs(("b", True, None, 0), ("a", False, [5], 9)), finished=["ghost"],
     ))
@@ -222,7 +255,7 @@ def test_update_states_edge_cases():
 def test_prepare_inputs_orders_decodes_first_and_slices_each_request():
     runner = make_runner()
     runner._update_states(sched_output(new=[new_req("a", [10, 11, 12, 13, 14, 15], [1, 2])]))
-    runner.requests["a"].token_ids.append(16)  # "a" has sampled one token: now it decodes
+    append_token(runner, "a", 16)  # "a" has sampled one token: now it decodes
     runner._update_states(sched_output(
         new=[new_req("b", [20, 21, 22, 23, 24], [5, 6])],
         cached=cached_reqs(("a", False, None, 6)),
@@ -273,7 +306,7 @@ def test_batch_order_is_kept_from_the_previous_step_then_made_decodes_first():
         new_req("a", [1, 2, 3, 4], [1, 2]), new_req("c", [5, 6, 7, 8, 9, 10], [3, 4]),
         new_req("x", [11], [5]),
     ]))
-    runner.requests["a"].token_ids.append(40)  # "a" decodes position 4
+    append_token(runner, "a", 40)  # "a" decodes position 4
     runner.batch_req_ids = ["c", "x", "a"]
     new = [new_req("d", [12, 13], [6]), new_req("b", [14], [7])]
     cached = cached_reqs(("a", False, None, 4), ("c", False, None, 3))
@@ -428,7 +461,7 @@ def test_min_tokens_bans_the_stop_tokens_while_it_holds():
     assert runner.requests["r"].token_ids == [9, second], (
         f"the sampled token is appended to the record: want [9, {second}], got "
         f"{runner.requests['r'].token_ids}")
-    runner.requests["r"].token_ids.append(second)  # 2 output tokens: min_tokens is reached
+    append_token(runner, "r", second)  # 2 output tokens: min_tokens is reached
     meta = lab.build_attention_metadata(["r"], {"r": 1}, {"r": 2}, {"r": [1]}, 4)
     assert runner._sample(hidden, meta) == [[best]], (
         f"min_tokens reached: stop token {best} is allowed again, want [[{best}]]: ban "
@@ -450,7 +483,7 @@ CONFIGS = {
 def test_your_runner_with_the_reference_loop_equals_full_recomputation(name):
     """The engine loop written out (schedule, your execute_model, update): greedy output equals
     a plain recomputation with no cache, in every configuration."""
-    params = lab.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     scheduler, runner, outputs = run_by_hand(prompts(), params, **CONFIGS[name])
     for i, (got, p) in enumerate(zip(outputs, prompts())):
         want = reference(tuple(p))
@@ -570,8 +603,7 @@ def test_greedy_generation_equals_full_recomputation(name):
 
 def test_finished_requests_leave_the_runner():
     params = lab.SamplingParams(temperature=0.0, max_tokens=3)
-    engine = lab.EngineCore(tiny_model(), lab.SchedulerConfig(block_size=4, num_gpu_blocks=32),
-                            eos_token_id=None)
+    engine = new_engine(block_size=4, num_gpu_blocks=32)
     first = engine.make_request("first", prompts()[0], params)
     engine.add_request(first)
     step_until_done(engine)
@@ -587,8 +619,7 @@ def test_finished_requests_leave_the_runner():
 
 
 def test_step_without_requests_does_nothing():
-    engine = lab.EngineCore(tiny_model(), lab.SchedulerConfig(block_size=4, num_gpu_blocks=8),
-                            eos_token_id=None)
+    engine = new_engine(block_size=4, num_gpu_blocks=8)
     assert engine.step() == [], (
         "step() with no unfinished request must return [] and do nothing else")
     assert engine.scheduler.stats.num_steps == 0, (
@@ -603,8 +634,7 @@ def test_step_returns_the_news_and_records_the_statistics():
     """One step per call: it returns update_from_output's outputs (the new tokens, and which
     requests finished), and the engine's counters follow (prefix-cache hits, peak blocks)."""
     params = lab.SamplingParams(temperature=0.0, max_tokens=2)
-    engine = lab.EngineCore(tiny_model(), lab.SchedulerConfig(block_size=4, num_gpu_blocks=32),
-                            eos_token_id=None)
+    engine = new_engine(block_size=4, num_gpu_blocks=32)
     p = prompts()[2]
     engine.add_request(engine.make_request("a", p, params))
     want = reference(tuple(p), 2)

@@ -2,23 +2,32 @@
 and the server-sent events of a streamed completion.
 
 Tasks 1 and 3 are tested without a model or a server (a byte tokenizer; hand-made outputs), task
-2 on the shipped tiny model in this process, and the three together in a real uvicorn server
-driven by the official ``openai`` client (``course/labs/serving.py``, over a Unix socket so that
-it also runs where the network is cut off).
+2 on the shipped tiny model, and the three together in a real uvicorn server driven by the
+official ``openai`` client (``course/labs/serving.py``, over a Unix socket so that it also runs
+where the network is cut off).
+
+Where the lab's code runs in a process of its own (course/labs/student_process.py), what must
+live beside it runs there: the async streams (an async generator does not cross), the engine
+(its weights are the reference's, loaded in this process before that one forks) and the server.
+What they return is data, checked here against what this process computes itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from unittest import mock
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from course.labs.loader import load_lab
-from course.labs.serving import CountingTokenizer, ServerThread, wait_idle
-from mini_vllm.llm import LLM
+from course.labs.serving import CountingTokenizer, ServerThread, openai_client, wait_idle
+from course.labs.student_process import beside_the_student
+from mini_vllm.llm import LLM, CompletionOutput, RequestOutput
+from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.tokenizer import ByteTokenizer
 
 lab = load_lab(__file__)
@@ -76,17 +85,28 @@ def test_any_text_streams_back_whole(text, chunk):
         f"a piece of {text!r} holds half a character: {pieces!r}")
 
 
+@beside_the_student
+def _add_tokens(detok, ids):
+    detok.token_ids.extend(ids)
+
+
+def add_tokens(detok, ids):
+    """Append ``ids`` to the detokenizer's own ``token_ids`` (a list read from the lab's objects
+    is a copy), as the engine's update does before it decodes."""
+    _add_tokens(detok, list(ids), beside=lab)
+
+
 def test_an_incomplete_character_is_held_and_the_window_stays():
     detok = lab.IncrementalDetokenizer(TOK, lab.SamplingParams(temperature=0.0))
     smile = TOK.encode("🙂")  # four bytes, four tokens
-    detok.token_ids.extend(TOK.encode("ab"))
+    add_tokens(detok, TOK.encode("ab"))
     assert detok.decode_next() == "ab", (
         "decode_next with the new tokens of 'ab' (two whole characters) must return 'ab'")
     assert (detok.prefix_offset, detok.read_offset) == (0, 2), (
         f"after 'ab' the window is ({detok.prefix_offset}, {detok.read_offset}): prefix_offset "
         "takes the old read_offset (0) and read_offset the number of tokens (2)")
     for i, byte in enumerate(smile[:-1]):
-        detok.token_ids.append(byte)
+        add_tokens(detok, [byte])
         got = detok.decode_next()
         assert got == "", (
             f"after {i + 1} of the 4 bytes of 🙂 decode_next returned {got!r}: it must return "
@@ -94,7 +114,7 @@ def test_an_incomplete_character_is_held_and_the_window_stays():
         assert (detok.prefix_offset, detok.read_offset) == (0, 2), (
             "decode_next moved the window while the character was incomplete: it must keep "
             "the bytes unread so that the next call decodes them with the rest")
-    detok.token_ids.append(smile[-1])
+    add_tokens(detok, smile[-1:])
     assert detok.decode_next() == "🙂", (
         "the 4th byte completes 🙂: decode_next must now return the whole character, decoding "
         "the held bytes with it")
@@ -139,17 +159,29 @@ def test_stop_string_cuts_the_stream_and_is_never_shown():
 # ---------------------------------------------------------------------------- task 2
 
 
+@functools.cache
+def reference_llm() -> LLM:
+    return LLM(max_model_len=MAX_MODEL_LEN)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return LLM(max_model_len=MAX_MODEL_LEN)
+    return reference_llm()
+
+
+@beside_the_student
+def _new_engine(model_name=None):
+    """A ``lab.AsyncLLM`` on the reference's weights, made where the lab's code runs (a fork of
+    this process: the weights loaded once for the module are there already)."""
+    kwargs = {} if model_name is None else {"model_name": model_name}
+    return lab.AsyncLLM(LLM(reference_llm().model, max_model_len=MAX_MODEL_LEN), **kwargs)
 
 
 @pytest.fixture
 def engine(reference):
-    """A fresh AsyncLLM of the lab for each test, on the reference's weights (loaded once for
-    the module: loading is the slow part), so that what one test leaves in an engine never fails
-    the next. Each test runs its own event loop; the engine's loop follows it."""
-    eng = lab.AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN))
+    """A fresh AsyncLLM of the lab for each test, so that what one test leaves in an engine
+    never fails the next. Each stream runs its own event loop; the engine's loop follows it."""
+    eng = _new_engine(beside=lab)
     yield eng
     eng.shutdown()
 
@@ -163,6 +195,23 @@ async def collect(engine, prompt, params, request_id=None):
     return [out async for out in engine.generate(prompt, params, request_id)]
 
 
+@beside_the_student
+def _stream(engine, prompt, params, request_id, record_aborts):
+    aborted = []
+    if record_aborts:
+        engine.abort = aborted.append  # what generate aborts is recorded, not aborted
+    outs = run(collect(engine, prompt, params, request_id))
+    return outs, aborted
+
+
+def stream(engine, prompt, params, request_id=None, *, record_aborts=False):
+    """Every delta of one request from the engine's ``generate``, in order; with
+    ``record_aborts`` also the ids ``generate`` passed to ``engine.abort``, which then aborts
+    nothing."""
+    outs, aborted = _stream(engine, prompt, params, request_id, record_aborts, beside=lab)
+    return (outs, aborted) if record_aborts else outs
+
+
 def steps(engine) -> int:
     return engine.engine_core.scheduler.stats.num_steps
 
@@ -173,8 +222,8 @@ def steps(engine) -> int:
     dict(temperature=0.8, seed=7, n=2, max_tokens=12),
 ], ids=["greedy", "seeded-n2"])
 def test_stream_equals_generate_token_for_token(engine, reference, params):
-    sp = lab.SamplingParams(**params)
-    outs = run(collect(engine, "HAMLET.\n", sp))
+    sp = SamplingParams(**params)
+    outs = stream(engine, "HAMLET.\n", sp)
     want = reference.generate("HAMLET.\n", sp, use_tqdm=False)[0].outputs
     assert outs and outs[-1].finished, (
         "the stream ended without an output with finished=True: generate must yield until the "
@@ -205,6 +254,8 @@ async def _read_then_close(engine, params, k):
 
 
 async def _read_then_cancel(engine, params, k):
+    """What came of cancelling the consumer's task after its k-th output: "cancelled" (its
+    await raised CancelledError), "finished early" or "not cancelled"."""
     got = asyncio.Event()
 
     async def consume():
@@ -219,27 +270,42 @@ async def _read_then_cancel(engine, params, k):
     await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if task.done():
-        task.result()  # the stream ended or failed before its third output: say why
-        pytest.fail("the request finished before its consumer went away: max_tokens too small")
+        task.result()  # the stream ended or failed before its k-th output: say why
+        return "finished early"
     task.cancel()  # what a client disconnect does to the request's task
-    with pytest.raises(asyncio.CancelledError):
+    try:
         await task
+    except asyncio.CancelledError:
+        return "cancelled"
+    return "not cancelled"
+
+
+@beside_the_student
+def _go_away(engine, params, k, how):
+    if how == "close":
+        return run(_read_then_close(engine, params, k))
+    return run(_read_then_cancel(engine, params, k))
 
 
 @pytest.mark.points(2)
 @pytest.mark.parametrize("how", ["close", "cancel"])
 def test_a_consumer_that_goes_away_aborts_the_request_and_frees_its_blocks(engine, how):
     longest = MAX_MODEL_LEN - 16
-    params = lab.SamplingParams(temperature=0.0, max_tokens=longest, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=longest, ignore_eos=True)
     before = steps(engine)
     if how == "close":
-        outs = run(_read_then_close(engine, params, 3))
+        outs = _go_away(engine, params, 3, how, beside=lab)
         finished = [getattr(o, "finished", None) for o in outs]
         assert finished == [False] * 3, (
             f"the stream gave {len(outs)} outputs (finished: {finished}) before its consumer "
             f"closed it; want 3 unfinished outputs of a {longest}-token request")
     else:
-        run(_read_then_cancel(engine, params, 3))
+        what = _go_away(engine, params, 3, how, beside=lab)
+        assert what != "finished early", (
+            "the request finished before its consumer went away: max_tokens too small")
+        assert what == "cancelled", (
+            "the consumer's task was cancelled, but awaiting it did not raise CancelledError: "
+            "generate must let the cancellation through (abort, then re-raise)")
     held = wait_idle(engine, IDLE_TIMEOUT)
     assert held is None, f"{held}: generate must call self.abort(request_id) on its way out"
     assert steps(engine) - before < longest, (
@@ -247,11 +313,9 @@ def test_a_consumer_that_goes_away_aborts_the_request_and_frees_its_blocks(engin
         "abort it")
 
 
-def test_a_finished_request_is_not_aborted(engine, monkeypatch):
-    aborted = []
-    monkeypatch.setattr(engine, "abort", aborted.append)
-    outs = run(collect(engine, "HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=4),
-                       request_id="done-1"))
+def test_a_finished_request_is_not_aborted(engine):
+    outs, aborted = stream(engine, "HAMLET.\n", SamplingParams(temperature=0.0, max_tokens=4),
+                           request_id="done-1", record_aborts=True)
     assert outs and getattr(outs[-1], "finished", False), (
         f"the stream of a 4-token request gave {len(outs)} outputs and none finished: "
         "generate must yield until the finished output")
@@ -263,7 +327,7 @@ def test_a_finished_request_is_not_aborted(engine, monkeypatch):
 def test_bad_input_raises_and_queues_nothing(engine):
     too_long = "x" * (MAX_MODEL_LEN + 4)
     with pytest.raises(ValueError):
-        run(collect(engine, too_long, lab.SamplingParams(max_tokens=4)))
+        stream(engine, too_long, SamplingParams(max_tokens=4))
     held = wait_idle(engine, IDLE_TIMEOUT)
     assert held is None, f"{held}: a refused request must leave nothing in the engine"
 
@@ -272,8 +336,8 @@ def test_bad_input_raises_and_queues_nothing(engine):
 
 
 def delta(index, text, ids, finish=None, prompt_ids=(1, 2, 3), stop_reason=None):
-    comp = lab.CompletionOutput(index, text, list(ids), finish, stop_reason)
-    return lab.RequestOutput("r", None, list(prompt_ids), [comp], finished=finish is not None)
+    comp = CompletionOutput(index, text, list(ids), finish, stop_reason)
+    return RequestOutput("r", None, list(prompt_ids), [comp], finished=finish is not None)
 
 
 async def replay(outputs, error=None):
@@ -281,11 +345,11 @@ async def replay(outputs, error=None):
         await asyncio.sleep(0)
         yield out
     if error is not None:
-        raise error
+        raise RuntimeError(error)
 
 
-def sse(outputs, error=None, **request):
-    """The events the lab's stream generator makes for ``outputs`` (then ``error``)."""
+@beside_the_student
+def _sse(outputs, error, request):
     serving = lab.OpenAIServingCompletion(None, "tiny")
     req = lab.CompletionRequest(prompt="x", stream=True, **request)
 
@@ -294,6 +358,12 @@ def sse(outputs, error=None, **request):
         return [event async for event in gen]
 
     return run(go())
+
+
+def sse(outputs, error=None, **request):
+    """The events the lab's stream generator makes for ``outputs`` (then, with ``error``, a
+    RuntimeError of that message)."""
+    return _sse(outputs, error, request, beside=lab)
 
 
 def payloads(events):
@@ -364,9 +434,9 @@ def test_choices_usage_and_token_ids():
 def test_a_held_back_completion_does_not_hold_back_the_others():
     """One delta may carry several completions (n > 1): one with nothing to say yet is skipped,
     the next one still gets its chunk."""
-    held = lab.CompletionOutput(0, "", [240], None, None)  # half a character: nothing to show
-    ready = lab.CompletionOutput(1, "b", [98], None, None)
-    both = lab.RequestOutput("r", None, [1, 2, 3], [held, ready], finished=False)
+    held = CompletionOutput(0, "", [240], None, None)  # half a character: nothing to show
+    ready = CompletionOutput(1, "b", [98], None, None)
+    both = RequestOutput("r", None, [1, 2, 3], [held, ready], finished=False)
     chunks = payloads(sse([both]))
     assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == [(1, "b")], (
         f"chunks {chunks}: completion 0 held its text back, completion 1 had 'b' to send; skip "
@@ -374,31 +444,60 @@ def test_a_held_back_completion_does_not_hold_back_the_others():
 
 
 def test_an_engine_failure_mid_stream_is_an_error_event_then_done():
-    chunks = payloads(sse([delta(0, "ab", [97, 98])], error=RuntimeError("boom")))
+    chunks = payloads(sse([delta(0, "ab", [97, 98])], error="boom"))
     assert len(chunks) == 2 and "error" in chunks[1] and "boom" in chunks[1]["error"]["message"], (
         f"events {chunks}: an exception from the outputs is sent as engine_error_event(exc), "
         "then [DONE]")
 
 
-@pytest.mark.points(3)
-def test_the_real_server_streams_generate_s_tokens_and_frees_a_dropped_stream(reference,
-                                                                             monkeypatch):
-    # The server with this lab's three pieces in place of the reference's.
-    monkeypatch.setattr("mini_vllm.output_processor.IncrementalDetokenizer",
-                        lab.IncrementalDetokenizer)
-    monkeypatch.setattr("mini_vllm.entrypoints.openai.api_server.OpenAIServingCompletion",
-                        lab.OpenAIServingCompletion)
+_SERVERS: list = []  # (server, patches) started by _start_server, in its process
+
+
+@beside_the_student
+def _start_server():
+    """The real server with this lab's three pieces in place of the reference's, on a fresh
+    engine, where the lab's code runs: its Unix socket and its engine."""
+    patches = [
+        mock.patch("mini_vllm.output_processor.IncrementalDetokenizer",
+                   lab.IncrementalDetokenizer),
+        mock.patch("mini_vllm.entrypoints.openai.api_server.OpenAIServingCompletion",
+                   lab.OpenAIServingCompletion),
+    ]
+    for patch in patches:
+        patch.start()
+    _SERVERS.append((None, patches))
     from mini_vllm.entrypoints.openai.api_server import build_app
 
-    eng = lab.AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN), model_name="tiny")
-    # Each piece once in this process first: an unwritten task says so here, not as a 500.
-    stream_text(TOK.encode("ok"))
-    run(collect(eng, "HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=1)))
-    sse([delta(0, "ok", [111, 107], finish="stop")])
+    eng = _new_engine(model_name="tiny")
     server = ServerThread(build_app(eng), uds=True).start()
+    _SERVERS[-1] = (server, patches)
+    return server.uds, eng
+
+
+@beside_the_student
+def _stop_servers():
+    while _SERVERS:
+        server, patches = _SERVERS.pop()
+        if server is not None:
+            server.stop()
+        for patch in reversed(patches):
+            patch.stop()
+
+
+@pytest.mark.points(3)
+def test_the_real_server_streams_generate_s_tokens_and_frees_a_dropped_stream(reference):
+    # Each piece once first: an unwritten task says so here, not as a 500.
+    stream_text(TOK.encode("ok"))
+    probe = _new_engine(beside=lab)
     try:
-        client = server.client(timeout=60)
-        want = reference.generate("HAMLET.\n", lab.SamplingParams(temperature=0.0, max_tokens=24),
+        stream(probe, "HAMLET.\n", SamplingParams(temperature=0.0, max_tokens=1))
+    finally:
+        probe.shutdown()
+    sse([delta(0, "ok", [111, 107], finish="stop")])
+    try:
+        uds, eng = _start_server(beside=lab)
+        client = openai_client(uds, timeout=60)
+        want = reference.generate("HAMLET.\n", SamplingParams(temperature=0.0, max_tokens=24),
                                   use_tqdm=False)[0].outputs[0]
         text, ids = "", []
         for chunk in client.completions.create(model="tiny", prompt="HAMLET.\n", max_tokens=24,
@@ -412,11 +511,11 @@ def test_the_real_server_streams_generate_s_tokens_and_frees_a_dropped_stream(re
         longest = MAX_MODEL_LEN - 16
         with client.completions.create(model="tiny", prompt="ROMEO.\n", max_tokens=longest,
                                        temperature=0.0, stream=True,
-                                       extra_body={"ignore_eos": True}) as stream:
-            for i, _ in enumerate(stream):
+                                       extra_body={"ignore_eos": True}) as events:
+            for i, _ in enumerate(events):
                 if i == 3:
                     break
         held = wait_idle(eng, IDLE_TIMEOUT)
         assert held is None, f"{held}: a client that hangs up must leave no block behind"
     finally:
-        server.stop()
+        _stop_servers(beside=lab)
