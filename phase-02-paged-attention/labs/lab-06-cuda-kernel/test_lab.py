@@ -42,6 +42,7 @@ import torch
 
 from course.labs.loader import load_lab
 from course.labs.numerics import assert_close
+from course.labs.student_process import beside_the_student
 from mini_vllm.csrc import resolve_backend
 
 lab = load_lab(__file__)
@@ -223,35 +224,59 @@ def run_kernel(version: str, b: dict, fn=None, backend: str = KERNEL_BACKEND) ->
     return out
 
 
+def kernel_source_paths() -> list[Path]:
+    """The CUDA sources the implementation says it is built from (its ``kernel_sources()``)."""
+    return [Path(p) for p in _kernel_source_paths(beside=lab)]
+
+
+@beside_the_student
+def _kernel_source_paths() -> list[str]:
+    return [str(p) for p in lab.kernel_sources()]
+
+
 # ------------------------------------------------------------------------------------------
 # CPU: imports, sources, input checks
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.starter_ok
-def test_importing_the_implementation_builds_nothing(monkeypatch):
+@beside_the_student
+def _import_without_building() -> dict:
+    """Import the implementation afresh with every build function refusing (an AssertionError
+    that names the build); the type of each launcher it then defines, by name, and whether it
+    can be called. Where the lab's code runs: importing it runs it."""
     import mini_vllm.csrc as csrc
 
     def refuse(*args, **kwargs):
         raise AssertionError("the implementation built an extension while being imported")
 
-    monkeypatch.setattr(csrc, "build_extension", refuse)
-    monkeypatch.setattr(csrc, "load_ops", refuse)
-    monkeypatch.setattr(csrc, "emulation_build", refuse)
-    spec = importlib.util.spec_from_file_location("lab_02_06_import_probe", lab.source_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # must not call build_extension / load_ops
-    assert callable(module.paged_attention_v1) and callable(module.paged_attention_v2), (
+    names = ("build_extension", "load_ops", "emulation_build")
+    saved = {name: getattr(csrc, name) for name in names}
+    try:
+        for name in names:
+            setattr(csrc, name, refuse)
+        spec = importlib.util.spec_from_file_location("lab_02_06_import_probe", lab.source_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # must not call build_extension / load_ops
+    finally:
+        for name, function in saved.items():
+            setattr(csrc, name, function)
+    found = {v: getattr(module, f"paged_attention_{v}", None) for v in ("v1", "v2")}
+    return {v: (type(f).__name__, callable(f)) for v, f in found.items()}
+
+
+@pytest.mark.starter_ok
+def test_importing_the_implementation_builds_nothing():
+    found = _import_without_building(beside=lab)
+    assert found["v1"][1] and found["v2"][1], (
         f"{Path(lab.source_path).name} must define paged_attention_v1 and paged_attention_v2 "
-        f"(found v1: {type(getattr(module, 'paged_attention_v1', None)).__name__}, v2: "
-        f"{type(getattr(module, 'paged_attention_v2', None)).__name__})")
+        f"(found v1: {found['v1'][0]}, v2: {found['v2'][0]})")
 
 
 @pytest.mark.starter_ok
 def test_the_implementation_calls_no_pytorch_attention():
     forbidden = ("scaled_dot_product_attention", "flex_attention", "mini_vllm.attention",
                  "torch.softmax", "F.softmax", ".softmax(")
-    for path in [lab.source_path, *lab.kernel_sources()]:
+    for path in [lab.source_path, *kernel_source_paths()]:
         text = Path(path).read_text(encoding="utf-8")
         for word in forbidden:
             assert word not in text, (
@@ -449,7 +474,7 @@ def _compile_to_ptx(path: str) -> tuple[int, str, str]:
 
 
 def compiled_sources() -> dict[str, tuple[int, str, str]]:
-    paths = [str(p) for p in lab.kernel_sources()]
+    paths = [str(p) for p in kernel_source_paths()]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_compile_to_ptx, paths))
     return dict(zip(paths, results))
@@ -1347,15 +1372,11 @@ def test_no_out_of_bounds_or_misaligned_access(version):
                  msg=f"{version} under AddressSanitizer")
 
 
-@pytest.mark.asan
-@pytest.mark.emulation
-@pytest.mark.parametrize("version", ["v1", "v2"])
-def test_a_block_pool_of_more_than_two_billion_elements(version):
-    """Element offsets into the cache exceed 2^31: an int32 offset overflows (UBSan reports the
-    signed overflow). The pool's memory is mapped, not allocated: only the blocks written cost."""
+def huge_pool_batch() -> dict:
+    """A decode batch whose cache holds more than 2^31 elements, its sequences in the last
+    blocks. The pool's memory is mapped, not allocated: only the blocks written cost."""
     from mini_vllm.csrc.emulation import shared_empty
 
-    require(ASAN)
     head_size, block_size, nkv = 128, 16, 1
     per_block = nkv * head_size * block_size  # elements
     num_blocks = 2**31 // per_block + 64  # the last 64 blocks lie past element 2^31
@@ -1371,13 +1392,31 @@ def test_a_block_pool_of_more_than_two_billion_elements(version):
     for blk in top[:22]:
         key_cache[blk] = torch.randn(nkv, head_size // x, block_size, x, generator=gen).half()
         value_cache[blk] = torch.randn(nkv, head_size, block_size, generator=gen).half()
-    b = dict(query=torch.randn(2, 4, head_size, generator=gen).half(), key_cache=key_cache,
-             value_cache=value_cache, poisoned_k=key_cache, poisoned_v=value_cache,
-             num_kv_heads=nkv, scale=head_size**-0.5, block_tables=table,
-             seq_lens=torch.tensor(lens, dtype=torch.int32), block_size=block_size,
-             max_seq_len=max(lens), alibi_slopes=None)
-    assert_close(run_kernel(version, b, backend=ASAN), expected_output(b),
-                 msg=f"{version} with a block pool of {num_blocks * per_block} elements")
+    return dict(query=torch.randn(2, 4, head_size, generator=gen).half(), key_cache=key_cache,
+                value_cache=value_cache, poisoned_k=key_cache, poisoned_v=value_cache,
+                num_kv_heads=nkv, scale=head_size**-0.5, block_tables=table,
+                seq_lens=torch.tensor(lens, dtype=torch.int32), block_size=block_size,
+                max_seq_len=max(lens), alibi_slopes=None)
+
+
+@beside_the_student
+def _run_on_a_huge_pool(version: str) -> torch.Tensor:
+    """`version`'s output on huge_pool_batch(), made where the lab's code runs: a pool that
+    crossed would cross as its 4 GiB of bytes."""
+    return run_kernel(version, huge_pool_batch(), backend=ASAN)
+
+
+@pytest.mark.asan
+@pytest.mark.emulation
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_block_pool_of_more_than_two_billion_elements(version):
+    """Element offsets into the cache exceed 2^31: an int32 offset overflows (UBSan reports the
+    signed overflow)."""
+    require(ASAN)
+    b = huge_pool_batch()
+    num_elements = b["key_cache"].numel()
+    assert_close(_run_on_a_huge_pool(version, beside=lab), expected_output(b),
+                 msg=f"{version} with a block pool of {num_elements} elements")
 
 
 @pytest.mark.starter_ok
