@@ -16,7 +16,7 @@ prints, and writes every count with the command that made it:
 
 Exit status 1 when a report is longer than the limit. SLOW labs are left out of a run that names
 no lab (named on the command line, they run, and the record keeps them): the CUDA lab (02-06),
-each of whose bugs rebuilds the emulated kernels (1 to 3 minutes a bug, about 40 in all).
+each of whose bugs rebuilds the emulated kernels (1 to 3 minutes a bug, 40 to 50 in all).
 """
 
 from __future__ import annotations

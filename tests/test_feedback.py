@@ -662,7 +662,7 @@ def test_a_first_failure_whose_report_runs_long_is_rendered_again_in_short_style
 
 def test_one_planted_mistake_prints_at_most_120_lines_in_every_lab():
     """benchmarks/results/report_lengths.json (scripts/report_lengths.py, minutes a lab; the
-    CUDA lab's, run by name, about 40) holds the lines a student's test command prints for each
+    CUDA lab's, run by name, 40 to 50) holds the lines a student's test command prints for each
     planted bug of every lab; every bug is there and none passes the limit."""
     import json
 

@@ -2,9 +2,10 @@
 
 Shared by ``tests/test_serve.py`` (the reference server) and lab 03-05's graded tests (the
 student's pieces in the same server); :class:`CountingTokenizer` serves the detokenizer's tests
-there and in ``tests/test_serve_detokenizer.py``. The server runs in the process that holds its
-engine (the test's; for lab 03-05 behind the student channel, the student's), so that the engine's
-block pool can be read directly. It listens on a TCP port on 127.0.0.1 or,
+there and in ``tests/test_serve_detokenizer.py``. The server runs in a thread of the process
+that holds its engine: the test's, or for lab 03-05 the student's process
+(course/labs/student_process.py), where the test then reads the engine's block pool through
+handles. It listens on a TCP port on 127.0.0.1 or,
 where the network is cut off (the grader's sandbox has no loopback interface), on a Unix socket;
 either way the official ``openai`` client talks real HTTP to it.
 """
@@ -77,7 +78,7 @@ class ServerThread:
 
     def http_client(self, timeout: float = 60.0) -> Any:
         """An ``httpx.Client`` that reaches this server (over its Unix socket when it has one)."""
-        return http_client(self.base, self.uds, timeout)
+        return http_client(self.uds, self.base, timeout)
 
     def client(self, timeout: float = 60.0) -> Any:
         """The official ``openai`` client for this server (no retries: a test sees every error)."""
@@ -92,8 +93,9 @@ class ServerThread:
             self._tmp.cleanup()
 
 
-def http_client(base: str, uds: str | None, timeout: float = 60.0) -> Any:
-    """An ``httpx.Client`` for the server at ``base``, over the Unix socket ``uds`` if given."""
+def http_client(uds: str | None, base: str = UDS_BASE, timeout: float = 60.0) -> Any:
+    """An ``httpx.Client`` for the server on the Unix socket ``uds`` (or at ``base`` when
+    ``uds`` is None)."""
     import httpx
 
     transport = httpx.HTTPTransport(uds=uds) if uds else None
@@ -107,7 +109,7 @@ def openai_client(uds: str | None, base: str = UDS_BASE, timeout: float = 60.0) 
     import openai
 
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
-                         timeout=timeout, http_client=http_client(base, uds, timeout))
+                         timeout=timeout, http_client=http_client(uds, base, timeout))
 
 
 def wait_idle(engine: Any, timeout: float = 20.0) -> str | None:

@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -249,17 +250,11 @@ def _import_without_building() -> dict:
     def refuse(*args, **kwargs):
         raise AssertionError("the implementation built an extension while being imported")
 
-    names = ("build_extension", "load_ops", "emulation_build")
-    saved = {name: getattr(csrc, name) for name in names}
-    try:
-        for name in names:
-            setattr(csrc, name, refuse)
+    with mock.patch.multiple(csrc, build_extension=refuse, load_ops=refuse,
+                             emulation_build=refuse):
         spec = importlib.util.spec_from_file_location("lab_02_06_import_probe", lab.source_path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)  # must not call build_extension / load_ops
-    finally:
-        for name, function in saved.items():
-            setattr(csrc, name, function)
     found = {v: getattr(module, f"paged_attention_{v}", None) for v in ("v1", "v2")}
     return {v: (type(f).__name__, callable(f)) for v, f in found.items()}
 

@@ -75,26 +75,31 @@ def step_until_done(engine, max_steps=2000):
     pytest.fail(f"the engine did not finish within {max_steps} steps; does step() progress?")
 
 
+# The lab's engines and runners are made where the lab's code runs, on the tiny model: the
+# model is the test's own object there too (that process is a fork of this one), where a model
+# handed across would be a handle whose every forward pass runs back here.
+
+
+@beside_the_student
+def _new_engine(config):
+    return lab.EngineCore(tiny_model(), lab.SchedulerConfig(**config), eos_token_id=None)
+
+
+@beside_the_student
+def _make_runner(kw):
+    return lab.ModelRunner(tiny_model(), **kw)
+
+
 def new_engine(**config):
     """A fresh ``lab.EngineCore`` on the tiny model, no EOS."""
-    return _built_beside_the_lab("EngineCore", config, beside=lab)
+    return _new_engine(config, beside=lab)
 
 
 def make_runner(**kw):
     """A fresh ``lab.ModelRunner`` on the tiny model (blocks of 4, 32 of them unless told)."""
     kw.setdefault("num_gpu_blocks", 32)
     kw.setdefault("block_size", 4)
-    return _built_beside_the_lab("ModelRunner", kw, beside=lab)
-
-
-@beside_the_student
-def _built_beside_the_lab(name, kw):
-    """``lab.<name>`` on the tiny model, made where the lab's code runs: the model is the test's
-    own object there too (that process is a fork of this one), where a model handed across
-    would be a handle whose every forward pass runs back here."""
-    if name == "EngineCore":
-        return lab.EngineCore(tiny_model(), lab.SchedulerConfig(**kw), eos_token_id=None)
-    return lab.ModelRunner(tiny_model(), **kw)
+    return _make_runner(kw, beside=lab)
 
 
 def run_engine(prompt_list, params, max_steps=2000, **config):

@@ -15,6 +15,7 @@ What they return is data, checked here against what this process computes itself
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 from unittest import mock
@@ -450,38 +451,33 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_done():
         "then [DONE]")
 
 
-_SERVERS: list = []  # (server, patches) started by _start_server, in its process
+_SERVERS: list[contextlib.ExitStack] = []  # what _start_server set up, in its process
 
 
 @beside_the_student
 def _start_server():
     """The real server with this lab's three pieces in place of the reference's, on a fresh
-    engine, where the lab's code runs: its Unix socket and its engine."""
-    patches = [
-        mock.patch("mini_vllm.output_processor.IncrementalDetokenizer",
-                   lab.IncrementalDetokenizer),
-        mock.patch("mini_vllm.entrypoints.openai.api_server.OpenAIServingCompletion",
-                   lab.OpenAIServingCompletion),
-    ]
-    for patch in patches:
-        patch.start()
-    _SERVERS.append((None, patches))
+    engine, where the lab's code runs: its Unix socket and its engine. _stop_servers undoes it
+    all, also what a start that failed half-way set up."""
+    running = contextlib.ExitStack()
+    _SERVERS.append(running)
+    running.enter_context(mock.patch("mini_vllm.output_processor.IncrementalDetokenizer",
+                                     lab.IncrementalDetokenizer))
+    running.enter_context(mock.patch(
+        "mini_vllm.entrypoints.openai.api_server.OpenAIServingCompletion",
+        lab.OpenAIServingCompletion))
     from mini_vllm.entrypoints.openai.api_server import build_app
 
     eng = _new_engine(model_name="tiny")
     server = ServerThread(build_app(eng), uds=True).start()
-    _SERVERS[-1] = (server, patches)
+    running.callback(server.stop)
     return server.uds, eng
 
 
 @beside_the_student
 def _stop_servers():
     while _SERVERS:
-        server, patches = _SERVERS.pop()
-        if server is not None:
-            server.stop()
-        for patch in reversed(patches):
-            patch.stop()
+        _SERVERS.pop().close()
 
 
 @pytest.mark.points(3)
