@@ -202,6 +202,33 @@ def mini_vllm_kernels() -> dict[str, KernelFactory]:
     }
 
 
+GQA_PARTITION_CHOICES = ("64", "128", "256", "512", "auto")
+
+
+def gqa_partitioned(gqa_op: Callable, size: str, num_sms: int) -> KernelFactory:
+    """The GQA-aware kernel (the raw op, no Python checks) with `size`-token partitions, or
+    "auto": the size ``ops.gqa_partition_size`` picks for the shape on `num_sms` SMs (what the
+    engine runs). Its partition buffers are its own, as wide as that size needs; the plain
+    ``mini_vllm_gqa`` row always uses 512, the width of v2's buffers."""
+    from mini_vllm.csrc.ops import gqa_num_partitions, gqa_partition_size
+
+    def make(b: Batch) -> Callable[[], None]:
+        s = b.shape
+        tokens = (gqa_partition_size(s.num_seqs, s.num_heads, s.num_kv_heads, s.context_len,
+                                     num_sms) if size == "auto" else int(size))
+        parts = gqa_num_partitions(s.context_len, tokens)
+        exp_sums = torch.empty(s.num_seqs, s.num_heads, parts, device=b.out.device)
+        tmp_out = torch.empty(s.num_seqs, s.num_heads, parts, s.head_size, dtype=b.out.dtype,
+                              device=b.out.device)
+        v2 = b.v2_args()
+        head = (b.out, exp_sums, torch.empty_like(exp_sums), tmp_out,
+                *v2[4: len(v2) - len(b.kv_args)])
+        args = (*head, tokens, *b.kv_args)
+        return lambda: gqa_op(*args)
+
+    return make
+
+
 def gathered_kv(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every sequence as contiguous [num_seqs, num_kv_heads, context, head_size]."""
     s = b.shape
@@ -562,6 +589,10 @@ def main(argv: list[str] | None = None,
     p.add_argument("--dtype", choices=sorted(DTYPES), default=Shape.dtype)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "both"], default="auto",
                    help="the cache: the model's dtype, fp8 (e4m3), or both rows for each shape")
+    p.add_argument("--gqa-partitions", nargs="+", default=[], choices=GQA_PARTITION_CHOICES,
+                   metavar="SIZE", help="also time the GQA-aware kernel with SIZE-token "
+                   "partitions (64, 128, 256, 512) or the size the engine picks (auto), each a "
+                   "row mini_vllm_gqa_pSIZE")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--roofline", metavar="JSON",
@@ -593,6 +624,13 @@ def main(argv: list[str] | None = None,
     if extra_kernels is not None:
         kernels.update(extra_kernels())
     kernels.update(mini_vllm_kernels())
+    if args.gqa_partitions:
+        from mini_vllm.csrc import load_ops
+
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        gqa_op = load_ops(backend="cuda").paged_attention_gqa
+        for size in args.gqa_partitions:
+            kernels[f"mini_vllm_gqa_p{size}"] = gqa_partitioned(gqa_op, size, sms)
     kernels.update(torch_kernels())
     results = bench(shapes, kernels, args.warmup, args.reps, set(args.kernels or ()))
     if args.json:

@@ -161,3 +161,18 @@ def test_without_a_gpu_nothing_is_captured_and_the_output_is_checked_again_after
                                torch.empty(1), 0, 1, {"copy": 50.0}, device="cpu",
                                timer=timer_that_loses_the_output)
     assert bad["status"].startswith("WRONG: sdpa_gathered after the timed runs"), bad
+
+
+@pytest.mark.emulation
+def test_the_gqa_kernel_with_its_own_partition_sizes_is_checked_like_any_row(bench):
+    """--gqa-partitions rows: each size gets buffers as wide as it needs and its output is
+    checked against the oracle (here through the CPU emulation); "auto" asks ops for the size."""
+    from mini_vllm.csrc import load_ops
+
+    gqa_op = load_ops(backend="emulation").paged_attention_gqa
+    shape = bench.Shape(**{**SHAPE, "context_len": 200, "num_heads": 8, "dtype": "fp16"})
+    kernels = {f"p{size}": bench.gqa_partitioned(gqa_op, size, num_sms=132)
+               for size in ("64", "auto")}
+    records = bench.bench_shape(shape, kernels, None, 1 << 16, torch.empty(1), 0, 1,
+                                {"copy": 50.0}, device="cpu", timer=fixed_timer)
+    assert [r["status"] for r in records] == ["ok", "ok"], records
