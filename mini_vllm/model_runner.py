@@ -448,6 +448,13 @@ class ModelRunnerBase:
         cuda_ops = _load_cuda_ops(self.device) if use_cuda_ops in (None, True) else None
         if use_cuda_ops and cuda_ops is None:
             raise RuntimeError("use_cuda_ops=True but the CUDA ops are not available here")
+        if cuda_ops is not None and cfg.head_dim not in cuda_ops.SUPPORTED_HEAD_SIZES:
+            if use_cuda_ops:
+                raise ValueError(
+                    f"use_cuda_ops=True but the kernels are compiled for head sizes "
+                    f"{cuda_ops.SUPPORTED_HEAD_SIZES}, not this model's {cfg.head_dim}; leave "
+                    "use_cuda_ops unset to run the PyTorch ops")
+            cuda_ops = None  # a head size with no compiled kernel: the PyTorch ops serve it
         self.attn_backend = PagedAttentionBackend(
             cfg.num_key_value_heads, cuda_ops, kv_cache_dtype, self.kv_caches, kv_scales
         )

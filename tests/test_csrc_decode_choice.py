@@ -227,6 +227,26 @@ def test_the_engine_with_the_kernels_generates_what_it_does_with_the_pytorch_ops
     assert calls and set(calls) <= {"v1", "v2", "gqa"}, calls
 
 
+def test_a_head_size_with_no_compiled_kernel_runs_the_pytorch_ops(monkeypatch):
+    """On a GPU the engine takes the kernels only for the head sizes they are built for: a
+    tiny model (head size 16) runs the PyTorch ops unless use_cuda_ops=True asks for the
+    kernels, which is an error naming the head size. (Seen on an H200: the engine raised.)"""
+    from mini_vllm import model_runner
+    from mini_vllm.llm import LLM
+    from mini_vllm.model import LlamaForCausalLM, ModelConfig
+
+    monkeypatch.setattr(model_runner, "_load_cuda_ops", lambda device: ops)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                      max_position_embeddings=64)
+    assert cfg.head_dim not in ops.SUPPORTED_HEAD_SIZES
+    model = LlamaForCausalLM(cfg).eval()
+    llm = LLM(model, block_size=16, num_gpu_blocks=8)
+    assert llm.engine.model_runner.attn_backend.cuda_ops is None
+    with pytest.raises(ValueError, match="not this model's 16"):
+        LLM(model, block_size=16, num_gpu_blocks=8, use_cuda_ops=True)
+
+
 def test_the_engine_backend_decodes_through_paged_decode():
     """PagedAttentionBackend (mini_vllm.model_runner) hands GPU decodes to ops.paged_decode."""
     import inspect

@@ -10,6 +10,7 @@ likely one: its entry must be there anyway, with its true rank.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -121,13 +122,19 @@ def test_fp8_cache_path(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
-def test_cuda_path(model):
-    gpu = LlamaForCausalLM(CFG)
-    gpu.load_state_dict(model.state_dict())
-    gpu = gpu.cuda().eval()
-    llm = LLM(gpu, device="cuda", block_size=16, num_gpu_blocks=64)
+def test_cuda_path():
+    """The compiled CUDA kernels' path: a model whose head size (64) they are built for, since
+    the engine runs the PyTorch ops for any other."""
+    torch.manual_seed(5)
+    cpu = LlamaForCausalLM(dataclasses.replace(CFG, hidden_size=256))
+    init_weights(cpu, seed=5, std=0.5)
+    cpu = cpu.eval().requires_grad_(False)
+    gpu = LlamaForCausalLM(cpu.config)
+    gpu.load_state_dict(cpu.state_dict())
+    llm = LLM(gpu.cuda().eval(), device="cuda", block_size=16, num_gpu_blocks=64,
+              use_cuda_ops=True)
     outputs = generate(llm, make_prompts())
-    check_against_no_cache_forward(model, outputs)
+    check_against_no_cache_forward(cpu, outputs)
 
 
 def private_copy(module, folder: Path):

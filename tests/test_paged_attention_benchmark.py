@@ -133,9 +133,12 @@ def test_the_naive_kernels_row_is_checked_and_an_fp8_cache_is_not_implemented(be
     """The naive kernel (lab 02-06's task 0) gets v1's arguments without the cache dtype; it
     reads no fp8 cache, so that row says "not implemented" instead of failing the sweep. Run
     here through the CPU emulation, so the row's output is checked against the oracle."""
+    from functools import partial
+
     from mini_vllm.csrc.ops import paged_attention_naive
 
-    kernels = {"naive": lambda b: bench.bound_call(paged_attention_naive, b.naive_args())}
+    naive = partial(paged_attention_naive, backend="emulation")  # also where a GPU is present
+    kernels = {"naive": lambda b: bench.bound_call(naive, b.naive_args())}
     for cache, status in (("auto", "ok"), ("fp8", "not implemented: the naive kernel reads")):
         shape = bench.Shape(**{**SHAPE, "kv_cache_dtype": cache})
         (record,) = bench.bench_shape(shape, kernels, None, 1 << 16, torch.empty(1), 0, 1,

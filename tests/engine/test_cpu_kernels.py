@@ -475,6 +475,7 @@ def test_quantized_weights_decode_through_the_kernels(monkeypatch, prompts, fmt=
     blocks quantized here (the tied head too, untied), fused q/k/v and gate/up stay fused, the
     embedding and the KV cache stay fp32; greedy tokens equal the no-cache reference of the same
     quantized model (prefill dequantizes, decode reads the blocks)."""
+    pytest.importorskip("gguf")  # quantizes the weights
     calls = counting(monkeypatch, cpu_kernels, "linear")
     model = make_tiny_model()
     llm = LLM(model, weight_dtype=fmt, block_size=16, num_gpu_blocks=64)
