@@ -66,6 +66,22 @@ def test_given_code_is_compared_by_syntax_tree_not_text():
     assert code_digest(one) != code_digest(change)
 
 
+def test_the_digest_is_the_same_on_every_python_the_course_runs_on():
+    """Python 3.12 parses fields 3.11 has not (``type_params``, empty when unused) and ends some
+    nested format specs with an empty string part: neither may change a digest, or every
+    published digest and record reads as changed on another Python (seen on an H200 machine's
+    3.12: `course check` called lab 02-06's agreement record out of date)."""
+    tree = ast.parse("def f(x, w):\n    return f'{x:<{w}}'\n")
+    before = code_digest(tree)
+    f = tree.body[0]
+    f.type_params = []  # what 3.12 adds
+    spec = f.body[0].value.values[0].format_spec
+    spec.values.append(ast.Constant(value=""))  # what 3.12.1 adds
+    assert code_digest(tree) == before
+    spec.values.append(ast.Constant(value="!"))
+    assert code_digest(tree) != before
+
+
 def test_an_old_03_01_starter_is_named_for_its_given_code_and_todays_is_not():
     new, record = lab_03_01()
     note = given_code_note("03-01", write_tasks(OLD_03_01, "03-01"))
