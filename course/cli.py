@@ -147,11 +147,12 @@ def roster_record(class_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def cmd_check(args) -> int:
-    from course.integrity import null_check
+    from course.integrity import bug_record, null_check
     from course.integrity.bugs import load_bugs, load_seen_by, write_seen_by
     from course.integrity.checks import (
         GRADING_EXPECTATIONS,
         GRADING_FIXTURE,
+        BugResult,
         CopySlots,
         _cuda_available,
         check_bug,
@@ -185,8 +186,23 @@ def cmd_check(args) -> int:
     variants = list(null_check.null_starters.VARIANTS)
     n_units = (len(labs) + sum(len(b) for b in bug_lists.values())
                + len(null_labs) * len(variants))
-    progress = Progress(n_units, "checking")
     bug_results: dict[str, list] = {lab.id: [None] * len(bug_lists[lab.id]) for lab in labs}
+    # Planted bugs: replay a lab's recorded verdicts while what decides them is unchanged.
+    verdicts = bug_record.load_record(REPO_ROOT)
+    digests = {lab.id: bug_record.lab_digest(lab) for lab in labs if bug_lists[lab.id]}
+    replayed = set()
+    if not (args.write_bug_record or args.write_seen_by):
+        for lab in labs:
+            recorded = bug_lists[lab.id] and bug_record.recorded_verdicts(
+                lab, bug_lists[lab.id], verdicts, digests[lab.id])
+            if recorded:
+                bug_results[lab.id] = [
+                    BugResult(bug, v["status"], v.get("detail", ""), v.get("seconds", 0.0),
+                              v.get("seen_by", ""))
+                    for bug, v in zip(bug_lists[lab.id], recorded)]
+                replayed.add(lab.id)
+    n_units -= sum(len(bug_lists[lab_id]) for lab_id in replayed)
+    progress = Progress(n_units, "checking")
     # Every lab's own runs and every planted bug are independent units of work: run them all
     # through one pool so that both cores stay busy.
     slots = CopySlots()  # the bugs' copies of the repository, and what their runs build
@@ -197,6 +213,8 @@ def cmd_check(args) -> int:
             for lab in labs:
                 futures[pool.submit(check_lab, lab, bugs_required=not args.no_bugs)] = (lab, None)
                 for i, bug in enumerate(bug_lists[lab.id]):
+                    if lab.id in replayed:
+                        continue
                     first = seen_by.get(lab.id, {}).get(bug.name, "")
                     futures[pool.submit(check_bug, lab, bug, has_cuda, slots=slots,
                                         first=first)] = (lab, i)
@@ -227,7 +245,21 @@ def cmd_check(args) -> int:
     finally:
         slots.close()
     progress.close()
-    exam_problems, exam_bugs = _check_engine_exam(args, labs)
+    exam_problems, exam_bugs = _check_engine_exam(args, labs, verdicts)
+    ran = [lab for lab in labs if bug_lists[lab.id] and lab.id not in replayed]
+    if args.write_bug_record:
+        if not args.labs:  # every lab was checked: drop the entries of labs that are gone
+            verdicts["labs"] = {k: v for k, v in verdicts.get("labs", {}).items()
+                                if k in {lab.id for lab in labs}}
+        verdicts.setdefault("labs", {}).update(
+            {lab.id: bug_record.lab_entry(digests[lab.id], bug_results[lab.id]) for lab in ran})
+        print(f"  wrote {bug_record.write_record(verdicts).relative_to(REPO_ROOT)}")
+    elif ran and not args.no_bugs:
+        print(f"  note: the planted bugs of {len(ran)} lab(s) ran: their inputs changed since "
+              f"planted_bugs/{bug_record.RECORD}; record them: {bug_record.WRITE_HINT}")
+    if replayed:
+        print(f"  planted-bug verdicts of {len(replayed)} lab(s) replayed from "
+              f"planted_bugs/{bug_record.RECORD} (nothing they depend on changed)")
     for lab in labs:
         c = checks[lab.id]
         c.bugs = bug_results[lab.id]
@@ -379,8 +411,11 @@ def _null_starter_results(args, labs: list[Lab], checks: dict, record: dict,
     return lines
 
 
-def _check_engine_exam(args, labs: list[Lab]):
-    """The engine exam part of `course check` (see course/integrity/exam_check.py)."""
+def _check_engine_exam(args, labs: list[Lab], verdicts: dict):
+    """The engine exam part of `course check` (see course/integrity/exam_check.py). The whole
+    exam (every engine lab, its bugs) is replayed from ``verdicts`` (bug_verdicts.json) while
+    what decides it is unchanged, and recorded there with --write-bug-record."""
+    from course.integrity import bug_record
     from course.integrity.exam_check import (
         CPU_LABS_EXCLUDED,
         EXAM_NOT_REJECTED,
@@ -388,6 +423,7 @@ def _check_engine_exam(args, labs: list[Lab]):
         compare_with_expected,
         exam_units,
         load_bug_list,
+        recorded_results,
         run_exam_checks,
         write_exam_lists,
     )
@@ -398,9 +434,21 @@ def _check_engine_exam(args, labs: list[Lab]):
     only = None if not args.labs else exam_labs
     bugs_of = [] if args.no_bugs else only
     every = args.write_exam_lists
-    progress = Progress(exam_units(bugs_of, every) if not args.no_bugs else 2, "engine exam")
-    problems, results = run_exam_checks(workers(args.jobs), bugs_of, progress, every)
-    progress.close()
+    whole = not args.labs and not args.no_bugs and not every  # the exam the record holds
+    digest = bug_record.exam_digest([lab for lab in labs if lab.engine_parts]) if whole else ""
+    entry = (bug_record.recorded_exam(verdicts, digest)
+             if whole and not args.write_bug_record else None)
+    if entry is not None:
+        problems, results = list(entry["problems"]), recorded_results(entry["results"])
+        print(f"  engine exam replayed from planted_bugs/{bug_record.RECORD} (nothing it "
+              "depends on changed)")
+    else:
+        progress = Progress(exam_units(bugs_of, every) if not args.no_bugs else 2,
+                            "engine exam")
+        problems, results = run_exam_checks(workers(args.jobs), bugs_of, progress, every)
+        progress.close()
+        if whole and args.write_bug_record:
+            verdicts["exam"] = bug_record.exam_entry(digest, problems, results)
     lost, notes = compare_with_expected(results, load_bug_list(EXAM_REJECTED),
                                         load_bug_list(EXAM_NOT_REJECTED))
     if every and not lost:
@@ -632,6 +680,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "`return None`, its first argument, a RuntimeError) and record the "
                         "outcome in planted_bugs/null_starters.json (rerun only when a lab's "
                         "starter.py, test_lab.py or the generator changes)")
+    p.add_argument("--write-bug-record", action="store_true",
+                   help="run every planted bug (and the engine exam over them) even where "
+                        "planted_bugs/bug_verdicts.json holds their verdicts for today's inputs, "
+                        "and record the verdicts there (rerun only when a lab, its bugs or the "
+                        "code its tests run changes)")
     p.add_argument(
         "--no-grading-path",
         action="store_true",

@@ -325,3 +325,26 @@ def test_the_worker_loads_a_file_of_no_package_by_its_path():
         assert runner.call(where, "stretch_started") is started
     finally:
         runner.close()
+
+
+def test_the_workers_replies_are_read_as_data_never_unpickled(tmp_path):
+    """The worker runs the student's code: a reply whose unpickling would run code (here, open a
+    file for writing) is refused unread, and an error of the student's own class comes back as a
+    RuntimeError naming it; builtin errors keep their class, and tensors and plain values pass."""
+    from mini_vllm.csrc.isolation import IsolatedRunner
+
+    marker = tmp_path / "written-by-unpickling"
+    runner = IsolatedRunner()
+    try:
+        data = runner.call("mini_vllm.csrc.isolation", "_probe", "data")
+        assert torch.equal(data["out"][0], torch.arange(3.0))
+        assert (data["n"], data["name"], data["pair"]) == (1, "v1", (0.5, None))
+        with pytest.raises(RuntimeError, match="not plain data .* refused unread"):
+            runner.call("mini_vllm.csrc.isolation", "_probe", "forged", str(marker))
+        assert not marker.exists()
+        with pytest.raises(RuntimeError) as caught:
+            runner.call("mini_vllm.csrc.isolation", "_probe", "foreign-error")
+        assert type(caught.value) is RuntimeError and str(caught.value) == "StudentsError: mine"
+        assert "worker traceback" in "".join(caught.value.__notes__)
+    finally:
+        runner.close()

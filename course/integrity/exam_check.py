@@ -117,6 +117,13 @@ def engine_bugs(lab_ids: list[str] | None = None) -> list[tuple[str, PlantedBug]
             and (lab_ids is None or lab.id in lab_ids) for bug in load_bugs(lab)]
 
 
+def recorded_results(entries: list[dict]) -> list[ExamBugResult]:
+    """ExamBugResults from their record (course/integrity/bug_record.py's exam entry)."""
+    bugs = {(lab_id, bug.name): bug for lab_id, bug in engine_bugs()}
+    return [ExamBugResult(e["lab"], bugs[(e["lab"], e["bug"])], e["status"], e.get("detail", ""),
+                          tuple(e.get("blamed", ())), e.get("case", "")) for e in entries]
+
+
 def bugs_to_run(lab_ids: list[str] | None = None,
                 every_bug: bool = False) -> list[tuple[str, PlantedBug]]:
     """The engine bugs this check runs: all of them with ``every_bug``, else all but those

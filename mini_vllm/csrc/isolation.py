@@ -11,6 +11,12 @@ same error. ``IsolatedRunner`` keeps the kernel calls in a worker process with i
   worker's context was discarded; the next call starts a fresh worker;
 * a worker that dies (a segmentation fault, ``os._exit``) raises ``KernelCrashed`` too.
 
+The worker runs the student's code, so what it sends back is read as data, never unpickled:
+``torch.load(weights_only=True)`` takes tensors, numbers, strings and their lists, tuples and
+dicts, and refuses anything else (an object whose unpickling would run code, say) before any of
+it runs. An error comes back as its class's name and its message; it is raised here as that
+class when the class is a builtin one or mini_vllm's, else as a ``RuntimeError`` naming it.
+
 Calls name their function as ``(where, name)``: ``where`` is a module name (imported in the
 worker) or a picklable callable that returns the module (for a lab's starter, which belongs to
 no package, the course passes its own loader, e.g. ``functools.partial(load_module, folder,
@@ -22,9 +28,13 @@ upstream: none (vLLM's tests run kernels in-process; this isolation is the cours
 
 from __future__ import annotations
 
+import builtins
 import importlib
+import io
 import multiprocessing
 import os
+import pickle
+import re
 import traceback
 from collections.abc import Callable
 from types import ModuleType
@@ -51,10 +61,54 @@ def _resolve(where: Where, name: str):
     return getattr(module, name)
 
 
+def _send(conn, reply: tuple) -> None:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(reply, buffer)
+    conn.send_bytes(buffer.getvalue())
+
+
+def _receive(conn) -> tuple:
+    """A reply of the worker, as data only (module doc); ``pickle.UnpicklingError`` otherwise."""
+    import torch
+
+    try:
+        reply = torch.load(io.BytesIO(conn.recv_bytes()), weights_only=True)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        raise
+    except Exception as exc:  # a refused type, or bytes that are no torch.save at all
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        why = f"it names {found.group(1)}" if found else type(exc).__name__
+        raise pickle.UnpicklingError(why) from None
+    if not (isinstance(reply, tuple) and reply and reply[0] in ("ok", "error")):
+        raise pickle.UnpicklingError(f"not a reply: {type(reply).__name__}")
+    return reply
+
+
+def _rebuilt(module: str, name: str, message: str) -> Exception:
+    """The worker's error as an exception of this process: its own class when that is a builtin
+    one or mini_vllm's (looked up here, never received), else a RuntimeError naming it."""
+    cls = None
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+    elif module == "mini_vllm" or module.startswith("mini_vllm."):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:  # a class whose constructor takes other arguments
+            pass
+    return RuntimeError(f"{name}: {message}")
+
+
 def _worker(conn) -> None:
     while True:
         try:
-            request = conn.recv()
+            request = conn.recv()  # from the test's process: trusted
         except EOFError:
             return
         if request is None:
@@ -62,15 +116,12 @@ def _worker(conn) -> None:
         where, name, args, kwargs = request
         try:
             result = _resolve(where, name)(*args, **kwargs)
-            conn.send(("ok", result))
+            _send(conn, ("ok", result))
         except BaseException as exc:  # reported to the parent, which decides
             text = f"{type(exc).__name__}: {exc}"
             sticky = any(s in text for s in STICKY_CUDA_ERRORS)
-            try:
-                conn.send(("error", exc if not sticky else None, text, traceback.format_exc(),
-                           sticky))
-            except Exception:  # an exception that does not pickle
-                conn.send(("error", None, text, traceback.format_exc(), sticky))
+            _send(conn, ("error", type(exc).__module__, type(exc).__qualname__, str(exc), text,
+                         traceback.format_exc(), sticky))
             if sticky:
                 return  # this context is broken: the parent starts a new worker
 
@@ -110,7 +161,12 @@ class IsolatedRunner:
             self._start()
         try:
             self._conn.send((where, name, args, kwargs))
-            reply = self._conn.recv()
+            reply = _receive(self._conn)
+        except pickle.UnpicklingError as exc:
+            raise RuntimeError(
+                f"{name}: the worker's reply is not plain data (tensors, numbers, strings and "
+                f"their lists, tuples and dicts) and was refused unread ({exc}); return only such "
+                "values from a kernel call") from None
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self._proc.join(timeout=5)  # reap it, so that its exit code is known
             code = self._proc.exitcode
@@ -121,7 +177,7 @@ class IsolatedRunner:
             ) from None
         if reply[0] == "ok":
             return reply[1]
-        _, exc, text, tb, sticky = reply
+        _, module, cls_name, message, text, tb, sticky = reply
         if sticky:
             self._discard()
             raise KernelCrashed(
@@ -131,9 +187,9 @@ class IsolatedRunner:
                 "under compute-sanitizer, to find the faulting access.\n--- worker traceback ---\n"
                 + tb
             )
-        if exc is not None:
-            raise exc
-        raise RuntimeError(f"{name}: {text}\n--- worker traceback ---\n{tb}")
+        error = _rebuilt(str(module), str(cls_name), str(message))
+        error.add_note(f"--- worker traceback ---\n{tb}")
+        raise error
 
     def close(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -155,7 +211,7 @@ def run_on_gpu(where: Where, name: str, outputs: list[int], *args: Any, **kwargs
     return [moved[i].cpu() for i in outputs]
 
 
-def _probe(kind: str) -> Any:
+def _probe(kind: str, path: str = "") -> Any:
     """What the isolation's own tests run in a worker: a value, an error, a crash."""
     if kind == "pid":
         return os.getpid()
@@ -169,4 +225,20 @@ def _probe(kind: str) -> Any:
         import ctypes
 
         ctypes.string_at(0)
+    if kind == "data":  # what a kernel call returns: tensors and plain values
+        import torch
+
+        return {"out": [torch.arange(3.0)], "n": 1, "name": "v1", "pair": (0.5, None)}
+    if kind == "forged":  # a reply whose unpickling would write a file (here: `path`)
+        return _Forged(path)
+    if kind == "foreign-error":  # an error of a class of the student's own
+        raise type("StudentsError", (Exception,), {"__module__": "lab_02_06_starter"})("mine")
     raise AssertionError(kind)
+
+
+class _Forged:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
