@@ -307,6 +307,25 @@ def test_python_symbols_have_qualified_names_spans_and_signatures():
     assert enclosing(symbols, 10) is None and "LIMIT" in symbols
 
 
+def test_a_signature_holds_the_types_in_one_spelling():
+    """A parameter's type is part of its signature (0.33.0's ``BlockPool.touch`` takes a flat
+    sequence where 0.11.0's took one list per group: same names, another signature), but a new
+    spelling of the same type (``Optional[X]`` as ``X | None``, ``List`` as ``list``, a quoted
+    name) is not a change."""
+    def sig(source: str, name: str = "f") -> str:
+        return python_symbols(source)[name].signature
+
+    then = sig("def f(blocks: tuple[list[Block], ...]) -> None: ...")
+    assert then == "(blocks: tuple[list[Block], ...]) -> None"
+    assert sig("def f(blocks: Sequence[Block]) -> None: ...") != then
+    assert sig("def f(x: int) -> list[int]: ...") != sig("def f(x: int) -> list[str]: ...")
+    old = sig("from typing import Optional, Union, List\n"
+              "def f(a: Optional[int], b: Union[str, List[int]] = 1, *, c: 'Request') -> None: ...")
+    new = sig("def f(a: int | None, b: str | list[int] = 1, *, c: Request) -> None: ...")
+    assert old == new == "(a: int | None, b: str | list[int]=, *, c: Request) -> None"
+    assert sig("class C:\n    x: Optional[int] = None\n", "C") == "(x: int | None=)"
+
+
 def test_c_symbols_find_functions_structs_specialisations_and_macros():
     source = """\
 #define MAX(a, b) ((a) > (b) ? (a) : (b))

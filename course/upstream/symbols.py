@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,24 +57,78 @@ def enclosing(symbols: dict[str, Symbol], line: int) -> Symbol | None:
 # --- Python -------------------------------------------------------------------------------
 
 
-def _py_signature(args: ast.arguments) -> str:
-    """Parameter names in order, with ``/``, ``*`` and ``=`` for defaults; no annotations."""
+_TYPING_ALIASES = {"List": "list", "Dict": "dict", "Tuple": "tuple", "Set": "set",
+                   "FrozenSet": "frozenset", "Type": "type"}
+
+
+class _Spelling(ast.NodeTransformer):
+    """One spelling per type: ``Optional[X]`` and ``Union[X, None]`` are ``X | None``,
+    ``List`` is ``list``, a quoted annotation is its expression. Upstream rewrote its annotations
+    between the pins (``Optional[int]`` to ``int | None``) without changing a type."""
+
+    @staticmethod
+    def _name(node: ast.expr) -> str:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return node.attr if node.value.id == "typing" else ""
+        return ""
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:  # noqa: N802 (ast's naming)
+        if isinstance(node.value, str):
+            try:
+                return self.visit(ast.parse(node.value, mode="eval").body)
+            except SyntaxError:
+                return node
+        return node
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:  # noqa: N802
+        return ast.Name(_TYPING_ALIASES.get(node.id, node.id), node.ctx)
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.AST:  # noqa: N802
+        node = self.generic_visit(node)
+        name = self._name(node.value)
+        if name in ("Optional", "Union"):
+            parts = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if name == "Optional":
+                parts.append(ast.Constant(None))
+            union = parts[0]
+            for part in parts[1:]:
+                union = ast.BinOp(union, ast.BitOr(), part)
+            return union
+        return node
+
+
+def _type_text(annotation: ast.expr) -> str:
+    return ast.unparse(_Spelling().visit(copy.deepcopy(annotation)))
+
+
+def _annotated(arg: ast.arg) -> str:
+    """``name: annotation`` with the annotation's type as text (one spelling), or the name."""
+    return f"{arg.arg}: {_type_text(arg.annotation)}" if arg.annotation else arg.arg
+
+
+def _py_signature(args: ast.arguments, returns: ast.expr | None = None) -> str:
+    """Parameters in order with their annotations as text, ``/``, ``*`` and ``=`` for defaults
+    (not their values), and the return annotation: a parameter renamed, added, made keyword-only
+    or given another type (``touch(blocks: tuple[list[...], ...])`` becoming
+    ``touch(blocks: Sequence[...])``) changes it."""
     positional = [*args.posonlyargs, *args.args]
     first_default = len(positional) - len(args.defaults)
     parts = []
     for i, arg in enumerate(positional):
-        parts.append(arg.arg + ("=" if i >= first_default else ""))
+        parts.append(_annotated(arg) + ("=" if i >= first_default else ""))
         if args.posonlyargs and i == len(args.posonlyargs) - 1:
             parts.append("/")
     if args.vararg:
-        parts.append("*" + args.vararg.arg)
+        parts.append("*" + _annotated(args.vararg))
     elif args.kwonlyargs:
         parts.append("*")
     for arg, default in zip(args.kwonlyargs, args.kw_defaults):
-        parts.append(arg.arg + ("=" if default is not None else ""))
+        parts.append(_annotated(arg) + ("=" if default is not None else ""))
     if args.kwarg:
-        parts.append("**" + args.kwarg.arg)
-    return "(" + ", ".join(parts) + ")"
+        parts.append("**" + _annotated(args.kwarg))
+    return "(" + ", ".join(parts) + ")" + (f" -> {_type_text(returns)}" if returns else "")
 
 
 def _class_signature(node: ast.ClassDef) -> str:
@@ -82,7 +137,7 @@ def _class_signature(node: ast.ClassDef) -> str:
         if isinstance(item, ast.FunctionDef) and item.name == "__init__":
             return _py_signature(item.args)
     fields = [
-        item.target.id + ("=" if item.value is not None else "")
+        f"{item.target.id}: {_type_text(item.annotation)}" + ("=" if item.value is not None else "")
         for item in node.body
         if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
     ]
@@ -104,7 +159,8 @@ def python_symbols(text: str) -> dict[str, Symbol]:
                 visit(node.body, name + ".")
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 name = prefix + node.name
-                found.setdefault(name, Symbol(name, start, end, _py_signature(node.args)))
+                signature = _py_signature(node.args, node.returns)
+                found.setdefault(name, Symbol(name, start, end, signature))
                 visit(node.body, name + ".", in_function=True)
             elif isinstance(node, ast.Assign | ast.AnnAssign) and not in_function:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
