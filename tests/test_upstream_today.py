@@ -324,6 +324,7 @@ def test_a_signature_holds_the_types_in_one_spelling():
     new = sig("def f(a: int | None, b: str | list[int] = 1, *, c: Request) -> None: ...")
     assert old == new == "(a: int | None, b: str | list[int]=, *, c: Request) -> None"
     assert sig("class C:\n    x: Optional[int] = None\n", "C") == "(x: int | None=)"
+    assert sig("def f(x: typing.List[typing.Optional[int]]): ...") == "(x: list[int | None])"
 
 
 def test_c_symbols_find_functions_structs_specialisations_and_macros():

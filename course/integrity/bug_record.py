@@ -7,11 +7,12 @@ a bug's verdict is known: the lab's folder, its planted bugs, the test recorded 
 (seen_by.json), its labs.toml table, and the code the tests run besides the lab's own:
 ``mini_vllm`` (the references and oracles the tests compare with), the course's test tooling
 (``course/labs``), this check (``course/integrity``), the root conftest, the pinned
-requirements; and the Python version, a visible GPU and the variables that choose a test's tier
-or profile. The exam's verdicts depend on every engine lab's folder and bugs, on
-``course/engine`` and on the exam lists too. Python files count by their code, as in the
-agreement record (docstrings, comments and a test's assert messages decide no verdict):
-:func:`course.integrity.agreement.graded_bytes`.
+requirements; and the environment a lab's remembered result is keyed by
+(:func:`course.labs.results.environment`: Python, torch, pytest and Hypothesis versions, the
+machine, a visible GPU, the variables that choose a test's tier or profile). The exam's verdicts
+depend on every engine lab's folder and bugs, on ``course/engine`` and on the exam lists too.
+Python files count by their code, as in the agreement record (docstrings, comments and a test's
+assert messages decide no verdict): :func:`course.integrity.agreement.graded_bytes`.
 
 ``planted_bugs/bug_verdicts.json`` holds, per lab, the digest of those inputs and each bug's
 verdict, and the exam's digest and results. `course check` replays a lab's verdicts when its
@@ -25,14 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 from functools import lru_cache
 from pathlib import Path
 
 from course.integrity.agreement import NOT_GRADED, graded_bytes
 from course.integrity.bugs import BUGS_DIR, PlantedBug, load_seen_by
 from course.labs.catalog import REPO_ROOT, Lab, lab_metadata
+from course.labs.results import environment, tree_digest
 
 RECORD = "bug_verdicts.json"
 WRITE_HINT = "python -m course check --write-bug-record"
@@ -42,29 +42,6 @@ SHARED = ("mini_vllm", "course/labs", "course/integrity", "conftest.py", "pyproj
 # ... and the engine exam, besides those and every engine lab's folder and bugs.
 EXAM_SHARED = ("course/engine", f"{BUGS_DIR}/exam_rejected.txt",
                f"{BUGS_DIR}/exam_not_rejected.txt")
-# What changes which tests run or how many examples a property test draws.
-ENV_VARS = ("HYPOTHESIS_PROFILE", "MINI_VLLM_KERNEL_BACKEND", "CUDA_VISIBLE_DEVICES")
-_SKIP_DIRS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
-
-
-def _feed(h, root: Path, rel: str) -> None:
-    """Every file under ``root / rel`` by name and code, in a fixed order; a missing one by name."""
-    path = root / rel
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = []
-        for base, dirs, names in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
-            files += [Path(base) / n for n in sorted(names)
-                      if not n.endswith((".pyc", ".so", ".o")) and n not in NOT_GRADED]
-    else:
-        h.update(f"{rel} missing\0".encode())
-        return
-    for file in files:
-        stat = file.stat()
-        data = _graded(file, stat.st_mtime_ns, stat.st_size)
-        h.update(f"{file.relative_to(root).as_posix()} {len(data)}\0".encode() + data)
 
 
 @lru_cache(maxsize=4096)
@@ -73,12 +50,20 @@ def _graded(file: Path, mtime_ns: int, size: int) -> bytes:
     return graded_bytes(file)
 
 
+def _code(file: Path) -> bytes:
+    stat = file.stat()
+    return _graded(file, stat.st_mtime_ns, stat.st_size)
+
+
+def _feed(h, root: Path, rel: str) -> None:
+    """Every file under ``root / rel`` by name and code, in a fixed order (what no test reads,
+    NOT_GRADED, left out)."""
+    tree_digest(h, root, rel, read=_code, skip=NOT_GRADED)
+
+
 def _environment() -> bytes:
-    # A GPU runs lab 02-06's oracle tier on the device instead of the emulation.
-    env = {"python": ".".join(map(str, sys.version_info[:2])),
-           "gpu": str(any(Path("/dev").glob("nvidia[0-9]*")))}
-    env.update({name: os.environ.get(name, "") for name in ENV_VARS})
-    return json.dumps(env, sort_keys=True).encode()
+    """The same facts a lab's remembered result is keyed by (course/labs/results.py)."""
+    return json.dumps(environment(), sort_keys=True).encode()
 
 
 def _lab_inputs(h, lab: Lab, root: Path) -> None:

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable, Collection
 from functools import cache
 from pathlib import Path
 
@@ -46,21 +47,23 @@ def cache_dir() -> Path:
     return Path(base) / "mini_vllm-course"
 
 
-def _tree_digest(digest, base: Path, rel: str) -> None:
+def tree_digest(digest, base: Path, rel: str, read: Callable[[Path], bytes] = Path.read_bytes,
+                skip: Collection[str] = ()) -> None:
     """Feed every file under ``base / rel`` (a file or a folder) to ``digest``, by name and
-    content, in a fixed order."""
+    content (``read(path)``: its bytes unless told), in a fixed order; files named in ``skip``,
+    compiled files and caches are left out."""
     path = base / rel
     if path.is_file():
-        digest.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(rel.encode() + b"\0" + read(path) + b"\0")
         return
     for root, dirs, files in os.walk(path):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP)
         for name in sorted(files):
-            if name.endswith((".pyc", ".pyo")):
+            if name.endswith((".pyc", ".pyo", ".so", ".o")) or name in skip:
                 continue
             file = Path(root) / name
             digest.update(file.relative_to(base).as_posix().encode() + b"\0"
-                          + file.read_bytes() + b"\0")
+                          + read(file) + b"\0")
 
 
 @cache
@@ -69,7 +72,7 @@ def course_digest(root: Path) -> str:
     digest = hashlib.sha256()
     for part in COURSE_PARTS:
         if (root / part).exists():
-            _tree_digest(digest, root, part)
+            tree_digest(digest, root, part)
     return digest.hexdigest()
 
 
@@ -95,7 +98,7 @@ def result_key(lab: Lab, impl: str) -> str:
     """The key a recorded result of ``lab`` run against ``impl`` is valid for (module doc)."""
     root = lab.phase_dir.parent
     digest = hashlib.sha256(f"{lab.id}\0{impl}\0".encode())
-    _tree_digest(digest, lab.path, ".")
+    tree_digest(digest, lab.path, ".")
     digest.update(course_digest(root).encode())
     digest.update(json.dumps(environment(), sort_keys=True).encode())
     return digest.hexdigest()

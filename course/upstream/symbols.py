@@ -85,6 +85,10 @@ class _Spelling(ast.NodeTransformer):
     def visit_Name(self, node: ast.Name) -> ast.AST:  # noqa: N802
         return ast.Name(_TYPING_ALIASES.get(node.id, node.id), node.ctx)
 
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:  # noqa: N802
+        name = self._name(node)  # typing.List is list too
+        return ast.Name(_TYPING_ALIASES[name], node.ctx) if name in _TYPING_ALIASES else node
+
     def visit_Subscript(self, node: ast.Subscript) -> ast.AST:  # noqa: N802
         node = self.generic_visit(node)
         name = self._name(node.value)
