@@ -737,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds for building and running an engine, beyond the cases")
     p.add_argument("--json", metavar="PATH", help="write the exam's results as JSON")
+    p.add_argument("--channel", metavar="FD", type=int, default=None,
+                   help="write the exam's results as one JSON line to this descriptor (the "
+                   "grader's pipe, which no process that runs your code holds)")
     p.add_argument("-j", "--jobs", type=int, default=None, help="processes in parallel")
     p.set_defaults(func=_cmd_engine)
 

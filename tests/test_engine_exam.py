@@ -406,10 +406,10 @@ def test_workers_of_another_tree_run_side_by_side_in_threads(tmp_path):
     for package in (worker.parent, worker.parent.parent):
         (package / "__init__.py").write_text("")
     worker.write_text(
-        "import json, sys, time\n"
+        "import json, os, sys, time\n"
         "spec = json.loads(sys.argv[1])\n"
         "time.sleep(spec['sleep'])\n"
-        "open(spec['out'], 'a').write(json.dumps({'type': 'done'}) + '\\n')\n"
+        "os.fdopen(spec['out_fd'], 'w').write(json.dumps({'type': 'done'}) + '\\n')\n"
     )
     stop = threading.Event()
 
@@ -577,3 +577,159 @@ def test_your_engine_served_answers_the_official_client_as_the_reference_does(tm
                                       max_tokens=4, temperature=0.0)
     finally:
         _stop(proc)
+
+
+# Appended to the honest student's 03-01 starter: an engine process that forges. On import it
+# writes counterfeit results ("passed" records of every case, and a whole passing report) to
+# every descriptor it holds but its socket and to every descriptor of the worker that judges it
+# (through /proc), from a thread and from a daemon that outlives it; then its answers lie: every
+# generate and beam search "finishes" at once, with "passed" in every field it can reach, and
+# the finish reason carries what it saw of the descriptors, for the test to read.
+FORGER = r'''
+
+import json as _json
+import os as _os
+import stat as _stat
+import threading as _threading
+import time as _time
+
+
+def _counterfeit():
+    from course.engine.exam import cases
+
+    names = [c.name for c in cases()]
+    records = "".join(_json.dumps({"type": "case", "case": n, "outcome": "passed", "message": "",
+                                   "seconds": 0.0, "detail": []}) + "\n" for n in names)
+    report = {"type": "exam", "cases": [{"case": n, "outcome": "passed"} for n in names]}
+    return (records + _json.dumps(report) + "\n").encode()
+
+
+def _write_everywhere(data):
+    seen = []
+    for pid in ("self", str(_os.getppid())):
+        try:
+            fds = sorted(_os.listdir(f"/proc/{pid}/fd"), key=int)
+        except OSError as exc:
+            seen.append(f"{pid}={type(exc).__name__}")
+            continue
+        held = []
+        for fd in fds:
+            try:
+                held.append(f"{fd}:{_os.readlink(f'/proc/{pid}/fd/{fd}').split('[')[0]}")
+            except OSError:  # the descriptor listdir read the folder with
+                pass
+        seen.append(f"{pid}=" + ",".join(held))
+        for fd in fds:
+            try:
+                if pid != "self":
+                    with open(f"/proc/{pid}/fd/{fd}", "wb") as f:
+                        f.write(data)
+                elif not _stat.S_ISSOCK(_os.fstat(int(fd)).st_mode):
+                    _os.write(int(fd), data)
+            except OSError:
+                pass
+    return " ".join(seen)
+
+
+_DATA = _counterfeit()
+_SEEN = _write_everywhere(_DATA)
+
+
+def _keep_writing():
+    for _ in range(3000):
+        _write_everywhere(_DATA)
+        _time.sleep(0.01)
+
+
+_threading.Thread(target=_keep_writing, daemon=True).start()
+if _os.fork() == 0:  # a daemon in a session of its own, that outlives the engine process
+    _os.setsid()
+    try:
+        _keep_writing()
+    finally:
+        _os._exit(0)
+
+import course.engine.engine_side as _side  # noqa: E402
+
+
+def _lying_generate(self, engine, prompts, params):
+    import dataclasses
+
+    from mini_vllm.llm import EngineStats
+
+    stats = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    stats.update(prefix_cache_hits=10 ** 6, num_steps=10 ** 6, num_prompt_tokens=1)
+    return {"outputs": [{"completions": [{"token_ids": [], "finish_reason": "passed " + _SEEN}]
+                         * p["n"], "num_cached_tokens": 10 ** 6, "outcome": "passed"}
+                        for p in params],
+            "stats": stats, "steps": [], "cpu_blocks_held": 0, "outcome": "passed"}
+
+
+def _lying_beams(self, engine, prompts, beam_width, max_tokens):
+    return {"sequences": [[[list(p), 0.0]] * beam_width for p in prompts], "blocks_in_use": 0,
+            "prefix_cache_hits": 1, "outcome": "passed"}
+
+
+_side.Engines.generate = _lying_generate
+_side.Engines.beam_search = _lying_beams
+'''
+
+FORGED_CASES = ("prefix-odd-lengths", "beam-search")
+
+
+def _exam_in_the_sandbox(starter: bytes) -> tuple:
+    """The engine exam of FORGED_CASES as the grader runs it (CommandUnit, in the sandbox, the
+    results read from its channel), with ``starter`` as lab 03-01's starter and every other lab
+    the reference."""
+    import tempfile
+    import types
+
+    from course.grading import sandbox
+    from course.grading.grader import CommandUnit, RunContext, Submission
+
+    staging = Path(tempfile.mkdtemp(prefix="course-exam-forgery-"))
+    try:
+        staging.chmod(0o711)
+        (staging / "work").mkdir(mode=0o711)
+        snapshot = staging / "course"
+        shutil.copytree(REPO_ROOT, snapshot, ignore=copy_ignore)
+        ctx = RunContext(types.SimpleNamespace(snapshot=snapshot), sandbox.probe(),
+                         staging / "work", [], lab_timeout=300)
+        argv = ["{python}", "-m", "course", "engine", "--exam", "--impl", "{impl}", "--labs",
+                "03-01", "--bisect", "none", "--channel", "{channel}"]
+        for case in FORGED_CASES:
+            argv += ["--case", case]
+        unit = CommandUnit("engine-exam", "The engine exam", 2, argv, list(FORGED_CASES))
+        rel = f"{LABS['03-01'].rel}/starter.py"
+        return unit.run(ctx, Submission("s", staging, files={rel: starter})), ctx.iso
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def test_an_engine_process_that_forges_its_results_earns_nothing():
+    """The exam's verdicts are decided in the worker, from data: counterfeit records and reports
+    written to every descriptor the engine process holds or can find (its own, the worker's
+    through /proc), from a thread and an outliving daemon, and answers that claim "passed"
+    everywhere but compute nothing, earn 0 as the grader runs the exam. The honest starter
+    passes the same cases there (so the forger's zero is its own doing)."""
+    honest = (FIXTURE / LABS["03-01"].rel / "starter.py").read_bytes()
+    result, iso = _exam_in_the_sandbox(honest)
+    assert [(t.id, t.outcome) for t in result.tests] == [(c, "passed") for c in FORGED_CASES], (
+        [(t.id, t.outcome, t.message) for t in result.tests], result.log)
+
+    result, iso = _exam_in_the_sandbox(honest + FORGER.encode())
+    assert result.points("cpu") == 0.0
+    outcomes = {t.id: (t.outcome, t.message) for t in result.tests}
+    assert set(outcomes) == set(FORGED_CASES)
+    assert all(outcome == "failed" and message for outcome, message in outcomes.values()), (
+        outcomes, result.log)
+    # What the forger saw: its own descriptors are 0, 1, 2 and its socket; the worker's are out
+    # of reach where the sandbox runs student code as another user with no capabilities.
+    seen = outcomes["prefix-odd-lengths"][1]
+    own = re.search(r"self=(\S+)", seen)
+    assert own, seen
+    held = dict(pair.split(":", 1) for pair in own.group(1).split(","))
+    assert sorted(int(fd) for fd in held if held[fd] != "socket:") == [0, 1, 2], seen
+    assert list(held.values()).count("socket:") == 1, seen
+    if iso.level == "namespaces+nobody":
+        assert re.search(r"\d+=PermissionError", seen), seen

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from course.labs.results import (
     finished_labs,
     result_key,
 )
+from course.labs.student_process import not_dumpable
 
 FINALE_PROMPTS = ["HAMLET.\n", "KING.\n"]
 CASE_TIMEOUT_S = 60.0
@@ -202,42 +204,59 @@ def run_workers(jobs: list[dict], timeout_s: float, root: Path = REPO_ROOT) -> l
 
     For this checkout the processes are forks of this one (no new interpreter is executed: a
     grading sandbox may forbid that); for another tree (a stand-in student's copy of the course),
-    a new interpreter started there. A job is killed after ``timeout_s``; Ctrl-C kills them all.
+    a new interpreter started there. Each writes its records to a pipe of its own, which no
+    process that runs student code holds (a file could be written by anyone who knows its
+    name). A job is killed after ``timeout_s``; Ctrl-C kills them all.
     """
     with tempfile.TemporaryDirectory(prefix="course-engine-") as tmp:
-        procs = []
-        for i, job in enumerate(jobs):
-            out, log = Path(tmp) / f"records-{i}.jsonl", Path(tmp) / f"log-{i}.txt"
-            out.touch()
-            spec = json.dumps({**job, "out": str(out)})
-            child = _fork_worker(spec, log) if _same_tree(root) else _exec_worker(spec, log, root)
-            procs.append((child, out, log, time.perf_counter()))
-        results = [WorkerResult() for _ in jobs]
-        waiting = {i for i in range(len(jobs))}
-        deadline = time.monotonic() + timeout_s
+        procs, reads = [], []
         try:
-            while waiting:
-                for i in sorted(waiting):
-                    child, _, _, begun = procs[i]
-                    code = _poll(child)
-                    if code is not None:
-                        waiting.discard(i)
-                        results[i].exit_code = code
-                        results[i].seconds = time.perf_counter() - begun
-                if waiting and time.monotonic() > deadline:
-                    for i in waiting:
-                        _kill_group(procs[i][0])
-                        _poll(procs[i][0], block=True)
-                        results[i].timed_out, results[i].exit_code = True, -1
-                        results[i].seconds = time.perf_counter() - procs[i][3]
-                    waiting.clear()
-                time.sleep(0.05)
-        except BaseException:
-            for i in waiting:
-                _kill_group(procs[i][0])
-            raise
-        for result, (_, out, log, _) in zip(results, procs):
-            for line in out.read_text(encoding="utf-8").splitlines():
+            for i, job in enumerate(jobs):
+                log = Path(tmp) / f"log-{i}.txt"
+                r, w = os.pipe()
+                reads.append(r)
+                os.set_blocking(r, False)
+                spec = json.dumps({**job, "out_fd": w})
+                try:
+                    child = (_fork_worker(spec, log, close=reads) if _same_tree(root)
+                             else _exec_worker(spec, log, root, w))
+                finally:
+                    os.close(w)
+                procs.append((child, log, time.perf_counter()))
+            results = [WorkerResult() for _ in jobs]
+            buffers = [bytearray() for _ in jobs]
+            waiting = set(range(len(jobs)))
+            deadline = time.monotonic() + timeout_s
+            try:
+                while waiting:
+                    select.select(reads, [], [], 0.05)
+                    for i in range(len(jobs)):
+                        _drain(reads[i], buffers[i])
+                    for i in sorted(waiting):
+                        child, _, begun = procs[i]
+                        code = _poll(child)
+                        if code is not None:
+                            waiting.discard(i)
+                            results[i].exit_code = code
+                            results[i].seconds = time.perf_counter() - begun
+                    if waiting and time.monotonic() > deadline:
+                        for i in waiting:
+                            _kill_group(procs[i][0])
+                            _poll(procs[i][0], block=True)
+                            results[i].timed_out, results[i].exit_code = True, -1
+                            results[i].seconds = time.perf_counter() - procs[i][2]
+                        waiting.clear()
+            except BaseException:
+                for i in waiting:
+                    _kill_group(procs[i][0])
+                raise
+            for i in range(len(jobs)):
+                _drain(reads[i], buffers[i])
+        finally:
+            for r in reads:
+                os.close(r)
+        for result, buffer, (_, log, _) in zip(results, buffers, procs):
+            for line in bytes(buffer).decode("utf-8", errors="replace").splitlines():
                 try:
                     result.records.append(json.loads(line))
                 except ValueError:
@@ -249,11 +268,23 @@ def run_workers(jobs: list[dict], timeout_s: float, root: Path = REPO_ROOT) -> l
     return results
 
 
+def _drain(fd: int, buffer: bytearray) -> None:
+    """Whatever the pipe holds now (it is non-blocking)."""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        buffer += chunk
+
+
 def _same_tree(root: Path) -> bool:
     return Path(root).resolve() == REPO_ROOT.resolve() and hasattr(os, "fork")
 
 
-def _fork_worker(spec: str, log: Path) -> int:
+def _fork_worker(spec: str, log: Path, close: list[int]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -261,6 +292,8 @@ def _fork_worker(spec: str, log: Path) -> int:
         return pid
     code = 2
     try:  # the child: a process group of its own, output to the log, then the worker
+        for fd in close:  # the read ends of the workers' pipes
+            os.close(fd)
         os.setsid()
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(fd, 1)
@@ -279,13 +312,13 @@ def _fork_worker(spec: str, log: Path) -> int:
         os._exit(code)
 
 
-def _exec_worker(spec: str, log: Path, root: Path) -> subprocess.Popen:
+def _exec_worker(spec: str, log: Path, root: Path, out_fd: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "course.engine.worker", spec], cwd=root,
                                 env=env, start_new_session=True, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, pass_fds=(out_fd,))
     return proc
 
 
@@ -487,6 +520,10 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
             raise UsageError(f"no exam case named {', '.join(unknown)}; see "
                              "`python -m course engine --list`")
         names = [n for n in names if n in args.case]
+    if args.channel is not None:
+        # The grader reads the results from this process: nothing that runs student code may
+        # ptrace it or read its descriptors (the engine processes are its grandchildren).
+        not_dumpable()
     job = {"mode": "exam", "labs": student, "cases": names, "sweep": args.sweep,
            "timeout": args.case_timeout, "gpu": gpu, "bisect": args.bisect}
     who = f"yours: {', '.join(student)}" if student else "all reference"
@@ -526,6 +563,9 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
               "its published starter). That exam: python -m course engine --exam --labs all")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
+    if args.channel is not None:
+        with os.fdopen(args.channel, "w", encoding="utf-8") as channel:
+            channel.write(json.dumps({"type": "exam", **report}) + "\n")
     if report["composition_error"]:
         return 2
     return 0 if not failing else 1

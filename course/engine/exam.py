@@ -9,10 +9,15 @@ a swap), and that no KV block is still held once every request has finished.
 
 Against the reference engine (``python -m course engine --exam`` runs it first), an engine must
 also take the same steps: each step's scheduled tokens, preemptions, swaps, block tables, queues
-and the runner's batch order are recorded (:class:`StepRecorder`) and compared, and so are the
-mechanism counters of each call (COUNTERS). A failure then names every counter that differs and
-the first step where the two engines part, with both values: the diagnosis is computed, never
-guessed.
+and the runner's batch order are recorded (:class:`course.engine.engine_side.StepRecorder`) and
+compared, and so are the mechanism counters of each call (COUNTERS). A failure then names every
+counter that differs and the first step where the two engines part, with both values: the
+diagnosis is computed, never guessed.
+
+This module is the exam's trusted side: the cases, the oracle and every check run in a process
+that never imports a student's code. The engines run in an engine process
+(:mod:`course.engine.engine_side`) that answers requests with data; :class:`Exam` sends the
+requests and judges the answers.
 
 The model is a tiny random Llama (vocabulary 64, two layers, GQA) whose weights are scaled up so
 that its logits are far apart: a choice never hinges on float rounding, so any difference from the
@@ -30,6 +35,7 @@ import random
 import signal
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,15 +238,53 @@ class CaseTimeout(BaseException):  # noqa: N818  (not an Exception: student code
     """A case ran past its time limit (a loop that never ends, an engine that never finishes)."""
 
 
+class EngineError(Exception):
+    """An error the engine process reported: its class name (``kind``), message and where in
+    the student's code it was raised (``where``); ``steps``: the steps the interrupted generate
+    call had made."""
+
+    def __init__(self, error: dict, steps: object = None) -> None:
+        self.kind = str(error.get("type", "Exception"))
+        self.where = str(error.get("where", "?"))
+        self.steps = steps if isinstance(steps, list) else None
+        super().__init__(str(error.get("message", "")))
+
+
+class EngineDied(Exception):
+    """The engine process ended (a crash, an exit, a kill) or broke the protocol."""
+
+
+@dataclass
+class Engine:
+    """What the exam holds of an engine the engine process built: its number there and what the
+    exam configured it with (the oracle reads these, never what the engine says of itself)."""
+
+    id: int
+    max_model_len: int
+    kv_scales: tuple[tuple[float, float], ...] | None  # an fp8 cache's scales, as configured
+    kv_cache_dtype: str  # the dtype the engine reports for its cache
+    tokenizer: IdTokenizer
+
+
+@dataclass
+class RequestResult:
+    """One request's answer, as data: its ``n`` completions and ``metrics``
+    (``num_cached_tokens``)."""
+
+    outputs: list[Completion]
+    metrics: dict
+
+
 @dataclass
 class Run:
     """One ``generate`` call of a case: the prompts, their params, the outputs and statistics."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
-    outputs: list = field(default_factory=list)
-    stats: object = None
+    outputs: list[RequestResult] = field(default_factory=list)
+    stats: object = None  # the engine's statistics (EngineStats's fields, as attributes)
     steps: list[dict] = field(default_factory=list)  # StepRecorder's records of the call
+    cpu_blocks_held: int = 0  # swap blocks still held once every request finished
 
 
 # The mechanism counters of one generate call. With the same requests and the same configuration
@@ -281,81 +325,6 @@ STEP_FIELDS = {
     "nan": ("NaN in the model's output", "rows of the model's output holding NaN"),
     "unreadable": ("an unreadable step", "the step's output, which the exam could not read"),
 }
-
-
-class StepRecorder:
-    """Records every step of an engine, read from what its scheduler and runner expose.
-
-    Installed on one engine's instances (not its classes) by :meth:`Exam.llm`, so it sees the
-    student's pieces as the engine runs them and changes nothing they do. A step's record is a
-    JSON-ready dict with the keys of STEP_FIELDS; block tables are followed through the
-    scheduler's outputs (a new request's table, blocks appended, a resumed request's new table),
-    exactly as the runner follows them. ``steps`` is the list the records go to; the exam gives
-    each ``generate`` call a fresh one.
-    """
-
-    def __init__(self, llm) -> None:
-        self.steps: list[dict] = []
-        self.tables: dict[str, int] = {}
-        engine, scheduler = llm.engine, llm.engine.scheduler
-        schedule, step = scheduler.schedule, engine.step
-
-        def recorded_schedule():
-            output = schedule()
-            try:
-                record = self._record(scheduler, output)
-            except Exception as exc:  # an output the exam cannot read: shown as the difference
-                record = {"unreadable": f"{type(exc).__name__}: {exc}"}
-            self.steps.append(record)
-            return output
-
-        def recorded_step():
-            before = len(self.steps)
-            outputs = step()
-            if len(self.steps) > before:
-                batch = getattr(engine.model_runner, "batch_req_ids", None)
-                self.steps[-1]["batch"] = list(batch) if batch is not None else None
-            return outputs
-
-        scheduler.schedule = recorded_schedule
-        engine.step = recorded_step
-
-    def _record(self, scheduler, output) -> dict:
-        freed = [[rid, self.tables.pop(rid, 0)] for rid in output.preempted_req_ids]
-        for new in output.scheduled_new_reqs:
-            self.tables[new.req_id] = len(new.block_ids[0])
-        # A request placed this step: a prefix hit, or a swapped request's kept progress.
-        admitted = [[new.req_id, new.num_computed_tokens] for new in output.scheduled_new_reqs]
-        cached = output.scheduled_cached_reqs
-        for rid, resumed, ids, computed in zip(cached.req_ids, cached.resumed_from_preemption,
-                                               cached.new_block_ids, cached.num_computed_tokens):
-            added = len(ids[0]) if ids else 0
-            self.tables[rid] = added if resumed else self.tables.get(rid, 0) + added
-            if resumed:
-                admitted.append([rid, computed])
-        given = sum(len(new.block_ids[0]) for new in output.scheduled_new_reqs) + sum(
-            len(ids[0]) if ids else 0 for ids in cached.new_block_ids)
-        scheduled = [[rid, int(n)] for rid, n in output.num_scheduled_tokens.items()]
-        cut = 0
-        for rid, _ in scheduled:
-            request = scheduler.requests.get(rid)
-            if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
-                cut += 1
-        return {
-            "admitted": admitted,
-            "scheduled": scheduled,
-            "preempted": freed,
-            "swap_out": len(output.blocks_to_swap_out),
-            "swap_in": len(output.blocks_to_swap_in),
-            "tables": [[rid, self.tables.get(rid, 0)] for rid, _ in scheduled],
-            "running": [r.request_id for r in scheduler.running],
-            "waiting": [r.request_id for r in scheduler.waiting],
-            "swapped": [r.request_id for r in getattr(scheduler, "swapped", ())],
-            "batch": None,
-            "nan": 0,
-            "given": given,
-            "cut": cut,
-        }
 
 
 def trace_counters(steps: list[dict]) -> dict[str, int]:
@@ -442,32 +411,48 @@ def diagnosis(call: int, mine: dict, reference: dict, finished: bool = True
 
 
 class Exam:
-    """The context a case runs in: the model, the oracle (memoised) and the checks.
+    """The context a case runs in: the engines (through ``engines``, the handle on an engine
+    process or :class:`course.engine.engine_side.LocalEngines`), the oracle (memoised) and the
+    checks. Everything here runs in the exam's own process; the engines answer with data.
 
     With ``reference_stats`` (case name -> the records of each ``generate`` call of that case
     on the reference engine: ``counters`` and ``steps``), every call must also reproduce them:
     the same counters (COUNTERS) and the same steps (STEP_FIELDS), or the case fails with a
     diagnosis of the first difference.
-
-    Every engine's KV cache starts full of NaN, as memory that was never written may be on a
-    GPU: a piece that reads a slot it does not own, or multiplies NaN by a weight of 0, turns
-    the output into NaN.
     """
 
-    def __init__(self, reference_stats: dict[str, list[dict]] | None = None) -> None:
+    def __init__(self, engines, reference_stats: dict[str, list[dict]] | None = None) -> None:
+        self.engines = engines
         self.model = tiny_model()
         self._fp8_model: LlamaForCausalLM | None = None
-        self._watch_nan(self.model)
         self._oracle: dict[tuple, Completion] = {}
         self.reference_stats = reference_stats
-        self._cpu_free: dict[int, int] = {}
-        self._recorders: dict[int, StepRecorder] = {}
         self.case = ""
         self.recorded: list[dict] = []
-        self.current: list[dict] | None = None  # the steps of the generate call now running
+        self.current: list[dict] | None = None  # the steps of the call that failed, if any
+        self.deadline: float | None = None
 
-    def start(self, case: str) -> None:
+    def start(self, case: str, timeout_s: float = 0.0) -> None:
+        """A new case: its records start empty and the engine process drops the last case's
+        engines; each request gets what is left of ``timeout_s``."""
         self.case, self.recorded, self.current = case, [], None
+        self.deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        self.call("forget")
+
+    def call(self, op: str, **args):
+        """One request to the engines; their answer, or the error they report raised here
+        (EngineError; CaseTimeout for a request that ran past the case's time)."""
+        seconds = None if self.deadline is None else max(0.05, self.deadline - time.monotonic())
+        answer = self.engines.call(op, args, seconds)
+        error = answer.get("error") if isinstance(answer, dict) else {"message": repr(answer)}
+        if error is None:
+            return answer.get("ok")
+        error = error if isinstance(error, dict) else {"message": str(error)}
+        steps = answer.get("steps") if op == "generate" and isinstance(answer, dict) else None
+        self.current = steps if isinstance(steps, list) else None
+        if error.get("type") == "timeout":
+            raise CaseTimeout()
+        raise EngineError(error, steps)
 
     def export(self) -> dict:
         """The oracle's completions, as JSON (so another process need not recompute them)."""
@@ -481,40 +466,31 @@ class Exam:
                    tuple(tuple(s) for s in scales) if scales else None)
             self._oracle[key] = Completion(tokens, reason)
 
-    def llm(self, **config):
-        from mini_vllm.llm import LLM
-
+    def llm(self, **config) -> Engine:
+        """An engine built with ``config`` (``LLM``'s keyword arguments; ``tokenizer`` "ids"
+        or "split", ``lookahead`` slots every allocation reserves) in the engine process."""
         config.setdefault("max_model_len", TINY.max_position_embeddings)
-        tokenizer = config.pop("tokenizer", None) or IdTokenizer()
-        llm = LLM(self.model_for(config.get("kv_cache_dtype", "auto") != "auto"),
-                  tokenizer=tokenizer, **config)
-        swap = llm.engine.scheduler.swap_space
-        self._cpu_free[id(llm)] = swap.get_num_free_blocks() if swap is not None else 0
-        runner = llm.engine.model_runner
-        with torch.no_grad():
-            for cache in (*runner.kv_caches, *getattr(runner, "cpu_kv_caches", ())):
-                for tensor in cache:
-                    tensor.fill_(float("nan"))
-        self._recorders[id(llm)] = StepRecorder(llm)
-        return llm
+        tokenizer = SplitCharTokenizer() if config.get("tokenizer") == "split" else IdTokenizer()
+        scales = None
+        if config.get("kv_cache_dtype", "auto") != "auto":
+            scales = tuple(tuple(float(x) for x in pair) for pair in config["kv_scales"])
+        made = self.call("new", config=config)
+        return Engine(int(made["engine"]), config["max_model_len"], scales,
+                      str(made["kv_cache_dtype"]), tokenizer)
+
+    def serve(self, llm: Engine) -> Served:
+        """``llm`` behind the OpenAI-compatible server in the engine process; the exam is its
+        client."""
+        made = self.call("serve", engine=llm.id)
+        return Served(self, int(made["server"]), str(made["uds"]))
 
     def model_for(self, fp8: bool) -> LlamaForCausalLM:
-        """The exam model, or for an fp8 cache its twin with head size 16 (TINY_FP8)."""
+        """The oracle's model, or for an fp8 cache its twin with head size 16 (TINY_FP8)."""
         if not fp8:
             return self.model
         if self._fp8_model is None:
             self._fp8_model = tiny_model(config=TINY_FP8)
-            self._watch_nan(self._fp8_model)
         return self._fp8_model
-
-    def _watch_nan(self, model: LlamaForCausalLM) -> None:
-        """Count, in the running step's record, the rows of the model's output holding NaN
-        (the runner calls the model once per step; the oracle does not call it this way)."""
-        def hook(module, args, output) -> None:
-            if self.current and torch.is_tensor(output):
-                self.current[-1]["nan"] += int(torch.isnan(output).any(dim=-1).sum())
-
-        model.register_forward_hook(hook)
 
     def expected(self, prompt: Sequence[int], params: SamplingParams, max_model_len: int,
                  kv_scales: tuple[tuple[float, float], ...] | None = None):
@@ -527,21 +503,31 @@ class Exam:
             )
         return self._oracle[key]
 
-    def generate(self, llm, prompts, params) -> Run:
+    def generate(self, llm: Engine, prompts, params) -> Run:
         """Run ``prompts`` through ``llm`` and check every completion against the oracle, and
         (with reference records) the call's counters and steps against the reference's."""
         prompts = [list(p) for p in prompts]
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         run = Run(prompts, params_list)
-        recorder = self._recorders[id(llm)]
-        recorder.steps = self.current = run.steps
-        run.outputs = llm.generate(prompts, params_list, use_tqdm=False)
-        run.stats = llm.last_stats
-        counters = {k: getattr(run.stats, k) for k in COUNTERS if k not in TRACE_COUNTERS}
-        counters.update(trace_counters(run.steps))
+        got = self.call("generate", engine=llm.id, prompts=prompts,
+                        params=[{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+                                for p in params_list])
+        try:
+            run.outputs = [RequestResult([Completion([int(t) for t in c["token_ids"]],
+                                                     str(c["finish_reason"]))
+                                          for c in out["completions"]],
+                                         {"num_cached_tokens": int(out["num_cached_tokens"])})
+                           for out in got["outputs"]]
+            run.stats = types.SimpleNamespace(**got["stats"])
+            run.steps = list(got["steps"])
+            run.cpu_blocks_held = int(got["cpu_blocks_held"])
+            counters = {k: getattr(run.stats, k) for k in COUNTERS if k not in TRACE_COUNTERS}
+            counters.update(trace_counters(run.steps))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ExamFailure(f"generate call {len(self.recorded) + 1}: the engine's answer "
+                              f"could not be read ({type(exc).__name__}: {exc})") from None
         call = len(self.recorded)
         self.recorded.append({"counters": counters, "steps": run.steps})
-        self.current = None
         problem = self._check_outputs(llm, run)
         want = self.reference_record(call)
         if want is None:
@@ -575,46 +561,76 @@ class Exam:
         want = self.reference_record(call)
         if want is None:
             return []
-        return diagnosis(call + 1, {"counters": {}, "steps": self.current}, want,
-                         finished=False)[1]
+        try:
+            return diagnosis(call + 1, {"counters": {}, "steps": self.current}, want,
+                             finished=False)[1]
+        except Exception:  # noqa: BLE001 - steps the exam cannot read explain nothing
+            return []
 
-    def _check_outputs(self, llm, run: Run) -> str | None:
+    def _check_outputs(self, llm: Engine, run: Run) -> str | None:
         """The first way the call's completions or its freed blocks are wrong, or None."""
-        max_model_len = llm.engine.scheduler.max_model_len
-        kv_scales = _fp8_scales(llm)
+        call = len(self.recorded)
+        if len(run.outputs) != len(run.prompts):
+            return (f"generate call {call}: {len(run.outputs)} outputs for {len(run.prompts)} "
+                    "prompts (one per prompt, in the order of the prompts)")
         for i, (prompt, p, out) in enumerate(zip(run.prompts, run.params, run.outputs)):
+            if len(out.outputs) != p.n:
+                return (f"generate call {call}: request {i} has {len(out.outputs)} "
+                        f"completions, its params ask n={p.n}")
             for j, comp in enumerate(out.outputs):
                 child = p
                 if p.n > 1:
                     child = SamplingParams(**{**p.__dict__, "n": 1})
                     if p.seed is not None:
                         child.seed = p.seed + j
-                want = self.expected(prompt, child, max_model_len, kv_scales)
+                want = self.expected(prompt, child, llm.max_model_len, llm.kv_scales)
                 try:
                     _compare(i if p.n == 1 else f"{i}.{j}", prompt, comp, want)
                 except ExamFailure as exc:
-                    return f"generate call {len(self.recorded)}: {exc}"
+                    return f"generate call {call}: {exc}"
         held = run.stats.kv_blocks_in_use
         if held:
             return (f"{held} KV block(s) still held after every request finished: a request's "
                     "blocks were not all freed (look at free() and at what preemption and "
                     "finishing release)")
-        swap = llm.engine.scheduler.swap_space
-        if swap is not None and swap.get_num_free_blocks() != self._cpu_free[id(llm)]:
-            held = self._cpu_free[id(llm)] - swap.get_num_free_blocks()
-            return (f"{held} CPU swap block(s) still held after every request finished: a "
-                    "swapped request's CPU blocks were not all freed when it came back or "
-                    "finished")
+        if run.cpu_blocks_held:
+            return (f"{run.cpu_blocks_held} CPU swap block(s) still held after every request "
+                    "finished: a swapped request's CPU blocks were not all freed when it came "
+                    "back or finished")
         return None
 
 
-def _fp8_scales(llm) -> tuple[tuple[float, float], ...] | None:
-    """The per-layer (k_scale, v_scale) of an engine with an fp8 KV cache (None otherwise)."""
-    from mini_vllm.attention.fp8 import is_fp8
+class Served:
+    """An engine served over HTTP in the engine process, on the Unix socket ``uds``; the exam
+    reads it with the official client, as any client would."""
 
-    if not is_fp8(llm.config.kv_cache_dtype):
-        return None
-    return tuple(tuple(s) for s in llm.engine.model_runner.kv_scales)
+    def __init__(self, exam: Exam, server: int, uds: str) -> None:
+        self.exam, self.server, self.uds = exam, server, uds
+
+    def client(self, timeout: float):
+        from course.labs.serving import openai_client
+
+        return openai_client(self.uds, timeout=timeout)
+
+    def http_client(self, timeout: float):
+        from course.labs.serving import http_client
+
+        return http_client(self.uds, timeout=timeout)
+
+    def generation_tokens(self) -> int:
+        return int(self.exam.call("generation_tokens", server=self.server)["tokens"])
+
+    def wait_idle(self, timeout: float) -> str | None:
+        """None once the engine holds no request and no KV block, else what it still holds
+        after ``timeout`` seconds."""
+        held = self.exam.call("wait_idle", server=self.server, timeout=timeout)["held"]
+        return None if held is None else str(held)
+
+    def stop(self) -> None:
+        try:
+            self.exam.call("stop_server", server=self.server)
+        except (EngineError, EngineDied):  # the case's own error says more
+            pass
 
 
 def _compare(index, prompt: list[int], got, want: Completion) -> None:
@@ -774,18 +790,10 @@ def case_swap_with_lookahead(exam: Exam) -> None:
     swap moves only the blocks that hold computed tokens (all of the table is freed)."""
     rng = random.Random(15)
     prompts = _prompts(rng, [13, 9, 17, 6, 11])
+    # Every allocation reserves at least LOOKAHEAD slots, more if the scheduler reserves more
+    # (an Orca-style reservation): the engine process wraps the KV cache manager's allocate_slots.
     llm = exam.llm(block_size=2, num_gpu_blocks=24, max_num_batched_tokens=16,
-                   preemption_mode="swap", num_cpu_blocks=128)
-    manager = llm.engine.scheduler.kv_cache_manager
-    allocate = manager.allocate_slots
-
-    def allocate_with_lookahead(request, num_new_tokens, *args, num_lookahead_tokens=0,
-                                **kwargs):
-        # At least LOOKAHEAD, more if the scheduler reserves more (an Orca-style reservation).
-        return allocate(request, num_new_tokens, *args,
-                        num_lookahead_tokens=max(num_lookahead_tokens, LOOKAHEAD), **kwargs)
-
-    manager.allocate_slots = allocate_with_lookahead
+                   preemption_mode="swap", num_cpu_blocks=128, lookahead=LOOKAHEAD)
     run = exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8,
                                                      ignore_eos=True))
     freed = trace_counters(run.steps)["num_blocks_freed_by_preemption"]
@@ -821,33 +829,35 @@ def case_beam_search(exam: Exam) -> None:
     same cumulative log-probabilities as a brute-force search that recomputes every beam with
     no cache; beams that end with EOS compete for the final ranking, and the beams' common full
     blocks come from the prefix cache."""
-    from mini_vllm.sampling_params import BeamSearchParams
-
     rng = random.Random(BEAM_SEED)
     prompts = _prompts(rng, [rng.randint(1, 12) for _ in range(6)])
     llm = exam.llm(block_size=4, num_gpu_blocks=256, max_num_batched_tokens=256)
     width, max_tokens = 4, 5
-    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
+    got = exam.call("beam_search", engine=llm.id, prompts=prompts, beam_width=width,
+                    max_tokens=max_tokens)
+    outputs = [[(list(tokens), float(cum)) for tokens, cum in out] for out in got["sequences"]]
+    if len(outputs) != len(prompts):
+        raise ExamFailure(f"beam search: {len(outputs)} outputs for {len(prompts)} prompts")
     wanted = brute_force_beam_search(lambda seqs: last_logprobs(exam.model, seqs), prompts,
                                      width, max_tokens, EOS)
     for i, (out, want, prompt) in enumerate(zip(outputs, wanted, prompts)):
-        got = [beam.tokens[len(prompt):] for beam in out.sequences]
-        if got != [tokens[len(prompt):] for tokens, _ in want]:
+        beams = [tokens[len(prompt):] for tokens, _ in out]
+        if beams != [tokens[len(prompt):] for tokens, _ in want]:
             raise ExamFailure(
                 f"beam search, width {width}, prompt {i} ({len(prompt)} tokens): your beams "
-                f"{got}, the brute force's {[t[len(prompt):] for t, _ in want]} (look at "
+                f"{beams}, the brute force's {[t[len(prompt):] for t, _ in want]} (look at "
                 "lab 03-04's expand_beams, finish_beams and the beam score)")
-        for beam, (_, cum) in zip(out.sequences, want):
-            if not math.isclose(beam.cum_logprob, cum, rel_tol=1e-4, abs_tol=1e-3):
+        for (tokens, mine), (_, cum) in zip(out, want):
+            if not math.isclose(mine, cum, rel_tol=1e-4, abs_tol=1e-3):
                 raise ExamFailure(
-                    f"beam search, prompt {i}: cumulative logprob {beam.cum_logprob:.5f} for "
-                    f"{beam.tokens[len(prompt):]}, the brute force's {cum:.5f}")
-    held = llm.engine.num_blocks_in_use
+                    f"beam search, prompt {i}: cumulative logprob {mine:.5f} for "
+                    f"{tokens[len(prompt):]}, the brute force's {cum:.5f}")
+    held = int(got["blocks_in_use"])
     if held:
         raise ExamFailure(f"{held} KV block(s) still held after beam search finished")
-    expect(any(b.tokens[-1] == EOS for o in outputs for b in o.sequences),
+    expect(any(tokens[-1] == EOS for out in outputs for tokens, _ in out),
            "a beam completed with EOS among the results")
-    expect(llm.last_stats.prefix_cache_hits > 0, "beams reuse their common blocks")
+    expect(int(got["prefix_cache_hits"]) > 0, "beams reuse their common blocks")
 
 
 def case_stop_tokens_and_min_tokens(exam: Exam) -> None:
@@ -921,8 +931,8 @@ def case_fp8_kv_cache(exam: Exam) -> None:
     prompts = _prompts(rng, [23, 9, 40, 17])
     llm = exam.llm(block_size=8, num_gpu_blocks=64, max_num_batched_tokens=24,
                    kv_cache_dtype="fp8", kv_scales=list(FP8_KV_SCALES))
-    key_cache = llm.engine.model_runner.kv_caches[0][0]
-    expect(key_cache.dtype == torch.float8_e4m3fn, f"an fp8 cache (got {key_cache.dtype})")
+    expect(llm.kv_cache_dtype == str(torch.float8_e4m3fn),
+           f"an fp8 cache (got {llm.kv_cache_dtype})")
     exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12))
 
 
@@ -938,17 +948,11 @@ def case_served_over_http(exam: Exam) -> None:
     `[DONE]`, with the oracle's finish reason and token counts. A client then hangs up
     mid-stream: the engine must end holding no request and no KV block. Last, with a tokenizer
     whose characters span two tokens, the streamed pieces add up to the decoded text."""
-    from course.labs.serving import ServerThread, wait_idle
-    from mini_vllm.async_llm import AsyncLLM
-    from mini_vllm.entrypoints.openai.api_server import build_app
-
     rng = random.Random(35)
     prompts = _prompts(rng, [13, 4, 21])
     llm = exam.llm(block_size=16, num_gpu_blocks=80)  # room for the abandoned one
     params = SamplingParams(temperature=0.0, max_tokens=SERVED_TOKENS)
-    max_model_len = llm.engine.scheduler.max_model_len
-    engine = AsyncLLM(llm, model_name="exam")
-    server = ServerThread(build_app(engine), uds=True).start()
+    server = exam.serve(llm)
     try:
         client = server.client(timeout=30)
         for i, prompt in enumerate(prompts):
@@ -959,7 +963,7 @@ def case_served_over_http(exam: Exam) -> None:
                 for choice in chunk.choices:
                     ids += getattr(choice, "token_ids", None) or []
                     text += choice.text
-            want = exam.expected(prompt, params, max_model_len)
+            want = exam.expected(prompt, params, llm.max_model_len)
             if ids != want.token_ids:
                 raise ExamFailure(f"streamed completion {i} (prompt {_show(prompt)}): the "
                                   f"client read token ids {ids}, the oracle makes "
@@ -972,18 +976,18 @@ def case_served_over_http(exam: Exam) -> None:
             _check_raw_stream(server, i, prompt, want)
         # A client that hangs up at its third chunk of a long completion: the server must abort
         # the request (its tokens stop well short of max_tokens) and free everything it held.
-        before = engine.stat_logger.generation_tokens
+        before = server.generation_tokens()
         with client.completions.create(model="exam", prompt=prompts[0], max_tokens=HANG_UP_TOKENS,
                                        temperature=0.0, stream=True,
                                        extra_body={"ignore_eos": True}) as stream:
             for k, _ in enumerate(stream):
                 if k == 2:
                     break
-        held = wait_idle(engine, 20.0)
+        held = server.wait_idle(20.0)
         if held is not None:
             raise ExamFailure(f"{held}: a client that hangs up mid-stream must leave nothing "
                               "held")
-        made = engine.stat_logger.generation_tokens - before
+        made = server.generation_tokens() - before
         if made >= HANG_UP_TOKENS:
             raise ExamFailure(f"a client hung up at the third chunk of a {HANG_UP_TOKENS}-token "
                               f"completion, yet the engine made all {made} tokens: the request "
@@ -1000,17 +1004,13 @@ def _check_split_characters(exam: Exam, prompts: list[list[int]]) -> None:
     """The same prompts served with a tokenizer whose characters span two tokens
     (SplitCharTokenizer): the text pieces the client reads add up to the decoded output, so no
     piece ended inside a character (a server that sends U+FFFD, then the character, fails)."""
-    from course.labs.serving import ServerThread
-    from mini_vllm.async_llm import AsyncLLM
-    from mini_vllm.entrypoints.openai.api_server import build_app
-
     tokenizer = SplitCharTokenizer()
-    llm = exam.llm(block_size=16, num_gpu_blocks=80, tokenizer=tokenizer)
+    llm = exam.llm(block_size=16, num_gpu_blocks=80, tokenizer="split")
     params = SamplingParams(temperature=0.0, max_tokens=SPLIT_TOKENS, ignore_eos=True)
-    wants = [exam.expected(p, params, llm.engine.scheduler.max_model_len) for p in prompts]
+    wants = [exam.expected(p, params, llm.max_model_len) for p in prompts]
     if not any(tokenizer.splits_a_character(w.token_ids) for w in wants):  # not the student's
         raise RuntimeError("the exam's premise broke: no output cuts a character in two")
-    server = ServerThread(build_app(AsyncLLM(llm, model_name="exam")), uds=True).start()
+    server = exam.serve(llm)
     try:
         client = server.client(timeout=30)
         for i, (prompt, want) in enumerate(zip(prompts, wants)):
@@ -1240,15 +1240,22 @@ def _on_alarm(signum, frame):
     raise CaseTimeout()
 
 
+# Seconds past a case's time limit before the exam stops waiting for the engine process (which
+# interrupts its own request at the limit, with the steps it made) and kills it.
+GRACE_S = 10.0
+
+
 def run_case(case: Case, exam: Exam, timeout_s: float) -> CaseResult:
-    """Run one case; a time limit (SIGALRM, where the OS has it) turns a hang into a result."""
+    """Run one case; a time limit (SIGALRM, where the OS has it) turns a hang into a result.
+    Only a case that returns is "passed": any error, here or reported by the engine process,
+    is an "error"."""
     use_alarm = hasattr(signal, "SIGALRM") and timeout_s > 0
     if use_alarm:
         previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s + GRACE_S)
     start = time.perf_counter()
-    exam.start(case.name)
     try:
+        exam.start(case.name, timeout_s)
         case.run(exam)
         result = CaseResult(case.name, "passed")
     except ExamFailure as exc:
@@ -1257,6 +1264,14 @@ def run_case(case: Case, exam: Exam, timeout_s: float) -> CaseResult:
         result = CaseResult(case.name, "timeout", f"did not finish within {timeout_s:g} s (a loop "
                             "that never ends, or an engine that never finishes its requests)",
                             detail=exam.diagnose_error())
+    except EngineError as exc:
+        if exc.kind == "NotImplementedError":
+            result = CaseResult(case.name, "error", f"not implemented: {exc} ({exc.where})")
+        else:
+            result = CaseResult(case.name, "error", f"{exc.kind}: {exc} (at {exc.where})",
+                                detail=exam.diagnose_error())
+    except EngineDied as exc:
+        result = CaseResult(case.name, "error", str(exc), detail=exam.diagnose_error())
     except NotImplementedError as exc:
         result = CaseResult(case.name, "error", f"not implemented: {exc} ({_where(exc)})")
     except Exception as exc:

@@ -2,20 +2,23 @@
 
 Composition patches the process it runs in (:mod:`course.engine.compose`). The worker imports torch,
 mini_vllm and the exam once, and, for each engine it must run (the student's composition, then
-one lab at a time while bisecting), forks a child that composes and runs it: every engine gets a
-clean process without paying for the imports again. The reference engine's statistics and the
-oracle's completions are computed once, before anything is composed, and inherited by the
-children.
+one lab at a time while bisecting), forks a process that composes it: every engine gets a clean
+process without paying for the imports again. For the exam, that process is an engine process
+(:mod:`course.engine.engine_side`) that answers the exam's requests with data, and the worker,
+which never composes anything, runs the cases and decides every verdict; the reference engine's
+statistics and the oracle's completions are computed here, before anything is composed.
 
-The parent passes a JSON job on the command line; the worker appends one JSON object per line to
-``job["out"]`` as the work goes, so a case that hangs or kills the process leaves every result
-before it. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode`` ("generate" or
-"exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam ``cases`` (names),
-``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun failing cases with
-one lab at a time the student's: "all" of them, or True; the "first" only; "none", or False),
-and optionally ``first`` (a case to run before the others), ``bisect_labs`` (bisect over these
-of the student's labs only) and ``reference`` (a JSON file of the reference engine's records and
-the oracle's completions to reuse; written there when missing).
+The parent passes a JSON job on the command line; the worker writes one JSON object per line to
+the pipe ``job["out_fd"]`` as the work goes, so a case that hangs or kills the process leaves
+every result before it. No process that runs student code holds that
+pipe, and the worker is not dumpable. Job fields: ``labs`` (lab ids whose pieces are the
+student's), ``mode`` ("generate" or "exam"), ``gpu``; for generate ``prompts`` and
+``max_tokens``; for the exam ``cases`` (names), ``sweep``, ``timeout`` (seconds per case),
+``fail_fast``, ``bisect`` (rerun failing cases with one lab at a time the student's: "all" of
+them, or True; the "first" only; "none", or False), and optionally ``first`` (a case to run
+before the others), ``bisect_labs`` (bisect over these of the student's labs only) and
+``reference`` (a JSON file of the reference engine's records and the oracle's completions to
+reuse; written there when missing).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from course.labs.student_process import keep_only_descriptors, not_dumpable
 
 
 def _emit(out, record: dict) -> None:
@@ -44,7 +49,8 @@ def _error_record(exc: BaseException) -> dict:
 
 def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
     """Run ``work(out)`` in a forked child that writes records to ``out``; returns the records
-    and, when the child did not finish cleanly, why. The child is killed after ``timeout_s``."""
+    and, when the child did not finish cleanly, why. The child is killed after ``timeout_s``.
+    (For ``generate``, whose records are the student's own text, not verdicts.)"""
     if not hasattr(os, "fork"):  # pragma: no cover - the course targets Linux and macOS
         raise RuntimeError("the engine exam needs os.fork (Linux or macOS)")
     with tempfile.NamedTemporaryFile("w+", suffix=".jsonl", delete=False) as tmp:
@@ -55,6 +61,7 @@ def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
     if pid == 0:  # the child: compose, run, report, and never return into the worker's code
         code = 0
         try:
+            keep_only_descriptors({0, 1, 2})
             with open(path, "a", encoding="utf-8") as out:
                 try:
                     work(out)
@@ -132,6 +139,7 @@ def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
     """(statistics per case, the oracle's completions) of the reference engine, computed here
     before anything is composed, or read from ``job["reference"]``. With ``out``, every case's
     result is reported (the exam of the reference itself)."""
+    from course.engine.engine_side import LocalEngines
     from course.engine.exam import Exam, cases, run_case
 
     path = Path(job["reference"]) if job.get("reference") else None
@@ -139,17 +147,21 @@ def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
         data = json.loads(path.read_text(encoding="utf-8"))
         if all(c.name in data["stats"] for c in chosen):
             return data["stats"], data
-    exam = Exam()
+    engines = LocalEngines()
+    exam = Exam(engines)
     stats = {}
     todo = cases(job["sweep"]) if path is not None else chosen  # a shared file holds them all
-    for case in todo:
-        result = run_case(case, exam, job["timeout"])
-        if out is not None:
-            _emit(out, {"type": "case", **result.as_dict()})
-        elif result.outcome != "passed":
-            raise RuntimeError(f"the reference engine fails exam case {case.name}: "
-                               f"{result.message}")
-        stats[case.name] = exam.recorded
+    try:
+        for case in todo:
+            result = run_case(case, exam, job["timeout"])
+            if out is not None:
+                _emit(out, {"type": "case", **result.as_dict()})
+            elif result.outcome != "passed":
+                raise RuntimeError(f"the reference engine fails exam case {case.name}: "
+                                   f"{result.message}")
+            stats[case.name] = exam.recorded
+    finally:
+        engines.stop()
     data = {"stats": stats, **exam.export()}
     if path is not None:
         tmp = path.with_suffix(".tmp")
@@ -160,7 +172,6 @@ def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
 
 def run_exam(job: dict, out) -> None:
     from course.engine.compose import compose
-    from course.engine.exam import Exam, run_case
 
     chosen = _select_cases(job)
     labs = job["labs"]
@@ -170,28 +181,48 @@ def run_exam(job: dict, out) -> None:
         _reference_data(job, chosen, out)
         return
     stats, oracle = _reference_data(job, chosen) if labs else (None, {})
-    budget = job["timeout"] * (len(chosen) + 1) + 120
 
-    def exam_in_child(student, names, fail_fast):
-        def work(child_out):
-            composition = compose(student, gpu=job.get("gpu", False))
-            _emit(child_out, {"type": "composition", "rows": composition.lab_rows()})
-            exam = Exam(stats)
+    def exam_of(student: list[str], names: set[str], fail_fast: bool, emit) -> None:
+        """The cases ``names`` on an engine of ``student``'s pieces, judged here."""
+        from course.engine.engine_side import EngineProcess
+        from course.engine.exam import EngineDied, Exam, run_case
+
+        try:
+            process = EngineProcess(student, gpu=job.get("gpu", False))
+        except EngineDied as exc:
+            emit({"type": "error", "message": str(exc)})
+            return
+        try:
+            if process.composition_error is not None:
+                emit({"type": "error", "message": process.composition_error,
+                      "composition": False})
+                return
+            emit({"type": "composition", "rows": process.rows})
+            exam = Exam(process, stats)
             exam.preload(oracle)
             for case in chosen:
                 if case.name not in names:
                     continue
+                if not process.alive:  # the last case crashed it or ran out of time
+                    try:
+                        process.restart()
+                    except EngineDied as exc:
+                        emit({"type": "error", "message": str(exc)})
+                        return
                 result = run_case(case, exam, job["timeout"])
-                _emit(child_out, {"type": "case", **result.as_dict()})
+                emit({"type": "case", **result.as_dict()})
                 if fail_fast and result.outcome != "passed":
                     break
-        return in_child(work, budget)
+        finally:
+            process.stop()
 
-    records, why = exam_in_child(labs, {c.name for c in chosen}, job.get("fail_fast", False))
-    for record in records:
+    records: list[dict] = []
+
+    def emit(record: dict) -> None:
+        records.append(record)
         _emit(out, record)
-    if why:
-        _emit(out, {"type": "error", "message": why})
+
+    exam_of(labs, {c.name for c in chosen}, job.get("fail_fast", False), emit)
     # Every failing case is bisected (one failure can hide a second mistake in another lab),
     # except those that name an unwritten task: their message already says where to look.
     failed = [r["case"] for r in records if r.get("type") == "case"
@@ -203,15 +234,15 @@ def run_exam(job: dict, out) -> None:
         return
     _emit(out, {"type": "bisect-start", "case": failed[0], "cases": failed})
     for lab_id in job.get("bisect_labs") or labs:  # one engine per lab, every failing case
-        sub, why = exam_in_child([lab_id], set(failed), False)
+        sub: list[dict] = []
+        exam_of([lab_id], set(failed), False, sub.append)
         ran = {r["case"]: r for r in sub if r.get("type") == "case"}
         errors = [r["message"] for r in sub if r.get("type") == "error"]
         for name in failed:
             r = ran.get(name)
             _emit(out, {"type": "bisect", "lab": lab_id, "case": name,
                         "outcome": r["outcome"] if r else "error",
-                        "message": r["message"] if r else (why or "; ".join(errors)
-                                                           or "no result")})
+                        "message": r["message"] if r else ("; ".join(errors) or "no result")})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # One thread: forked children must not inherit a pool of OpenMP workers.
     torch.set_num_threads(1)
-    with Path(job["out"]).open("a", encoding="utf-8") as out:
+    not_dumpable()  # before anything that runs student code is forked
+    with os.fdopen(job["out_fd"], "w", encoding="utf-8") as out:
         try:
             if job["mode"] == "exam":
                 run_exam(job, out)

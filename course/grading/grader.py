@@ -641,13 +641,15 @@ def _status(r: UnitResult, run: sandbox.SessionRun) -> tuple[str, str]:
 
 class CommandUnit:
     """A graded unit run as a child command in the sandbox, e.g. the engine exam:
-    `argv` ("{python}", "{impl}" and "{json}" substituted) runs in a full course copy holding all
-    of the submission's files and writes its cases
-    ({"case" or "id", "outcome", "message"}; a list, or a report with a "cases" list) to the path
-    substituted for "{json}". `cases` (the
-    instructor's list, fixed before anything runs) share `points` equally; a case that is missing
-    from the file scores 0. The file is written by a process that runs student code: trust it as
-    much as a test's report (see the README).
+    `argv` ("{python}", "{impl}", "{channel}" and "{json}" substituted) runs in a full course
+    copy holding all of the submission's files and reports its cases ({"case" or "id",
+    "outcome", "message"}; a list, or a report with a "cases" list): as a JSON line on the
+    descriptor substituted for "{channel}" (a report with "cases"), else in the file at the
+    path substituted for "{json}". `cases` (the instructor's list, fixed before anything runs)
+    share `points` equally; a case that is missing from the report scores 0. The engine exam
+    reports on the channel from a process that runs no student code (its engines run in
+    processes that hold no descriptor of it); a "{json}" file can be written by any process of
+    the sandbox: trust it as much as the command's own isolation (see the README).
 
     `follows` names the labs whose code the command runs: it runs after them, with only those
     of them that are the student's own work (see `own_work`), and not at all when there is
@@ -686,7 +688,11 @@ class CommandUnit:
             env = sandbox.minimal_env(ws, {"LAB_IMPL": ctx.impl})
             run = sandbox.run_session(argv, ws, env, ctx.lab_timeout, ctx.hide)
             try:
-                data = json.loads(out.read_text())
+                if any("{channel}" in a for a in self.argv):
+                    reports = [m for m in run.messages if isinstance(m.get("cases"), list)]
+                    data = reports[-1] if reports else {}
+                else:
+                    data = json.loads(out.read_text())
                 listed = data.get("cases", []) if isinstance(data, dict) else data
                 reported = {str(c.get("case", c.get("id"))): c for c in listed
                             if isinstance(c, dict)}
@@ -755,7 +761,7 @@ def graded_units(instructor: Instructor) -> list:
             # ends, so a bisection of every case that ran past the time limit would cost the
             # student the cases already passed.
             ["{python}", "-m", "course", "engine", "--exam", "--impl", "{impl}", "--labs", "all",
-             "--bisect", "first", "--json", "{json}"],
+             "--bisect", "first", "--channel", "{channel}"],
             [c.name for c in cases(GRADED_SWEEP)],
             follows=tuple(lab.id for lab in instructor.labs if lab.id in needed),
         ))
@@ -823,9 +829,9 @@ def grade(paths: list[tuple[str | None, Path]], labs: list[Lab], opts: Options,
     out.mkdir(parents=True, exist_ok=True)
     # Below the full sandbox, students' processes run as this user: they must not open this
     # process's descriptors (the sessions' channels) through /proc, nor trace it.
-    from course.grading.plugin import _not_dumpable
+    from course.labs.student_process import not_dumpable
 
-    _not_dumpable()
+    not_dumpable()
     iso = sandbox.probe(sandbox.Limits(memory_bytes=opts.memory_limit))
     try:
         sandbox.require(iso, opts.allow_weak_isolation)

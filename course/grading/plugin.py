@@ -19,7 +19,6 @@ what the session saw, not what the child chose: "exited", "crashed", "timed out"
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -35,6 +34,7 @@ import pytest
 
 import course.labs.loader as loader
 from course.labs.catalog import lab_for_path
+from course.labs.student_process import not_dumpable
 
 # Seconds a child gets past its pytest-timeout before the session kills it: pytest-timeout fails
 # a cooperative test with a traceback; the kill stops one that ignores the signal.
@@ -108,16 +108,8 @@ def pytest_configure(config):
     _CHANNEL["fd"] = fd
     spec_path = config.getoption("--course-spec")
     config._course_spec = json.loads(Path(spec_path).read_text()) if spec_path else {}
-    _not_dumpable()
+    not_dumpable()
     _guard_session()
-
-
-def _not_dumpable() -> None:
-    """Processes of the same user cannot ptrace this one or read its /proc/PID/fd and mem."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except Exception:
-        pass
 
 
 def _guard_session() -> None:

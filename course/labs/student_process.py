@@ -89,7 +89,7 @@ def _trusted(module_name: str) -> bool:
 # --- framing ------------------------------------------------------------------------------------
 
 
-class _Reader:
+class Reader:
     """The receiving end of the channel, buffered: a message's length, header and blobs come
     in as few reads as the socket allows (one, for a short message)."""
 
@@ -108,14 +108,14 @@ class _Reader:
         return out
 
 
-def _send_message(sock: socket.socket, header: dict, blobs: list[bytes]) -> None:
+def send_message(sock: socket.socket, header: dict, blobs: list[bytes]) -> None:
     head = json.dumps(dict(header, blobs=[len(b) for b in blobs])).encode()
     sock.sendall(struct.pack("!I", len(head)) + head)
     for b in blobs:
         sock.sendall(b)
 
 
-def _recv_message(reader: _Reader) -> tuple[dict, list[bytes]]:
+def recv_message(reader: Reader) -> tuple[dict, list[bytes]]:
     (n,) = struct.unpack("!I", reader.exact(4))
     if n > MAX_HEADER:
         raise StudentProcessError(f"a message header of {n} bytes (the limit is {MAX_HEADER})")
@@ -285,7 +285,7 @@ class Side:
 
     def __init__(self, sock: socket.socket, student: bool):
         self.sock = sock
-        self.reader = _Reader(sock)
+        self.reader = Reader(sock)
         self.student = student
         self.exported: dict[int, object] = {}  # handle -> object of this side
         self.export_ids: dict[int, int] = {}  # id(object) -> handle
@@ -459,8 +459,8 @@ class Side:
                 original.clear()
                 original.update(_hashable(v) for v in state)
             elif isinstance(original, Struct):
-                original._fields.update((k, v) for k, v in state if isinstance(k, str)) \
-                    if all(isinstance(p, list) and len(p) == 2 for p in state) else None
+                if all(isinstance(p, list) and len(p) == 2 for p in state):
+                    original._fields.update((k, v) for k, v in state if isinstance(k, str))
             else:
                 for pair in state:
                     if (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
@@ -789,12 +789,12 @@ class Side:
         sync = self.storages.changed(msg.blobs)
         drop = self.storages.drop_dead()
         with self.lock:
-            _send_message(self.sock, dict(header, **body, new=msg.new, sync=sync, drop=drop,
+            send_message(self.sock, dict(header, **body, new=msg.new, sync=sync, drop=drop,
                                           mirrors=mirrors), msg.blobs)
 
     def receive(self) -> tuple[dict, list[bytes]]:
         try:
-            header, blobs = _recv_message(self.reader)
+            header, blobs = recv_message(self.reader)
         except (EOFError, ConnectionError, OSError) as exc:
             raise EOFError(str(exc)) from None
         new, sync, drop = header.get("new", []), header.get("sync", []), header.get("drop", [])
@@ -1008,7 +1008,7 @@ class _ForwardLog(logging.Handler):
             text = str(record.msg)
         try:
             with self.side.lock:
-                _send_message(self.side.sock, {"op": "log", "name": record.name,
+                send_message(self.side.sock, {"op": "log", "name": record.name,
                                                "level": record.levelno, "text": text[:MAX_WRITE],
                                                "where": f"{record.filename}:{record.lineno}"},
                               [])
@@ -1472,7 +1472,7 @@ class StudentProcess:
         self.pid = os.fork()
         if self.pid == 0:  # the student's process
             parent.close()
-            _on_its_own(test_pid)
+            on_its_own(test_pid)
             _serve_forever(child, lambda: load(lab_dir, impl, lab_id))
         try:
             os.setpgid(self.pid, self.pid)  # as the child does: whichever runs first
@@ -1540,7 +1540,7 @@ def _kill(pid: int) -> None:
             pass
 
 
-def _on_its_own(test_pid: int) -> None:
+def on_its_own(test_pid: int) -> None:
     """Before any student code: a process group of its own (so `stop` ends the processes it
     starts too, and a kill of its own group reaches no test), killed when the test's process
     dies, first to go when memory runs out, and no terminal to read."""
@@ -1573,14 +1573,7 @@ def _serve_forever(sock: socket.socket, load) -> None:
     IN_STUDENT_PROCESS = True
     code = 0
     try:
-        fd = sock.fileno()
-        keep = {0, 1, 2, fd}
-        for other in range(3, _max_fd()):
-            if other not in keep:
-                try:
-                    os.close(other)
-                except OSError:
-                    pass
+        keep_only_descriptors({0, 1, 2, sock.fileno()})
         try:
             import torch
 
@@ -1623,7 +1616,7 @@ class _Forward:
         if text:
             try:
                 with self.side.lock:
-                    _send_message(self.side.sock, {"op": "write", "stream": self.stream,
+                    send_message(self.side.sock, {"op": "write", "stream": self.stream,
                                                    "text": text[:MAX_WRITE]}, [])
             except OSError:
                 pass
@@ -1636,11 +1629,33 @@ class _Forward:
         return False
 
 
+def keep_only_descriptors(keep: set[int]) -> None:
+    """Close every file descriptor of this process but ``keep``: a process that runs student
+    code must hold no pipe, file or socket of the process that judges it."""
+    for other in range(3, _max_fd()):
+        if other not in keep:
+            try:
+                os.close(other)
+            except OSError:
+                pass
+
+
 def _max_fd() -> int:
     try:
         return max(int(n) for n in os.listdir("/proc/self/fd")) + 1
     except (OSError, ValueError):
         return 1024
+
+
+def not_dumpable() -> None:
+    """Processes of the same user cannot ptrace this one or read its /proc/PID/fd and mem (a
+    process that decides verdicts calls it before it forks anything that runs student code)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except Exception:  # noqa: BLE001 - not Linux
+        pass
 
 
 class _Unloadable:
