@@ -10,15 +10,14 @@ statistics and the oracle's completions are computed here, before anything is co
 
 The parent passes a JSON job on the command line; the worker writes one JSON object per line to
 the pipe ``job["out_fd"]`` as the work goes, so a case that hangs or kills the process leaves
-every result before it. No process that runs student code holds that
-pipe, and the worker is not dumpable. Job fields: ``labs`` (lab ids whose pieces are the
-student's), ``mode`` ("generate" or "exam"), ``gpu``; for generate ``prompts`` and
-``max_tokens``; for the exam ``cases`` (names), ``sweep``, ``timeout`` (seconds per case),
-``fail_fast``, ``bisect`` (rerun failing cases with one lab at a time the student's: "all" of
-them, or True; the "first" only; "none", or False), and optionally ``first`` (a case to run
-before the others), ``bisect_labs`` (bisect over these of the student's labs only) and
-``reference`` (a JSON file of the reference engine's records and the oracle's completions to
-reuse; written there when missing).
+every result before it. No process that runs student code holds that pipe, and the worker is
+not dumpable. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode``
+("generate" or "exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam
+``cases`` (names), ``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun
+failing cases with one lab at a time the student's: "all" of them, or True; the "first" only;
+"none", or False), and optionally ``first`` (a case to run before the others), ``bisect_labs``
+(bisect over these of the student's labs only) and ``reference`` (a JSON file of the reference
+engine's records and the oracle's completions to reuse; written there when missing).
 """
 
 from __future__ import annotations
