@@ -9,7 +9,7 @@ python -m course clone --roster CSV --plan N   the shards of N that hold student
 python -m course check           integrity: solution passes, starter fails, same API, bugs caught
                                  (null starters: every task body emptied earns no points)
 python -m course list            the labs, in order
-python -m course refs [--vllm-src DIR ...] [--changes [LAB]]   upstream references (both pins)
+python -m course refs [--fetch] [--vllm-src DIR ...] [--changes [LAB]]   upstream references
 python -m course engine [--exam]  your finished labs as one engine; the engine exam
 python -m course hint 02-03 4 [--level 2|3]  a hint for task 4 of lab 02-03, one rung at a time
 python -m course measure 02-01 [--plot F]    predict, then measure: your code beside the reference
@@ -464,6 +464,17 @@ def cmd_refs(args) -> int:
     from course.upstream.refs import check_consistency, load_map
     from course.upstream.today import changes_report, check_today_consistency, check_trees
 
+    if args.fetch:
+        from course.upstream.fetch import FetchError, fetch, pinned_versions
+
+        for version in pinned_versions(REPO_ROOT):
+            try:
+                tree = fetch(version)
+            except FetchError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            print(f"vLLM {version}: {tree}")
+            args.vllm_src.append(str(tree))
     problems = check_consistency(REPO_ROOT) + check_today_consistency(REPO_ROOT)
     refs, _ = load_map(REPO_ROOT)
     print(f"{len(refs)} map entries; map, today's pin and READMEs "
@@ -757,6 +768,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="DIR",
         help="an unpacked vLLM release (repeatable: a pinned one, today's, or both)",
+    )
+    p.add_argument(
+        "--fetch",
+        action="store_true",
+        help="fetch every release upstream_refs/pins.toml names (their sdists, from the package "
+        "index, kept in $VLLM_SRC_CACHE or ~/.cache/vllm-src) and check against all of them",
     )
     p.add_argument(
         "--changes",

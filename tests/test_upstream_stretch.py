@@ -145,9 +145,8 @@ def upstream_runner():
     spec.loader.exec_module(run)
     src = run.find_source()
     if src is None:
-        pytest.skip(f"the vLLM {run.release()} source is not here (CI has no network): fetch "
-                    f"it with ../shared/tools/get-vllm-src.sh {run.release()} to run vLLM's own "
-                    f"tests against mini_vllm")
+        pytest.skip(f"the vLLM {run.release()} source is not here: fetch it with `python -m "
+                    "course refs --fetch` (CI does) to run vLLM's own tests against mini_vllm")
     return run, src
 
 

@@ -2,8 +2,8 @@
 
 Against a small fake course and two fake releases in a tmp dir: the pin the map cites (v9.9.9)
 and "today's" (v10.0.0), in which one piece stayed, one moved, one changed its signature and
-one is gone. The real releases are checked only where their source is on this machine (CI has
-no network to fetch them): `../shared/tools/get-vllm-src.sh VERSION` unpacks one.
+one is gone. The real releases are checked where their source is on this machine (`python -m
+course refs --fetch` fetches every pin; CI does, before the suite).
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def test_the_records_are_true_of_the_real_releases():
     primary, today = _release_here("0.11.0"), _release_here(today_version(REPO_ROOT))
     if primary is None or today is None:
         pytest.skip("the v0.11.0 and today's vLLM source are not unpacked here; fetch them "
-                    "with ../shared/tools/get-vllm-src.sh VERSION to run this check")
+                    "with `python -m course refs --fetch` (CI does) to run this check")
     problems, lines = check_trees([primary, today], REPO_ROOT)
     assert not problems, "\n".join(problems)
     assert "0 mismatch(es)" in lines[-1] or "0 mismatch(es)" in lines[-2]
@@ -349,3 +349,56 @@ struct Impl {
     assert enclosing(symbols, 5).qualname == "kernel"
     assert "convert<float,uint8_t>" in symbols and symbols["MAX"].signature == "(a, b)"
     assert enclosing(symbols, 11).qualname == "Impl::call"
+
+
+# --- fetching the releases --------------------------------------------------------------------
+
+
+def test_fetch_keeps_the_tree_pip_unpacked_and_says_what_pip_said_when_it_cannot(
+        tmp_path, monkeypatch):
+    """pip unpacks an sdist, then fails to build vLLM's metadata: the unpacked tree (or the
+    archive, unpacked here) becomes the cache's ``vVERSION``; once there it is not fetched again;
+    a release pip cannot get raises with pip's own last lines and leaves nothing behind."""
+    import tarfile
+
+    from course.upstream import fetch as fetching
+
+    monkeypatch.setenv("VLLM_SRC_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def pip(cmd, env, **kwargs):
+        calls.append(cmd[-1])
+        work = Path(env["TMPDIR"])
+        if cmd[-1] == "vllm==9.9.9":  # pip's unpacked copy, kept by --no-clean
+            tree = work / "pip-download-x" / "vllm_0123"
+            (tree / "vllm").mkdir(parents=True)
+            (tree / "vllm" / "__init__.py").write_text("")
+            (tree / "tests" / "v1").mkdir(parents=True)
+        elif cmd[-1] == "vllm==7.7.7":  # only the archive
+            inner = work / "src" / "vllm-7.7.7" / "vllm"
+            inner.mkdir(parents=True)
+            (inner / "__init__.py").write_text("")
+            (work / "dl").mkdir()
+            with tarfile.open(work / "dl" / "vllm-7.7.7.tar.gz", "w:gz") as tar:
+                tar.add(work / "src" / "vllm-7.7.7", arcname="vllm-7.7.7")
+        return subprocess.CompletedProcess(cmd, 1, "", "error: metadata-generation-failed\n")
+
+    monkeypatch.setattr(fetching.subprocess, "run", pip)
+    tree = fetching.fetch("9.9.9")
+    assert tree == tmp_path / "cache" / "v9.9.9" and (tree / "tests" / "v1").is_dir()
+    assert fetching.fetch("9.9.9") == tree and calls == ["vllm==9.9.9"]
+    assert (fetching.fetch("7.7.7") / "vllm" / "__init__.py").is_file()
+    with pytest.raises(fetching.FetchError, match="metadata-generation-failed"):
+        fetching.fetch("8.8.8")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["v7.7.7", "v9.9.9"]
+
+
+def test_refs_fetch_that_cannot_reach_the_index_exits_2_with_one_line_first(tmp_path):
+    env = dict(os.environ, VLLM_SRC_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1",
+               PIP_FIND_LINKS="", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-m", "course", "refs", "--fetch"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("error: could not fetch the vLLM 0.11.0 source from the package "
+                            "index"), proc.stderr

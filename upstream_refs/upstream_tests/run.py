@@ -5,7 +5,7 @@ and prefix caching against mini_vllm (with today's behaviour on), and count the 
                                                [--json PATH]
 
 The test files are read from the release's source at run time, never copied into the course
-(fetch it with ``../shared/tools/get-vllm-src.sh 0.33.0``). Every item passes, fails, or is
+(fetch it with ``python -m course refs --fetch``). Every item passes, fails, or is
 excluded with a written reason (``upstream_refs/left_out/upstream_tests.toml``). Exit status: 0
 when no item fails and no exclusion is stale (names nothing, or a test that passes), 1
 otherwise, 2 when the source is not there.
@@ -45,7 +45,7 @@ def release() -> str:
 
 def find_source(given: str | None = None) -> Path | None:
     """The release's unpacked source: ``given``, ``$VLLM_SRC_TODAY``, or where
-    get-vllm-src.sh puts it (``${VLLM_SRC_CACHE:-~/.cache/vllm-src}/vVERSION``)."""
+    ``course refs --fetch`` puts it (``${VLLM_SRC_CACHE:-~/.cache/vllm-src}/vVERSION``)."""
     cache = Path(os.environ.get("VLLM_SRC_CACHE", Path.home() / ".cache" / "vllm-src"))
     for candidate in (given, os.environ.get("VLLM_SRC_TODAY"), cache / f"v{release()}"):
         if candidate and (Path(candidate) / "tests" / "v1" / "core").is_dir():
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impl", choices=("solution", "stretch"), default="solution",
                         help="the reference (default) or your lab 02-01 stretch")
     parser.add_argument("--vllm-src", help="the unpacked release (default: where "
-                        "get-vllm-src.sh puts it)")
+                        "`python -m course refs --fetch` puts it)")
     parser.add_argument("--pinned", action="store_true",
                         help="keep v0.11.0's behaviour (the switch off): which tests tell the "
                         "two apart")
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     src = find_source(args.vllm_src)
     if src is None:
-        print(f"the vLLM {release()} source is not here: fetch it with "
-              f"../shared/tools/get-vllm-src.sh {release()} (or pass --vllm-src DIR)")
+        print(f"the vLLM {release()} source is not here: fetch it with `python -m course refs "
+              "--fetch` (or pass --vllm-src DIR)")
         return 2
     try:
         result = run(src, args.impl, today=not args.pinned)
