@@ -733,3 +733,58 @@ def test_an_engine_process_that_forges_its_results_earns_nothing():
     assert list(held.values()).count("socket:") == 1, seen
     if iso.level == "namespaces+nobody":
         assert re.search(r"\d+=PermissionError", seen), seen
+
+
+def test_the_exam_judges_only_answers_it_can_read_and_that_hold():
+    """The exam's side of the channel, with the reference engine's answers changed on the way as
+    a hostile engine process could change them: ids that are not ints (true, 3.0), a missing
+    output, no steps against the reference's, an error named "timeout": each fails or errs
+    with a reason, never passes; only the answer that says so is a timeout."""
+    from course.engine.engine_side import LocalEngines
+    from course.engine.exam import Exam, cases, run_case
+
+    case = next(c for c in cases() if c.name == "prefix-odd-lengths")
+    exam = Exam(LocalEngines())
+    assert run_case(case, exam, 60).outcome == "passed"
+    reference = {case.name: exam.recorded}
+
+    class Changed:
+        """The reference engine, its generate answers passed through ``change``."""
+
+        def __init__(self, change):
+            self.inner, self.change = LocalEngines(), change
+
+        def call(self, op, args, seconds):
+            answer = self.inner.call(op, args, seconds)
+            return self.change(answer) if op == "generate" else answer
+
+    def ids(value):
+        def change(answer):
+            for out in answer["ok"]["outputs"]:
+                for c in out["completions"]:
+                    c["token_ids"] = [value(t) for t in c["token_ids"]]
+            return answer
+        return change
+
+    def fewer(answer):
+        answer["ok"]["outputs"].pop()
+        return answer
+
+    def no_steps(answer):
+        answer["ok"]["steps"] = []
+        return answer
+
+    outcomes = {}
+    for name, change in [("bools", ids(lambda t: True)), ("floats", ids(float)),
+                         ("fewer", fewer), ("no steps", no_steps),
+                         ("timeout", lambda a: {"timeout": True, "steps": []}),
+                         ("named timeout", lambda a: {"error": {"type": "timeout",
+                                                                "message": "", "where": ""}})]:
+        result = run_case(case, Exam(Changed(change), reference), 60)
+        outcomes[name] = (result.outcome, result.message)
+    assert {k: v[0] for k, v in outcomes.items()} == {
+        "bools": "failed", "floats": "failed", "fewer": "failed", "no steps": "failed",
+        "timeout": "timeout", "named timeout": "error"}, outcomes
+    assert "could not be read" in outcomes["bools"][1] and "could not" in outcomes["floats"][1]
+    assert "0 outputs for 1 prompts" in outcomes["fewer"][1], outcomes["fewer"]
+    assert "differ" in outcomes["no steps"][1], outcomes["no steps"]

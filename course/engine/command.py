@@ -529,6 +529,9 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     who = f"yours: {', '.join(student)}" if student else "all reference"
     print(f"Engine exam: {len(names)} case(s) on your mini_vllm ({who}) ...", file=sys.stderr)
     report = run_exam_job(job, args.timeout + 3 * args.case_timeout * (len(names) + 2))
+    if args.channel is not None:  # first: nothing printed below can keep it from the grader
+        with os.fdopen(args.channel, "w", encoding="utf-8") as channel:
+            channel.write(json.dumps({"type": "exam", **report}) + "\n")
     if report["composition"]:
         print(_composition_table(report["composition"], reasons) + "\n")
     for r in report["cases"]:
@@ -563,9 +566,6 @@ def _exam(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
               "its published starter). That exam: python -m course engine --exam --labs all")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
-    if args.channel is not None:
-        with os.fdopen(args.channel, "w", encoding="utf-8") as channel:
-            channel.write(json.dumps({"type": "exam", **report}) + "\n")
     if report["composition_error"]:
         return 2
     return 0 if not failing else 1

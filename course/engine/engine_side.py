@@ -23,17 +23,20 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 import torch
 
 from course.engine.exam import (
+    GRACE_S,
     TINY,
     TINY_FP8,
     CaseTimeout,
     EngineDied,
     IdTokenizer,
     SplitCharTokenizer,
+    _on_alarm,
     _where,
     tiny_model,
 )
@@ -155,6 +158,7 @@ class Engines:
         return {}
 
     def new(self, config: dict) -> dict:
+        from mini_vllm.attention.fp8 import is_fp8
         from mini_vllm.llm import LLM
 
         config = dict(config)
@@ -163,7 +167,7 @@ class Engines:
         lookahead = int(config.pop("lookahead", 0))
         if config.get("kv_scales") is not None:
             config["kv_scales"] = [tuple(s) for s in config["kv_scales"]]
-        llm = LLM(self._model(config.get("kv_cache_dtype", "auto") != "auto"),
+        llm = LLM(self._model(is_fp8(config.get("kv_cache_dtype", "auto"))),
                   tokenizer=tokenizer, **config)
         swap = llm.engine.scheduler.swap_space
         runner = llm.engine.model_runner
@@ -194,7 +198,7 @@ class Engines:
                         for out in outputs],
             "stats": _numbers(llm.last_stats),
             "steps": self.current,
-            "cpu_blocks_held": (self.cpu_free[engine] - swap.get_num_free_blocks()
+            "cpu_blocks_held": (self.cpu_free[engine] - int(swap.get_num_free_blocks())
                                 if swap is not None else 0),
         }
         self.current = None
@@ -248,7 +252,7 @@ class Engines:
         ...}``, or ``{"error": {"type", "message", "where"}, "steps": ...}``. Past ``seconds`` the
         request is interrupted (CaseTimeout) and the error says "timeout"."""
         op, args, seconds = request.get("op"), request.get("args") or {}, request.get("seconds")
-        if op not in self.REQUESTS:
+        if op not in self.REQUESTS or not isinstance(args, dict):
             return {"error": {"type": "ValueError", "message": f"no request {op!r}"}}
         use_alarm = isinstance(seconds, (int, float)) and seconds > 0
         if use_alarm:
@@ -257,13 +261,13 @@ class Engines:
         try:
             return {"ok": getattr(self, op)(**args)}
         except CaseTimeout:
-            return {"error": {"type": "timeout", "message": "", "where": ""},
-                    "steps": self.current}
+            return {"timeout": True, "steps": self.current}
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - the exam says what went wrong
             return {"error": {"type": type(exc).__name__,
-                              "message": str(exc)[:MESSAGE_LIMIT], "where": _where(exc)},
+                              "message": str(exc)[:MESSAGE_LIMIT], "where": _where(exc),
+                              "not_implemented": isinstance(exc, NotImplementedError)},
                     "steps": self.current}
         finally:
             if use_alarm:
@@ -287,14 +291,17 @@ class Engines:
         return self.models[fp8]
 
 
-def _on_alarm(signum, frame):
-    raise CaseTimeout()
-
-
 def _numbers(stats) -> dict:
-    """The engine's statistics as numbers (``EngineStats``'s fields)."""
-    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
-            if isinstance(getattr(stats, f.name), (int, float))}
+    """The engine's statistics as numbers (``EngineStats``'s fields; a tensor or numpy scalar a
+    student's piece left there counts as its value)."""
+    out = {}
+    for f in dataclasses.fields(stats):
+        value = getattr(stats, f.name)
+        if hasattr(value, "item") and callable(value.item):
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f.name] = value
+    return out
 
 
 def _reserve_lookahead(llm, lookahead: int) -> None:
@@ -316,19 +323,15 @@ def _reserve_lookahead(llm, lookahead: int) -> None:
 
 class LocalEngines:
     """The reference engine's requests, answered in this process (nothing is composed here),
-    each answer passed through JSON as it would come over the socket."""
+    each request and answer passed through JSON as they would cross the socket."""
 
     def __init__(self) -> None:
         self.engines = Engines()
-        self.rows = None
 
     def call(self, op: str, args: dict, seconds: float | None) -> dict:
         # No alarm of its own: the case's own time limit (run_case) covers the call.
-        return json.loads(json.dumps(self.engines.answer({"op": op, "args": args})))
-
-    @property
-    def alive(self) -> bool:
-        return True
+        request = json.loads(json.dumps({"op": op, "args": args}))
+        return json.loads(json.dumps(self.engines.answer(request)))
 
     def stop(self) -> None:
         self.engines.forget()
@@ -337,9 +340,9 @@ class LocalEngines:
 class EngineProcess:
     """The worker's handle on one engine process, which composes ``labs`` (the student's) into
     mini_vllm and answers :class:`Engines` requests. ``rows`` is the composition it reports
-    (the lab table), ``composition_error`` the reason it could not compose, if any. A call
-    interrupted on this side (the case's time limit, Ctrl-C) or answered with anything but a
-    valid message kills the process: it is started again with :meth:`restart`."""
+    (the lab table), ``composition_error`` the reason it could not compose, if any. A call that
+    does not finish (no answer within its time and GRACE_S more, an interruption on this side,
+    anything but a valid message) kills the process; :meth:`restart` starts it again."""
 
     def __init__(self, labs: list[str], gpu: bool = False) -> None:
         self.labs, self.gpu = list(labs), gpu
@@ -350,9 +353,20 @@ class EngineProcess:
 
     @property
     def alive(self) -> bool:
+        """The process runs (one that ended since the last call is reaped here)."""
+        if self.pid:
+            try:
+                done, _ = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                done = self.pid
+            if done:
+                pid, self.pid = self.pid, 0
+                self.sock.close()
+                _kill_group(pid, reaped=True)
         return self.pid != 0
 
     def restart(self) -> None:
+        """A fresh process (the old one killed): composed, or with ``composition_error`` set."""
         self.stop()
         ours, theirs = socket.socketpair()
         sys.stdout.flush()
@@ -367,22 +381,33 @@ class EngineProcess:
         ours.settimeout(HELLO_TIMEOUT_S)
         try:
             hello = self._receive()
-        finally:
-            if self.alive:
-                ours.settimeout(None)
-        if not isinstance(hello.get("composition"), list):
-            self.composition_error = str(hello.get("composition_error")
-                                         or hello.get("error") or "no composition")
+        except TimeoutError:
+            self.stop()
+            raise EngineDied(f"composing the pieces took over {HELLO_TIMEOUT_S:.0f} s (code "
+                             "that runs when a starter.py is imported?)") from None
+        if "composition_error" in hello:
+            self.composition_error = str(hello["composition_error"])[:MESSAGE_LIMIT]
             self.stop()
             return
-        self.rows = hello["composition"]
+        rows = hello.get("composition")
+        if not (isinstance(rows, list) and all(
+                isinstance(row, list) and len(row) == 3 and all(type(c) is str for c in row)
+                for row in rows)):
+            self.stop()
+            raise EngineDied(str(hello.get("error") or "the engine process did not compose")
+                             [:MESSAGE_LIMIT])
+        self.rows, self.composition_error = rows, None
 
     def call(self, op: str, args: dict, seconds: float | None) -> dict:
         if not self.alive:
             raise EngineDied("the engine process is not running")
+        self.sock.settimeout(None if seconds is None else seconds + GRACE_S)
         try:
             send_message(self.sock, {"op": op, "args": args, "seconds": seconds}, [])
             return self._receive()
+        except TimeoutError:
+            self.stop()
+            raise CaseTimeout() from None
         except EngineDied:
             raise
         except BaseException:
@@ -393,15 +418,13 @@ class EngineProcess:
         try:
             header, blobs = recv_message(self.reader)
         except TimeoutError:
-            self.stop()
-            raise EngineDied(f"composing the pieces took over {HELLO_TIMEOUT_S:.0f} s (code "
-                             "that runs when a starter.py is imported?)") from None
+            raise
         except (OSError, EOFError, StudentProcessError) as exc:
             why = self._ended()
             raise EngineDied(why or f"the engine process broke the protocol: {exc}") from None
-        if blobs:
+        if blobs or not isinstance(header, dict):
             self.stop()
-            raise EngineDied("the engine process sent bytes it was not asked for")
+            raise EngineDied("the engine process sent what the protocol does not allow")
         return header
 
     def _ended(self) -> str:
@@ -409,15 +432,18 @@ class EngineProcess:
         here."""
         pid, self.pid = self.pid, 0
         self.sock.close()
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
+        try:  # a crash closes the socket a moment before the process is reaped
+            done, status = 0, None
+            for _ in range(50):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                time.sleep(0.01)
         except ChildProcessError:
             done, status = pid, None
-        _kill_group(pid, reap=not done)
-        if not done:
-            return ""
-        if status is None:
-            return "the engine process ended"
+        _kill_group(pid, reaped=bool(done))
+        if not done or status is None:
+            return "" if not done else "the engine process ended"
         if os.WIFSIGNALED(status):
             return (f"the engine process died ({signal.Signals(os.WTERMSIG(status)).name}): "
                     "code in a starter.py crashed it or killed it")
@@ -431,19 +457,20 @@ class EngineProcess:
             _kill_group(pid)
 
 
-def _kill_group(pid: int, reap: bool = True) -> None:
-    """Kill the engine process's group (the process, and what it started and left there)."""
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-            break
-        except OSError:
-            pass
-    if reap:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
+def _kill_group(pid: int, reaped: bool = False) -> None:
+    """Kill the engine process and its group (what it started and left there), then reap it.
+    Once it is reaped its pid may be another process's: only its group is signalled then."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    if reaped:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (OSError, ChildProcessError):
+        pass
 
 
 def _engine_process(sock: socket.socket, labs: list[str], gpu: bool, worker: int) -> None:
@@ -474,7 +501,7 @@ def _engine_process(sock: socket.socket, labs: list[str], gpu: bool, worker: int
             answer = engines.answer(request)
             try:
                 send_message(sock, answer, [])
-            except (TypeError, ValueError) as exc:  # raised before anything is sent
+            except (TypeError, ValueError, RecursionError) as exc:  # before anything is sent
                 send_message(sock, {"error": {"type": "TypeError", "where": "?", "message":
                                               f"an answer that is not data ({exc})"}}, [])
     except BaseException:  # noqa: BLE001 - said on stderr (the worker's log)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from mini_vllm.attention.fp8 import is_fp8
 from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
@@ -239,14 +240,13 @@ class CaseTimeout(BaseException):  # noqa: N818  (not an Exception: student code
 
 
 class EngineError(Exception):
-    """An error the engine process reported: its class name (``kind``), message and where in
-    the student's code it was raised (``where``); ``steps``: the steps the interrupted generate
-    call had made."""
+    """An error the engine process reported: its class name (``kind``), message, where in the
+    student's code it was raised (``where``) and whether it is a NotImplementedError."""
 
-    def __init__(self, error: dict, steps: object = None) -> None:
+    def __init__(self, error: dict) -> None:
         self.kind = str(error.get("type", "Exception"))
         self.where = str(error.get("where", "?"))
-        self.steps = steps if isinstance(steps, list) else None
+        self.not_implemented = error.get("not_implemented") is True
         super().__init__(str(error.get("message", "")))
 
 
@@ -357,11 +357,12 @@ def counter_differences(mine: dict, reference: dict) -> list[str]:
             if key in mine and key in reference and mine[key] != reference[key]]
 
 
-def first_divergence(mine: list[dict], reference: list[dict]
+def first_divergence(mine: list[dict], reference: list[dict], finished: bool = True
                      ) -> tuple[int, list[str], list[str]] | None:
     """The first step (1-based) where the two engines' recorded steps differ, the labels of the
     fields that differ there and a line per field (both values), or None when the records are
-    equal. A run that stopped early (it raised) is compared over the steps it made."""
+    equal. A run that stopped early (it raised, ``finished`` false) is compared over the steps
+    it made; a finished one that made fewer steps differs at the first step it lacks."""
     for i, (a, b) in enumerate(zip(mine, reference)):
         differ = [key for key in STEP_FIELDS if a.get(key) != b.get(key)]
         lines = [f"{STEP_FIELDS[key][1]}: yours {_show(a.get(key))}, reference "
@@ -376,6 +377,10 @@ def first_divergence(mine: list[dict], reference: list[dict]
         return len(reference) + 1, ["steps"], [f"yours runs {len(mine)} steps, the reference "
                                     f"{len(reference)}; yours scheduled "
                                     f"{_show(mine[len(reference)]['scheduled'])}"]
+    if finished and len(mine) < len(reference):
+        return len(mine) + 1, ["steps"], [f"yours runs {len(mine)} steps, the reference "
+                                  f"{len(reference)}; the reference scheduled "
+                                  f"{_show(reference[len(mine)]['scheduled'])}"]
     return None
 
 
@@ -391,7 +396,7 @@ def diagnosis(call: int, mine: dict, reference: dict, finished: bool = True
     if counters:
         detail.append("counters that differ:")
         detail += [f"  {line}" for line in counters]
-    where = first_divergence(mine["steps"], reference["steps"])
+    where = first_divergence(mine["steps"], reference["steps"], finished)
     if where is not None:
         step, fields, lines = where
         detail.append(f"step {step} of generate call {call} is the first that differs:")
@@ -444,15 +449,14 @@ class Exam:
         (EngineError; CaseTimeout for a request that ran past the case's time)."""
         seconds = None if self.deadline is None else max(0.05, self.deadline - time.monotonic())
         answer = self.engines.call(op, args, seconds)
-        error = answer.get("error") if isinstance(answer, dict) else {"message": repr(answer)}
-        if error is None:
-            return answer.get("ok")
-        error = error if isinstance(error, dict) else {"message": str(error)}
-        steps = answer.get("steps") if op == "generate" and isinstance(answer, dict) else None
+        if "ok" in answer:
+            return answer["ok"]
+        steps = answer.get("steps") if op == "generate" else None
         self.current = steps if isinstance(steps, list) else None
-        if error.get("type") == "timeout":
+        if answer.get("timeout") is True:
             raise CaseTimeout()
-        raise EngineError(error, steps)
+        error = answer.get("error")
+        raise EngineError(error if isinstance(error, dict) else {"message": repr(answer)[:200]})
 
     def export(self) -> dict:
         """The oracle's completions, as JSON (so another process need not recompute them)."""
@@ -472,7 +476,7 @@ class Exam:
         config.setdefault("max_model_len", TINY.max_position_embeddings)
         tokenizer = SplitCharTokenizer() if config.get("tokenizer") == "split" else IdTokenizer()
         scales = None
-        if config.get("kv_cache_dtype", "auto") != "auto":
+        if is_fp8(config.get("kv_cache_dtype", "auto")):
             scales = tuple(tuple(float(x) for x in pair) for pair in config["kv_scales"])
         made = self.call("new", config=config)
         return Engine(int(made["engine"]), config["max_model_len"], scales,
@@ -513,14 +517,14 @@ class Exam:
                         params=[{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
                                 for p in params_list])
         try:
-            run.outputs = [RequestResult([Completion([int(t) for t in c["token_ids"]],
-                                                     str(c["finish_reason"]))
+            run.outputs = [RequestResult([Completion(_ints(c["token_ids"]),
+                                                     _text(c["finish_reason"]))
                                           for c in out["completions"]],
-                                         {"num_cached_tokens": int(out["num_cached_tokens"])})
+                                         {"num_cached_tokens": _int(out["num_cached_tokens"])})
                            for out in got["outputs"]]
-            run.stats = types.SimpleNamespace(**got["stats"])
+            run.stats = types.SimpleNamespace(**{k: _number(v) for k, v in got["stats"].items()})
             run.steps = list(got["steps"])
-            run.cpu_blocks_held = int(got["cpu_blocks_held"])
+            run.cpu_blocks_held = _int(got["cpu_blocks_held"])
             counters = {k: getattr(run.stats, k) for k in COUNTERS if k not in TRACE_COUNTERS}
             counters.update(trace_counters(run.steps))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -631,6 +635,31 @@ class Served:
             self.exam.call("stop_server", server=self.server)
         except (EngineError, EngineDied):  # the case's own error says more
             pass
+
+
+def _int(value) -> int:
+    """An int of an engine's answer (JSON: a bool or a float is not one)."""
+    if type(value) is not int:
+        raise TypeError(f"{value!r} where an int belongs")
+    return value
+
+
+def _ints(values) -> list[int]:
+    if not isinstance(values, list):
+        raise TypeError(f"{values!r} where a list of ints belongs")
+    return [_int(v) for v in values]
+
+
+def _number(value) -> int | float:
+    if type(value) not in (int, float):
+        raise TypeError(f"{value!r} where a number belongs")
+    return value
+
+
+def _text(value) -> str:
+    if type(value) is not str:
+        raise TypeError(f"{value!r} where a string belongs")
+    return value
 
 
 def _compare(index, prompt: list[int], got, want: Completion) -> None:
@@ -835,7 +864,13 @@ def case_beam_search(exam: Exam) -> None:
     width, max_tokens = 4, 5
     got = exam.call("beam_search", engine=llm.id, prompts=prompts, beam_width=width,
                     max_tokens=max_tokens)
-    outputs = [[(list(tokens), float(cum)) for tokens, cum in out] for out in got["sequences"]]
+    try:
+        outputs = [[(_ints(tokens), float(_number(cum))) for tokens, cum in out]
+                   for out in got["sequences"]]
+        held, hits = _int(got["blocks_in_use"]), _int(got["prefix_cache_hits"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ExamFailure(f"beam search: the engine's answer could not be read "
+                          f"({type(exc).__name__}: {exc})") from None
     if len(outputs) != len(prompts):
         raise ExamFailure(f"beam search: {len(outputs)} outputs for {len(prompts)} prompts")
     wanted = brute_force_beam_search(lambda seqs: last_logprobs(exam.model, seqs), prompts,
@@ -852,12 +887,11 @@ def case_beam_search(exam: Exam) -> None:
                 raise ExamFailure(
                     f"beam search, prompt {i}: cumulative logprob {mine:.5f} for "
                     f"{tokens[len(prompt):]}, the brute force's {cum:.5f}")
-    held = int(got["blocks_in_use"])
     if held:
         raise ExamFailure(f"{held} KV block(s) still held after beam search finished")
     expect(any(tokens[-1] == EOS for out in outputs for tokens, _ in out),
            "a beam completed with EOS among the results")
-    expect(int(got["prefix_cache_hits"]) > 0, "beams reuse their common blocks")
+    expect(hits > 0, "beams reuse their common blocks")
 
 
 def case_stop_tokens_and_min_tokens(exam: Exam) -> None:
@@ -1265,7 +1299,7 @@ def run_case(case: Case, exam: Exam, timeout_s: float) -> CaseResult:
                             "that never ends, or an engine that never finishes its requests)",
                             detail=exam.diagnose_error())
     except EngineError as exc:
-        if exc.kind == "NotImplementedError":
+        if exc.not_implemented:
             result = CaseResult(case.name, "error", f"not implemented: {exc} ({exc.where})")
         else:
             result = CaseResult(case.name, "error", f"{exc.kind}: {exc} (at {exc.where})",

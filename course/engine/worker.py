@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from course.labs.student_process import keep_only_descriptors, not_dumpable
+from course.labs.student_process import keep_only_descriptors, not_dumpable, on_its_own
 
 
 def _emit(out, record: dict) -> None:
@@ -56,10 +57,12 @@ def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
         path = tmp.name
     sys.stdout.flush()
     sys.stderr.flush()
+    worker = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: compose, run, report, and never return into the worker's code
         code = 0
         try:
+            on_its_own(worker)
             keep_only_descriptors({0, 1, 2})
             with open(path, "a", encoding="utf-8") as out:
                 try:
@@ -76,7 +79,11 @@ def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
         if done:
             status = raw
         elif time.monotonic() > deadline:
-            os.kill(pid, 9)
+            for kill in (os.killpg, os.kill):  # the child and what it started in its group
+                try:
+                    kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             os.waitpid(pid, 0)
             status = -1
         else:
@@ -184,7 +191,7 @@ def run_exam(job: dict, out) -> None:
     def exam_of(student: list[str], names: set[str], fail_fast: bool, emit) -> None:
         """The cases ``names`` on an engine of ``student``'s pieces, judged here."""
         from course.engine.engine_side import EngineProcess
-        from course.engine.exam import EngineDied, Exam, run_case
+        from course.engine.exam import CaseResult, CaseTimeout, EngineDied, Exam, run_case
 
         try:
             process = EngineProcess(student, gpu=job.get("gpu", False))
@@ -208,8 +215,17 @@ def run_exam(job: dict, out) -> None:
                     except EngineDied as exc:
                         emit({"type": "error", "message": str(exc)})
                         return
-                result = run_case(case, exam, job["timeout"])
+                    if process.composition_error is not None:
+                        emit({"type": "error", "message": process.composition_error,
+                              "composition": False})
+                        return
+                try:
+                    result = run_case(case, exam, job["timeout"])
+                except CaseTimeout:  # the alarm fired as run_case was putting it away
+                    result = CaseResult(case.name, "timeout", "did not finish in time")
                 emit({"type": "case", **result.as_dict()})
+                if result.outcome == "timeout":
+                    process.stop()  # interrupted anywhere: the next case gets a fresh one
                 if fail_fast and result.outcome != "passed":
                     break
         finally:
@@ -253,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     # One thread: forked children must not inherit a pool of OpenMP workers.
     torch.set_num_threads(1)
     not_dumpable()  # before anything that runs student code is forked
+    keep_only_descriptors({0, 1, 2, job["out_fd"]})  # none of the command's (the grader's pipe)
     with os.fdopen(job["out_fd"], "w", encoding="utf-8") as out:
         try:
             if job["mode"] == "exam":
