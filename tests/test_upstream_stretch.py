@@ -177,3 +177,23 @@ def test_upstream_tests_pass_on_a_solved_stretch(solved_lab, monkeypatch):
     monkeypatch.setenv("UPSTREAM_TESTS_STRETCH_DIR", str(solved_lab))
     result = run.run(src, "stretch")
     assert not result["failing"], f"upstream items fail on the stretch: {result['failing']}"
+
+
+@pytest.mark.slow
+def test_a_stretch_that_still_frees_to_the_back_fails_upstream_tests(solved_lab, tmp_path,
+                                                                       monkeypatch):
+    """The free-order change the stretch teaches, left undone (every freed block to the back,
+    as v0.11.0): vLLM 0.33.0's own manager tests see it, since the manager they build runs on
+    the student's pool."""
+    run, src = upstream_runner()
+    planted = tmp_path / solved_lab.name
+    shutil.copytree(solved_lab, planted)
+    text = (planted / "stretch.py").read_text(encoding="utf-8")
+    today = "(to_back if cached else to_front).append(block)"
+    assert text.count(today) == 1
+    (planted / "stretch.py").write_text(text.replace(today, "to_back.append(block)"),
+                                        encoding="utf-8")
+    monkeypatch.setenv("UPSTREAM_TESTS_STRETCH_DIR", str(planted))
+    failing = run.run(src, "stretch")["failing"]
+    assert {key.split("::")[1].split("[")[0] for key in failing} == {
+        "test_evict", "test_prefill"}, failing

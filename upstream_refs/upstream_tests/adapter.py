@@ -15,8 +15,9 @@ module built here:
 
 The wrappers add no behaviour: today's behaviour itself is mini_vllm's, behind
 ``mini_vllm.kv_cache_utils.use_today_behaviour``, which :func:`install` turns on. With
-``impl="stretch"`` the block pool, free queue and hashing come from the student's stretch of lab
-02-01 (``stretch.py``) instead of the reference.
+``impl="stretch"`` the block pool, free queue, hashing and the event classes come from the
+student's stretch of lab 02-01 (``stretch.py``, on their ``starter.py``) instead of the
+reference; the KV cache manager is the reference's either way, over the pool under test.
 
 upstream: none (course-only: the bridge to the newest release's tests)
 """
@@ -112,6 +113,7 @@ def _implementation(impl: str) -> SimpleNamespace:
             hash_block_tokens=mv_utils.hash_block_tokens,
             generate_block_hash_extra_keys=mv_utils.generate_block_hash_extra_keys,
             BlockHashToBlockMap=mv_block_pool.BlockHashToBlockMap,
+            events=mv_block_pool,
         )
     if impl == "stretch":
         from course.labs.loader import load_script
@@ -130,6 +132,7 @@ def _implementation(impl: str) -> SimpleNamespace:
             hash_block_tokens=stretch.hash_block_tokens,
             generate_block_hash_extra_keys=stretch.generate_block_hash_extra_keys,
             BlockHashToBlockMap=stretch.yours.BlockHashToBlockMap,  # given in your starter
+            events=stretch.yours,  # the event classes your pool emits (given in your starter)
         )
     raise ValueError(f"impl must be 'solution' or 'stretch', got {impl!r}")
 
@@ -171,10 +174,6 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
     """Module name -> {upstream name: object} for every name the adapter maps."""
     KVCacheBlock, FreeKVCacheBlockQueue, _retype = _today_block_classes(  # noqa: N806
         impl.KVCacheBlock, impl.FreeKVCacheBlockQueue, impl.prepend_n)
-    # The manager is the reference's, pool included, whichever implementation is under test.
-    _, _, _retype_reference = _today_block_classes(
-        mv_utils.KVCacheBlock, mv_utils.FreeKVCacheBlockQueue,
-        lambda queue, blocks: queue._prepend_n(blocks))
 
     class BlockPool(impl.BlockPool):
         """``BlockPool(num_gpu_blocks, enable_caching, hash_block_size, ...)``."""
@@ -229,7 +228,11 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
             super().__init__(kv_cache_config.num_blocks, block_size, max_model_len,
                              enable_caching=enable_caching, log_stats=log_stats,
                              enable_kv_cache_events=enable_kv_cache_events)
-            _retype_reference(self.block_pool)
+            # The manager is the reference's; its pool is the one under test (the student's
+            # stretch frees, evicts and hashes here, so the manager's tests see its free order).
+            self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching,
+                                        hash_block_size or block_size,
+                                        enable_kv_cache_events=enable_kv_cache_events)
             if hash_block_size is not None and hash_block_size != block_size:
                 self._use_hash_block_size(hash_block_size)
             self.kv_cache_config = kv_cache_config
@@ -368,10 +371,8 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
         "vllm.utils.math_utils": {"cdiv": mv_manager.cdiv, "lcm": math.lcm},
         "vllm.v1.metrics.stats": {"PrefixCacheStats": mv_metrics.PrefixCacheStats},
         "vllm.distributed.kv_events": {
-            "BlockStored": mv_block_pool.BlockStored,
-            "BlockRemoved": mv_block_pool.BlockRemoved,
-            "AllBlocksCleared": mv_block_pool.AllBlocksCleared,
-            "KVCacheEvent": mv_block_pool.KVCacheEvent,
+            name: getattr(impl.events, name)
+            for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "KVCacheEvent")
         },
     }
 
