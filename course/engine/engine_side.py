@@ -249,8 +249,9 @@ class Engines:
 
     def answer(self, request: dict) -> dict:
         """One request (``op``, ``args``, ``seconds`` left for it) answered as data: ``{"ok":
-        ...}``, or ``{"error": {"type", "message", "where"}, "steps": ...}``. Past ``seconds`` the
-        request is interrupted (CaseTimeout) and the error says "timeout"."""
+        ...}``, or ``{"error": {"type", "message", "where", "not_implemented"}, "steps": ...}``.
+        Past ``seconds`` the request is interrupted (CaseTimeout): ``{"timeout": true, "steps":
+        ...}``. ``steps``: what the interrupted generate call had recorded."""
         op, args, seconds = request.get("op"), request.get("args") or {}, request.get("seconds")
         if op not in self.REQUESTS or not isinstance(args, dict):
             return {"error": {"type": "ValueError", "message": f"no request {op!r}"}}
