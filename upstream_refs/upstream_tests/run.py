@@ -87,7 +87,20 @@ def run(src: Path, impl: str = "solution", today: bool = True) -> dict:
     failing = {k: errors.get(k, "") for k, v in outcomes.items()
                if v in ("failed", "uncollected", "skipped")}
     return {"counts": counts, "failing": failing, "stale_exclusions": stale,
-            "outcomes": outcomes}
+            "outcomes": outcomes, "by_file": by_file(outcomes)}
+
+
+def by_file(outcomes: dict[str, str]) -> dict[str, dict[str, int]]:
+    """Per upstream test file (in TEST_FILES order): its items, and how many passed, failed or
+    were excluded."""
+    files: dict[str, dict[str, int]] = {
+        f: {"items": 0, "passed": 0, "failed": 0, "excluded": 0} for f in TEST_FILES}
+    for key, outcome in outcomes.items():
+        row = files.setdefault(key.split("::", 1)[0], {"items": 0, "passed": 0, "failed": 0,
+                                                        "excluded": 0})
+        row["items"] += 1
+        row[outcome if outcome in ("passed", "excluded") else "failed"] += 1
+    return files
 
 
 def _covers(item: str, key: str) -> bool:
@@ -123,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM {release()}'s tests/v1/core against mini_vllm ({args.impl}, {behaviour}): "
           f"{counts['passed']} passed, {counts['failed']} failed, {counts['excluded']} "
           f"excluded with a reason, of {total} items")
+    for name, row in result["by_file"].items():
+        print(f"  {name}: {row['items']} items, {row['passed']} passed, {row['failed']} failed, "
+              f"{row['excluded']} excluded")
     for key, error in sorted(result["failing"].items()):
         print(f"  FAILED {key}: {error}")
     for item in result["stale_exclusions"]:
@@ -144,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "impl": args.impl,
             "files": [f"tests/v1/core/{f}" for f in TEST_FILES],
             "counts": counts,
+            "by_file": result["by_file"],
             "failing": result["failing"],
             "excluded_by_reason": reasons,
             "excluded_list": "upstream_refs/left_out/upstream_tests.toml",
