@@ -168,7 +168,7 @@ def test_upstream_tests_tell_the_switch_apart():
     assert {key.split("::")[1].split("[")[0] for key in failing} == {
         "test_none_hash", "test_generate_block_hash_extra_keys_lora",
         "test_lora_path_change_changes_block_hashes", "test_cache_key_salting", "test_evict",
-        "test_prefill"}, failing
+        "test_prefill", "test_prefill_plp"}, failing
 
 
 @pytest.mark.slow
