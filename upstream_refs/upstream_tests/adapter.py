@@ -10,6 +10,10 @@ module built here:
   set with ``set_block_hash``, ``touch`` takes a flat list, ``get_computed_blocks`` returns three
   values, ``KVCacheManager`` takes a ``KVCacheConfig``, ``Request`` takes ``SamplingParams``
   with the EOS id in it);
+* the scheduler's tests build today's configs (``VllmConfig`` and its parts, held as given)
+  and a ``Scheduler`` from them: mini_vllm's v1 scheduler with the settings it has, which
+  raises ``LeftOutError`` for every other one (async scheduling, priority, connectors, spec
+  decoding, ...); ``update_from_output`` returns today's ``{client: EngineCoreOutputs}``;
 * any other name is a :class:`LeftOut` placeholder: importing it works, using it raises
   ``LeftOutError`` naming it, so a test of a piece mini_vllm leaves out fails with that name.
 
@@ -376,6 +380,163 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------------------------
+# The scheduler: today's configs and outputs around mini_vllm's v1 Scheduler
+# --------------------------------------------------------------------------------------------
+
+# The one model the upstream scheduler tests name, and the length its config gives it (upstream
+# reads it from the model's config.json when a test passes none).
+MODEL_LENGTHS = {"facebook/opt-125m": 2048}
+
+
+class _Config:
+    """A config of today's shape that holds what it is given (``DEFAULTS`` first); the Scheduler
+    wrapper reads it and refuses every setting mini_vllm leaves out."""
+
+    DEFAULTS: dict[str, Any] = {}
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key, value in {**self.DEFAULTS, **kwargs}.items():
+            setattr(self, key, value)
+
+
+class ModelConfig(_Config):
+    DEFAULTS = {"model": "facebook/opt-125m", "max_model_len": None, "runner": "auto",
+                "skip_tokenizer_init": False}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.max_model_len is None:
+            if self.model not in MODEL_LENGTHS:
+                raise LeftOutError(f"reading {self.model}'s config is left out of mini_vllm")
+            self.max_model_len = MODEL_LENGTHS[self.model]
+        self.is_encoder_decoder = False
+
+
+class SchedulerConfig(_Config):
+    DEFAULTS = {"max_num_seqs": 128, "max_num_active_seqs": None, "max_num_batched_tokens": 2048,
+                "max_model_len": 2048, "long_prefill_token_threshold": 0,
+                "long_prefill_token_threshold_adaptive": False, "disable_chunked_mm_input": False,
+                "enable_chunked_prefill": True, "async_scheduling": False,
+                "prefill_schedule_interval": 1, "policy": "fcfs"}
+
+
+class CacheConfig(_Config):
+    DEFAULTS = {"block_size": 16, "enable_prefix_caching": True, "cache_dtype": "auto"}
+
+
+class ParallelConfig(_Config):
+    DEFAULTS = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
+
+
+class ObservabilityConfig(_Config):
+    pass
+
+
+class VllmConfig(_Config):
+    DEFAULTS = {"kv_transfer_config": None, "speculative_config": None, "diffusion_config": None,
+                "ec_transfer_config": None, "lora_config": None}
+
+
+class StructuredOutputManager(_Config):
+    """Held by the scheduler; mini_vllm has no structured output, so nothing reads it."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config)
+
+
+def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
+    """Module name -> {upstream name: object} for the scheduler's tests."""
+    from mini_vllm import config as mv_config
+    from mini_vllm import scheduler as mv_scheduler
+    from mini_vllm import scheduler_output as mv_output
+
+    @dataclass
+    class EngineCoreOutputs:
+        """Today's per-client batch of outputs (one client here, index 0)."""
+
+        outputs: list = field(default_factory=list)
+        scheduler_stats: Any = None
+
+    class ModelRunnerOutput(mv_output.ModelRunnerOutput):
+        """Today's keywords; log-probabilities, pooling, connectors and masks are refused."""
+
+        def __init__(self, req_ids: list[str], req_id_to_index: dict[str, int],
+                     sampled_token_ids: Any = None, logprobs: Any = None,
+                     prompt_logprobs_dict: Any = None, pooler_output: Any = None,
+                     **kwargs: Any) -> None:
+            used = [k for k, v in kwargs.items() if v is not None] + [
+                k for k, v in (("logprobs", logprobs), ("prompt_logprobs_dict",
+                               prompt_logprobs_dict), ("pooler_output", pooler_output)) if v]
+            if used:
+                raise LeftOutError(f"ModelRunnerOutput's {used} are left out of this bridge")
+            super().__init__(list(req_ids), dict(req_id_to_index),
+                             [[int(t) for t in ids] for ids in sampled_token_ids or []])
+
+    class Scheduler(mv_scheduler.Scheduler):
+        """``Scheduler(vllm_config, kv_cache_config, structured_output_manager, block_size,
+        ...)``: mini_vllm's scheduler with the settings it has; any other raises."""
+
+        def __init__(self, vllm_config: VllmConfig, kv_cache_config: Any,
+                     structured_output_manager: Any, block_size: int,
+                     hash_block_size: int | None = None, include_finished_set: bool = False,
+                     log_stats: bool = False) -> None:
+            sc, mc = vllm_config.scheduler_config, vllm_config.model_config
+            cc, pc = vllm_config.cache_config, vllm_config.parallel_config
+            refused = [what for what, used in (
+                ("max_num_active_seqs", sc.max_num_active_seqs is not None),
+                ("the adaptive long-prefill threshold", sc.long_prefill_token_threshold_adaptive),
+                ("scheduling without chunked prefill", not sc.enable_chunked_prefill),
+                ("async scheduling", sc.async_scheduling),
+                ("a prefill interval", sc.prefill_schedule_interval != 1),
+                (f"the {sc.policy!r} policy", sc.policy != "fcfs"),
+                ("multimodal inputs", sc.disable_chunked_mm_input),
+                ("pipeline and data parallelism",
+                 pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1),
+                ("KV and encoder transfer, speculative decoding, LoRA limits, diffusion",
+                 any(getattr(vllm_config, k) is not None for k in VllmConfig.DEFAULTS)),
+                ("pooling models", mc.runner == "pooling"),
+                ("the finished-request set", include_finished_set),
+                ("a hash block size other than the block size",
+                 hash_block_size not in (None, block_size)),
+            ) if used]
+            groups = kv_cache_config.kv_cache_groups
+            if len(groups) != 1 or type(groups[0].kv_cache_spec) is not full_attention_spec:
+                refused.append("KV-cache groups other than one of full attention")
+            if refused:
+                raise LeftOutError(f"{', '.join(refused)}: left out of mini_vllm's scheduler")
+            super().__init__(mv_config.SchedulerConfig(
+                max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+                max_model_len=mc.max_model_len, block_size=block_size,
+                num_gpu_blocks=kv_cache_config.num_blocks,
+                enable_prefix_caching=cc.enable_prefix_caching,
+                long_prefill_token_threshold=sc.long_prefill_token_threshold), log_stats=log_stats)
+
+        def schedule(self, throttle_prefills: bool = False) -> Any:
+            if throttle_prefills:
+                raise LeftOutError("prefill throttling is left out of mini_vllm")
+            return super().schedule()
+
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            return {0: EngineCoreOutputs(outputs=outputs)} if outputs else {}
+
+    return {
+        "vllm.config": {name: cls for name, cls in (
+            ("ModelConfig", ModelConfig), ("SchedulerConfig", SchedulerConfig),
+            ("CacheConfig", CacheConfig), ("ParallelConfig", ParallelConfig),
+            ("ObservabilityConfig", ObservabilityConfig), ("VllmConfig", VllmConfig))},
+        "vllm.v1.core.sched.scheduler": {"Scheduler": Scheduler},
+        "vllm.v1.core.sched.utils": {"check_stop": mv_scheduler.check_stop},
+        "vllm.v1.outputs": {"ModelRunnerOutput": ModelRunnerOutput},
+        "vllm.v1.engine": {"EngineCoreOutputs": EngineCoreOutputs},
+        # mini_vllm has one kind of KV-cache spec: nothing to register.
+        "vllm.v1.core.single_type_kv_cache_manager": {
+            "register_all_kvcache_specs": lambda vllm_config: None},
+        "vllm.v1.structured_output": {"StructuredOutputManager": StructuredOutputManager},
+    }
+
+
+# --------------------------------------------------------------------------------------------
 # The import hook
 # --------------------------------------------------------------------------------------------
 
@@ -427,4 +588,8 @@ def install(impl: str = "solution", today: bool = True) -> None:
         return
     mv_utils.use_today_behaviour(today)
     pieces = _implementation(impl)
-    sys.meta_path.insert(0, _Finder(_build_core(pieces), pieces.none_hash))
+    core = _build_core(pieces)
+    for name, names in _build_scheduler(
+            core["vllm.v1.kv_cache_interface"]["FullAttentionSpec"]).items():
+        core.setdefault(name, {}).update(names)
+    sys.meta_path.insert(0, _Finder(core, pieces.none_hash))

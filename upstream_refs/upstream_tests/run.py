@@ -1,5 +1,6 @@
-"""Run the newest vLLM release's own unit tests for the block pool, the free queue, the hashing
-and prefix caching against mini_vllm (with today's behaviour on), and count the outcomes.
+"""Run the newest vLLM release's own unit tests for the block pool, the free queue, the hashing,
+prefix caching and the scheduler against mini_vllm (with today's behaviour on), and count the
+outcomes, file by file.
 
     python upstream_refs/upstream_tests/run.py [--impl solution|stretch] [--vllm-src DIR]
                                                [--json PATH]
@@ -35,6 +36,8 @@ TEST_FILES = (
     "test_prefix_caching.py",
     "test_single_type_kv_cache_manager.py",
     "prefix_cache/test_partial_prefix_cache_primitives.py",
+    "test_scheduler.py",
+    "test_async_scheduler.py",
 )
 
 
