@@ -150,12 +150,30 @@ def test_completion_equals_generate_token_for_token(served, prompt, extra, strea
         assert steps == len(want.token_ids)
 
 
-def test_streaming_sends_tokens_as_they_are_made(served):
-    """A stream is not the whole answer sent at the end: it arrives in many chunks, and the
-    concatenation is LLM.generate's text."""
+def test_streaming_sends_tokens_as_they_are_made(served, monkeypatch):
+    """A stream is not the whole answer sent at the end: a token reaches the client while the
+    engine has the next ones still to make, and the concatenation is LLM.generate's text.
+
+    The engine waits before each step after the first until the client has read one more text
+    piece (at most a second), so how many pieces arrive does not depend on how busy the machine
+    is: a server that held the stream back would let every wait run out and send a few."""
     want = expected(served, "HAMLET.\n", temperature=0.0, max_tokens=32)[0]
-    chunks = list(served.client().completions.create(
-        model=MODEL, prompt="HAMLET.\n", temperature=0.0, max_tokens=32, stream=True))
+    core = served.engine.engine_core
+    read, step, steps = threading.Semaphore(0), core.step, []
+
+    def step_once_the_client_has_read():
+        if steps:
+            read.acquire(timeout=1.0)
+        steps.append(1)
+        return step()
+
+    monkeypatch.setattr(core, "step", step_once_the_client_has_read)
+    chunks = []
+    for chunk in served.client().completions.create(
+            model=MODEL, prompt="HAMLET.\n", temperature=0.0, max_tokens=32, stream=True):
+        chunks.append(chunk)
+        if any(choice.text for choice in chunk.choices):
+            read.release()
     got = stream_choices(chunks)[0]
     assert got["text"] == want.text
     assert len([p for p in got["pieces"] if p]) >= 8, (
