@@ -363,7 +363,7 @@ class EngineProcess:
             if done:
                 pid, self.pid = self.pid, 0
                 self.sock.close()
-                _kill_group(pid, reaped=True)
+                kill_group(pid, reaped=True)
         return self.pid != 0
 
     def restart(self) -> None:
@@ -442,7 +442,7 @@ class EngineProcess:
                 time.sleep(0.01)
         except ChildProcessError:
             done, status = pid, None
-        _kill_group(pid, reaped=bool(done))
+        kill_group(pid, reaped=bool(done))
         if not done or status is None:
             return "" if not done else "the engine process ended"
         if os.WIFSIGNALED(status):
@@ -455,10 +455,10 @@ class EngineProcess:
         if self.pid:
             pid, self.pid = self.pid, 0
             self.sock.close()
-            _kill_group(pid)
+            kill_group(pid)
 
 
-def _kill_group(pid: int, reaped: bool = False) -> None:
+def kill_group(pid: int, reaped: bool = False) -> None:
     """Kill the engine process and its group (what it started and left there), then reap it.
     Once it is reaped its pid may be another process's: only its group is signalled then."""
     try:

@@ -263,7 +263,6 @@ class Engine:
     max_model_len: int
     kv_scales: tuple[tuple[float, float], ...] | None  # an fp8 cache's scales, as configured
     kv_cache_dtype: str  # the dtype the engine reports for its cache
-    tokenizer: IdTokenizer
 
 
 @dataclass
@@ -474,13 +473,12 @@ class Exam:
         """An engine built with ``config`` (``LLM``'s keyword arguments; ``tokenizer`` "ids"
         or "split", ``lookahead`` slots every allocation reserves) in the engine process."""
         config.setdefault("max_model_len", TINY.max_position_embeddings)
-        tokenizer = SplitCharTokenizer() if config.get("tokenizer") == "split" else IdTokenizer()
         scales = None
         if is_fp8(config.get("kv_cache_dtype", "auto")):
             scales = tuple(tuple(float(x) for x in pair) for pair in config["kv_scales"])
         made = self.call("new", config=config)
         return Engine(int(made["engine"]), config["max_model_len"], scales,
-                      str(made["kv_cache_dtype"]), tokenizer)
+                      str(made["kv_cache_dtype"]))
 
     def serve(self, llm: Engine) -> Served:
         """``llm`` behind the OpenAI-compatible server in the engine process; the exam is its

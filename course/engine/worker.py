@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from course.engine.engine_side import kill_group
 from course.labs.student_process import keep_only_descriptors, not_dumpable, on_its_own
 
 
@@ -79,12 +79,7 @@ def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
         if done:
             status = raw
         elif time.monotonic() > deadline:
-            for kill in (os.killpg, os.kill):  # the child and what it started in its group
-                try:
-                    kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            os.waitpid(pid, 0)
+            kill_group(pid)  # the child and what it started in its group, reaped
             status = -1
         else:
             time.sleep(0.02)
