@@ -50,7 +50,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from mini_vllm.block_pool import BlockPool as MiniBlockPool  # noqa: E402
+from mini_vllm.core.block_pool import BlockPool as MiniBlockPool  # noqa: E402
 
 
 def load_upstream_block_pool(vllm_src: Path) -> type:

@@ -42,8 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mini_vllm.llm import DEFAULT_CHECKPOINT, LLM  # noqa: E402
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.model_loader.loader import DEFAULT_CHECKPOINT  # noqa: E402
+from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def environment() -> dict:
 def load_model(which: str) -> tuple[LlamaForCausalLM, str]:
     """The shipped checkpoint, or a random model of the same shape if it is absent."""
     if which == "shipped" and DEFAULT_CHECKPOINT.with_suffix(".safetensors").exists():
-        from mini_vllm.hf_loader import load_checkpoint
+        from mini_vllm.model_executor.model_loader.hf_loader import load_checkpoint
 
         return load_checkpoint(DEFAULT_CHECKPOINT), "shipped tiny_shakespeare"
     model = LlamaForCausalLM(ModelConfig())

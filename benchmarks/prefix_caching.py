@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.continuous_batching import environment, load_model  # noqa: E402
-from mini_vllm.llm import LLM  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
-from mini_vllm.tokenizer import ByteTokenizer  # noqa: E402
+from mini_vllm.tokenizers.tokenizer import ByteTokenizer  # noqa: E402
 
 SYSTEM = (
     "You are the Chorus. Speak in blank verse, in the manner of the plays: short lines, old words, "

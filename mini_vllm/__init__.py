@@ -7,6 +7,11 @@
     llm = LLM()                       # the tiny Shakespeare model shipped with the course
     out = llm.generate("ROMEO.\n", SamplingParams(temperature=0.0, max_tokens=80))
     print(out[0].text)
+
+The packages follow vLLM's (``upstream_refs/layout.toml`` maps each module): ``core/`` is
+``vllm/v1/core/``, ``engine/`` is ``vllm/v1/engine/``, and so on.
+
+upstream: vllm/ (and vllm/v1/, folded into one namespace)
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 __all__ = ["LLM", "SamplingParams"]
 
 # name -> module that defines it; imported lazily by __getattr__ (PEP 562).
-_LAZY = {"LLM": "mini_vllm.llm", "SamplingParams": "mini_vllm.sampling_params"}
+_LAZY = {"LLM": "mini_vllm.entrypoints.llm", "SamplingParams": "mini_vllm.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

@@ -129,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from mini_vllm.gguf_loader import NAMED_MODELS, convert_gguf, named_model_file
+    from mini_vllm.model_executor.model_loader.gguf_loader import (
+        NAMED_MODELS,
+        convert_gguf,
+        named_model_file,
+    )
 
     src = named_model_file(args.source) if args.source.lower() in NAMED_MODELS else args.source
     print(f"wrote {convert_gguf(src, args.out)}")
@@ -168,7 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _make_llm(args: argparse.Namespace) -> Any:
-    from mini_vllm.llm import LLM
+    from mini_vllm.entrypoints.llm import LLM
 
     return LLM(
         args.model,
@@ -193,7 +197,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from mini_vllm.async_llm import AsyncLLM
+        from mini_vllm.engine.async_llm import AsyncLLM
         from mini_vllm.entrypoints.openai.api_server import run_server
     except ImportError as exc:
         raise ImportError(
@@ -214,7 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _beam_search(llm, prompts: list[str], args: argparse.Namespace) -> int:
-    from mini_vllm.beam_search import get_beam_search_score
+    from mini_vllm.entrypoints.beam_search import get_beam_search_score
     from mini_vllm.sampling_params import BeamSearchParams
 
     if args.chat or args.stop:

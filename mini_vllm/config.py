@@ -1,23 +1,36 @@
 """Plain configuration dataclasses of mini_vllm (no model files, no engine arguments parsing).
 
 Each dataclass checks its values once, in ``__post_init__``, and raises ``ValueError`` naming the
-field; code that receives a config can trust it.
+field; code that receives a config can trust it. :class:`SchedulerConfig` is what the scheduler
+reads; :class:`EngineConfig` every knob of the engine, from which ``LLM`` builds the rest.
+
+upstream: vllm/config/ (a package there: ``scheduler.py``, ``cache.py``, ``vllm.py``; mini_vllm's
+two dataclasses fit one module)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mini_vllm.reservation import KV_RESERVATIONS
+from mini_vllm.attention.fp8 import (
+    KV_CACHE_DTYPES,
+    check_kv_scale,
+    is_fp8,
+    kv_cache_torch_dtype,
+)
 
-__all__ = ["PREEMPTION_MODES", "SchedulerConfig"]
+if TYPE_CHECKING:
+    from mini_vllm.model_executor.models.llama import LlamaForCausalLM
 
-# ---------------------------------------------------------------------------------------------
-# Scheduler and KV-cache configuration (phase 03). The engine configuration is appended below
-# this section by the engine's authors; keep the two apart.
-# ---------------------------------------------------------------------------------------------
+__all__ = ["KV_RESERVATIONS", "PREEMPTION_MODES", "RESERVATION_POLICIES", "EngineConfig",
+           "SchedulerConfig", "kv_block_bytes"]
 
 PREEMPTION_MODES = ("recompute", "swap")
+# The contiguous-reservation baselines (mini_vllm.core.sched.reservation computes their sizes).
+RESERVATION_POLICIES = ("max", "pow2", "oracle")
+# What SchedulerConfig.kv_reservation accepts: paging, or one of the reservation policies.
+KV_RESERVATIONS = ("paged", *RESERVATION_POLICIES)
 
 
 @dataclass
@@ -37,8 +50,8 @@ class SchedulerConfig:
     * ``preemption_mode``: ``"recompute"`` (v1: drop the KV, recompute it later) or ``"swap"``
       (V0: copy the KV to ``num_cpu_blocks`` CPU blocks and back).
     * ``kv_reservation``: ``"paged"`` (blocks are claimed as a request grows) or an Orca-style
-      policy of :mod:`mini_vllm.reservation` (``"max"``, ``"pow2"``, ``"oracle"``): a request
-      claims the blocks of its whole reservation when it is admitted and keeps them until it
+      policy of :mod:`mini_vllm.core.sched.reservation` (``"max"``, ``"pow2"``, ``"oracle"``): a
+      request claims the blocks of its whole reservation when it is admitted and keeps them until it
       finishes. Baselines for lab 03-06, not how vLLM runs.
     * ``static_batching``: admit new requests only when nothing runs, so a batch runs until its
       longest request finishes (FasterTransformer's batching; lab 03-06's baseline).
@@ -96,3 +109,168 @@ class SchedulerConfig:
                 "SchedulerConfig: preemption_mode='swap' needs num_cpu_blocks >= 2 "
                 f"(got {self.num_cpu_blocks}); give the CPU pool room for the swapped KV"
             )
+
+
+@dataclass
+class EngineConfig:
+    """The engine's knobs. Give the KV cache either ``num_gpu_blocks`` or ``kv_cache_memory``
+    (bytes; the number of blocks is what fits); with neither, 512 blocks.
+
+    * ``block_size``: tokens per KV block (a power of two).
+    * ``enable_prefix_caching``: reuse the KV of full blocks shared with earlier requests.
+    * ``max_num_batched_tokens`` / ``max_num_seqs``: the per-step token budget and seat count;
+      a budget below a prompt's length forces chunked prefill.
+    * ``max_model_len``: prompt + output cap (default: the model's ``max_position_embeddings``).
+    * ``preemption_mode``: ``"recompute"`` or ``"swap"`` (then ``num_cpu_blocks`` >= 2).
+    * ``long_prefill_token_threshold``: per-request cap per step (0: off).
+    * ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"``/``"fp8_e4m3"``: the cache
+      stores float8_e4m3fn, one byte per element, so a ``kv_cache_memory`` budget holds twice
+      the blocks of an fp16/bf16 model's cache (four times a float32 model's).
+    * ``kv_scales``: with fp8, one ``(k_scale, v_scale)`` pair for every layer or a list of one
+      pair per layer; ``None`` (default): each layer computes its pair once, from the K/V of the
+      first step (the first prompts), as upstream's ``calculate_kv_scales``.
+    * ``kv_reservation`` / ``static_batching``: the Orca-style and static-batching baselines of
+      lab 03-06 (see :class:`~mini_vllm.config.SchedulerConfig`); ``"paged"`` and ``False``
+      are how vLLM runs.
+    * ``enforce_eager``: run every step op by op through the model's modules; by default a
+      decode step on the CPU runs as one compiled call where it can
+      (:mod:`mini_vllm.worker.cpu_decode`, the CPU's counterpart of the CUDA graphs this flag turns
+      off upstream).
+
+    upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0
+    long_prefill_token_threshold: int = 0
+    use_cuda_ops: bool | None = None
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None
+    kv_reservation: str = "paged"
+    static_batching: bool = False
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low, optional in (
+            ("block_size", 1, False), ("num_gpu_blocks", 2, True), ("kv_cache_memory", 1, True),
+            ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),
+            ("max_model_len", 1, True), ("num_cpu_blocks", 0, False),
+            ("long_prefill_token_threshold", 0, False),
+        ):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"EngineConfig: {name} must be an int{' or None' if optional else ''}, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            if value < low:
+                raise ValueError(f"EngineConfig: {name} must be >= {low}, got {value}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"EngineConfig: block_size must be a power of two, got {self.block_size}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(
+                f"EngineConfig: enable_prefix_caching must be True or False, got "
+                f"{self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"EngineConfig: enforce_eager must be True or False, got "
+                            f"{self.enforce_eager!r}")
+        if self.use_cuda_ops not in (None, True, False):
+            raise TypeError(
+                f"EngineConfig: use_cuda_ops must be None, True or False, got {self.use_cuda_ops!r}"
+            )
+        if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(
+                "EngineConfig: give num_gpu_blocks or kv_cache_memory, not both"
+            )
+        if self.kv_cache_memory is not None and (
+            not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0
+        ):
+            raise ValueError(
+                f"EngineConfig: kv_cache_memory must be a positive number of bytes, got "
+                f"{self.kv_cache_memory!r}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"EngineConfig: preemption_mode must be one of {PREEMPTION_MODES}, got "
+                f"{self.preemption_mode!r}"
+            )
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig: kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
+        if self.kv_scales is not None:
+            if not is_fp8(self.kv_cache_dtype):
+                raise ValueError(
+                    "EngineConfig: kv_scales are for an fp8 cache; set kv_cache_dtype='fp8' "
+                    "or leave kv_scales out"
+                )
+            # The shape against the model's layers is checked by the runner; the values here.
+            pairs = (self.kv_scales if self.kv_scales and isinstance(self.kv_scales[0],
+                                                                     (tuple, list))
+                     else [self.kv_scales])
+            for item in pairs:
+                if not isinstance(item, (tuple, list)) or len(item) != 2:
+                    raise ValueError(
+                        f"EngineConfig: kv_scales must be a (k_scale, v_scale) pair or a list "
+                        f"of them, one per layer; got {self.kv_scales!r}"
+                    )
+                for value in item:
+                    check_kv_scale("EngineConfig: kv_scales entry", value)
+
+    def scheduler_config(self, model: LlamaForCausalLM) -> SchedulerConfig:
+        """The scheduler's half of this config, with the KV-cache size resolved for ``model``."""
+        max_model_len = (self.max_model_len if self.max_model_len is not None
+                         else model.config.max_position_embeddings)
+        if max_model_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"EngineConfig: max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings ({model.config.max_position_embeddings})"
+            )
+        num_blocks = self.num_gpu_blocks
+        if num_blocks is None and self.kv_cache_memory is not None:
+            block_bytes = kv_block_bytes(model, self.block_size, self.kv_cache_dtype)
+            num_blocks = self.kv_cache_memory // block_bytes
+            if num_blocks < 2:
+                raise ValueError(
+                    f"EngineConfig: kv_cache_memory={self.kv_cache_memory} bytes holds "
+                    f"{num_blocks} block(s) of {block_bytes} bytes; "
+                    "give it at least two (block 0 is reserved)"
+                )
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            num_gpu_blocks=num_blocks if num_blocks is not None else 512,
+            enable_prefix_caching=self.enable_prefix_caching,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            preemption_mode=self.preemption_mode,
+            num_cpu_blocks=self.num_cpu_blocks,
+            kv_reservation=self.kv_reservation,
+            static_batching=self.static_batching,
+        )
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV block over all layers: keys and values of ``block_size`` tokens, in the
+    model's dtype (``"auto"``) or one byte per element (``"fp8"``).
+
+    upstream: none (vLLM sizes pages per layer spec; one full-attention group needs one formula)
+    """
+    cfg = model.config
+    dtype = kv_cache_torch_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+    elem = dtype.itemsize
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * elem

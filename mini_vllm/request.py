@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from mini_vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only for annotations; avoids a hard import cycle with kv_cache_utils
-    from mini_vllm.kv_cache_utils import BlockHash
+    from mini_vllm.core.kv_cache_utils import BlockHash
 
 T = TypeVar("T")
 

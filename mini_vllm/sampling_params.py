@@ -201,7 +201,7 @@ class SamplingParams:
 
 @dataclass
 class BeamSearchParams:
-    """Settings of :meth:`mini_vllm.llm.LLM.beam_search`.
+    """Settings of :meth:`mini_vllm.entrypoints.llm.LLM.beam_search`.
 
     Invariants after construction: ``beam_width >= 1`` (its upper bound, the vocabulary, is
     checked by ``LLM.beam_search``); ``max_tokens >= 1``; ``temperature`` finite and ``>= 0``

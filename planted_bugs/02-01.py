@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from course.integrity.bugs import PlantedBug
 
-UTILS = "mini_vllm/kv_cache_utils.py"
-POOL = "mini_vllm/block_pool.py"
+UTILS = "mini_vllm/core/kv_cache_utils.py"
+POOL = "mini_vllm/core/block_pool.py"
 
 BUGS = [
     PlantedBug(

@@ -11,7 +11,7 @@ BUGS = [
         name="pow2-rounds-down",
         description="the power-of-two reservation rounds the final length down, so a request "
         "can outgrow its reservation",
-        file="mini_vllm/reservation.py",
+        file="mini_vllm/core/sched/reservation.py",
         find="return min(1 << (final_len - 1).bit_length(), max_model_len)",
         replace="return min(1 << (final_len.bit_length() - 1), max_model_len)",
     ),

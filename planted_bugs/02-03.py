@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from course.integrity.bugs import PlantedBug
 
-MANAGER = "mini_vllm/kv_cache_manager.py"
-UTILS = "mini_vllm/kv_cache_utils.py"
+MANAGER = "mini_vllm/core/kv_cache_manager.py"
+UTILS = "mini_vllm/core/kv_cache_utils.py"
 _TOUCH = (
     "        if self.enable_caching:\n"
     "            self.block_pool.touch((new_computed_block_list,))\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from course.integrity.bugs import PlantedBug
 
-_MGR = "mini_vllm/block_sharing.py"
-_POOL = "mini_vllm/block_pool.py"
+_MGR = "mini_vllm/core/block_sharing.py"
+_POOL = "mini_vllm/core/block_pool.py"
 
 BUGS = [
     PlantedBug(

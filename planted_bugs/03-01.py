@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from course.integrity.bugs import PlantedBug
 
-FILE = "mini_vllm/scheduler.py"
+FILE = "mini_vllm/core/sched/scheduler.py"
 
 BUGS = [
     PlantedBug(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from course.integrity.bugs import PlantedBug
 
-SWAP = "mini_vllm/swap.py"
-SCHED = "mini_vllm/scheduler.py"
+SWAP = "mini_vllm/core/swap.py"
+SCHED = "mini_vllm/core/sched/scheduler.py"
 
 BUGS = [
     PlantedBug(

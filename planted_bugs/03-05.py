@@ -7,7 +7,7 @@ BUGS = [
         name="splits-a-utf8-character",
         description="decode_next emits the window's text even when it ends inside a character, "
         "so a client receives U+FFFD and then the character's own text",
-        file="mini_vllm/detokenizer.py",
+        file="mini_vllm/engine/detokenizer.py",
         find="if not final and (window_text.endswith(REPLACEMENT_CHAR)\n"
         "                          or len(window_text) <= len(prefix_text)):",
         replace="if not final and len(window_text) <= len(prefix_text):",
@@ -16,7 +16,7 @@ BUGS = [
         name="re-emits-the-context",
         description="decode_next returns the whole window's text, context included, so each "
         "piece repeats the text of the token before it",
-        file="mini_vllm/detokenizer.py",
+        file="mini_vllm/engine/detokenizer.py",
         find="return window_text[len(prefix_text):]",
         replace="return window_text",
     ),
@@ -24,7 +24,7 @@ BUGS = [
         name="re-decodes-the-whole-output",
         description="the window's start never moves: every token re-decodes the whole output "
         "(the text is right, the cost is O(n) per token)",
-        file="mini_vllm/detokenizer.py",
+        file="mini_vllm/engine/detokenizer.py",
         find="self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)",
         replace="self.read_offset = len(self.token_ids)",
     ),
@@ -32,14 +32,14 @@ BUGS = [
         name="abort-never-sent",
         description="a consumer that goes away leaves its request running in the engine: it "
         "keeps its KV blocks until max_tokens",
-        file="mini_vllm/async_llm.py",
+        file="mini_vllm/engine/async_llm.py",
         find="            if not finished:\n                self.abort(request_id)",
         replace="            if not finished:\n                pass",
     ),
     PlantedBug(
         name="abort-after-finish",
         description="generate aborts every request on its way out, finished ones too",
-        file="mini_vllm/async_llm.py",
+        file="mini_vllm/engine/async_llm.py",
         find="            if not finished:\n                self.abort(request_id)",
         replace="            self.abort(request_id)",
     ),
@@ -47,7 +47,7 @@ BUGS = [
         name="stream-stops-early",
         description="generate yields only what the collector holds now and stops when it is "
         "empty, ending the stream before the finished output",
-        file="mini_vllm/async_llm.py",
+        file="mini_vllm/engine/async_llm.py",
         find="out = collector.get_nowait() or await collector.get()",
         replace="out = collector.get_nowait()\n"
         "                if out is None:\n"

@@ -1,11 +1,11 @@
-"""Known-wrong edits of the lab 03-06 reference (mini_vllm/reservation.py and the load
+"""Known-wrong edits of the lab 03-06 reference (mini_vllm/core/sched/reservation.py and the load
 generator, mini_vllm/benchmarks/serve.py) that its tests must reject."""
 
 from __future__ import annotations
 
 from course.integrity.bugs import PlantedBug
 
-RESERVATION = "mini_vllm/reservation.py"
+RESERVATION = "mini_vllm/core/sched/reservation.py"
 SERVE = "mini_vllm/benchmarks/serve.py"
 
 BUGS = [

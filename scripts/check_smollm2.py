@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mini_vllm.gguf_loader import named_model_file  # noqa: E402
-from mini_vllm.llm import LLM  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
+from mini_vllm.model_executor.model_loader.gguf_loader import named_model_file  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
 QUESTIONS = [

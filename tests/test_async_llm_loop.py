@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from mini_vllm.async_llm import AsyncLLM
-from mini_vllm.llm import LLM
+from mini_vllm.engine.async_llm import AsyncLLM
+from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
 
 

@@ -2,9 +2,9 @@
 
 The brute force (``course.engine.exam.brute_force_beam_search``, which lab 03-04's tests and the
 engine exam use too) is written from the algorithm's statement (v0.11.0's ``LLM.beam_search``),
-not from ``mini_vllm.beam_search``: each step it runs the whole model over every live beam, takes
-each beam's ``2 * width`` most likely next tokens as candidates, moves those ending in EOS to the
-completed list, keeps the best ``width`` of the rest by ``cum_logprob / len(tokens) **
+not from ``mini_vllm.entrypoints.beam_search``: each step it runs the whole model over every live
+beam, takes each beam's ``2 * width`` most likely next tokens as candidates, moves those ending in
+EOS to the completed list, keeps the best ``width`` of the rest by ``cum_logprob / len(tokens) **
 length_penalty`` (the prompt counts, a final EOS does not), and at the end ranks completed and live
 beams together. The engine must return the same beams, in the same order, with the same scores
 to float tolerance; with width 1 it must return greedy decoding's tokens.
@@ -23,8 +23,8 @@ import torch
 from course.engine.exam import brute_force_beam_search, last_logprobs
 from course.labs.numerics import tolerances
 from mini_vllm import __main__ as cli
-from mini_vllm.llm import LLM
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights
 from mini_vllm.sampling_params import BeamSearchParams, SamplingParams
 
 WIDTHS = range(1, 9)

@@ -183,15 +183,15 @@ def test_paged_decode_runs_a_students_v2_rather_than_the_gqa_kernel(monkeypatch)
 def test_the_engine_with_the_kernels_generates_what_it_does_with_the_pytorch_ops(
         kv_cache_dtype, monkeypatch):
     """The engine's GPU path on a CPU: the kernels in the emulation stand where a GPU's would
-    (mini_vllm.model_runner._load_cuda_ops), so the cache writes and the decodes go through
+    (mini_vllm.attention.backend._load_cuda_ops), so the cache writes and the decodes go through
     ops.reshape_and_cache and ops.paged_decode (the fp8 path included) while chunked prefill
     stays in PyTorch; the tokens equal those of the PyTorch ops, which the engine tests compare
     with the no-cache oracle (tests/engine)."""
-    from mini_vllm import model_runner
     from mini_vllm.csrc.emulation import flavor_supported
-    from mini_vllm.llm import LLM
-    from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+    from mini_vllm.entrypoints.llm import LLM
+    from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights
     from mini_vllm.sampling_params import SamplingParams
+    from mini_vllm.worker import model_runner
 
     reason = flavor_supported("plain")
     if reason:
@@ -231,9 +231,9 @@ def test_a_head_size_with_no_compiled_kernel_runs_the_pytorch_ops(monkeypatch):
     """On a GPU the engine takes the kernels only for the head sizes they are built for: a
     tiny model (head size 16) runs the PyTorch ops unless use_cuda_ops=True asks for the
     kernels, which is an error naming the head size. (Seen on an H200: the engine raised.)"""
-    from mini_vllm import model_runner
-    from mini_vllm.llm import LLM
-    from mini_vllm.model import LlamaForCausalLM, ModelConfig
+    from mini_vllm.entrypoints.llm import LLM
+    from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig
+    from mini_vllm.worker import model_runner
 
     monkeypatch.setattr(model_runner, "_load_cuda_ops", lambda device: ops)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
@@ -248,12 +248,13 @@ def test_a_head_size_with_no_compiled_kernel_runs_the_pytorch_ops(monkeypatch):
 
 
 def test_the_engine_backend_decodes_through_paged_decode():
-    """PagedAttentionBackend (mini_vllm.model_runner) hands GPU decodes to ops.paged_decode."""
+    """PagedAttentionBackend (mini_vllm.attention.backend) hands GPU decodes to
+    ops.paged_decode."""
     import inspect
 
-    from mini_vllm import model_runner
+    from mini_vllm.attention import backend
 
-    source = inspect.getsource(model_runner.PagedAttentionBackend.__call__)
+    source = inspect.getsource(backend.PagedAttentionBackend.__call__)
     assert "ops.paged_decode(" in source and "ops.paged_attention_v1(" not in source
 
 

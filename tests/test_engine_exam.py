@@ -200,9 +200,9 @@ def test_the_diagnosis_lists_each_differing_counter_and_the_first_differing_step
 
 def test_a_scheduler_method_that_breaks_the_budget_is_named_with_the_numbers():
     from mini_vllm.config import SchedulerConfig
+    from mini_vllm.core.sched.scheduler import Scheduler
     from mini_vllm.request import Request
     from mini_vllm.sampling_params import SamplingParams
-    from mini_vllm.scheduler import Scheduler
 
     class Overspends(Scheduler):
         def _schedule_waiting(self, step):
@@ -248,11 +248,11 @@ def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp
     code = (
         "from course.engine.compose import compose\n"
         "c = compose(['03-01'])\n"
-        "import mini_vllm.llm as llm, mini_vllm.scheduler as ref\n"
-        "from mini_vllm_shadow_03_01.scheduler import Scheduler as Theirs\n"
-        "cls = llm.Scheduler\n"
+        "import mini_vllm.engine.core as core, mini_vllm.core.sched.scheduler as ref\n"
+        "from mini_vllm_shadow_03_01.core.sched.scheduler import Scheduler as Theirs\n"
+        "cls = core.Scheduler\n"
         "assert cls is ref.Scheduler and issubclass(cls, Theirs) and cls is not Theirs\n"
-        "assert cls.__dict__['_preempt_by_swap'].__module__ == 'mini_vllm.scheduler'\n"
+        "assert cls.__dict__['_preempt_by_swap'].__module__ == 'mini_vllm.core.sched.scheduler'\n"
         "print(dict((r[0], r[1]) for r in c.lab_rows()))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
@@ -293,7 +293,7 @@ def test_the_notebook_switch_draws_the_students_pieces(tmp_path, phase, monkeypa
         _remember_done(Lab(root / LABS[lab_id].rel), cache, monkeypatch)
     code = ("from course.engine.compose import use_pieces\n"
             f"pieces = use_pieces(True, phase={phase!r})\n"
-            "import mini_vllm.kv_cache_manager as m, mini_vllm.scheduler as s\n"
+            "import mini_vllm.core.kv_cache_manager as m, mini_vllm.core.sched.scheduler as s\n"
             "print(m.KVCacheManager.__module__, s.Scheduler.__module__)\n")
     env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(cache))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
@@ -547,7 +547,7 @@ def test_your_engine_served_answers_the_official_client_as_the_reference_does(tm
     mistake planted in the student's allocator fails the request: the pieces really are theirs."""
     import openai
 
-    from mini_vllm.llm import LLM
+    from mini_vllm.entrypoints.llm import LLM
     from mini_vllm.sampling_params import SamplingParams
 
     root = _course_copy(tmp_path, labs=("02-01", "02-03"))
@@ -655,7 +655,7 @@ import course.engine.engine_side as _side  # noqa: E402
 def _lying_generate(self, engine, prompts, params):
     import dataclasses
 
-    from mini_vllm.llm import EngineStats
+    from mini_vllm.metrics.stats import EngineStats
 
     stats = {f.name: 0 for f in dataclasses.fields(EngineStats)}
     stats.update(prefix_cache_hits=10 ** 6, num_steps=10 ** 6, num_prompt_tokens=1)

@@ -43,8 +43,8 @@ def test_figures_draw_with_the_pieces_in_place_now(monkeypatch):
     import matplotlib.pyplot as plt
 
     from course.figures import phase01, phase02
-    from mini_vllm import kv_cache_manager
     from mini_vllm.attention import reference
+    from mini_vllm.core import kv_cache_manager
 
     calls = []
     real_mask = reference.causal_mask

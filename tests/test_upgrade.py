@@ -18,6 +18,7 @@ import pytest
 
 from course.cli import main as course_main
 from course.labs.catalog import Lab, discover, select
+from course.labs.moves import old_imports, rewrite_imports
 from course.labs.published import (
     changed_given,
     code_digest,
@@ -286,3 +287,35 @@ def test_an_old_03_04_starter_is_told_which_logprob_helpers_its_bodies_must_call
     uncalled = dict(merge.uncalled)
     assert "_with_logprobs" in uncalled["ModelRunner.execute_model"]
     assert uncalled["ModelRunner._sample"] == ["_gather_sample_logprobs"]
+
+
+OLD_LAYOUT_03_01 = (Path(__file__).parent / "fixtures" / "upgrade"
+                    / "03-01-starter-before-the-layout.py.txt").read_text(encoding="utf-8")
+
+
+def test_a_starter_of_mini_vllms_old_layout_is_named_and_its_imports_follow_the_move():
+    """Before mini_vllm's packages (issue 44), lab 03-01's starter imported
+    mini_vllm.scheduler_output and mini_vllm.kv_cache_manager; a student may have added an
+    import of their own from the old layout too."""
+    new, record = lab_03_01()
+    student = write_tasks(OLD_LAYOUT_03_01, "03-01")
+    student = student.replace(
+        "from __future__ import annotations\n",
+        "from __future__ import annotations\n\n"
+        "from mini_vllm.kv_cache_utils import BlockHash, hash_block_tokens  # mine\n", 1)
+    note = given_code_note("03-01", student)
+    assert note is not None and "mini_vllm.scheduler_output (now mini_vllm.core.sched.output, "\
+        "mini_vllm.outputs)" in note and note.endswith("run `python -m course upgrade 03-01`")
+    assert given_code_note("03-01", write_tasks(new, "03-01")) is None
+
+    merge = merge_starters(student, new, "03-01", record)
+    assert merge.conflicts == []
+    text, rewritten = rewrite_imports(merge.text)
+    # The course's imports are today's starter's; the student's own import is pointed at
+    # mini_vllm.core.kv_cache_utils, comment kept; nothing of the old layout is left.
+    assert rewritten == ["from mini_vllm.kv_cache_utils import BlockHash, hash_block_tokens # mine"
+                         " -> from mini_vllm.core.kv_cache_utils import BlockHash, "
+                         "hash_block_tokens  # mine"]
+    assert old_imports(text) == [] and given_code_note("03-01", text) is None
+    assert set(merge.carried) == task_names(new, "03-01") & task_names(OLD_LAYOUT_03_01, "03-01")
+    compile(text, "starter.py", "exec")

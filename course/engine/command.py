@@ -494,9 +494,9 @@ def _serve(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     process it runs in, and this one does nothing else until the server stops."""
     from course.engine.compose import compose
     from mini_vllm.__main__ import DEFAULT_SERVED_NAME
-    from mini_vllm.async_llm import AsyncLLM
+    from mini_vllm.engine.async_llm import AsyncLLM
+    from mini_vllm.entrypoints.llm import LLM
     from mini_vllm.entrypoints.openai.api_server import run_server
-    from mini_vllm.llm import LLM
 
     composition = compose(student, gpu=gpu)
     yours = f" ({', '.join(student)})" if student else " (the reference engine)"

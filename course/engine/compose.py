@@ -32,16 +32,16 @@ from dataclasses import dataclass, field
 from course.labs.catalog import Lab, discover
 from course.labs.loader import load_module
 
-# Every module the engine runs; importing mini_vllm.llm pulls in the rest, the others are listed
-# so that a piece they bind is rebound too.
+# Every module the engine runs; importing mini_vllm.entrypoints.llm pulls in the rest, the others
+# are listed so that a piece they bind is rebound too.
 ENGINE_MODULES = (
-    "mini_vllm.llm",
-    "mini_vllm.swap",
-    "mini_vllm.block_sharing",
-    "mini_vllm.toy_runner",
+    "mini_vllm.entrypoints.llm",
+    "mini_vllm.core.swap",
+    "mini_vllm.core.block_sharing",
+    "mini_vllm.worker.toy_runner",
     # lab 03-05's pieces, looked up where the server makes them
-    "mini_vllm.output_processor",
-    "mini_vllm.async_llm",
+    "mini_vllm.engine.output_processor",
+    "mini_vllm.engine.async_llm",
     "mini_vllm.entrypoints.openai.api_server",
 )
 GPU_ONLY_LABS = ("02-06",)

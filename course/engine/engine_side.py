@@ -159,7 +159,7 @@ class Engines:
 
     def new(self, config: dict) -> dict:
         from mini_vllm.attention.fp8 import is_fp8
-        from mini_vllm.llm import LLM
+        from mini_vllm.entrypoints.llm import LLM
 
         config = dict(config)
         tokenizer = SplitCharTokenizer() if config.pop("tokenizer", "ids") == "split" \
@@ -219,7 +219,7 @@ class Engines:
         """Serve an engine behind the OpenAI-compatible server, on a Unix socket the exam's
         client connects to."""
         from course.labs.serving import ServerThread
-        from mini_vllm.async_llm import AsyncLLM
+        from mini_vllm.engine.async_llm import AsyncLLM
         from mini_vllm.entrypoints.openai.api_server import build_app
 
         async_llm = AsyncLLM(self.llms[engine], model_name="exam")

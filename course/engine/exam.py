@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from mini_vllm.attention.fp8 import is_fp8
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, init_weights
-from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights
+from mini_vllm.sample.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 
 TINY = ModelConfig(

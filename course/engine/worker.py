@@ -100,7 +100,7 @@ def in_child(work, timeout_s: float) -> tuple[list[dict], str | None]:
 
 def run_generate(job: dict, out) -> None:
     from course.engine.compose import compose
-    from mini_vllm.llm import LLM
+    from mini_vllm.entrypoints.llm import LLM
     from mini_vllm.sampling_params import SamplingParams
 
     composition = compose(job["labs"], gpu=job.get("gpu", False))

@@ -18,8 +18,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from course.figures import lab_module
-from mini_vllm import kv_cache_manager, kv_cache_utils, request
+from mini_vllm import request
 from mini_vllm.attention import cache_ops, paged_attn
+from mini_vllm.core import kv_cache_manager, kv_cache_utils
 from mini_vllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -16,10 +16,13 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from mini_vllm import kv_cache_utils, request, scheduler, toy_runner
+from mini_vllm import request
 from mini_vllm.attention import metadata
 from mini_vllm.config import SchedulerConfig
+from mini_vllm.core import kv_cache_utils
+from mini_vllm.core.sched import scheduler
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.worker import toy_runner
 
 STATES = ["absent", "waiting", "prefill chunk", "decode", "preempted", "swapped"]
 COLORS = ["white", "#d9d9d9", "#1f4e9c", "#8fb8ff", "#d62728", "#ff9f1c"]

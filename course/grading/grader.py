@@ -113,7 +113,7 @@ def hide_reference_source(tree: Path) -> None:
     its shape (course.grading.plugin).
 
     Each file is compiled under its own final path, so a function's `co_filename` equals its
-    module's `__file__`, as it does with source (mini_vllm.model_runner relies on it)."""
+    module's `__file__`, as it does with source (mini_vllm.worker.model_runner relies on it)."""
     tree = tree.resolve()
     sources = [*(tree / "mini_vllm").rglob("*.py"), *tree.glob("phase-*/labs/lab-*/solution.py")]
     for src in sources:

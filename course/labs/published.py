@@ -318,13 +318,22 @@ def changed_given(lab_id: str, source: str, record: dict | None = None) -> list[
 
 
 def given_code_note(lab_id: str, source: str, record: dict | None = None) -> str | None:
-    """One line naming the given code a student's starter changed, and what to do; None when
-    it is the published code."""
+    """One line naming the given code a student's starter changed, and the imports of
+    mini_vllm's old layout it still makes (:mod:`course.labs.moves`), and what to do; None when
+    there are neither."""
+    from course.labs.moves import old_imports
+
     changed = changed_given(lab_id, source, record)
-    if not changed:
+    moved = old_imports(source)
+    if not changed and not moved:
         return None
-    return (f"lab {lab_id}: given code changed: {', '.join(changed)} -- run "
-            f"`python -m course upgrade {lab_id}`")
+    said = []
+    if changed:
+        said.append(f"given code changed: {', '.join(changed)}")
+    if moved:
+        said.append("starter.py imports mini_vllm's old layout: " + ", ".join(
+            f"{old} (now {new})" for old, new in dict(moved).items()))
+    return f"lab {lab_id}: {'; '.join(said)} -- run `python -m course upgrade {lab_id}`"
 
 
 def lab_given_note(lab: Lab) -> str | None:

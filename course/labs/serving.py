@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mini_vllm.tokenizer import ByteTokenizer
+from mini_vllm.tokenizers.tokenizer import ByteTokenizer
 
 __all__ = ["CountingTokenizer", "ServerThread", "openai_client", "wait_idle"]
 

@@ -20,6 +20,11 @@ starter (found in the checkout's git history by its published SHA-256):
   it is and ``starter.py.merge`` holds the merge with each conflict between ``<<<<<<<`` markers.
 
 An upgrade keeps the file it replaces as ``starter.py.before-upgrade`` (numbered when it exists).
+
+A starter begun before mini_vllm was laid out in packages (``mini_vllm.scheduler`` became
+``mini_vllm.core.sched.scheduler``) imports the old paths: the course's own imports come from the
+new starter like any given code, and an import the student added is rewritten to where its names
+are now (:mod:`course.labs.moves`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.labs.catalog import REPO_ROOT, Lab
+from course.labs.moves import old_imports, rewrite_imports
 from course.labs.published import (
     code_digest,
     definition_digest,
@@ -411,6 +417,10 @@ def upgrade_lab(lab: Lab, root: Path = REPO_ROOT) -> tuple[int, list[str]]:
             return 0, [f"lab {lab.id}: nothing to upgrade: starter.py is the published one"]
         new = published_source(lab, root)
         merge = merge_starters(student, new, lab.id, record)
+        # mini_vllm's old layout: the course's own imports were replaced with the new starter's
+        # above; imports the student added are pointed at where their names are now.
+        merge.text, rewritten = rewrite_imports(merge.text)
+        moved = old_imports(student)
     except UnicodeDecodeError:
         return 2, [f"error: lab {lab.id}: starter.py is not UTF-8 text; nothing changed"]
     except UpgradeError as exc:
@@ -429,7 +439,7 @@ def upgrade_lab(lab: Lab, root: Path = REPO_ROOT) -> tuple[int, list[str]]:
         lines.append(f"Resolve each conflict in {rel}.merge (keep what you mean, delete the "
                      f"markers), then move it over {rel} and run the lab's tests.")
         return 1, lines
-    if not merge.updated and not merge.added:
+    if not merge.updated and not merge.added and not moved:
         return 0, [f"lab {lab.id}: nothing to upgrade: the given code of {rel} is the published "
                    "one"]
     backup = _free_name(starter.with_name("starter.py.before-upgrade"))
@@ -439,6 +449,11 @@ def upgrade_lab(lab: Lab, root: Path = REPO_ROOT) -> tuple[int, list[str]]:
              f"task(s) of yours carried over, {len(merge.updated) + len(merge.added)} given "
              "definition(s) updated or added; "
              f"your old file is {backup.name}"]
+    if moved:
+        lines.append("  imports moved with mini_vllm's layout: " + ", ".join(
+            f"{old} -> {new}" for old, new in dict(moved).items()))
+    for line in rewritten:
+        lines.append(f"  your import rewritten: {line}")
     if merge.updated:
         lines.append(f"  given code updated: {', '.join(merge.updated)}")
     if merge.added:

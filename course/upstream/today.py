@@ -409,6 +409,7 @@ def check_trees(srcs: list[Path], root: Path = REPO_ROOT) -> tuple[list[str], li
     entry's qualname); a tree of today's release is checked piece by piece (each record's
     location, and its signature flag when the cited pin's tree is given too). A tree that is
     neither, or that no entry cites, is a problem: nothing checked must not read as a pass."""
+    from course.upstream.layout import LAYOUT, check_layout_tree
     from course.upstream.refs import check_against_source, source_version
 
     refs, _ = load_map(root)
@@ -451,4 +452,13 @@ def check_trees(srcs: list[Path], root: Path = REPO_ROOT) -> tuple[list[str], li
                      f"{len(found)} mismatch(es).")
         if not set(pinned) >= {p.version for p in load_pieces(root)[0]}:
             lines.append("note: signature changes are checked only for the pins given too")
+    if (root / LAYOUT).is_file():
+        layout_checked, found_layout = 0, []
+        for version, tree in trees.items():
+            found, checked = check_layout_tree(tree, version, root, today)
+            found_layout += found
+            layout_checked += checked
+        problems += found_layout
+        lines.append(f"{layout_checked} upstream paths of mini_vllm's layout checked in the "
+                     f"releases given; {len(found_layout)} mismatch(es).")
     return problems, lines

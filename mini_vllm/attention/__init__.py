@@ -1,1 +1,5 @@
-"""Attention for mini_vllm: the reference (phase 01) and PagedAttention (phase 02)."""
+"""Attention for mini_vllm: the reference (phase 01), PagedAttention (phase 02) and the backend
+the model runner plugs into every layer.
+
+upstream: vllm/v1/attention/ (vllm/attention/ at v0.11.0)
+"""

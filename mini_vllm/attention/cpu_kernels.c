@@ -559,7 +559,7 @@ void mv_dequantize_q8_0(float *out, const uint8_t *w, int64_t N, int64_t K) {
  *   the layer's paged cache ; a = PagedAttention(q) ; x += a Wo^T (+ b) ;
  *   h = rmsnorm(x) ; g, u = h Wgu^T (+ b) ; x += (silu(g) * u) Wdown^T (+ b)
  * then out = rmsnorm(x) with the final norm. The same operations, in the same order, as
- * mini_vllm/model.py's PyTorch modules; the products and the attention are the functions above.
+ * mini_vllm/model_executor/models/llama.py's PyTorch modules; the products and the attention are the functions above.
  * On a small model each of those ~40 PyTorch operations a layer costs more in the interpreter
  * than in arithmetic: calling them from here is the CPU's answer to a GPU's CUDA graph. */
 typedef struct {

@@ -2,5 +2,5 @@
 (``vllm bench serve`` is ``vllm/benchmarks/serve.py`` there): a synthetic dataset
 (:mod:`.datasets`) and the load generator with its metrics (:mod:`.serve`).
 
-upstream: none (a package marker; see its modules)
+upstream: vllm/benchmarks/
 """

@@ -15,9 +15,10 @@ How a run goes:
    end-to-end latency, and the normalised latency of the PagedAttention paper (end-to-end
    latency over output tokens).
 
-Two backends run the same trace: ``inprocess`` drives an :class:`~mini_vllm.async_llm.AsyncLLM`
-in this process (no HTTP), ``http`` streams from ``python -m mini_vllm serve``'s
-``/v1/completions`` (server-sent events), so the difference between the two is the server's.
+Two backends run the same trace: ``inprocess`` drives an
+:class:`~mini_vllm.engine.async_llm.AsyncLLM` in this process (no HTTP), ``http`` streams from
+``python -m mini_vllm serve``'s ``/v1/completions`` (server-sent events), so the difference between
+the two is the server's.
 
 Metrics (:func:`calculate_metrics`): request throughput, output and total token throughput,
 mean/median/percentiles of each latency, and goodput: completed requests per second that met
@@ -170,7 +171,7 @@ def _params(request: SampleRequest) -> Any:
 
 async def run_in_process(engine: Any, requests: Sequence[SampleRequest],
                          times: Sequence[float]) -> tuple[list[RequestResult], float]:
-    """:func:`run_trace` against an :class:`~mini_vllm.async_llm.AsyncLLM` in this process.
+    """:func:`run_trace` against an :class:`~mini_vllm.engine.async_llm.AsyncLLM` in this process.
 
     upstream: none (upstream's benchmark always goes through a server)
     """
@@ -379,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "http":
         results, duration = asyncio.run(run_http(args.base_url, args.model, requests, times))
     else:
-        from mini_vllm.async_llm import AsyncLLM
-        from mini_vllm.llm import LLM
+        from mini_vllm.engine.async_llm import AsyncLLM
+        from mini_vllm.entrypoints.llm import LLM
 
         llm = LLM(max_model_len=args.max_model_len, num_gpu_blocks=args.num_gpu_blocks,
                   block_size=args.block_size,

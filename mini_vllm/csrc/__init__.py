@@ -1,4 +1,4 @@
-"""mini_vllm's CUDA kernels: built on first use, cached, and optional.
+"""mini_vllm's CUDA kernels (upstream's are in csrc/): built on first use, cached, and optional.
 
 The kernel sources (``*.cu``, ``*.cuh``, ``kernel_params.h``) include no torch header and compile
 with plain ``nvcc``; ``bindings.cpp`` connects them to PyTorch. ``load_ops()`` builds both with

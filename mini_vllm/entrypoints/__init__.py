@@ -1,4 +1,5 @@
-"""Ways to use mini_vllm from outside Python: the OpenAI-compatible HTTP server (``openai/``).
+"""Ways in: ``llm.LLM`` (Python, offline), the OpenAI-compatible HTTP server (``openai/``), and
+beam search on top of ``LLM`` (``beam_search``).
 
-upstream: none (a package that only holds the server; vLLM's entrypoints/ holds several)
+upstream: vllm/entrypoints/
 """

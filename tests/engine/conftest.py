@@ -12,7 +12,12 @@ import random
 import pytest
 import torch
 
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
+from mini_vllm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    ModelConfig,
+    greedy_reference,
+    init_weights,
+)
 
 TINY = ModelConfig(
     vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from course.labs.numerics import assert_close
 from mini_vllm.attention.metadata import build_attention_metadata
-from mini_vllm.model import ModelConfig
-from mini_vllm.model_runner import ModelRunner
-from mini_vllm.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from mini_vllm.model_executor.models.llama import ModelConfig
+from mini_vllm.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.tokenizer import ByteTokenizer
+from mini_vllm.tokenizers.tokenizer import ByteTokenizer
+from mini_vllm.worker.model_runner import ModelRunner
 
 # ----------------------------------------------------------------------------- tokenizer
 

@@ -1,4 +1,4 @@
-"""The fused step (``mini_vllm.cpu_decode``): a step of a few tokens as one compiled call.
+"""The fused step (``mini_vllm.worker.cpu_decode``): a step of a few tokens as one compiled call.
 
 It must compute what the model's modules compute op by op (hidden rows to fp32 rounding, the same
 K/V in the cache), for decodes and for short prefill chunks alike, give the reference's tokens
@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mini_vllm import model_runner
-from mini_vllm.attention import cpu_kernels, paged_attn
+from mini_vllm.attention import backend, cpu_kernels, paged_attn
 from mini_vllm.attention.metadata import build_attention_metadata
-from mini_vllm.cpu_decode import FusedDecode
-from mini_vllm.llm import LLM, EngineConfig
-from mini_vllm.model import greedy_reference
+from mini_vllm.config import EngineConfig
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.models.llama import greedy_reference
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.worker.cpu_decode import FusedDecode
 
 from .conftest import counting, make_tiny_model
 
@@ -161,7 +161,7 @@ def test_a_student_piece_or_a_forward_hook_turns_the_fused_step_off(monkeypatch,
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
     # A stand-in for the student's piece.
     piece_calls = counting(monkeypatch, paged_attn, "forward_decode")
-    assert not model_runner._reference_pieces_in_place()
+    assert not backend._reference_pieces_in_place()
     assert run(LLM(model, block_size=16, num_gpu_blocks=64), prompts) == want
     assert piece_calls and not fused_calls
     monkeypatch.undo()
@@ -194,9 +194,9 @@ def test_a_student_s_prefill_attention_keeps_prefill_steps_op_by_op(monkeypatch,
     when it is in place; the decode steps, which do not call it, stay fused."""
     fused_calls = counting(monkeypatch, FusedDecode, "__call__")
     # A stand-in for the student's piece, bound where the runner looks it up.
-    piece_calls = counting(monkeypatch, model_runner, "chunked_prefill_attention")
-    assert model_runner._reference_pieces_in_place()
-    assert not model_runner._reference_pieces_in_place(prefill=True)
+    piece_calls = counting(monkeypatch, backend, "chunked_prefill_attention")
+    assert backend._reference_pieces_in_place()
+    assert not backend._reference_pieces_in_place(prefill=True)
     short = [p for p in prompts if len(p) <= 8]
     want = [r for p, r in zip(prompts, reference_outputs) if len(p) <= 8]
     llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)

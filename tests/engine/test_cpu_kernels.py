@@ -18,10 +18,10 @@ import torch
 
 from course.labs.loader import load_script
 from course.labs.numerics import assert_close
-from mini_vllm import model_runner
+from mini_vllm.attention import backend as attention_backend
 from mini_vllm.attention import cache_ops, cpu_kernels, paged_attn
-from mini_vllm.llm import LLM
-from mini_vllm.model import greedy_reference
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.models.llama import greedy_reference
 from mini_vllm.sampling_params import SamplingParams
 
 from .conftest import counting, make_prompts, make_tiny_model
@@ -227,9 +227,9 @@ def test_a_piece_from_a_copy_of_the_reference_module_is_not_the_reference(
     must run them and not the kernels, or a planted bug in them would go unseen."""
     stand_in = private_copy(paged_attn, tmp_path)
     monkeypatch.setattr(paged_attn, "paged_attention_v2_reduce", stand_in.paged_attention_v2_reduce)
-    assert not model_runner._reference_pieces_in_place()
-    # The stand-ins' own copy of the runner's module, imported after the rebinding, agrees.
-    assert not private_copy(model_runner, tmp_path)._reference_pieces_in_place()
+    assert not attention_backend._reference_pieces_in_place()
+    # The stand-ins' own copy of the backend's module, imported after the rebinding, agrees.
+    assert not private_copy(attention_backend, tmp_path)._reference_pieces_in_place()
     kernel_calls = counting(monkeypatch, cpu_kernels, "paged_decode")
     llm = LLM(tiny_model, block_size=16, num_gpu_blocks=64)
     assert run(llm, prompts) == reference_outputs
@@ -340,7 +340,7 @@ def test_linear_leaves_big_batches_and_autograd_to_torch():
 def test_fused_projections_are_views_that_compute_the_same():
     """fuse_projections keeps every parameter's name and value (each is a view of the fused
     weight: loading into it writes the fused one); replacing a parameter turns fusion off."""
-    from mini_vllm.model import fused_weight
+    from mini_vllm.model_executor.models.llama import fused_weight
 
     model = make_tiny_model()
     ids = torch.tensor(make_prompts()[0])
@@ -396,8 +396,8 @@ def test_quantized_weights_are_refused_off_the_cpu():
 
 
 def test_the_cli_offers_every_weight_dtype():
-    from mini_vllm import llm
     from mini_vllm.__main__ import WEIGHT_DTYPES
+    from mini_vllm.entrypoints import llm
 
     assert list(WEIGHT_DTYPES) == list(llm.WEIGHT_DTYPES)
 
@@ -446,7 +446,7 @@ def test_dequantize_reads_every_fp16_scale_as_gguf_does(monkeypatch, fmt):
     """Random blocks (scales of every sign, subnormal and normal halves, never inf or NaN): the
     C kernel and the PyTorch path (kernels off) give gguf's values bit for bit."""
     gguf = pytest.importorskip("gguf")
-    from mini_vllm.model import dequantize
+    from mini_vllm.model_executor.models.llama import dequantize
 
     g = torch.Generator().manual_seed(5)
     width = cpu_kernels.QUANT_BYTES[fmt]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mini_vllm.attention import cpu_kernels
-from mini_vllm.llm import LLM
+from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from mini_vllm import model_runner
-from mini_vllm.attention import cache_ops, paged_attn
-from mini_vllm.llm import LLM
+from mini_vllm.attention import backend, cache_ops, paged_attn
+from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -61,7 +60,7 @@ STAGES = {
     "runner-prepare-inputs": _instance("engine.model_runner._prepare_inputs"),
     "reshape-and-cache": (cache_ops, "reshape_and_cache"),
     "paged-decode": (paged_attn, "forward_decode"),
-    "chunked-prefill-attention": (model_runner, "chunked_prefill_attention"),
+    "chunked-prefill-attention": (backend, "chunked_prefill_attention"),
     "model-layer": _instance("model.model.layers.1.mlp.forward"),
     "sampler": (None, "sampler"),  # a callable object: replaced whole, see plant()
     "update-from-output": _instance("engine.scheduler.update_from_output"),

@@ -13,8 +13,14 @@ import torch
 
 from mini_vllm import __main__ as cli
 from mini_vllm.attention import cache_ops
-from mini_vllm.llm import LLM, kv_block_bytes
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
+from mini_vllm.config import kv_block_bytes
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    ModelConfig,
+    greedy_reference,
+    init_weights,
+)
 from mini_vllm.sampling_params import SamplingParams
 
 from .conftest import make_prompts, make_tiny_model

@@ -1,4 +1,4 @@
-"""Weights moved onto huge pages (``mini_vllm.huge_pages``): the same model, on other memory.
+"""Weights moved onto huge pages (``mini_vllm.utils.huge_pages``): the same model, on other memory.
 
 The move must keep every value, every name, every fusion (q/k/v and gate/up stay views of one
 tensor) and every tie (the LM head that is the embedding), leave the tokens as they were, and
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mini_vllm import huge_pages
-from mini_vllm.llm import LLM
-from mini_vllm.model import fused_weight
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.models.llama import fused_weight
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.utils import huge_pages
 
 from .conftest import make_tiny_model
 

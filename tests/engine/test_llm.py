@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mini_vllm.llm import LLM, kv_block_bytes
+from mini_vllm.config import kv_block_bytes
+from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -208,7 +209,7 @@ def test_cuda_on_a_cpu_machine_is_a_clear_error(tiny_model, capsys):
 def test_thread_count_defaults_and_overrides(tiny_model, monkeypatch):
     import torch
 
-    from mini_vllm.llm import default_num_threads
+    from mini_vllm.platforms import default_num_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert default_num_threads(tiny_model) == 1, "a small model runs on one thread"

@@ -2,10 +2,10 @@
 
 Each case builds a small random Llama or Qwen2 with ``transformers`` (with and without biases,
 tied and untied embeddings), saves it the way Hugging Face checkpoints are published, loads it
-with ``mini_vllm.hf_loader`` and compares the logits with ``transformers``' forward on CPU. Then
-the loader is fed what it must refuse: unknown and missing tensors, a stale shard, a missing
-config field, a corrupt file, non-finite weights. ``transformers`` is a test dependency
-(pinned in requirements.txt); these tests take a few seconds.
+with ``mini_vllm.model_executor.model_loader.hf_loader`` and compares the logits with
+``transformers``' forward on CPU. Then the loader is fed what it must refuse: unknown and missing
+tensors, a stale shard, a missing config field, a corrupt file, non-finite weights.
+``transformers`` is a test dependency (pinned in requirements.txt); these tests take a few seconds.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from course.labs.numerics import assert_close
-from mini_vllm.hf_loader import config_from_hf, load_checkpoint
-from mini_vllm.llm import LLM
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.model_loader.hf_loader import config_from_hf, load_checkpoint
 from mini_vllm.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")

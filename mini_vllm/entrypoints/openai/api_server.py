@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mini_vllm.async_llm import AsyncLLM
+from mini_vllm.engine.async_llm import AsyncLLM
 from mini_vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +39,7 @@ from mini_vllm.entrypoints.openai.protocol import (
 from mini_vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from mini_vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from mini_vllm.entrypoints.openai.serving_engine import error_response
-from mini_vllm.loggers import CONTENT_TYPE
+from mini_vllm.metrics.loggers import CONTENT_TYPE
 
 __all__ = ["build_app", "make_server", "run_server", "with_cancellation"]
 

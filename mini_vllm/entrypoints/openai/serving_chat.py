@@ -15,7 +15,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse, Response
 
-from mini_vllm.async_llm import AsyncLLM
+from mini_vllm.engine.async_llm import AsyncLLM
 from mini_vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from mini_vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -26,8 +26,8 @@ from mini_vllm.entrypoints.openai.serving_engine import (
     sse_event,
     usage,
 )
-from mini_vllm.llm import RequestOutput
-from mini_vllm.tokenizer import render_chat_template
+from mini_vllm.outputs import RequestOutput
+from mini_vllm.tokenizers.tokenizer import render_chat_template
 
 __all__ = ["OpenAIServingChat"]
 

@@ -21,7 +21,7 @@ from mini_vllm.entrypoints.openai.serving_engine import (
     sse_event,
     usage,
 )
-from mini_vllm.llm import RequestOutput
+from mini_vllm.outputs import RequestOutput
 
 __all__ = ["OpenAIServingCompletion", "OpenAIServingCompletionBase"]
 

@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mini_vllm.async_llm import AsyncLLM
+from mini_vllm.engine.async_llm import AsyncLLM
 from mini_vllm.entrypoints.openai.protocol import error_body
-from mini_vllm.llm import RequestOutput
+from mini_vllm.outputs import RequestOutput
 
 __all__ = ["FieldError", "OpenAIServing", "SSEResponse", "error_response", "sse_event"]
 

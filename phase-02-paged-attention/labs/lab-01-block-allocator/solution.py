@@ -1,12 +1,12 @@
 """Lab 02-01 reference: the paged block allocator.
 
-The code lives once, in ``mini_vllm.kv_cache_utils`` and ``mini_vllm.block_pool``; this file only
-re-exports it under the names of ``starter.py``.
+The code lives once, in ``mini_vllm.core.kv_cache_utils`` and ``mini_vllm.core.block_pool``; this
+file only re-exports it under the names of ``starter.py``.
 """
 
 from __future__ import annotations
 
-from mini_vllm.block_pool import (
+from mini_vllm.core.block_pool import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockHashToBlockMap,
@@ -15,7 +15,7 @@ from mini_vllm.block_pool import (
     BlockStored,
     KVCacheEvent,
 )
-from mini_vllm.kv_cache_utils import (
+from mini_vllm.core.kv_cache_utils import (
     BlockHash,
     BlockHashWithGroupId,
     FreeKVCacheBlockQueue,

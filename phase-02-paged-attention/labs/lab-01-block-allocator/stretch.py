@@ -3,7 +3,7 @@
 The lab grades vLLM v0.11.0's behaviour, and your ``starter.py`` keeps it. The newest release
 changed four things a reader meets in the same files (README: Stretch). Here you add three of
 them, and today's tagged hash keys, *on top of your own classes*, behind the course's one switch
-``mini_vllm.kv_cache_utils.use_today_behaviour``: with it off, everything below is your
+``mini_vllm.core.kv_cache_utils.use_today_behaviour``: with it off, everything below is your
 ``starter.py`` unchanged; with it on, today's behaviour.
 
 Set ``STARTED = True`` when you begin: until then ``test_stretch.py`` skips, because the stretch
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from course.labs.loader import load_script
-from mini_vllm.kv_cache_utils import TODAY_NONE_HASH_SEED, is_today_behaviour
+from mini_vllm.core.kv_cache_utils import TODAY_NONE_HASH_SEED, is_today_behaviour
 
 # Set to True when you start the stretch (its tests skip until then).
 STARTED = False

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from course.labs.loader import chosen_impl, load_script
-from mini_vllm import block_pool as ref_pool
-from mini_vllm import kv_cache_utils as ref_utils
-from mini_vllm.kv_cache_manager import KVCacheManager
+from mini_vllm.core import block_pool as ref_pool
+from mini_vllm.core import kv_cache_utils as ref_utils
+from mini_vllm.core.kv_cache_manager import KVCacheManager
 from mini_vllm.request import LoRARequest, Request
 from mini_vllm.sampling_params import SamplingParams
 

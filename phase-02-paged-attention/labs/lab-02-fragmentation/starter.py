@@ -19,7 +19,7 @@ Strategies:
   is ``max_model_len`` (``"max"``), the next power of two of its final length (``"pow2"``), or
   exactly its final length (``"oracle"``, which needs to know the future);
 * paging (``"paged-8"``, ``"paged-16"``, ``"paged-32"``): blocks of the real
-  :class:`~mini_vllm.block_pool.BlockPool`, taken one at a time as the request grows; when the
+  :class:`~mini_vllm.core.block_pool.BlockPool`, taken one at a time as the request grows; when the
   pool runs dry the most recently admitted request is preempted (its blocks are freed and it is
   recomputed later), as in vLLM.
 
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mini_vllm.block_pool import BlockPool
-from mini_vllm.kv_cache_utils import KVCacheBlock
+from mini_vllm.core.block_pool import BlockPool
+from mini_vllm.core.kv_cache_utils import KVCacheBlock
 
 __all__ = [
     "TRACES_PATH",

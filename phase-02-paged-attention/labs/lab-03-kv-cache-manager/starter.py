@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mini_vllm.block_pool import BlockPool
-from mini_vllm.kv_cache_utils import BlockHash, KVCacheBlock, hash_block_tokens, sha256
-from mini_vllm.metrics import PrefixCacheStats
+from mini_vllm.core.block_pool import BlockPool
+from mini_vllm.core.kv_cache_utils import BlockHash, KVCacheBlock, hash_block_tokens, sha256
+from mini_vllm.metrics.stats import PrefixCacheStats
 from mini_vllm.request import LoRARequest, Request, RequestStatus
 from mini_vllm.sampling_params import SamplingParams
 

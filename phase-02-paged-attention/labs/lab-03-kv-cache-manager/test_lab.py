@@ -34,7 +34,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import mini_vllm.kv_cache_utils as kcu
+import mini_vllm.core.kv_cache_utils as kcu
 from course.labs.loader import load_lab
 from course.labs.student_process import beside_the_student, read
 

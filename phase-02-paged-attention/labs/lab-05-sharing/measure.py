@@ -47,7 +47,7 @@ def _num_blocks(n: int) -> int:
 
 
 def _request(rid: str, tokens: list[int]):
-    from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
+    from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
     from mini_vllm.request import Request
     from mini_vllm.sampling_params import SamplingParams
 
@@ -79,7 +79,7 @@ def _real_beams(k: int) -> tuple[list[int], list, int, int]:
     """The reference engine's beam search of width ``k``: the prompt's ids, the beam history,
     the blocks held without sharing and the engine's own in-step count (prefix caching), both
     summed over the steps. Made once per width: every series replays the same tree."""
-    from mini_vllm.llm import LLM
+    from mini_vllm.entrypoints.llm import LLM
     from mini_vllm.sampling_params import BeamSearchParams
 
     bench = _bench()
@@ -132,7 +132,7 @@ def prefix_caching_only(n: int) -> float:
     """The reference's lab 02-03 manager: n separate requests with the same prompt, each looked
     up in the prefix cache when it arrives (what vLLM v1 does for parallel sampling); for the
     real beams, the engine's count while every beam runs as a new one-token request."""
-    from mini_vllm.kv_cache_manager import KVCacheManager
+    from mini_vllm.core.kv_cache_manager import KVCacheManager
 
     manager = KVCacheManager(_num_blocks(n), BLOCK_SIZE, 4096)
     seqs = []

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from mini_vllm.attention.cache_ops import copy_blocks, reshape_and_cache
 from mini_vllm.attention.paged_attn import paged_attention_v1
-from mini_vllm.kv_cache_manager import KVCacheBlocks
-from mini_vllm.kv_cache_manager import KVCacheManager as _Lab03KVCacheManager
-from mini_vllm.kv_cache_utils import KVCacheBlock, get_request_block_hasher, sha256
+from mini_vllm.core.kv_cache_manager import KVCacheBlocks
+from mini_vllm.core.kv_cache_manager import KVCacheManager as _Lab03KVCacheManager
+from mini_vllm.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, sha256
 from mini_vllm.request import Request
 from mini_vllm.sampling_params import SamplingParams
 

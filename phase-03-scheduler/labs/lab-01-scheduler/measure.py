@@ -45,7 +45,8 @@ def _model():
     import torch
 
     from mini_vllm.config import SchedulerConfig
-    from mini_vllm.llm import EngineCore, load_default_model
+    from mini_vllm.engine.core import EngineCore
+    from mini_vllm.model_executor.model_loader.loader import load_default_model
     from mini_vllm.sampling_params import SamplingParams
 
     torch.manual_seed(0)
@@ -69,7 +70,7 @@ def _prompts() -> list[list[int]]:
 def run(impl, budget: int) -> dict[str, float | None]:
     """One run of the workload with ``impl.Scheduler`` in the engine at this token budget."""
     from mini_vllm.config import SchedulerConfig
-    from mini_vllm.llm import EngineCore
+    from mini_vllm.engine.core import EngineCore
     from mini_vllm.sampling_params import SamplingParams
 
     config = SchedulerConfig(

@@ -2,7 +2,7 @@
 
 The test runs :func:`make_workload` through the lab's scheduler and compares every step with
 ``golden_trace.json``. When the reference scheduler changes *on purpose*, regenerate the file
-from ``mini_vllm.scheduler`` and review the diff before committing it::
+from ``mini_vllm.core.sched.scheduler`` and review the diff before committing it::
 
     python phase-03-scheduler/labs/lab-01-scheduler/regen_golden.py          # rewrite the file
     python phase-03-scheduler/labs/lab-01-scheduler/regen_golden.py --check  # compare only
@@ -28,7 +28,7 @@ VOCAB = 101
 def make_workload() -> tuple[Any, dict[int, list[Any]]]:
     """The fixed configuration and arrivals (``{step: [requests added before it]}``)."""
     from mini_vllm.config import SchedulerConfig
-    from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+    from mini_vllm.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
     from mini_vllm.request import Request
     from mini_vllm.sampling_params import SamplingParams
 
@@ -71,7 +71,7 @@ def make_workload() -> tuple[Any, dict[int, list[Any]]]:
 
 def _toy_continuation(prompt: list[int], n: int) -> list[int]:
     """The first ``n`` tokens the toy runner will sample after ``prompt``."""
-    from mini_vllm.toy_runner import toy_next_token
+    from mini_vllm.worker.toy_runner import toy_next_token
 
     tokens = list(prompt)
     for _ in range(n):
@@ -81,7 +81,7 @@ def _toy_continuation(prompt: list[int], n: int) -> list[int]:
 
 def trace(scheduler_cls: Any) -> list[dict[str, Any]]:
     """Run the workload with ``scheduler_cls`` and the toy runner; one dict per step."""
-    from mini_vllm.toy_runner import ToyModelRunner, run_engine
+    from mini_vllm.worker.toy_runner import ToyModelRunner, run_engine
 
     config, arrivals = make_workload()
     scheduler = scheduler_cls(config)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare with the file, write nothing")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-    from mini_vllm.scheduler import Scheduler
+    from mini_vllm.core.sched.scheduler import Scheduler
 
     steps = trace(Scheduler)
     text = json.dumps({"workload": "lab 03-01 golden", "steps": steps}, indent=1) + "\n"

@@ -22,17 +22,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from mini_vllm import reservation
 from mini_vllm.config import SchedulerConfig
-from mini_vllm.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
+from mini_vllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
+from mini_vllm.core.sched import reservation
+from mini_vllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from mini_vllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from mini_vllm.request import Request, RequestStatus
-from mini_vllm.scheduler_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
 
 __all__ = ["Scheduler", "SchedulerStats", "check_stop"]
 

@@ -24,12 +24,12 @@ import pytest
 from course.labs.loader import load_lab
 from course.labs.student_process import beside_the_student, read
 from mini_vllm.config import SchedulerConfig
-from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+from mini_vllm.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+from mini_vllm.core.sched.scheduler import Scheduler as ReferenceScheduler
+from mini_vllm.outputs import ModelRunnerOutput
 from mini_vllm.request import FinishReason, Request, RequestStatus
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler import Scheduler as ReferenceScheduler
-from mini_vllm.scheduler_output import ModelRunnerOutput
-from mini_vllm.toy_runner import ToyModelRunner, run_engine
+from mini_vllm.worker.toy_runner import ToyModelRunner, run_engine
 
 lab = load_lab(__file__)
 HERE = Path(__file__).resolve().parent

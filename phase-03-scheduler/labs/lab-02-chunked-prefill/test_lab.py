@@ -30,11 +30,11 @@ from mini_vllm.attention.metadata import (
 from mini_vllm.attention.paged_attn import paged_attention_v1
 from mini_vllm.attention.reference import ref_attention
 from mini_vllm.config import SchedulerConfig
-from mini_vllm.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+from mini_vllm.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+from mini_vllm.core.sched.scheduler import Scheduler
+from mini_vllm.outputs import ModelRunnerOutput
 from mini_vllm.request import Request
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler import Scheduler
-from mini_vllm.scheduler_output import ModelRunnerOutput
 
 lab = load_lab(__file__)
 

@@ -33,14 +33,14 @@ def sizes(quick: bool) -> list[int]:
 def _model():
     import torch
 
-    from mini_vllm.llm import load_default_model
+    from mini_vllm.model_executor.model_loader.loader import load_default_model
 
     torch.manual_seed(0)
     return load_default_model()
 
 
 def _runner(block_size: int):
-    from mini_vllm.model_runner import ModelRunner
+    from mini_vllm.worker.model_runner import ModelRunner
 
     n = SEQ_LEN // block_size
     return ModelRunner(_model(), block_size=block_size, num_gpu_blocks=2 * n + 1,
@@ -48,7 +48,7 @@ def _runner(block_size: int):
 
 
 def _output(**kw):
-    from mini_vllm.scheduler_output import CachedRequestData, SchedulerOutput
+    from mini_vllm.core.sched.output import CachedRequestData, SchedulerOutput
 
     base = dict(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
                 num_scheduled_tokens={}, total_num_scheduled_tokens=0,
@@ -88,8 +88,8 @@ def run(impl, block_size: int) -> float:
 def recompute(block_size: int) -> float:
     """The same sequence recomputed: a prefill of its 512 tokens through the engine's runner
     (projections, KV written into the paged cache, attention, the last token sampled)."""
+    from mini_vllm.core.sched.output import NewRequestData
     from mini_vllm.sampling_params import SamplingParams
-    from mini_vllm.scheduler_output import NewRequestData
 
     runner = _runner(block_size)
     n = SEQ_LEN // block_size

@@ -19,12 +19,12 @@ Run the tests against this file with::
 
 from __future__ import annotations
 
-from mini_vllm.block_pool import BlockPool
-from mini_vllm.kv_cache_manager import cdiv
-from mini_vllm.kv_cache_utils import KVCacheBlock
+from mini_vllm.core.block_pool import BlockPool
+from mini_vllm.core.kv_cache_manager import cdiv
+from mini_vllm.core.kv_cache_utils import KVCacheBlock
+from mini_vllm.core.sched.scheduler import Scheduler as _BaseScheduler
+from mini_vllm.core.sched.scheduler import _Step
 from mini_vllm.request import Request, RequestStatus
-from mini_vllm.scheduler import Scheduler as _BaseScheduler
-from mini_vllm.scheduler import _Step
 
 __all__ = ["Scheduler", "SwapSpace"]
 

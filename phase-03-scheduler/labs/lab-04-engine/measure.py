@@ -36,7 +36,7 @@ def sizes(quick: bool) -> list[int]:
 def _model():
     import torch
 
-    from mini_vllm.llm import load_default_model
+    from mini_vllm.model_executor.model_loader.loader import load_default_model
 
     torch.manual_seed(0)
     return load_default_model()

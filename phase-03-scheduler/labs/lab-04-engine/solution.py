@@ -11,7 +11,10 @@ from mini_vllm.attention.metadata import (
     build_attention_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
-from mini_vllm.beam_search import (
+from mini_vllm.config import SchedulerConfig
+from mini_vllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from mini_vllm.engine.core import EngineCore
+from mini_vllm.entrypoints.beam_search import (
     BeamSearchInstance,
     BeamSearchOutput,
     BeamSearchSequence,
@@ -20,18 +23,11 @@ from mini_vllm.beam_search import (
     finish_beams,
     get_beam_search_score,
 )
-from mini_vllm.config import SchedulerConfig
-from mini_vllm.llm import EngineCore
 from mini_vllm.logprobs import Logprob
-from mini_vllm.model_runner import CachedRequestState, ModelRunner
-from mini_vllm.sampler import SamplingMetadata
+from mini_vllm.outputs import ModelRunnerOutput
+from mini_vllm.sample.sampler import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from mini_vllm.worker.model_runner import CachedRequestState, ModelRunner
 
 __all__ = [
     "AttentionMetadata",

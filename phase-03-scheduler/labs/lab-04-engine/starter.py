@@ -31,24 +31,19 @@ from mini_vllm.attention.metadata import (
     build_attention_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
-from mini_vllm.beam_search import (
+from mini_vllm.config import SchedulerConfig
+from mini_vllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from mini_vllm.engine.core import EngineCoreBase
+from mini_vllm.entrypoints.beam_search import (
     BeamSearchInstance,
     BeamSearchOutput,
     BeamSearchSequence,
 )
-from mini_vllm.config import SchedulerConfig
-from mini_vllm.llm import EngineCoreBase
 from mini_vllm.logprobs import Logprob
-from mini_vllm.model_runner import CachedRequestState, ModelRunnerBase
-from mini_vllm.sampler import SamplingMetadata
+from mini_vllm.outputs import EngineCoreOutput, ModelRunnerOutput
+from mini_vllm.sample.sampler import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from mini_vllm.worker.model_runner import CachedRequestState, ModelRunnerBase
 
 __all__ = [
     "AttentionMetadata",
@@ -78,7 +73,7 @@ __all__ = [
 class ModelRunner(ModelRunnerBase):
     """Turns one ``SchedulerOutput`` into one sampled token per finished-prefill request.
 
-    Given by ``ModelRunnerBase`` (read it in ``mini_vllm/model_runner.py``):
+    Given by ``ModelRunnerBase`` (read it in ``mini_vllm/worker/model_runner.py``):
     ``self.model``, ``self.kv_caches`` (one ``(key_cache, value_cache)`` per layer),
     ``self.attn_backend``, ``self.sampler``, ``self.block_size``, ``self.device``,
     ``self.requests`` (request id -> ``CachedRequestState``), ``self.batch_req_ids`` (the batch

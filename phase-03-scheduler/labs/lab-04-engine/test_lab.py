@@ -33,9 +33,14 @@ from course.engine.exam import beam_score, brute_force_beam_search
 from course.labs.loader import load_lab
 from course.labs.student_process import beside_the_student
 from mini_vllm.config import SchedulerConfig
-from mini_vllm.model import LlamaForCausalLM, ModelConfig, greedy_reference, init_weights
+from mini_vllm.core.sched.scheduler import Scheduler as ReferenceScheduler
+from mini_vllm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    ModelConfig,
+    greedy_reference,
+    init_weights,
+)
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler import Scheduler as ReferenceScheduler
 
 lab = load_lab(__file__)
 
@@ -132,7 +137,7 @@ def run_by_hand(prompt_list, params, **config):
     runner = make_runner(block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks,
                          num_cpu_blocks=config.num_cpu_blocks)
     requests = []
-    from mini_vllm.kv_cache_utils import get_request_block_hasher, sha256
+    from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
     from mini_vllm.request import Request
 
     hasher = get_request_block_hasher(config.block_size, sha256)

@@ -29,7 +29,7 @@ def sizes(quick: bool) -> list[int]:
 
 
 def _ids(n: int) -> list[int]:
-    from mini_vllm.tokenizer import ByteTokenizer
+    from mini_vllm.tokenizers.tokenizer import ByteTokenizer
 
     data = ByteTokenizer().encode(TEXT)
     return (data * (n // len(data) + 1))[:n]
@@ -39,7 +39,7 @@ class _Counting:
     """The byte tokenizer, counting the tokens it is given to decode."""
 
     def __init__(self) -> None:
-        from mini_vllm.tokenizer import ByteTokenizer
+        from mini_vllm.tokenizers.tokenizer import ByteTokenizer
 
         self.inner = ByteTokenizer()
         self.decoded = 0

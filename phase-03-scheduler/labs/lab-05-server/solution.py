@@ -6,12 +6,12 @@ The code lives once, in ``mini_vllm`` (``detokenizer.py``, ``async_llm.py`` and
 
 from __future__ import annotations
 
-from mini_vllm.async_llm import AsyncLLM
-from mini_vllm.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from mini_vllm.engine.async_llm import AsyncLLM
+from mini_vllm.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from mini_vllm.entrypoints.openai.protocol import CompletionRequest
 from mini_vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from mini_vllm.entrypoints.openai.serving_engine import engine_error_event, sse_event, usage
-from mini_vllm.llm import CompletionOutput, RequestOutput
+from mini_vllm.outputs import CompletionOutput, RequestOutput
 from mini_vllm.sampling_params import SamplingParams
 
 __all__ = [

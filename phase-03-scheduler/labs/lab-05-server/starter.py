@@ -32,12 +32,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mini_vllm.async_llm import AsyncLLMBase
-from mini_vllm.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizerBase
+from mini_vllm.engine.async_llm import AsyncLLMBase
+from mini_vllm.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizerBase
 from mini_vllm.entrypoints.openai.protocol import CompletionRequest
 from mini_vllm.entrypoints.openai.serving_completion import OpenAIServingCompletionBase
 from mini_vllm.entrypoints.openai.serving_engine import engine_error_event, sse_event, usage
-from mini_vllm.llm import CompletionOutput, RequestOutput
+from mini_vllm.outputs import CompletionOutput, RequestOutput
 from mini_vllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -93,7 +93,7 @@ class IncrementalDetokenizer(IncrementalDetokenizerBase):
 
 
 class AsyncLLM(AsyncLLMBase):
-    """The engine a server runs on. Given by the base (``mini_vllm/async_llm.py``):
+    """The engine a server runs on. Given by the base (``mini_vllm/engine/async_llm.py``):
     ``self._run_output_handler()`` (starts the engine loop on the running event loop),
     ``self.add_request(request_id, prompt, params)`` (checks and queues the request; returns
     its collector), ``self.abort(request_id)`` (the engine finishes the request and frees its

@@ -27,9 +27,10 @@ from hypothesis import strategies as st
 from course.labs.loader import load_lab
 from course.labs.serving import CountingTokenizer, ServerThread, openai_client, wait_idle
 from course.labs.student_process import beside_the_student
-from mini_vllm.llm import LLM, CompletionOutput, RequestOutput
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.outputs import CompletionOutput, RequestOutput
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.tokenizer import ByteTokenizer
+from mini_vllm.tokenizers.tokenizer import ByteTokenizer
 
 lab = load_lab(__file__)
 
@@ -461,7 +462,7 @@ def _start_server():
     all, also what a start that failed half-way set up."""
     running = contextlib.ExitStack()
     _SERVERS.append(running)
-    running.enter_context(mock.patch("mini_vllm.output_processor.IncrementalDetokenizer",
+    running.enter_context(mock.patch("mini_vllm.engine.output_processor.IncrementalDetokenizer",
                                      lab.IncrementalDetokenizer))
     running.enter_context(mock.patch(
         "mini_vllm.entrypoints.openai.api_server.OpenAIServingCompletion",

@@ -49,7 +49,7 @@ def _requests():
 @contextlib.contextmanager
 def _admission(impl):
     """The scheduler admits with impl's admission_lookahead while the block runs."""
-    from mini_vllm import reservation  # the scheduler looks the function up here
+    from mini_vllm.core.sched import reservation  # the scheduler looks the function up here
 
     saved = reservation.admission_lookahead
     reservation.admission_lookahead = impl.admission_lookahead
@@ -60,8 +60,8 @@ def _admission(impl):
 
 
 def _latency(impl, policy: str, rate: int) -> float:
-    from mini_vllm.async_llm import AsyncLLM
-    from mini_vllm.llm import LLM
+    from mini_vllm.engine.async_llm import AsyncLLM
+    from mini_vllm.entrypoints.llm import LLM
 
     requests = list(_requests())
     times = impl.arrival_times(len(requests), float(rate), seed=0)

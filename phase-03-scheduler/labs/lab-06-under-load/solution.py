@@ -14,7 +14,7 @@ from mini_vllm.benchmarks.serve import (
     run_trace,
     sustained_rate,
 )
-from mini_vllm.reservation import admission_lookahead, reservation_size
+from mini_vllm.core.sched.reservation import admission_lookahead, reservation_size
 
 __all__ = [
     "RequestResult",

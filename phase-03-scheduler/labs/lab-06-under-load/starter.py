@@ -16,7 +16,7 @@ from typing import Any
 
 from mini_vllm.benchmarks.datasets import SampleRequest, sharegpt_like_requests
 from mini_vllm.benchmarks.serve import RequestResult, run_in_process, run_trace
-from mini_vllm.reservation import reservation_size
+from mini_vllm.core.sched.reservation import reservation_size
 
 __all__ = [
     "RequestResult",

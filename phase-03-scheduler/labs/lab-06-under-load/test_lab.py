@@ -19,12 +19,12 @@ from fractions import Fraction
 import pytest
 
 from course.labs.loader import load_lab
-from mini_vllm import reservation
-from mini_vllm import scheduler as scheduler_module
 from mini_vllm.config import SchedulerConfig
+from mini_vllm.core.sched import reservation
+from mini_vllm.core.sched import scheduler as scheduler_module
+from mini_vllm.outputs import ModelRunnerOutput
 from mini_vllm.request import Request
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler_output import ModelRunnerOutput
 
 lab = load_lab(__file__)
 

@@ -1,0 +1,5 @@
+"""The model and its weights: ``models/`` holds the network, ``model_loader/`` reads checkpoints
+(safetensors, GGUF) into it.
+
+upstream: vllm/model_executor/
+"""
