@@ -420,6 +420,7 @@ def upgrade_lab(lab: Lab, root: Path = REPO_ROOT) -> tuple[int, list[str]]:
         # mini_vllm's old layout: the course's own imports were replaced with the new starter's
         # above; imports the student added are pointed at where their names are now.
         merge.text, rewritten = rewrite_imports(merge.text)
+        merge.kept = [rewrite_imports(kept)[0].strip() for kept in merge.kept]
         moved = old_imports(student)
     except UnicodeDecodeError:
         return 2, [f"error: lab {lab.id}: starter.py is not UTF-8 text; nothing changed"]
