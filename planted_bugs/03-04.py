@@ -74,7 +74,7 @@ BUGS = [
     PlantedBug(
         name="idle-step-schedules",
         description="step() schedules (and counts a step) even when no request is left",
-        file="mini_vllm/entrypoints/llm.py",
+        file="mini_vllm/engine/core.py",
         find="""        if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()""",
