@@ -21,15 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # importer package -> packages it must not import (prefixes of module names).
 _ABOVE_THE_CORE = ("mini_vllm.engine", "mini_vllm.worker", "mini_vllm.sample",
+                   "mini_vllm.spec_decode",
                    "mini_vllm.model_executor", "mini_vllm.entrypoints", "mini_vllm.benchmarks",
                    "mini_vllm.tokenizers", "mini_vllm.attention", "mini_vllm.csrc")
 _ROOT_MODULES = ("mini_vllm.request", "mini_vllm.sampling_params", "mini_vllm.logprobs",
                  "mini_vllm.outputs", "mini_vllm.config", "mini_vllm.platforms")
 LAYERS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("mini_vllm.core",): _ABOVE_THE_CORE,
-    ("mini_vllm.sample",): ("mini_vllm.core", "mini_vllm.engine", "mini_vllm.worker",
-                            "mini_vllm.model_executor", "mini_vllm.entrypoints",
-                            "mini_vllm.metrics", "mini_vllm.benchmarks"),
+    ("mini_vllm.sample", "mini_vllm.spec_decode"): (
+        "mini_vllm.core", "mini_vllm.engine", "mini_vllm.worker", "mini_vllm.model_executor",
+        "mini_vllm.entrypoints", "mini_vllm.metrics", "mini_vllm.benchmarks"),
     ("mini_vllm.worker",): ("mini_vllm.engine", "mini_vllm.entrypoints", "mini_vllm.benchmarks",
                             "mini_vllm.core.block_pool", "mini_vllm.core.kv_cache_manager",
                             "mini_vllm.core.sched.scheduler", "mini_vllm.metrics"),
