@@ -191,3 +191,53 @@ def test_bad_shapes_are_refused():
         sampler([[1]], torch.zeros(1, 3), [0], [False], draft_probs=torch.zeros(1, 4))
     with pytest.raises(ValueError, match="one bonus token"):
         sampler([[1]], torch.zeros(1, 3), [], [False])
+
+
+# --- vLLM's own test of the matcher, read from the release at run time ---------------------------
+
+
+def test_vllms_own_matcher_test_passes_against_ours(monkeypatch):
+    """0.33's tests/v1/spec_decode/test_ngram.py checks the matcher with its own examples; its
+    first test calls only the matcher, so it runs unchanged against propose_ngram_tokens (the
+    second reaches into the numba proposer's buffers and thread counts, which mini_vllm has not).
+    The file is read from the fetched release (CI fetches it; `python -m course refs --fetch`)."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location(
+        "upstream_tests_run_for_ngram",
+        Path(__file__).resolve().parents[1] / "upstream_refs" / "upstream_tests" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    src = run.find_source()
+    if src is None:
+        pytest.skip(f"the vLLM {run.release()} source is not here: fetch it with `python -m "
+                    "course refs --fetch` (CI does)")
+
+    def matcher(origin_tokens, min_ngram, max_ngram, max_model_len, k):
+        return np.array(propose_ngram_tokens([int(t) for t in origin_tokens], min_ngram,
+                                             max_ngram, k, max_model_len), dtype=np.int64)
+
+    def left_out(*args, **kwargs):
+        raise NotImplementedError("mini_vllm has no VllmConfig-built proposer")
+
+    fakes = {"vllm": {}, "vllm.v1": {}, "vllm.v1.spec_decode": {},
+             "vllm.config": {"ModelConfig": left_out, "SpeculativeConfig": left_out,
+                             "VllmConfig": left_out},
+             "vllm.v1.spec_decode.ngram_proposer": {
+                 "NgramProposer": left_out,
+                 "_find_longest_matched_ngram_and_propose_tokens": matcher}}
+    for name, attrs in fakes.items():
+        module = types.ModuleType(name)
+        module.__path__ = []  # a package, so that its submodules import
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    path = src / "tests" / "v1" / "spec_decode" / "test_ngram.py"
+    spec = importlib.util.spec_from_file_location("vllm_test_ngram", path)
+    upstream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upstream)
+    upstream.test_find_longest_matched_ngram_and_propose_tokens()
