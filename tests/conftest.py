@@ -1,6 +1,7 @@
 """Fixtures shared by the tests of the course tooling."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,3 +32,19 @@ def course_skeleton(tmp_path: Path) -> Callable[..., Path]:
         return root
 
     return make
+
+
+@pytest.fixture
+def upstream_release():
+    """``(run, src)``: ``upstream_refs/upstream_tests/run.py`` loaded, and the source of the
+    release it bridges to (vLLM's own tests are read from it). Skips when the source is not
+    here; CI fetches it first (``python -m course refs --fetch``)."""
+    spec = importlib.util.spec_from_file_location(
+        "upstream_tests_run", REPO_ROOT / "upstream_refs" / "upstream_tests" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    src = run.find_source()
+    if src is None:
+        pytest.skip(f"the vLLM {run.release()} source is not here: fetch it with `python -m "
+                    "course refs --fetch` (CI does) to run vLLM's own tests against mini_vllm")
+    return run, src

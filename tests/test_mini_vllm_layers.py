@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -130,6 +131,12 @@ def wrong_way_imports(root: Path) -> list[str]:
     return problems
 
 
+def _copy_mini_vllm(folder: Path) -> None:
+    """mini_vllm's Python into ``folder`` (no checkpoint or kernel sources), to plant a fault in."""
+    shutil.copytree(ROOT / "mini_vllm", folder / "mini_vllm",
+                    ignore=shutil.ignore_patterns("checkpoints", "__pycache__", "*.cu*", "*.c"))
+
+
 def test_mini_vllm_imports_only_downwards():
     assert wrong_way_imports(ROOT) == []
 
@@ -144,8 +151,7 @@ def test_mini_vllm_imports_only_downwards():
      "mini_vllm.core.sched.output"),
 ])
 def test_a_planted_wrong_way_import_is_named(tmp_path, where, line, culprit):
-    shutil.copytree(ROOT / "mini_vllm", tmp_path / "mini_vllm",
-                    ignore=shutil.ignore_patterns("checkpoints", "__pycache__", "*.cu*", "*.c"))
+    _copy_mini_vllm(tmp_path)
     target = tmp_path / "mini_vllm" / where
     target.write_text(target.read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
     problems = wrong_way_imports(tmp_path)
@@ -153,8 +159,7 @@ def test_a_planted_wrong_way_import_is_named(tmp_path, where, line, culprit):
 
 
 def test_a_type_checking_import_is_not_a_layer_crossing(tmp_path):
-    shutil.copytree(ROOT / "mini_vllm", tmp_path / "mini_vllm",
-                    ignore=shutil.ignore_patterns("checkpoints", "__pycache__", "*.cu*", "*.c"))
+    _copy_mini_vllm(tmp_path)
     target = tmp_path / "mini_vllm" / "core" / "block_pool.py"
     target.write_text(target.read_text(encoding="utf-8") + "\nif TYPE_CHECKING:\n"
                       "    from mini_vllm.engine.core import EngineCore\n", encoding="utf-8")
@@ -189,8 +194,7 @@ def test_every_module_and_package_is_mapped_to_its_upstream():
 def test_a_module_missing_from_the_layout_table_is_named(tmp_path):
     from course.upstream.layout import check_layout
 
-    shutil.copytree(ROOT / "mini_vllm", tmp_path / "mini_vllm",
-                    ignore=shutil.ignore_patterns("checkpoints", "__pycache__", "*.cu*", "*.c"))
+    _copy_mini_vllm(tmp_path)
     shutil.copytree(ROOT / "upstream_refs", tmp_path / "upstream_refs")
     (tmp_path / "mini_vllm" / "core" / "kv_cache_coordinator.py").write_text('"""New."""\n')
     init = tmp_path / "mini_vllm" / "sample" / "__init__.py"

@@ -10,8 +10,12 @@ of the whole sampler.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import sys
+import types
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -196,27 +200,12 @@ def test_bad_shapes_are_refused():
 # --- vLLM's own test of the matcher, read from the release at run time ---------------------------
 
 
-def test_vllms_own_matcher_test_passes_against_ours(monkeypatch):
+def test_vllms_own_matcher_test_passes_against_ours(upstream_release, monkeypatch):
     """0.33's tests/v1/spec_decode/test_ngram.py checks the matcher with its own examples; its
     first test calls only the matcher, so it runs unchanged against propose_ngram_tokens (the
     second reaches into the numba proposer's buffers and thread counts, which mini_vllm has not).
     The file is read from the fetched release (CI fetches it; `python -m course refs --fetch`)."""
-    import importlib.util
-    import sys
-    import types
-    from pathlib import Path
-
-    import numpy as np
-
-    spec = importlib.util.spec_from_file_location(
-        "upstream_tests_run_for_ngram",
-        Path(__file__).resolve().parents[1] / "upstream_refs" / "upstream_tests" / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
-    src = run.find_source()
-    if src is None:
-        pytest.skip(f"the vLLM {run.release()} source is not here: fetch it with `python -m "
-                    "course refs --fetch` (CI does)")
+    _, src = upstream_release
 
     def matcher(origin_tokens, min_ngram, max_ngram, max_model_len, k):
         return np.array(propose_ngram_tokens([int(t) for t in origin_tokens], min_ngram,

@@ -138,21 +138,9 @@ def test_an_untouched_stretch_is_skipped_with_a_sentence(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def upstream_runner():
-    spec = importlib.util.spec_from_file_location("upstream_tests_run",
-                                                  UPSTREAM_TESTS / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
-    src = run.find_source()
-    if src is None:
-        pytest.skip(f"the vLLM {run.release()} source is not here: fetch it with `python -m "
-                    "course refs --fetch` (CI does) to run vLLM's own tests against mini_vllm")
-    return run, src
-
-
 @pytest.mark.slow
-def test_upstream_tests_pass_or_are_excluded_with_a_reason():
-    run, src = upstream_runner()
+def test_upstream_tests_pass_or_are_excluded_with_a_reason(upstream_release):
+    run, src = upstream_release
     result = run.run(src, "solution")
     assert not result["failing"], f"upstream items fail: {result['failing']}"
     assert not result["stale_exclusions"], (
@@ -161,9 +149,9 @@ def test_upstream_tests_pass_or_are_excluded_with_a_reason():
 
 
 @pytest.mark.slow
-def test_upstream_tests_tell_the_switch_apart():
+def test_upstream_tests_tell_the_switch_apart(upstream_release):
     """With the switch off, the upstream tests of the four changed behaviours fail."""
-    run, src = upstream_runner()
+    run, src = upstream_release
     failing = run.run(src, "solution", today=False)["failing"]
     assert {key.split("::")[1].split("[")[0] for key in failing} == {
         "test_none_hash", "test_generate_block_hash_extra_keys_lora",
@@ -172,8 +160,8 @@ def test_upstream_tests_tell_the_switch_apart():
 
 
 @pytest.mark.slow
-def test_upstream_tests_pass_on_a_solved_stretch(solved_lab, monkeypatch):
-    run, src = upstream_runner()
+def test_upstream_tests_pass_on_a_solved_stretch(upstream_release, solved_lab, monkeypatch):
+    run, src = upstream_release
     monkeypatch.setenv("UPSTREAM_TESTS_STRETCH_DIR", str(solved_lab))
     result = run.run(src, "stretch")
     assert not result["failing"], f"upstream items fail on the stretch: {result['failing']}"
@@ -194,11 +182,12 @@ OLD_BEHAVIOUR = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change", sorted(OLD_BEHAVIOUR))
-def test_a_stretch_that_keeps_the_old_behaviour_fails_upstream_tests(change, solved_lab,
-                                                                      tmp_path, monkeypatch):
+def test_a_stretch_that_keeps_the_old_behaviour_fails_upstream_tests(upstream_release, change,
+                                                                      solved_lab, tmp_path,
+                                                                      monkeypatch):
     """A stretch that leaves one of today's changes undone fails vLLM 0.33.0's own tests of it
     (the manager those tests build runs on the student's pool and hashing)."""
-    run, src = upstream_runner()
+    run, src = upstream_release
     today, old, caught_by = OLD_BEHAVIOUR[change]
     planted = tmp_path / solved_lab.name
     shutil.copytree(solved_lab, planted)
