@@ -20,6 +20,7 @@ its options, `generate` is a demo of the engine)
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -70,7 +71,21 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--enforce-eager", action="store_true",
         help="run every step op by op through the model's modules (by default a CPU decode "
         "step is one compiled call, the CPU's counterpart of a CUDA graph)")
+    add("--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='speculative decoding, as vLLM\'s flag: e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     add("--device", default="cpu")
+
+
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object (the error names what was wrong)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +207,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         enforce_eager=args.enforce_eager,
         kv_reservation=args.kv_reservation,
         static_batching=args.static_batching,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -111,6 +111,47 @@ class SchedulerConfig:
             )
 
 
+# Proposers mini_vllm runs (upstream also has draft models, EAGLE, MTP and suffix decoding).
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` tokens per
+    request and step, and the target model checks them all in its next forward pass.
+
+    * ``method``: ``"ngram"`` (prompt lookup, :mod:`mini_vllm.spec_decode.ngram_proposer`).
+    * ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths the lookup tries. As
+      upstream, when only one is given the other takes its value, and when neither is, both are 5.
+
+    upstream: vllm/config/speculative.py:42 @ v0.11.0
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SpeculativeConfig: {name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"SpeculativeConfig: prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}")
+
+
 @dataclass
 class EngineConfig:
     """The engine's knobs. Give the KV cache either ``num_gpu_blocks`` or ``kv_cache_memory``
@@ -136,6 +177,8 @@ class EngineConfig:
       decode step on the CPU runs as one compiled call where it can
       (:mod:`mini_vllm.worker.cpu_decode`, the CPU's counterpart of the CUDA graphs this flag turns
       off upstream).
+    * ``speculative_config``: a :class:`SpeculativeConfig`, or the same fields as a dict (as
+      upstream's ``LLM(speculative_config={...})``); ``None`` (default): no speculation.
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -156,8 +199,14 @@ class EngineConfig:
     kv_reservation: str = "paged"
     static_batching: bool = False
     enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig(**self.speculative_config)
+        if not isinstance(self.speculative_config, (SpeculativeConfig, type(None))):
+            raise TypeError("EngineConfig: speculative_config must be a SpeculativeConfig, a "
+                            f"dict of its fields or None, got {self.speculative_config!r}")
         for name, low, optional in (
             ("block_size", 1, False), ("num_gpu_blocks", 2, True), ("kv_cache_memory", 1, True),
             ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CompletionOutput",
+    "DraftTokenIds",
     "EngineCoreOutput",
     "LogprobsLists",
     "LogprobsTensors",
@@ -88,6 +89,18 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+
+
+@dataclass
+class DraftTokenIds:
+    """The draft tokens a proposer guessed after a step, one list per request (maybe empty),
+    which the engine core hands to the scheduler for the next step to check.
+
+    upstream: vllm/v1/outputs.py:147 @ v0.11.0
+    """
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
 
 
 @dataclass

@@ -225,6 +225,9 @@ class Request:
         self.all_token_ids: ConstantList[int] = ConstantList(self._all_token_ids)
 
         self.num_computed_tokens = 0
+        # Draft tokens a proposer guessed after the last token, for the next step to check
+        # (speculative decoding); never part of num_tokens.
+        self.spec_token_ids: list[int] = []
         # Tokens served from the prefix cache when first scheduled; -1 until then.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -251,6 +254,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus output tokens."""
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Prompt plus output tokens plus the draft tokens waiting to be checked."""
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

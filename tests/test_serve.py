@@ -551,3 +551,43 @@ def test_a_leak_names_the_structure_that_holds_the_request():
     assert message.startswith("the engine still holds 1 request(s) in "
                               "output_processor.request_states ('req-3')"), message
     assert "scheduler" not in message and "KV block" not in message, message
+
+
+# ---------------------------------------------------------------------------- speculation
+
+
+def test_a_speculating_server_answers_as_plain_greedy_and_exports_its_acceptance(served):
+    """``speculative_config`` on the served engine: streamed and whole answers are the plain
+    engine's tokens, a step may bring several of them to the stream, and ``/metrics`` carries
+    upstream's spec_decode counters (drafts, draft tokens, accepted, accepted per position)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    engine = AsyncLLM(LLM(served.reference.model, max_model_len=MAX_MODEL_LEN,
+                          speculative_config=spec), model_name=MODEL)
+    server = ServerThread(build_app(engine)).start()
+    try:
+        prompt = "ROMEO.\nBut soft, what light. ROMEO.\nBut soft, what light. ROMEO.\n"
+        want = expected(served, prompt, temperature=0.0, max_tokens=40, ignore_eos=True)[0]
+        body = {"return_token_ids": True, "ignore_eos": True}
+        whole = server.client().completions.create(model=MODEL, prompt=prompt, temperature=0.0,
+                                                   max_tokens=40, extra_body=body)
+        streamed = stream_choices(server.client().completions.create(
+            model=MODEL, prompt=prompt, temperature=0.0, max_tokens=40, stream=True,
+            extra_body=body))[0]
+        assert whole.choices[0].token_ids == streamed["ids"] == want.token_ids
+        assert whole.choices[0].text == streamed["text"] == want.text
+        # Accepted drafts arrive with the token after them, in one chunk.
+        assert len([p for p in streamed["pieces"] if p]) < len(want.token_ids)
+        text = httpx.get(f"{server.base}/metrics", timeout=10).text
+        samples = {s.name + "".join(f"[{v}]" for k, v in s.labels.items() if k == "position"):
+                   s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        stats = engine.engine_core.scheduler.spec_decoding_stats
+        assert samples["vllm:spec_decode_num_drafts_total"] == stats.num_drafts > 0
+        assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+        accepted = samples["vllm:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted == stats.num_accepted_tokens
+        assert samples["vllm:spec_decode_num_accepted_tokens_per_pos_total[0]"] > 0
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert "vllm:spec_decode_num_drafts" not in httpx.get(f"{served.base}/metrics").text, (
+        "an engine that does not speculate exports no spec_decode metric, as upstream")

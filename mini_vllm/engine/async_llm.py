@@ -275,6 +275,7 @@ class AsyncLLMBase:
                 continue
             try:
                 outputs = core.step()
+                core.post_step()
                 if not outputs:
                     # Nothing gained a token: fine during chunked prefill, a livelock when the
                     # step left everything as it was (every later step would do the same).
@@ -375,6 +376,8 @@ class AsyncLLMBase:
         load.num_kv_blocks_total = usable
         load.kv_cache_usage = in_use / usable if usable else 0.0
         load.num_preemptions = sched.stats.num_preemptions
+        if core.use_spec_decode:
+            load.spec_decoding = sched.spec_decoding_stats.copy()
         return dataclasses.replace(load)
 
     # ------------------------------------------------------------------ life cycle

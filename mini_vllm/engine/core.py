@@ -2,16 +2,17 @@
 
 ``schedule() -> execute_model() -> update_from_output()``: :class:`EngineCoreBase` holds the two
 and the statistics they feed; :class:`EngineCore` adds the step (lab 03-04 has the student write
-it). ``LLM`` (:mod:`mini_vllm.entrypoints.llm`) and ``AsyncLLM``
-(:mod:`mini_vllm.engine.async_llm`) drive it in the caller's process; upstream runs it in a
-process of its own behind an engine-core client.
+it). ``LLM`` (:mod:`mini_vllm.entrypoints.llm`) and ``AsyncLLM`` (:mod:`mini_vllm.engine.async_llm`)
+drive it in the caller's process; upstream runs it in a process of its own behind an engine-core
+client. With speculative decoding, whoever loops over ``step()`` calls ``post_step()`` after each:
+it hands the drafts the runner proposed to the scheduler, for the next step to check.
 
 upstream: vllm/v1/engine/core.py
 """
 
 from __future__ import annotations
 
-from mini_vllm.config import SchedulerConfig
+from mini_vllm.config import SchedulerConfig, SpeculativeConfig
 from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
 from mini_vllm.core.sched.scheduler import Scheduler
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM
@@ -43,14 +44,21 @@ class EngineCoreBase:
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None,
         enforce_eager: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler = Scheduler(scheduler_config, log_stats=True)
-        # Only an fp8 cache (or enforce_eager) passes the new arguments, so a runner class
-        # written before them still builds a default engine.
-        fp8_kwargs = ({"kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales}
+        # Only an fp8 cache, enforce_eager or speculation pass the newer arguments, so a runner
+        # class written before them still builds a default engine.
+        extra_kwargs = ({"kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales}
                       if kv_cache_dtype != "auto" else {})
         if enforce_eager:
-            fp8_kwargs["enforce_eager"] = True
+            extra_kwargs["enforce_eager"] = True
+        # Speculation needs a scheduler that takes drafts (a lab 03-01 scheduler alone does not).
+        self.use_spec_decode = (speculative_config is not None
+                                and hasattr(self.scheduler, "update_draft_token_ids"))
+        if self.use_spec_decode:
+            extra_kwargs["speculative_config"] = speculative_config
+            extra_kwargs["max_model_len"] = scheduler_config.max_model_len
         self.model_runner = self.runner_cls(
             model,
             block_size=scheduler_config.block_size,
@@ -58,7 +66,7 @@ class EngineCoreBase:
             num_cpu_blocks=scheduler_config.num_cpu_blocks,
             eos_token_id=eos_token_id,
             use_cuda_ops=use_cuda_ops,
-            **fp8_kwargs,
+            **extra_kwargs,
         )
         self.block_hasher = get_request_block_hasher(scheduler_config.block_size, sha256)
         self.eos_token_id = eos_token_id
@@ -83,6 +91,19 @@ class EngineCoreBase:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def post_step(self) -> None:
+        """After a step: hand the draft tokens the runner proposed to the scheduler, which
+        schedules them for checking in the next step. Nothing without speculative decoding.
+
+        upstream: vllm/v1/engine/core.py:293 @ v0.11.0
+        """
+        if not self.use_spec_decode:
+            return
+        take = getattr(self.model_runner, "take_draft_token_ids", None)
+        drafts = take() if take is not None else None
+        if drafts is not None:
+            self.scheduler.update_draft_token_ids(drafts)
 
     def _record_stats(self) -> None:
         """After a step: fold the prefix-cache counters in and track the peak block usage."""

@@ -53,6 +53,7 @@ from mini_vllm.outputs import CompletionOutput, RequestOutput
 from mini_vllm.platforms import check_device, default_num_threads
 from mini_vllm.request import FinishReason, Request, RequestStatus
 from mini_vllm.sampling_params import BeamSearchParams, SamplingParams
+from mini_vllm.spec_decode.metrics import SpecDecodingStats
 
 __all__ = ["LLM"]
 
@@ -129,6 +130,7 @@ class LLM:
             kv_cache_dtype=self.config.kv_cache_dtype,
             kv_scales=self.config.kv_scales,
             enforce_eager=self.config.enforce_eager,
+            speculative_config=self.config.speculative_config,
         )
 
     # ------------------------------------------------------------------ the public calls
@@ -451,6 +453,9 @@ class LLM:
         start_q, start_h = engine.prefix_cache_queries, engine.prefix_cache_hits
         engine.peak_blocks_in_use = engine.peak_blocks_in_step = 0
         start_block_steps = engine.num_block_steps
+        # A scheduler without speculative decoding (lab 03-01's) counts no drafts.
+        spec_stats = getattr(engine.scheduler, "spec_decoding_stats", SpecDecodingStats())
+        start_spec = spec_stats.copy()
 
         t0 = time.perf_counter()
         by_id = {t.request.request_id: t for t in tracked}
@@ -471,6 +476,7 @@ class LLM:
             stalled_at: tuple | None = None
             while engine.has_unfinished_requests():
                 outputs = engine.step()
+                engine.post_step()
                 if with_logprobs:
                     self._take_logprobs(with_logprobs)
                 now = time.perf_counter()
@@ -548,6 +554,7 @@ class LLM:
             kv_cache_dtype=self.config.kv_cache_dtype,
             kv_cache_torch_dtype=str(engine.model_runner.kv_caches[0][0].dtype).replace(
                 "torch.", ""),
+            spec_decoding=spec_stats.minus(start_spec),
             kv_block_bytes=kv_block_bytes(self.model, self._scheduler_config.block_size,
                                           self.config.kv_cache_dtype),
         )

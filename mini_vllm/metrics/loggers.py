@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mini_vllm.metrics.stats import IterationStats
+from mini_vllm.spec_decode.metrics import SpecDecodingStats
 
 __all__ = ["EngineLoad", "PrometheusStatLogger", "CONTENT_TYPE"]
 
@@ -46,6 +47,9 @@ class EngineLoad:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Speculative decoding's counters; None when the engine does not speculate (then, as
+    # upstream, no spec_decode metric is exported).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 def _labels(pairs: dict[str, str]) -> str:
@@ -152,6 +156,19 @@ class PrometheusStatLogger:
         counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating.",
                 self.prompt_tokens)
         counter("vllm:generation_tokens", "Tokens generated.", self.generation_tokens)
+        spec = load.spec_decoding
+        if spec is not None:
+            counter("vllm:spec_decode_num_drafts", "Drafts checked (one per request and step "
+                    "that checked draft tokens).", spec.num_drafts)
+            counter("vllm:spec_decode_num_draft_tokens", "Draft tokens checked.",
+                    spec.num_draft_tokens)
+            counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                    spec.num_accepted_tokens)
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+            metric(name, "counter", "Draft tokens accepted, by position in the draft.", [
+                f"{name}_total{_labels({**labels, 'position': str(i)})} {_number(n)}"
+                for i, n in enumerate(spec.accepted_per_pos)
+            ])
         metric("vllm:request_success", "counter", "Requests finished, by reason.", [
             f"vllm:request_success_total{_labels({**labels, 'finished_reason': r})} {n}.0"
             for r, n in sorted(self.finished.items())

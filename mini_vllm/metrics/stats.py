@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mini_vllm.spec_decode.metrics import SpecDecodingStats
+
 __all__ = ["EngineStats", "IterationStats", "PrefixCacheStats"]
 
 
@@ -90,6 +92,8 @@ class EngineStats:
     kv_cache_dtype: str = "auto"
     kv_cache_torch_dtype: str = ""
     kv_block_bytes: int = 0
+    # Speculative decoding's drafts and acceptances (all zero without it).
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -113,7 +117,9 @@ class EngineStats:
         largest, the rest (sizes, the last state) is the latest call's."""
         for f in dataclasses.fields(EngineStats):
             value = getattr(step, f.name)
-            if f.name.startswith("peak_"):
+            if f.name == "spec_decoding":
+                value = value.plus(self.spec_decoding)
+            elif f.name.startswith("peak_"):
                 value = max(value, getattr(self, f.name))
             elif f.name.startswith("num_") or f.name in ("elapsed_s", "prefix_cache_queries",
                                                         "prefix_cache_hits"):
@@ -135,4 +141,15 @@ class EngineStats:
             f"({self.prefix_cache_hits} of {self.prefix_cache_queries} tokens)",
             f"preemptions: {self.num_preemptions}   blocks swapped out/in: "
             f"{self.num_blocks_swapped_out}/{self.num_blocks_swapped_in}",
+            *self._spec_lines(),
         ])
+
+    def _spec_lines(self) -> list[str]:
+        spec = self.spec_decoding
+        if not spec.num_drafts:
+            return []
+        per_pos = ", ".join(f"{rate:.2f}" for rate in spec.per_position_acceptance)
+        return [f"speculative decoding: {spec.num_drafts} drafts, {spec.num_accepted_tokens} of "
+                f"{spec.num_draft_tokens} draft tokens accepted "
+                f"({100 * spec.acceptance_rate:.1f}%), mean acceptance length "
+                f"{spec.mean_acceptance_length:.2f}, per position: {per_pos}"]

@@ -97,6 +97,32 @@ class Sampler:
                 f"Sampler: expected logits [num_reqs={meta.temperature.shape[0]}, vocab], got "
                 f"{tuple(logits.shape)}; pass exactly one row per request."
             )
+        logits = self._ban(logits, meta)
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        is_greedy = meta.temperature < _SAMPLING_EPS
+        sampled = self.random_sample(self._processed_probs(logits, meta), meta.generators)
+        return torch.where(is_greedy, greedy, sampled)
+
+    def compute_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row's token is drawn from: banned tokens removed, then
+        temperature, top-k and top-p applied; one-hot at the argmax for a greedy row. What the
+        rejection sampler checks draft tokens against.
+
+        upstream: vllm/v1/sample/rejection_sampler.py:89 @ v0.11.0 (the target's logits
+        processed as the sampler would, then softmax)
+        """
+        logits = self._ban(logits, meta)
+        greedy = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1])
+        if meta.all_greedy:
+            return greedy.to(logits.dtype)
+        is_greedy = (meta.temperature < _SAMPLING_EPS).unsqueeze(1)
+        return torch.where(is_greedy, greedy.to(logits.dtype), self._processed_probs(logits, meta))
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Float logits with every row's banned tokens at ``-inf`` (a copy only if some are)."""
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.to(torch.float32)
         if any(meta.banned_token_ids):
@@ -104,17 +130,15 @@ class Sampler:
             for row, banned in enumerate(meta.banned_token_ids):
                 if banned:
                     logits[row, banned] = float("-inf")
-        greedy = logits.argmax(dim=-1)
-        if meta.all_greedy:
-            return greedy
+        return logits
+
+    @staticmethod
+    def _processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Softmax after temperature, top-k and top-p. Greedy rows get temperature 1 here only
+        to avoid dividing by zero; callers replace them by their argmax."""
         is_greedy = meta.temperature < _SAMPLING_EPS
-        # Greedy rows get temperature 1 here only to avoid dividing by zero; their result is
-        # replaced by the argmax below.
         temp = torch.where(is_greedy, 1.0, meta.temperature).to(logits.dtype)
-        scaled = apply_top_k_top_p(logits / temp.unsqueeze(1), meta.top_k, meta.top_p)
-        probs = scaled.softmax(dim=-1)
-        sampled = self.random_sample(probs, meta.generators)
-        return torch.where(is_greedy, greedy, sampled)
+        return apply_top_k_top_p(logits / temp.unsqueeze(1), meta.top_k, meta.top_p).softmax(-1)
 
     @staticmethod
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,11 @@ One call of :meth:`ModelRunner.execute_model` does, in order:
 5. **sample** -- one logits row per request, the row of its *last* scheduled token, and only for
    requests whose scheduled tokens reach the end of their sequence; a request still in the
    middle of a chunked prefill samples nothing this step;
+   With speculative decoding, a request's step ends in the draft tokens the scheduler chose to
+   check (``scheduled_spec_decode_tokens``): the forward pass computes them all, its last
+   ``k + 1`` rows give the target's distribution after each, and the rejection sampler
+   (:mod:`mini_vllm.sample.rejection_sampler`) turns them into the 1 to ``k + 1`` tokens the
+   request emits; then the proposer guesses the next drafts (:meth:`take_draft_token_ids`);
 6. **log-probabilities** -- for requests that ask: the sampled token's and the top-k
    (``SamplingParams.logprobs``), and those of every prompt position this step computed
    (``prompt_logprobs``). They travel in the ``ModelRunnerOutput`` and wait in the runner's
@@ -47,11 +52,14 @@ from mini_vllm.attention.metadata import (
     build_attention_metadata,
     reorder_batch_to_split_decodes_and_prefills,
 )
+from mini_vllm.config import SpeculativeConfig
 from mini_vllm.core.sched.output import NewRequestData, SchedulerOutput
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM
-from mini_vllm.outputs import LogprobsLists, ModelRunnerOutput
+from mini_vllm.outputs import DraftTokenIds, LogprobsLists, ModelRunnerOutput
+from mini_vllm.sample.rejection_sampler import RejectionSampler
 from mini_vllm.sample.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.utils import huge_pages
 from mini_vllm.worker.cpu_decode import FusedDecode
 
@@ -163,6 +171,8 @@ class ModelRunnerBase:
         kv_cache_dtype: str = "auto",
         kv_scales: list[tuple[float, float]] | None = None,
         enforce_eager: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -217,6 +227,15 @@ class ModelRunnerBase:
         self.fused_decode = None if enforce_eager else FusedDecode.build(
             model, self.kv_caches, self.attn_backend.cpu_kernels is not None)
         self.sampler = Sampler()
+        # Speculative decoding: the proposer, the verifier, and the drafts of the last step.
+        self.drafter: NgramProposer | None = None
+        if speculative_config is not None:
+            self.drafter = NgramProposer(
+                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
+                speculative_config.num_speculative_tokens,
+                max_model_len or cfg.max_position_embeddings)
+        self.rejection_sampler = RejectionSampler()
+        self._draft_token_ids: DraftTokenIds | None = None
         self.requests: dict[str, CachedRequestState] = {}
         # The persistent batch order (decodes first), carried from step to step.
         self.batch_req_ids: list[str] = []
@@ -404,6 +423,47 @@ class ModelRunnerBase:
         )
 
 
+    def _stage_drafts(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """Append each request's scheduled draft tokens to its ``token_ids``, so that the
+        step's inputs (``_prepare_inputs``) and sequence lengths cover them; the sampling step
+        replaces them by the tokens the request really emits. Returns the drafts by request.
+        Given code: the runner's step only has to call it before preparing the inputs."""
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, tokens in drafts.items():
+            self.requests[req_id].token_ids.extend(tokens)
+        return drafts
+
+    def _propose_drafts(self, meta: AttentionMetadata, sampled: list[list[int]]) -> None:
+        """After sampling: guess the next draft tokens of every request that sampled, for
+        :meth:`take_draft_token_ids`. None for a request that asks for log-probabilities or is
+        still under ``min_tokens`` (its stop tokens are banned position by position), and no
+        more than the request can still emit (``max_tokens``) needs.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2458 @ v0.11.0
+        """
+        if self.drafter is None:
+            return
+        req_ids, drafts = [], []
+        for req_id, tokens in zip(meta.req_ids, sampled):
+            state = self.requests[req_id]
+            params = state.sampling_params
+            if (not tokens or params.logprobs is not None
+                    or state.num_output_tokens < params.min_tokens):
+                continue
+            room = params.max_tokens - state.num_output_tokens - 1
+            req_ids.append(req_id)
+            drafts.append(self.drafter.propose([state.token_ids])[0][:max(room, 0)])
+        self._draft_token_ids = DraftTokenIds(req_ids, drafts)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (``None`` if none were), and forget them.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2447 @ v0.11.0
+        """
+        drafts, self._draft_token_ids = self._draft_token_ids, None
+        return drafts
+
+
 def _num_logprobs(requested: int, vocab: int) -> int:
     """How many top tokens a request's ``logprobs``/``prompt_logprobs`` asks for (-1: all)."""
     return vocab if requested == -1 else min(requested, vocab)
@@ -425,10 +485,13 @@ class ModelRunner(ModelRunnerBase):
         self._execute_block_ops(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        drafts = self._stage_drafts(scheduler_output)
         input_ids, meta = self._prepare_inputs(scheduler_output)
         self._account(meta)
         hidden = self._forward(input_ids, meta)
-        sampled = self._sample(hidden, meta)
+        sampled = (self._sample_with_drafts(hidden, meta, drafts) if drafts
+                   else self._sample(hidden, meta))
+        self._propose_drafts(meta, sampled)
         output = ModelRunnerOutput(
             req_ids=list(meta.req_ids),
             req_id_to_index={r: i for i, r in enumerate(meta.req_ids)},
@@ -522,4 +585,52 @@ class ModelRunner(ModelRunnerBase):
         for state, token in zip(states, tokens):
             state.token_ids.append(int(token))
             sampled[index[state.req_id]] = [int(token)]
+        return sampled
+
+    def _sample_with_drafts(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                            drafts: dict[str, list[int]]) -> list[list[int]]:
+        """``_sample`` for a step that checks draft tokens (``drafts``, staged in the states'
+        ``token_ids`` by ``_stage_drafts``): a request with ``d`` drafts uses its last ``d + 1``
+        rows, the first ``d`` to judge the drafts and the last for the bonus token, which is
+        drawn exactly as ``_sample`` draws (same settings, same generator). Returns the 1 to
+        ``d + 1`` tokens each request emits, and leaves them, not the drafts, in ``token_ids``.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2054 @ v0.11.0
+        """
+        seq_lens, query_start_loc = meta.seq_lens.tolist(), meta.query_start_loc.tolist()
+        draft_rows, bonus_rows, states, request_drafts = [], [], [], []
+        for i, req_id in enumerate(meta.req_ids):
+            state = self.requests[req_id]
+            d = drafts.get(req_id, [])
+            if seq_lens[i] >= state.num_tokens:
+                end = query_start_loc[i + 1]
+                draft_rows.extend(range(end - 1 - len(d), end - 1))
+                bonus_rows.append(end - 1)
+                states.append(state)
+                request_drafts.append(d)
+            del state.token_ids[len(state.token_ids) - len(d):]
+        sampled: list[list[int]] = [[] for _ in meta.req_ids]
+        if not states:
+            return sampled
+        logits = self.model.compute_logits(hidden[torch.tensor(draft_rows + bonus_rows,
+                                                                device=hidden.device)])
+        draft_logits, bonus_logits = logits[:len(draft_rows)], logits[len(draft_rows):]
+        params = [s.sampling_params for s in states]
+        bonus_meta = SamplingMetadata.from_params(
+            params, generators={j: s.generator for j, s in enumerate(states)
+                                if s.generator is not None},
+            banned_token_ids=[self._stop_token_ids(s) for s in states])
+        bonus = self.sampler(bonus_logits, bonus_meta)
+        self._gather_sample_logprobs(bonus_logits, states, bonus)
+        # A request with drafts is past min_tokens (see _propose_drafts): nothing is banned.
+        row_params = [p for p, d in zip(params, request_drafts) for _ in d]
+        target_probs = self.sampler.compute_probs(
+            draft_logits, SamplingMetadata.from_params(row_params))
+        emitted = self.rejection_sampler.parse_output(self.rejection_sampler(
+            request_drafts, target_probs, bonus.tolist(), [p.greedy for p in params],
+            generators=[s.generator for s in states]))
+        index = {r: i for i, r in enumerate(meta.req_ids)}
+        for state, tokens in zip(states, emitted):
+            state.token_ids.extend(tokens)
+            sampled[index[state.req_id]] = tokens
         return sampled

@@ -12,6 +12,7 @@ import pytest
 
 from mini_vllm.attention import cpu_kernels
 from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.models.llama import greedy_reference
 from mini_vllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -91,3 +92,42 @@ def test_second_generate_reuses_the_prefix_cache(tiny_model, prompts, reference_
     assert llm.last_stats.prefix_cache_hits > 0
     assert llm.last_stats.num_prompt_tokens_computed < llm.last_stats.num_prompt_tokens
     assert outputs[2].metrics["num_cached_tokens"] > 0
+
+
+# Prompt lookup with short n-grams, so that the random model's drafts are often right and often
+# wrong: both acceptance and the rollback of rejected tokens are exercised.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def spec_prompts(prompts) -> list[list[int]]:
+    """The shared prompts, plus two that repeat themselves (where prompt lookup shines)."""
+    return [*prompts, prompts[1] * 2, (prompts[0] + prompts[3]) * 3]
+
+
+@pytest.fixture(scope="module")
+def spec_reference(tiny_model, spec_prompts) -> list[list[int]]:
+    return [greedy_reference(tiny_model, p, SPEC_GREEDY.max_tokens) for p in spec_prompts]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_speculative_decoding_equals_full_recomputation(case, path, tiny_model,
+                                                               spec_prompts, spec_reference):
+    """With n-gram drafts checked in every step, greedy output is token for token the plain
+    oracle's, in every configuration; and the drafts really were checked, some accepted and
+    some rejected (so the rollback ran)."""
+    llm = LLM(tiny_model, speculative_config=NGRAM, **engine_config(case, path))
+    outputs = llm.generate(spec_prompts, SPEC_GREEDY, use_tqdm=False)
+    for i, (out, want) in enumerate(zip(outputs, spec_reference)):
+        got = out.outputs[0].token_ids
+        assert got == want, f"{case}: prompt {i}: speculative {got} != reference {want}"
+    stats = llm.last_stats
+    spec = stats.spec_decoding
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
+    # Every draft step emits accepted + 1 tokens: fewer steps than tokens.
+    assert stats.num_generated_tokens == len(spec_prompts) * SPEC_GREEDY.max_tokens
+    assert stats.kv_blocks_in_use == 0, "every block must be free once all requests finished"
+    if case.startswith("preempt"):
+        assert stats.num_preemptions > 0, "the cache was meant to be small enough to preempt"

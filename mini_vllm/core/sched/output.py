@@ -130,6 +130,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens scheduled for checking, by request; they are the
+    # last len(drafts) of the request's num_scheduled_tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def scheduled_req_ids(self) -> list[str]:

@@ -19,6 +19,14 @@ One step of :meth:`Scheduler.schedule`:
 Then ``num_computed_tokens`` of every scheduled request is advanced at once, so that the next
 step can be scheduled before this one's tokens are sampled.
 
+Speculative decoding: a running request may carry draft tokens (``spec_token_ids``, set by
+:meth:`Scheduler.update_draft_token_ids` after a step). They count as tokens it lacks, so they
+come out of the same budget and get KV slots like any other token; the output names the drafts
+each request checks (``scheduled_spec_decode_tokens``). When the runner reports how many the
+target accepted, ``num_computed_tokens`` steps back over the rejected ones: their KV is garbage
+that the next step overwrites. The prefix cache never holds them, because blocks are cached only
+up to ``num_tokens``, which drafts never enter until they are accepted.
+
 Invariants after every ``schedule()``: ``sum(num_scheduled_tokens) <= max_num_batched_tokens``;
 ``len(running) <= max_num_seqs``; every request is in exactly one of ``running``, ``waiting``,
 ``swapped``; a request holds GPU blocks iff it is RUNNING; once every request has finished, every
@@ -41,8 +49,9 @@ from mini_vllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
 from mini_vllm.core.sched import reservation
 from mini_vllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from mini_vllm.core.swap import SwapSpace
-from mini_vllm.outputs import EngineCoreOutput, ModelRunnerOutput
+from mini_vllm.outputs import DraftTokenIds, EngineCoreOutput, ModelRunnerOutput
 from mini_vllm.request import Request, RequestStatus
+from mini_vllm.spec_decode.metrics import SpecDecodingStats
 
 __all__ = ["Scheduler", "SchedulerStats", "check_stop"]
 
@@ -148,6 +157,7 @@ class Scheduler:
         # Finished between the previous schedule() and the next one; sent to the runner once.
         self.finished_req_ids: set[str] = set()
         self.stats = SchedulerStats()
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -338,9 +348,10 @@ class Scheduler:
             req_index += 1
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        """Tokens a request may get now: what it lacks, capped by the long-prefill threshold,
-        the budget and the model length (the last position is ``max_model_len - 1``)."""
-        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        """Tokens a request may get now: what it lacks (its draft tokens included), capped by
+        the long-prefill threshold, the budget and the model length (the last position is
+        ``max_model_len - 1``)."""
+        num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -357,6 +368,7 @@ class Scheduler:
         """
         self.stats.num_preemptions += 1
         request.num_preemptions += 1
+        request.spec_token_ids = []  # drafts are proposed again once it runs
         step.preempted_reqs.append(request)
         if self.swap_space is not None and request.num_computed_tokens > 0:
             num_blocks = cdiv(request.num_computed_tokens, self.block_size)
@@ -544,7 +556,40 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in step.preempted_reqs],
             blocks_to_swap_out=step.blocks_to_swap_out,
             blocks_to_swap_in=step.blocks_to_swap_in,
+            scheduled_spec_decode_tokens=self._take_spec_tokens(step),
         )
+
+    def _take_spec_tokens(self, step: _Step) -> dict[str, list[int]]:
+        """The draft tokens each scheduled request checks in this step: as many of its
+        ``spec_token_ids`` as its scheduled tokens reach past ``num_tokens`` (the budget or
+        ``max_model_len`` may have cut them short). Empties every scheduled request's
+        ``spec_token_ids``: the proposer sends fresh ones after the step.
+
+        upstream: vllm/v1/core/sched/scheduler.py:303 @ v0.11.0 (inline in schedule())
+        """
+        spec: dict[str, list[int]] = {}
+        for rid, num_new_tokens in step.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            num_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_spec > 0 and request.spec_token_ids:
+                spec[rid] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []
+        return spec
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Give running requests the draft tokens the proposer guessed after a step.
+
+        Ignored for a request that is gone, finished or not running, and for one whose KV does
+        not yet cover all but its last token (mid-prefill): drafts follow the last token only.
+
+        upstream: vllm/v1/core/sched/scheduler.py:1069 @ v0.11.0
+        """
+        for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(rid)
+            if (request is None or request.status != RequestStatus.RUNNING
+                    or request.num_computed_tokens < request.num_tokens - 1):
+                continue
+            request.spec_token_ids = list(drafts)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` now, so the next step can be scheduled at once.
@@ -580,6 +625,9 @@ class Scheduler:
             new_token_ids = list(model_runner_output.sampled_token_ids[index])
             if not new_token_ids:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                self._roll_back_rejected(request, len(drafts), len(new_token_ids) - 1)
             for i, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
                 if check_stop(request, self.max_model_len):
@@ -604,3 +652,16 @@ class Scheduler:
                 self.waiting.remove(request)
             self._free_request(request)
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_draft_tokens: int,
+                            num_accepted: int) -> None:
+        """After a step that checked ``num_draft_tokens`` drafts of ``request`` and accepted
+        the first ``num_accepted``: un-compute the rejected ones (their slots are rewritten by
+        the next step) and count the draft. A request preempted meanwhile has nothing computed
+        to roll back.
+
+        upstream: vllm/v1/core/sched/scheduler.py:899 @ v0.11.0 (inline in update_from_output)
+        """
+        if request.num_computed_tokens > 0:
+            request.num_computed_tokens -= num_draft_tokens - num_accepted
+        self.spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
