@@ -113,6 +113,8 @@ class SchedulerConfig:
 
 # Proposers mini_vllm runs (upstream also has draft models, EAGLE, MTP and suffix decoding).
 SPECULATIVE_METHODS = ("ngram",)
+# How many of a proposal's tokens are checked: as many as pay (mini_vllm), or all (as upstream).
+DRAFT_POLICIES = ("adaptive", "always")
 
 
 @dataclass
@@ -123,6 +125,11 @@ class SpeculativeConfig:
     * ``method``: ``"ngram"`` (prompt lookup, :mod:`mini_vllm.spec_decode.ngram_proposer`).
     * ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths the lookup tries. As
       upstream, when only one is given the other takes its value, and when neither is, both are 5.
+    * ``draft_policy``: ``"adaptive"`` (default) checks, per request, only as many drafted tokens
+      as its measured acceptance and the measured cost of the extra rows pay for
+      (:mod:`mini_vllm.spec_decode.draft_policy`; a mini_vllm addition), so that speculation
+      stops costing time where drafts keep failing; ``"always"`` checks every proposed token,
+      as upstream does.
 
     upstream: vllm/config/speculative.py:42 @ v0.11.0
     """
@@ -131,8 +138,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    draft_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"SpeculativeConfig: draft_policy must be one of {DRAFT_POLICIES}, "
+                             f"got {self.draft_policy!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, "
                              f"got {self.method!r}")

@@ -560,7 +560,8 @@ def test_a_speculating_server_answers_as_plain_greedy_and_exports_its_acceptance
     """``speculative_config`` on the served engine: streamed and whole answers are the plain
     engine's tokens, a step may bring several of them to the stream, and ``/metrics`` carries
     upstream's spec_decode counters (drafts, draft tokens, accepted, accepted per position)."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "draft_policy": "always"}
     engine = AsyncLLM(LLM(served.reference.model, max_model_len=MAX_MODEL_LEN,
                           speculative_config=spec), model_name=MODEL)
     server = ServerThread(build_app(engine)).start()

@@ -21,12 +21,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from course.labs.catalog import REPO_ROOT
 from mini_vllm.sample.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
     RejectionSampler,
     accepts,
     recovered_distribution,
 )
+from mini_vllm.spec_decode.draft_policy import DraftPolicy
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer, propose_ngram_tokens
 
 # --- the n-gram proposer -------------------------------------------------------------------------
@@ -230,3 +232,76 @@ def test_vllms_own_matcher_test_passes_against_ours(upstream_release, monkeypatc
     upstream = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(upstream)
     upstream.test_find_longest_matched_ngram_and_propose_tokens()
+
+
+# ----------------------------------------------------------------------------- the draft policy
+
+
+def _policy(costs: dict[int, float], max_drafts: int = 4) -> DraftPolicy:
+    policy = DraftPolicy(max_drafts)
+    for rows, seconds in costs.items():
+        policy.observe_step(rows, seconds)
+    return policy
+
+
+def test_the_policy_measures_a_plain_step_before_drafting_then_tries_the_longest_draft():
+    policy = DraftPolicy(4)
+    assert policy.num_drafts("r", 1) == 0, "the cost to beat is unknown: no drafts yet"
+    policy.observe_step(1, 0.010)
+    assert policy.num_drafts("r", 1) == 4, "longer steps not measured: assumed no dearer"
+    assert policy.seconds(3) == 0.010 and policy.seconds(0) is None
+
+
+def test_the_policy_drafts_where_acceptance_pays_for_the_extra_rows():
+    # A CPU-like cost: each extra row adds 20% to the step.
+    costs = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 5: 1.8}
+    copying, writing = _policy(costs), _policy(costs)
+    for _ in range(6):
+        copying.observe_draft("r", 4, 4)  # every draft accepted
+        writing.observe_draft("r", 4, 0)  # every draft rejected at once
+    assert copying.num_drafts("r", 1) == 4
+    assert writing.num_drafts("r", 1) == 0
+    # A middling acceptance buys a middling draft: 3 of 5 accepted (with the prior, a = 3.5 / 6),
+    # and 1 + a + ... + a^j over 1 + 0.2 j is best at j = 2 (1.32, 1.37, 1.33 for j = 1, 2, 3).
+    middling = _policy(costs)
+    for accepted in (1, 1, 1, 0, 0):
+        middling.observe_draft("r", 1, accepted)
+    assert middling.num_drafts("r", 1) == 2
+
+
+def test_a_step_whose_extra_rows_cost_as_much_as_the_tokens_gain_drafts_nothing():
+    # A quantized kernel with a fast one-row path: two rows cost twice one.
+    policy = _policy({1: 1.0, 2: 2.0, 3: 2.1, 4: 2.2, 5: 2.3})
+    for _ in range(6):
+        policy.observe_draft("r", 4, 1)
+    assert policy.num_drafts("r", 1) == 0
+
+
+def test_a_request_that_stopped_drafting_tries_again_as_its_history_fades():
+    policy = _policy({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})
+    for _ in range(4):
+        policy.observe_draft("r", 4, 0)
+    assert policy.num_drafts("r", 1) == 0
+    for _ in range(15):  # steps without drafts
+        policy.observe_step(1, 1.0)
+    assert policy.num_drafts("r", 1) > 0
+    policy.retain(set())
+    assert policy.acceptance("r") == 0.5, "a finished request's history is forgotten"
+    with pytest.raises(ValueError, match="max_drafts"):
+        DraftPolicy(0)
+
+
+def test_the_benchmark_runs_and_records_its_command(tmp_path, monkeypatch):
+    """``benchmarks/spec_decode.py --quick`` (the shipped model): every speculating contender
+    makes plain decoding's tokens (the script stops otherwise), and the JSON says how to rerun."""
+    import json
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import spec_decode
+
+    out = tmp_path / "spec.json"
+    assert spec_decode.main(["--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python benchmarks/spec_decode.py --quick")
+    for task in result["results"]["fp32"].values():
+        assert set(task["contenders"]) == {"plain", "ngram (always)", "ngram (adaptive)"}

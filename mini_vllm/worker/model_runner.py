@@ -33,6 +33,7 @@ upstream: vllm/v1/worker/gpu_model_runner.py:176 @ v0.11.0
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,7 @@ from mini_vllm.outputs import DraftTokenIds, LogprobsLists, ModelRunnerOutput
 from mini_vllm.sample.rejection_sampler import RejectionSampler
 from mini_vllm.sample.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.spec_decode.draft_policy import DraftPolicy
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.utils import huge_pages
 from mini_vllm.worker.cpu_decode import FusedDecode
@@ -229,13 +231,17 @@ class ModelRunnerBase:
         self.sampler = Sampler()
         # Speculative decoding: the proposer, the verifier, and the drafts of the last step.
         self.drafter: NgramProposer | None = None
+        self.draft_policy: DraftPolicy | None = None
         if speculative_config is not None:
             self.drafter = NgramProposer(
                 speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
                 speculative_config.num_speculative_tokens,
                 max_model_len or cfg.max_position_embeddings)
+            if speculative_config.draft_policy == "adaptive":
+                self.draft_policy = DraftPolicy(speculative_config.num_speculative_tokens)
         self.rejection_sampler = RejectionSampler()
         self._draft_token_ids: DraftTokenIds | None = None
+        self._step_started = 0.0
         self.requests: dict[str, CachedRequestState] = {}
         # The persistent batch order (decodes first), carried from step to step.
         self.batch_req_ids: list[str] = []
@@ -428,22 +434,29 @@ class ModelRunnerBase:
         step's inputs (``_prepare_inputs``) and sequence lengths cover them; the sampling step
         replaces them by the tokens the request really emits. Returns the drafts by request.
         Given code: the runner's step only has to call it before preparing the inputs."""
+        self._step_started = time.perf_counter()
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, tokens in drafts.items():
             self.requests[req_id].token_ids.extend(tokens)
         return drafts
 
-    def _propose_drafts(self, meta: AttentionMetadata, sampled: list[list[int]]) -> None:
+    def _propose_drafts(self, meta: AttentionMetadata, sampled: list[list[int]],
+                        drafts: dict[str, list[int]]) -> None:
         """After sampling: guess the next draft tokens of every request that sampled, for
         :meth:`take_draft_token_ids`. None for a request that asks for log-probabilities or is
-        still under ``min_tokens`` (its stop tokens are banned position by position), and no
-        more than the request can still emit (``max_tokens``) needs.
+        still under ``min_tokens`` (its stop tokens are banned position by position); no more
+        than the request can still emit (``max_tokens``) needs, and, with the adaptive draft
+        policy, no more than pay (:mod:`mini_vllm.spec_decode.draft_policy`), which learns
+        here from the step just run (its time, and how many of ``drafts`` were accepted).
 
         upstream: vllm/v1/worker/gpu_model_runner.py:2458 @ v0.11.0
         """
         if self.drafter is None:
             return
-        req_ids, drafts = [], []
+        policy = self.draft_policy
+        if policy is not None:
+            self._teach_draft_policy(policy, meta, sampled, drafts)
+        req_ids, proposals = [], []
         for req_id, tokens in zip(meta.req_ids, sampled):
             state = self.requests[req_id]
             params = state.sampling_params
@@ -451,9 +464,25 @@ class ModelRunnerBase:
                     or state.num_output_tokens < params.min_tokens):
                 continue
             room = params.max_tokens - state.num_output_tokens - 1
+            if policy is not None:
+                room = min(room, policy.num_drafts(req_id, len(meta.req_ids)))
             req_ids.append(req_id)
-            drafts.append(self.drafter.propose([state.token_ids])[0][:max(room, 0)])
-        self._draft_token_ids = DraftTokenIds(req_ids, drafts)
+            proposals.append(self.drafter.propose([state.token_ids])[0][:max(room, 0)]
+                             if room > 0 else [])
+        self._draft_token_ids = DraftTokenIds(req_ids, proposals)
+
+    def _teach_draft_policy(self, policy: DraftPolicy, meta: AttentionMetadata,
+                            sampled: list[list[int]], drafts: dict[str, list[int]]) -> None:
+        """Tell the draft policy what the step showed: each checked draft's acceptance, and,
+        for a step of decodes only (every request computed its last token and its drafts, and
+        sampled), its seconds by row count."""
+        for req_id, tokens in zip(meta.req_ids, sampled):
+            if drafts.get(req_id) and tokens:
+                policy.observe_draft(req_id, len(drafts[req_id]), len(tokens) - 1)
+        rows = len(meta.req_ids) + sum(len(d) for d in drafts.values())
+        if all(sampled) and meta.num_actual_tokens == rows:
+            policy.observe_step(rows, time.perf_counter() - self._step_started)
+        policy.retain(set(self.requests))
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed after the last step (``None`` if none were), and forget them.
@@ -491,7 +520,7 @@ class ModelRunner(ModelRunnerBase):
         hidden = self._forward(input_ids, meta)
         sampled = (self._sample_with_drafts(hidden, meta, drafts) if drafts
                    else self._sample(hidden, meta))
-        self._propose_drafts(meta, sampled)
+        self._propose_drafts(meta, sampled, drafts)
         output = ModelRunnerOutput(
             req_ids=list(meta.req_ids),
             req_id_to_index={r: i for i, r in enumerate(meta.req_ids)},

@@ -96,8 +96,10 @@ def test_second_generate_reuses_the_prefix_cache(tiny_model, prompts, reference_
 
 # Prompt lookup with short n-grams, so that the random model's drafts are often right and often
 # wrong: both acceptance and the rollback of rejected tokens are exercised.
+# "always": every proposed token is checked, so the test knows drafts ran (the default policy
+# drafts only where the measured costs say it pays; a test below runs it too).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "draft_policy": "always"}
 SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
@@ -131,3 +133,12 @@ def test_greedy_speculative_decoding_equals_full_recomputation(case, path, tiny_
     assert stats.kv_blocks_in_use == 0, "every block must be free once all requests finished"
     if case.startswith("preempt"):
         assert stats.num_preemptions > 0, "the cache was meant to be small enough to preempt"
+
+
+def test_greedy_speculation_with_the_adaptive_draft_policy_equals_full_recomputation(
+        tiny_model, spec_prompts, spec_reference):
+    """The default policy checks fewer drafts where they do not pay; the tokens stay the same."""
+    llm = LLM(tiny_model, speculative_config={**NGRAM, "draft_policy": "adaptive"},
+              **CASES["chunked-prefill"])
+    outputs = llm.generate(spec_prompts, SPEC_GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == spec_reference

@@ -213,7 +213,7 @@ def test_random_speculative_sampling_emits_the_targets_distribution(tiny_model, 
     the seeds are fixed)."""
     prompt, a, b = planted_prompt
     ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 1}
+             "prompt_lookup_max": 1, "draft_policy": "always"}
     llm = LLM(tiny_model, speculative_config=ngram, num_gpu_blocks=2048, max_num_seqs=256,
               max_num_batched_tokens=4096)
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, seed=i)
@@ -247,7 +247,8 @@ def test_random_speculative_sampling_emits_the_targets_distribution(tiny_model, 
 def test_a_seeded_speculative_request_reproduces_whatever_shares_its_batch(tiny_model,
                                                                           planted_prompt):
     prompt = planted_prompt[0]
-    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+             "draft_policy": "always"}
     llm = LLM(tiny_model, speculative_config=ngram)
     seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids

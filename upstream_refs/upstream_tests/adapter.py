@@ -11,9 +11,11 @@ module built here:
   values, ``KVCacheManager`` takes a ``KVCacheConfig``, ``Request`` takes ``SamplingParams``
   with the EOS id in it);
 * the scheduler's tests build today's configs (``VllmConfig`` and its parts, held as given)
-  and a ``Scheduler`` from them: mini_vllm's v1 scheduler with the settings it has, which
-  raises ``LeftOutError`` for every other one (async scheduling, priority, connectors, spec
-  decoding, ...); ``update_from_output`` returns today's ``{client: EngineCoreOutputs}``;
+  and a ``Scheduler`` from them: mini_vllm's v1 scheduler with the settings it has (n-gram
+  speculation among them), which raises ``LeftOutError`` for every other one (async
+  scheduling, priority, connectors, other drafters, ...); ``update_from_output`` returns
+  today's ``{client: EngineCoreOutputs}``, with this step's spec-decoding counts when the
+  scheduler logs stats;
 * any other name is a :class:`LeftOut` placeholder: importing it works, using it raises
   ``LeftOutError`` naming it, so a test of a piece mini_vllm leaves out fails with that name.
 
@@ -328,6 +330,13 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
                              arrival_time=arrival_time, lora_request=lora_request,
                              cache_salt=cache_salt, priority=priority, block_hasher=block_hasher)
 
+        @property
+        def num_output_placeholders(self) -> int:
+            # Today's count of tokens scheduled under async scheduling whose ids are not back
+            # yet; mini_vllm schedules a step only after the last one's tokens are back, so it is
+            # always 0 (no setter: a test that plants placeholders fails).
+            return 0
+
     def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Any,
                                  num_hash_lookahead_tokens: int = 0):
         if num_hash_lookahead_tokens:
@@ -429,7 +438,15 @@ class ParallelConfig(_Config):
 
 
 class ObservabilityConfig(_Config):
-    pass
+    DEFAULTS = {"per_request_spec_decode_metrics": "none"}
+
+
+class SpeculativeConfig(_Config):
+    """Held as given; the Scheduler wrapper accepts the n-gram methods and refuses the rest."""
+
+    DEFAULTS = {"model": None, "method": None, "num_speculative_tokens": None,
+                "prompt_lookup_min": None, "prompt_lookup_max": None, "parallel_drafting": False,
+                "num_speculative_tokens_per_batch_size": None}
 
 
 class VllmConfig(_Config):
@@ -448,6 +465,7 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
     """Module name -> {upstream name: object} for the scheduler's tests."""
     from mini_vllm import config as mv_config
     from mini_vllm import outputs as mv_outputs
+    from mini_vllm.core.sched import output as mv_output
     from mini_vllm.core.sched import scheduler as mv_scheduler
 
     @dataclass
@@ -456,6 +474,13 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
 
         outputs: list = field(default_factory=list)
         scheduler_stats: Any = None
+
+    @dataclass
+    class SchedulerStats:
+        """Today's per-step scheduler statistics, of which mini_vllm gives the part counted in
+        the step (the checked drafts); reading any other field fails."""
+
+        spec_decoding_stats: Any = None
 
     class ModelRunnerOutput(mv_outputs.ModelRunnerOutput):
         """Today's keywords; log-probabilities, pooling, connectors and masks are refused."""
@@ -472,6 +497,27 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
             super().__init__(list(req_ids), dict(req_id_to_index),
                              [[int(t) for t in ids] for ids in sampled_token_ids or []])
 
+    class SchedulerOutput(mv_output.SchedulerOutput):
+        """Today's keywords (encoder inputs and their hashes are required there); anything
+        mini_vllm has no field for is refused unless empty."""
+
+        def __init__(self, scheduled_new_reqs: list, scheduled_cached_reqs: Any,
+                     num_scheduled_tokens: dict[str, int], total_num_scheduled_tokens: int,
+                     scheduled_spec_decode_tokens: dict[str, list[int]],
+                     scheduled_encoder_inputs: dict, finished_req_ids: set[str],
+                     free_encoder_mm_hashes: list, preempted_req_ids: Any = None,
+                     num_common_prefix_blocks: Any = None, **kwargs: Any) -> None:
+            used = [k for k, v in (("scheduled_encoder_inputs", scheduled_encoder_inputs),
+                                   ("free_encoder_mm_hashes", free_encoder_mm_hashes),
+                                   *kwargs.items()) if v]
+            if used:
+                raise LeftOutError(f"SchedulerOutput's {used} are left out of mini_vllm")
+            super().__init__(scheduled_new_reqs, scheduled_cached_reqs,
+                             dict(num_scheduled_tokens), total_num_scheduled_tokens,
+                             list(num_common_prefix_blocks or []), finished_req_ids,
+                             preempted_req_ids=list(preempted_req_ids or []),
+                             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens)
+
     class Scheduler(mv_scheduler.Scheduler):
         """``Scheduler(vllm_config, kv_cache_config, structured_output_manager, block_size,
         ...)``: mini_vllm's scheduler with the settings it has; any other raises."""
@@ -482,6 +528,10 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
                      log_stats: bool = False) -> None:
             sc, mc = vllm_config.scheduler_config, vllm_config.model_config
             cc, pc = vllm_config.cache_config, vllm_config.parallel_config
+            spec = vllm_config.speculative_config
+            # Today the method may be given as the model's name only ("ngram").
+            method = spec and (spec.method or spec.model)
+            observability = getattr(vllm_config, "observability_config", None)
             refused = [what for what, used in (
                 ("max_num_active_seqs", sc.max_num_active_seqs is not None),
                 ("the adaptive long-prefill threshold", sc.long_prefill_token_threshold_adaptive),
@@ -492,8 +542,17 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
                 ("multimodal inputs", sc.disable_chunked_mm_input),
                 ("pipeline and data parallelism",
                  pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1),
-                ("KV and encoder transfer, speculative decoding, LoRA limits, diffusion",
-                 any(getattr(vllm_config, k) is not None for k in VllmConfig.DEFAULTS)),
+                ("KV and encoder transfer, LoRA limits, diffusion",
+                 any(getattr(vllm_config, k) is not None for k in VllmConfig.DEFAULTS
+                     if k != "speculative_config")),
+                # mini_vllm drafts by n-gram lookup only: the drafters that run a model (draft
+                # models, EAGLE, MTP, DFlash) and suffix decoding are left out.
+                (f"the {method!r} speculative method",
+                 spec is not None and method not in ("ngram", "ngram_gpu")),
+                ("parallel drafting and draft lengths per batch size", spec is not None and (
+                    spec.parallel_drafting or spec.num_speculative_tokens_per_batch_size)),
+                ("per-request spec-decoding metrics",
+                 getattr(observability, "per_request_spec_decode_metrics", "none") != "none"),
                 ("pooling models", mc.runner == "pooling"),
                 ("the finished-request set", include_finished_set),
                 ("a hash block size other than the block size",
@@ -510,6 +569,14 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
                 num_gpu_blocks=kv_cache_config.num_blocks,
                 enable_prefix_caching=cc.enable_prefix_caching,
                 long_prefill_token_threshold=sc.long_prefill_token_threshold), log_stats=log_stats)
+            # mini_vllm's scheduler takes no speculative config: it schedules whatever drafts
+            # update_draft_token_ids hands it. Building mini_vllm's config still checks that
+            # the draft settings are ones it runs ("ngram_gpu" is the same lookup on the GPU;
+            # like "ngram", it reserves no lookahead slots).
+            self.speculative_config = spec and mv_config.SpeculativeConfig(
+                method="ngram", num_speculative_tokens=spec.num_speculative_tokens,
+                prompt_lookup_min=spec.prompt_lookup_min,
+                prompt_lookup_max=spec.prompt_lookup_max)
 
         def schedule(self, throttle_prefills: bool = False) -> Any:
             if throttle_prefills:
@@ -517,17 +584,33 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
             return super().schedule()
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
+            before = self.spec_decoding_stats.copy()
             outputs = super().update_from_output(scheduler_output, model_runner_output)
-            return {0: EngineCoreOutputs(outputs=outputs)} if outputs else {}
+            if not self.log_stats:
+                return {0: EngineCoreOutputs(outputs=outputs)} if outputs else {}
+            # Today a scheduler that logs stats returns them every step (on client 0 when no
+            # request has news), with the drafts checked in this step only, None if there
+            # were none. mini_vllm keeps one running total: this step's part is the difference.
+            # (Its fields keep mini_vllm's names, accepted_per_pos for today's
+            # num_accepted_tokens_per_pos.) No other statistic is carried.
+            step = self.spec_decoding_stats.minus(before)
+            stats = SchedulerStats(spec_decoding_stats=step if step.num_drafts else None)
+            return {0: EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)}
 
     return {
         "vllm.config": {name: cls for name, cls in (
             ("ModelConfig", ModelConfig), ("SchedulerConfig", SchedulerConfig),
             ("CacheConfig", CacheConfig), ("ParallelConfig", ParallelConfig),
-            ("ObservabilityConfig", ObservabilityConfig), ("VllmConfig", VllmConfig))},
+            ("ObservabilityConfig", ObservabilityConfig), ("VllmConfig", VllmConfig),
+            ("SpeculativeConfig", SpeculativeConfig))},
         "vllm.v1.core.sched.scheduler": {"Scheduler": Scheduler},
         "vllm.v1.core.sched.utils": {"check_stop": mv_scheduler.check_stop},
-        "vllm.v1.outputs": {"ModelRunnerOutput": ModelRunnerOutput},
+        # Today's DraftTokenIds has the same two fields.
+        "vllm.v1.outputs": {"ModelRunnerOutput": ModelRunnerOutput,
+                            "DraftTokenIds": mv_outputs.DraftTokenIds},
+        # CachedRequestData is only built empty by the tests (make_empty), which mini_vllm has.
+        "vllm.v1.core.sched.output": {"SchedulerOutput": SchedulerOutput,
+                                      "CachedRequestData": mv_output.CachedRequestData},
         "vllm.v1.engine": {"EngineCoreOutputs": EngineCoreOutputs},
         # mini_vllm has one kind of KV-cache spec: nothing to register.
         "vllm.v1.core.single_type_kv_cache_manager": {

