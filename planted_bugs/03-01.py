@@ -143,4 +143,22 @@ BUGS = [
         find="ids = (request_ids,) if isinstance(request_ids, str) else set(request_ids)",
         replace="ids = set(request_ids)",
     ),
+    PlantedBug(
+        name="drafts-not-budgeted",
+        description="_num_new_tokens counts only num_tokens, so a request's draft tokens are "
+        "never scheduled and speculative decoding never runs",
+        file=FILE,
+        find="num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens",
+        replace="num_new_tokens = request.num_tokens - request.num_computed_tokens",
+    ),
+    PlantedBug(
+        name="rejected-drafts-kept",
+        description="update_from_output never rolls back the rejected drafts, so their KV "
+        "(computed from wrong tokens) counts as computed",
+        file=FILE,
+        find="""            if drafts:
+                self._roll_back_rejected(request, len(drafts), len(new_token_ids) - 1)
+""",
+        replace="",
+    ),
 ]

@@ -24,8 +24,10 @@ BUGS = [
         description="samples a token after every chunk of a chunked prefill, not only once "
         "the whole prompt is in the cache",
         file="mini_vllm/worker/model_runner.py",
-        find="if seq_lens[i] >= state.num_tokens:",
-        replace="if True:",
+        find="""            if seq_lens[i] >= state.num_tokens:
+                rows.append(query_start_loc[i + 1] - 1)""",
+        replace="""            if True:
+                rows.append(query_start_loc[i + 1] - 1)""",
     ),
     PlantedBug(
         name="resumed-request-keeps-old-table",
@@ -59,6 +61,7 @@ BUGS = [
         self._execute_block_ops(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        drafts = self._stage_drafts(scheduler_output)
         input_ids, meta = self._prepare_inputs(scheduler_output)
         self._account(meta)
         hidden = self._forward(input_ids, meta)""",
@@ -66,6 +69,7 @@ BUGS = [
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._execute_block_ops(scheduler_output)
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        drafts = self._stage_drafts(scheduler_output)
         input_ids, meta = self._prepare_inputs(scheduler_output)
         self._account(meta)
         hidden = self._forward(input_ids, meta)
@@ -175,5 +179,27 @@ BUGS = [
         file="mini_vllm/entrypoints/beam_search.py",
         find="        length -= 1\n",
         replace="        pass\n",
+    ),
+    PlantedBug(
+        name="drafts-not-staged",
+        description="execute_model never stages the step's drafts, so the inputs lack them",
+        file="mini_vllm/worker/model_runner.py",
+        find="drafts = self._stage_drafts(scheduler_output)",
+        replace="drafts = {}",
+    ),
+    PlantedBug(
+        name="drafts-sampled-plainly",
+        description="a step that checks drafts samples one token per request, as without them",
+        file="mini_vllm/worker/model_runner.py",
+        find="""        sampled = (self._sample_with_drafts(hidden, meta, drafts) if drafts
+                   else self._sample(hidden, meta))""",
+        replace="""        sampled = self._sample(hidden, meta)""",
+    ),
+    PlantedBug(
+        name="no-draft-proposals",
+        description="execute_model never asks the proposer for the next drafts",
+        file="mini_vllm/worker/model_runner.py",
+        find="        self._propose_drafts(meta, sampled, drafts)\n",
+        replace="",
     ),
 ]

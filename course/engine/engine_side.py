@@ -293,11 +293,15 @@ class Engines:
 
 
 def _numbers(stats) -> dict:
-    """The engine's statistics as numbers (``EngineStats``'s fields; a tensor or numpy scalar a
-    student's piece left there counts as its value)."""
+    """The engine's statistics as numbers (``EngineStats``'s fields, a dataclass field's numbers
+    as ``field_name``; a tensor or numpy scalar a student's piece left there counts as its
+    value)."""
     out = {}
     for f in dataclasses.fields(stats):
         value = getattr(stats, f.name)
+        if dataclasses.is_dataclass(value):  # spec_decoding's counters: spec_decoding_num_drafts
+            out.update({f"{f.name}_{k}": v for k, v in _numbers(value).items()})
+            continue
         if hasattr(value, "item") and callable(value.item):
             value = value.item()
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -968,6 +968,34 @@ def case_fp8_kv_cache(exam: Exam) -> None:
     exam.generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12))
 
 
+# Prompt lookup with every proposal checked (the adaptive policy's choices depend on timing, and
+# the exam compares every step with the reference engine's).
+NGRAM_ALWAYS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3, "draft_policy": "always"}
+
+
+def case_speculative_decoding(exam: Exam) -> None:
+    """Speculative decoding (labs 03-01, 03-04, 04-04): prompt lookup's drafts are scheduled
+    from the token budget, checked in one forward pass and rolled back when rejected, with
+    chunked prefill, prefix caching and a cache small enough to preempt. Every token is the
+    no-cache oracle's, drafts were both accepted and rejected, and every block is free at the
+    end. Each prompt is a text, its own greedy continuation and the text again, so that prompt
+    lookup proposes what the model partly repeats."""
+    rng = random.Random(17)
+    texts = _prompts(rng, [5, 9, 14, 20])
+    llm = exam.llm(block_size=4, num_gpu_blocks=30, max_num_batched_tokens=16,
+                   speculative_config=NGRAM_ALWAYS)
+    prompts = [t + exam.expected(t, GREEDY, llm.max_model_len).token_ids[:8] + t for t in texts]
+    run = exam.generate(llm, prompts, GREEDY)
+    drafted = run.stats.spec_decoding_num_draft_tokens
+    accepted = run.stats.spec_decoding_num_accepted_tokens
+    expect(drafted > 0, "draft tokens checked (the scheduler takes the proposer's drafts, the "
+           "runner stages them and proposes the next)")
+    expect(0 < accepted < drafted, f"drafts both accepted and rejected ({accepted} of {drafted} "
+           "accepted)")
+    expect(run.stats.num_preemptions > 0, "preemptions in a cache of 29 blocks")
+
+
 SERVED_TOKENS = 10  # tokens per streamed completion in the served case
 HANG_UP_TOKENS = 900  # the completion a client abandons: far more than an abort lets through
 
@@ -1227,6 +1255,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("several-generate-calls", case_several_generate_calls),
         Case("long-context-v2", case_long_context),
         Case("fp8-kv-cache", case_fp8_kv_cache),
+        Case("speculative-decoding", case_speculative_decoding),
         Case("reserved-admission", case_reserved_admission),
         Case("served-over-http", case_served_over_http),
     ]

@@ -53,9 +53,10 @@ class EngineCoreBase:
                       if kv_cache_dtype != "auto" else {})
         if enforce_eager:
             extra_kwargs["enforce_eager"] = True
-        # Speculation needs a scheduler that takes drafts (a lab 03-01 scheduler alone does not).
+        # Speculation needs a scheduler that schedules drafts (lab 03-01's alone does not: lab
+        # 04-04 adds _take_spec_tokens and the rest).
         self.use_spec_decode = (speculative_config is not None
-                                and hasattr(self.scheduler, "update_draft_token_ids"))
+                                and hasattr(self.scheduler, "_take_spec_tokens"))
         if self.use_spec_decode:
             extra_kwargs["speculative_config"] = speculative_config
             extra_kwargs["max_model_len"] = scheduler_config.max_model_len

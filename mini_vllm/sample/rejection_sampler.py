@@ -108,7 +108,12 @@ class RejectionSampler:
 
     @staticmethod
     def _greedy(drafts: Sequence[int], p: torch.Tensor) -> tuple[list[int], bool]:
-        """The emitted tokens, and whether every draft was accepted (then the bonus follows)."""
+        """One greedy request: emit each draft while it is its row's argmax; at the first that
+        is not, emit the argmax and stop. Returns the emitted tokens and whether every draft
+        was accepted (then the bonus follows).
+
+        upstream: vllm/v1/sample/rejection_sampler.py:438 @ v0.11.0 (one program per request)
+        """
         emitted = []
         for pos, draft in enumerate(drafts):
             best = int(p[pos].argmax())
@@ -120,6 +125,13 @@ class RejectionSampler:
     @staticmethod
     def _random(drafts: Sequence[int], p: torch.Tensor, q: torch.Tensor | None,
                 generator: torch.Generator | None) -> tuple[list[int], bool]:
+        """One random request: one uniform per draft, all drawn first; accept draft ``i`` when
+        :func:`accepts` says so, and at the first rejection emit a token drawn from
+        :func:`recovered_distribution` and stop. Returns what ``_greedy`` returns.
+
+        upstream: vllm/v1/sample/rejection_sampler.py:135 @ v0.11.0 (uniforms for every draft
+        first, then the random kernel)
+        """
         uniforms = torch.rand(len(drafts), generator=generator, dtype=torch.float64)
         emitted = []
         for pos, draft in enumerate(drafts):

@@ -492,6 +492,57 @@ class ModelRunnerBase:
         drafts, self._draft_token_ids = self._draft_token_ids, None
         return drafts
 
+    def _sample_with_drafts(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                            drafts: dict[str, list[int]]) -> list[list[int]]:
+        """``_sample`` for a step that checks draft tokens (``drafts``, staged in the states'
+        ``token_ids`` by ``_stage_drafts``): a request with ``d`` drafts uses its last ``d + 1``
+        rows, the first ``d`` to judge the drafts and the last for the bonus token, which is
+        drawn exactly as ``_sample`` draws (same settings, same generator). Returns the 1 to
+        ``d + 1`` tokens each request emits, and leaves them, not the drafts, in ``token_ids``.
+
+        Given code in lab 03-04: the runner's step calls it instead of ``_sample`` when the step
+        checks drafts.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:2054 @ v0.11.0
+        """
+        seq_lens, query_start_loc = meta.seq_lens.tolist(), meta.query_start_loc.tolist()
+        draft_rows, bonus_rows, states, request_drafts = [], [], [], []
+        for i, req_id in enumerate(meta.req_ids):
+            state = self.requests[req_id]
+            d = drafts.get(req_id, [])
+            if seq_lens[i] >= state.num_tokens:
+                end = query_start_loc[i + 1]
+                draft_rows.extend(range(end - 1 - len(d), end - 1))
+                bonus_rows.append(end - 1)
+                states.append(state)
+                request_drafts.append(d)
+            del state.token_ids[len(state.token_ids) - len(d):]
+        sampled: list[list[int]] = [[] for _ in meta.req_ids]
+        if not states:
+            return sampled
+        logits = self.model.compute_logits(hidden[torch.tensor(draft_rows + bonus_rows,
+                                                                device=hidden.device)])
+        draft_logits, bonus_logits = logits[:len(draft_rows)], logits[len(draft_rows):]
+        params = [s.sampling_params for s in states]
+        bonus_meta = SamplingMetadata.from_params(
+            params, generators={j: s.generator for j, s in enumerate(states)
+                                if s.generator is not None},
+            banned_token_ids=[self._stop_token_ids(s) for s in states])
+        bonus = self.sampler(bonus_logits, bonus_meta)
+        self._gather_sample_logprobs(bonus_logits, states, bonus)
+        # A request with drafts is past min_tokens (see _propose_drafts): nothing is banned.
+        row_params = [p for p, d in zip(params, request_drafts) for _ in d]
+        target_probs = self.sampler.compute_probs(
+            draft_logits, SamplingMetadata.from_params(row_params))
+        emitted = self.rejection_sampler.parse_output(self.rejection_sampler(
+            request_drafts, target_probs, bonus.tolist(), [p.greedy for p in params],
+            generators=[s.generator for s in states]))
+        index = {r: i for i, r in enumerate(meta.req_ids)}
+        for state, tokens in zip(states, emitted):
+            state.token_ids.extend(tokens)
+            sampled[index[state.req_id]] = tokens
+        return sampled
+
 
 def _num_logprobs(requested: int, vocab: int) -> int:
     """How many top tokens a request's ``logprobs``/``prompt_logprobs`` asks for (-1: all)."""
@@ -614,52 +665,4 @@ class ModelRunner(ModelRunnerBase):
         for state, token in zip(states, tokens):
             state.token_ids.append(int(token))
             sampled[index[state.req_id]] = [int(token)]
-        return sampled
-
-    def _sample_with_drafts(self, hidden: torch.Tensor, meta: AttentionMetadata,
-                            drafts: dict[str, list[int]]) -> list[list[int]]:
-        """``_sample`` for a step that checks draft tokens (``drafts``, staged in the states'
-        ``token_ids`` by ``_stage_drafts``): a request with ``d`` drafts uses its last ``d + 1``
-        rows, the first ``d`` to judge the drafts and the last for the bonus token, which is
-        drawn exactly as ``_sample`` draws (same settings, same generator). Returns the 1 to
-        ``d + 1`` tokens each request emits, and leaves them, not the drafts, in ``token_ids``.
-
-        upstream: vllm/v1/worker/gpu_model_runner.py:2054 @ v0.11.0
-        """
-        seq_lens, query_start_loc = meta.seq_lens.tolist(), meta.query_start_loc.tolist()
-        draft_rows, bonus_rows, states, request_drafts = [], [], [], []
-        for i, req_id in enumerate(meta.req_ids):
-            state = self.requests[req_id]
-            d = drafts.get(req_id, [])
-            if seq_lens[i] >= state.num_tokens:
-                end = query_start_loc[i + 1]
-                draft_rows.extend(range(end - 1 - len(d), end - 1))
-                bonus_rows.append(end - 1)
-                states.append(state)
-                request_drafts.append(d)
-            del state.token_ids[len(state.token_ids) - len(d):]
-        sampled: list[list[int]] = [[] for _ in meta.req_ids]
-        if not states:
-            return sampled
-        logits = self.model.compute_logits(hidden[torch.tensor(draft_rows + bonus_rows,
-                                                                device=hidden.device)])
-        draft_logits, bonus_logits = logits[:len(draft_rows)], logits[len(draft_rows):]
-        params = [s.sampling_params for s in states]
-        bonus_meta = SamplingMetadata.from_params(
-            params, generators={j: s.generator for j, s in enumerate(states)
-                                if s.generator is not None},
-            banned_token_ids=[self._stop_token_ids(s) for s in states])
-        bonus = self.sampler(bonus_logits, bonus_meta)
-        self._gather_sample_logprobs(bonus_logits, states, bonus)
-        # A request with drafts is past min_tokens (see _propose_drafts): nothing is banned.
-        row_params = [p for p, d in zip(params, request_drafts) for _ in d]
-        target_probs = self.sampler.compute_probs(
-            draft_logits, SamplingMetadata.from_params(row_params))
-        emitted = self.rejection_sampler.parse_output(self.rejection_sampler(
-            request_drafts, target_probs, bonus.tolist(), [p.greedy for p in params],
-            generators=[s.generator for s in states]))
-        index = {r: i for i, r in enumerate(meta.req_ids)}
-        for state, tokens in zip(states, emitted):
-            state.token_ids.extend(tokens)
-            sampled[index[state.req_id]] = tokens
         return sampled

@@ -26,8 +26,9 @@ from mini_vllm.config import SchedulerConfig
 from mini_vllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
 from mini_vllm.core.sched import reservation
 from mini_vllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from mini_vllm.outputs import EngineCoreOutput, ModelRunnerOutput
+from mini_vllm.outputs import DraftTokenIds, EngineCoreOutput, ModelRunnerOutput
 from mini_vllm.request import Request, RequestStatus
+from mini_vllm.spec_decode.metrics import SpecDecodingStats
 
 __all__ = ["Scheduler", "SchedulerStats", "check_stop"]
 
@@ -96,7 +97,11 @@ class Scheduler:
     mode: ``swapped`` stays empty and ``swap_space`` is None. Lab 03-03 subclasses this class,
     sets ``swap_space_cls`` and adds ``_preempt_by_swap`` and ``_schedule_swapped``; the given
     code below already calls them when a swap space exists, so your scheduler runs swap mode
-    once lab 03-03 is done (``python -m course engine`` puts the two together).
+    once lab 03-03 is done (``python -m course engine`` puts the two together). Lab 04-04 adds
+    speculative decoding the same way: its ``update_draft_token_ids``, ``_take_spec_tokens`` and
+    ``_roll_back_rejected`` give a request draft tokens, schedule them and undo the rejected
+    ones; here, drafts only count in the budget (task 2) and ``update_from_output`` calls the
+    rollback (task 5). Until lab 04-04 no request has drafts.
     """
 
     # Lab 03-03 sets its SwapSpace here; without one, preemption is by recompute only.
@@ -138,6 +143,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.finished_req_ids: set[str] = set()
         self.stats = SchedulerStats()
+        self.spec_decoding_stats = SpecDecodingStats()  # lab 04-04 counts its drafts here
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -235,11 +241,12 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         """How many tokens a running request may get in this step.
 
-        The tokens it lacks (``num_tokens - num_computed_tokens``), but no more than
-        ``long_prefill_token_threshold`` (when that is > 0; 0 means no cap), no more than
-        ``token_budget``, and no more than ``max_model_len - 1 - num_computed_tokens`` (the last
-        position a model of ``max_model_len`` has). Never negative: 0 means nothing to do now.
-        Pure: changes nothing.
+        The tokens it lacks (``num_tokens_with_spec - num_computed_tokens``: the draft tokens
+        ``request.spec_token_ids``, which lab 04-04 gives it, count as tokens it lacks), but no
+        more than ``long_prefill_token_threshold`` (when that is > 0; 0 means no cap), no more
+        than ``token_budget``, and no more than ``max_model_len - 1 - num_computed_tokens`` (the
+        last position a model of ``max_model_len`` has). Never negative: 0 means nothing to do
+        now. Pure: changes nothing.
         """
         raise NotImplementedError(
             "lab 03-01, task 2: implement Scheduler._num_new_tokens "
@@ -279,6 +286,7 @@ class Scheduler:
         blocks) or drop its KV with your ``_preempt_by_recompute``. (Complete.)"""
         self.stats.num_preemptions += 1
         request.num_preemptions += 1
+        request.spec_token_ids = []  # drafts are proposed again once it runs (lab 04-04)
         step.preempted_reqs.append(request)
         if self.swap_space is not None and request.num_computed_tokens > 0:
             num_blocks = cdiv(request.num_computed_tokens, self.block_size)
@@ -351,6 +359,14 @@ class Scheduler:
             num_lookahead_tokens=lookahead,
         )
 
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Where a proposer's drafts arrive (speculative decoding): lab 04-04 writes it, in the
+        scheduler that extends this one; this one takes no drafts. (Complete.)"""
+        raise RuntimeError(
+            "Scheduler.update_draft_token_ids: this is lab 03-01's scheduler, which takes no "
+            "drafts; speculative decoding needs lab 04-04's Scheduler"
+        )
+
     def _make_output(self, step: _Step, total: int) -> SchedulerOutput:
         """Package the step's decisions (``num_computed_tokens`` not yet advanced)."""
         new_reqs = [
@@ -384,6 +400,10 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in step.preempted_reqs],
             blocks_to_swap_out=step.blocks_to_swap_out,
             blocks_to_swap_in=step.blocks_to_swap_in,
+            # Lab 04-04's _take_spec_tokens names the drafts each request checks; without it,
+            # none are scheduled.
+            scheduled_spec_decode_tokens=(self._take_spec_tokens(step)
+                                          if hasattr(self, "_take_spec_tokens") else {}),
         )
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -408,7 +428,11 @@ class Scheduler:
         after it was scheduled still receives its tokens.
 
         The tokens are appended one at a time, with ``check_stop(request, max_model_len)`` after
-        each; the tokens after the one that stops it are dropped (never appended).
+        each; the tokens after the one that stops it are dropped (never appended). Before them,
+        a request that had ``d`` draft tokens checked in the step
+        (``scheduler_output.scheduled_spec_decode_tokens[id]``, lab 04-04) and gained ``n``
+        tokens has its rejected drafts undone with ``self._roll_back_rejected(request, d, n -
+        1)`` (the target accepted ``n - 1`` drafts and chose the last token itself).
 
         Output: one ``EngineCoreOutput`` per request that gained at least one token, in the
         order of ``scheduler_output.num_scheduled_tokens``: its id, the tokens appended in this

@@ -410,6 +410,29 @@ def test_num_new_tokens(prompt, outputs, computed, threshold, budget, max_model_
     )
 
 
+def test_num_new_tokens_counts_the_draft_tokens():
+    """Draft tokens (lab 04-04's speculative decoding) are tokens the request lacks: they come
+    out of the same budget and stop at the same caps."""
+    scheduler = make_scheduler(max_model_len=16, block_size=4)
+    request = create_requests(1, num_tokens=10, block_size=4)[0]
+    request.append_output_token_ids(7)
+    request.num_computed_tokens = 10
+    request.spec_token_ids = [3, 4, 5]
+    for budget, want in ((100, 4), (2, 2)):
+        got = scheduler._num_new_tokens(request, budget)
+        assert got == want, (
+            f"_num_new_tokens of a request with 11 tokens, 10 computed and 3 drafts, budget "
+            f"{budget}: want {want} (the last token and the drafts), got {got!r}; count "
+            "request.num_tokens_with_spec"
+        )
+    request.spec_token_ids = [3, 4, 5, 6, 7, 8]
+    got = scheduler._num_new_tokens(request, 100)
+    assert got == 5, (
+        f"6 drafts after 11 tokens in a 16-token model: the last position is 15, so 5 tokens "
+        f"(positions 10..14 hold the last token and 4 drafts), got {got!r}"
+    )
+
+
 def test_running_requests_are_scheduled_oldest_first_within_the_budget():
     """Three running requests each lack 4 tokens of their prompt; a budget of 5 gives the oldest
     4, the next 1 and the newest nothing, and the next step continues from there. A request with
@@ -1372,6 +1395,48 @@ def test_stop_on_eos_and_on_stop_token_trims_the_rest():
         "request with _free_request"
     )
     assert_scheduler_empty(scheduler)
+
+
+@beside_the_student
+def _scheduler_recording_rollbacks(config):
+    """Your Scheduler (tasks 1-5), with lab 04-04's ``_roll_back_rejected`` replaced by one
+    that records its arguments in ``scheduler.rollbacks``."""
+
+    def _roll_back_rejected(self, request, num_draft_tokens, num_accepted):
+        self.rollbacks.append((request.request_id, num_draft_tokens, num_accepted))
+
+    cls = type("SchedulerRecordingRollbacks", (lab.Scheduler,),
+               {"_roll_back_rejected": _roll_back_rejected,
+                **{n: vars(ReferenceScheduler)[n] for n in LATER_TASKS[6]}})
+    scheduler = cls(config)
+    scheduler.rollbacks = []
+    return scheduler
+
+
+def test_update_from_output_rolls_back_the_rejected_drafts_first():
+    """A request whose drafts were checked in the step hands ``_roll_back_rejected`` how many
+    were checked and how many the target accepted (all its tokens but the last), before the
+    stop conditions cut its tokens; a request without drafts hands it nothing."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                             block_size=4, num_gpu_blocks=64, enable_prefix_caching=False)
+    scheduler = _scheduler_recording_rollbacks(config, beside=lab)
+    drafting, plain = create_requests(2, num_tokens=6, max_tokens=10, block_size=4)
+    for request in (drafting, plain):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, make_output(out, default=7))
+    out = scheduler.schedule()
+    out.scheduled_spec_decode_tokens = {"0": [5, 6, 8]}  # as if lab 04-04 had scheduled them
+    outputs = scheduler.update_from_output(out, make_output(out, {"0": [5, EOS, 9], "1": [4]}))
+    assert scheduler.rollbacks == [("0", 3, 2)], (
+        f"request 0 had 3 drafts checked and gained 3 tokens (2 accepted drafts, then the "
+        f"target's own): want one call _roll_back_rejected(request 0, 3, 2), got "
+        f"{scheduler.rollbacks}"
+    )
+    assert [o.new_token_ids for o in outputs] == [[5, EOS], [4]], (
+        f"the tokens are then appended as ever (EOS stops request 0): got "
+        f"{[o.new_token_ids for o in outputs]}"
+    )
 
 
 @pytest.mark.parametrize("last", ["eos", "stop-token"])

@@ -110,6 +110,15 @@ class ModelRunner(ModelRunnerBase):
         returned, passed through the given ``self._with_logprobs(output, hidden, meta)``: it
         attaches the step's log-probabilities (those ``_sample`` gathered and those of the
         prompt positions in ``hidden``) and returns the output.
+
+        Speculative decoding (phase 04) adds three given calls. Before ``_prepare_inputs``,
+        ``drafts = self._stage_drafts(scheduler_output)`` appends the step's draft tokens to the
+        requests' ``token_ids``, so that your inputs cover them; when ``drafts`` is not empty,
+        ``self._sample_with_drafts(hidden, meta, drafts)`` samples in place of your ``_sample``
+        (it checks the drafts and leaves the emitted tokens, not the drafts, in ``token_ids``);
+        and once ``sampled`` is known, ``self._propose_drafts(meta, sampled, drafts)`` guesses
+        the next drafts. Without speculation ``drafts`` is always empty and ``_propose_drafts``
+        does nothing.
         """
         raise NotImplementedError(
             "lab 03-04, task 4: implement ModelRunner.execute_model "

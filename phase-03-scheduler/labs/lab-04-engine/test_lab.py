@@ -32,7 +32,7 @@ import torch
 from course.engine.exam import beam_score, brute_force_beam_search
 from course.labs.loader import load_lab
 from course.labs.student_process import beside_the_student
-from mini_vllm.config import SchedulerConfig
+from mini_vllm.config import SchedulerConfig, SpeculativeConfig
 from mini_vllm.core.sched.scheduler import Scheduler as ReferenceScheduler
 from mini_vllm.model_executor.models.llama import (
     LlamaForCausalLM,
@@ -130,12 +130,16 @@ def append_token(runner, req_id, token):
     _append_token(runner, req_id, token, beside=lab)
 
 
-def run_by_hand(prompt_list, params, **config):
-    """Your runner with the reference scheduler, the engine loop written out (no step())."""
+def run_by_hand(prompt_list, params, spec=None, **config):
+    """Your runner with the reference scheduler, the engine loop written out (no step()); with
+    ``spec`` (a SpeculativeConfig), the drafts your runner proposes go to the scheduler after
+    each step, as the engine's post_step hands them over."""
     config = SchedulerConfig(**config)
     scheduler = ReferenceScheduler(config)
+    spec_kw = {} if spec is None else {"speculative_config": spec,
+                                       "max_model_len": config.max_model_len}
     runner = make_runner(block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks,
-                         num_cpu_blocks=config.num_cpu_blocks)
+                         num_cpu_blocks=config.num_cpu_blocks, **spec_kw)
     requests = []
     from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
     from mini_vllm.request import Request
@@ -154,6 +158,9 @@ def run_by_hand(prompt_list, params, **config):
             f"{runner.batch_req_ids}: the output follows the batch order"
         )
         scheduler.update_from_output(so, mro)
+        drafts = runner.take_draft_token_ids() if spec is not None else None
+        if drafts is not None:
+            scheduler.update_draft_token_ids(drafts)
     else:
         pytest.fail("the run did not finish within 2000 steps")
     return scheduler, runner, [list(r.output_token_ids) for r in requests]
@@ -509,6 +516,31 @@ def test_your_runner_with_the_reference_loop_equals_full_recomputation(name):
         f"{scheduler.stats.num_steps} scheduler steps: one model run, one self._account(meta) each")
     assert runner.stats.num_tokens_computed > 0, (
         f"{name}: no token counted as computed: call self._account(meta) when the model runs")
+
+
+def test_your_runner_checks_drafts_and_proposes_the_next_ones():
+    """Speculative decoding (phase 04) through your execute_model, with the given
+    _stage_drafts, _sample_with_drafts and _propose_drafts in their places: greedy output still
+    equals full recomputation, and the drafts were proposed and checked, some accepted, some
+    rejected."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                             draft_policy="always")
+    # A prompt, its own greedy continuation, the prompt again: prompt lookup then proposes
+    # that continuation, which the model partly repeats.
+    repeating = [p + reference(tuple(p)) + p for p in prompts()[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    scheduler, runner, outputs = run_by_hand(repeating, params, spec=spec, block_size=4,
+                                             num_gpu_blocks=128, max_num_batched_tokens=24)
+    for i, (got, p) in enumerate(zip(outputs, repeating)):
+        want = reference(tuple(p), 12)
+        assert got == want, f"prompt {i} (length {len(p)}) with drafts: got {got}, want {want}"
+    stats = scheduler.spec_decoding_stats
+    assert stats.num_drafts > 0, (
+        "no draft was ever checked: does execute_model call self._stage_drafts(scheduler_output) "
+        "before _prepare_inputs, and self._propose_drafts(meta, sampled, drafts) after sampling?")
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (
+        f"drafts checked, but {stats.num_accepted_tokens} of {stats.num_draft_tokens} accepted: "
+        "with drafts, sample with self._sample_with_drafts(hidden, meta, drafts)")
 
 
 def test_a_step_that_schedules_nothing_still_applies_the_diff_and_the_copies():
