@@ -142,6 +142,29 @@ class LlamaCpp:
         return out
 
 
+def step_costs(base: LLM, max_rows: int, context: int = 256, repeats: int = 7) -> dict:
+    """Milliseconds of one request's forward pass and logits for 1 to ``max_rows`` rows (a
+    plain decode step, then steps checking 1, 2, ... drafts) after ``context`` tokens of KV,
+    best of ``repeats``: the cost every accepted draft must pay for."""
+    from mini_vllm.attention.metadata import build_attention_metadata
+
+    runner = base.engine.model_runner
+    blocks = list(range(1, (context + max_rows) // runner.block_size + 2))
+    costs = {}
+    with torch.no_grad():
+        for rows in range(1, max_rows + 1):
+            meta = build_attention_metadata(["r"], {"r": rows}, {"r": context}, {"r": blocks},
+                                            runner.block_size)
+            ids = torch.randint(0, 1000, (rows,))
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.model.compute_logits(runner._forward(ids, meta))
+                best = min(best, time.perf_counter() - t0)
+            costs[rows] = round(1000 * best, 2)
+    return costs
+
+
 def prompt_ids(base: LLM, text: str, chat: bool) -> list[int]:
     if not chat:
         return base.tokenizer.encode(text)
@@ -245,8 +268,12 @@ def main(argv: list[str] | None = None) -> int:
                                     "compiling on 2 cores)")
         ids = {task: prompt_ids(base, text, chat) for task, (_, text) in tasks.items()}
         print(f"== {model}, {WEIGHTS[weight_dtype]} weights, {args.threads} threads")
-        by_weights[WEIGHTS[weight_dtype]] = measure(contenders, tasks, ids, args.tokens,
-                                                    args.repeats)
+        costs = step_costs(base, args.k + 1)
+        print("one request's step, ms by rows (1 + drafts): "
+              + ", ".join(f"{rows}: {ms}" for rows, ms in costs.items()))
+        by_weights[WEIGHTS[weight_dtype]] = {
+            "step_ms_by_rows": costs,
+            **measure(contenders, tasks, ids, args.tokens, args.repeats)}
     write_result(args.json, "spec_decode.py", environment(args.threads), {
         "settings": {"model": model, "tokens": args.tokens, "repeats": args.repeats,
                      "threads": args.threads, "num_speculative_tokens": args.k,

@@ -303,5 +303,9 @@ def test_the_benchmark_runs_and_records_its_command(tmp_path, monkeypatch):
     assert spec_decode.main(["--quick", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("python benchmarks/spec_decode.py --quick")
-    for task in result["results"]["fp32"].values():
+    fp32 = dict(result["results"]["fp32"])
+    costs = fp32.pop("step_ms_by_rows")
+    assert sorted(int(rows) for rows in costs) == [1, 2, 3, 4, 5]
+    assert all(ms > 0 for ms in costs.values())
+    for task in fp32.values():
         assert set(task["contenders"]) == {"plain", "ngram (always)", "ngram (adaptive)"}

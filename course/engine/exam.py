@@ -302,6 +302,8 @@ COUNTERS = {
     "num_blocks_freed_by_preemption": "blocks freed by preemptions",
     "peak_kv_blocks_in_use": "KV blocks in use at the peak",
     "num_steps": "engine steps",
+    "spec_decoding_num_draft_tokens": "draft tokens checked (speculative decoding)",
+    "spec_decoding_num_accepted_tokens": "draft tokens accepted (speculative decoding)",
 }
 TRACE_COUNTERS = ("num_tokens_scheduled", "num_prefill_chunks", "num_blocks_given",
                   "num_blocks_freed_by_preemption")
@@ -505,9 +507,13 @@ class Exam:
             )
         return self._oracle[key]
 
-    def generate(self, llm: Engine, prompts, params) -> Run:
+    def generate(self, llm: Engine, prompts, params, oracle: bool = True) -> Run:
         """Run ``prompts`` through ``llm`` and check every completion against the oracle, and
-        (with reference records) the call's counters and steps against the reference's."""
+        (with reference records) the call's counters and steps against the reference's.
+
+        ``oracle=False``: completions the no-cache oracle cannot predict (seeded sampling with
+        speculative decoding, whose draws follow lab 04-04's protocol) are checked against the
+        reference engine's own completions of the same call instead (with reference records)."""
         prompts = [list(p) for p in prompts]
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         run = Run(prompts, params_list)
@@ -529,9 +535,12 @@ class Exam:
             raise ExamFailure(f"generate call {len(self.recorded) + 1}: the engine's answer "
                               f"could not be read ({type(exc).__name__}: {exc})") from None
         call = len(self.recorded)
-        self.recorded.append({"counters": counters, "steps": run.steps})
-        problem = self._check_outputs(llm, run)
+        tokens = [[c.token_ids for c in out.outputs] for out in run.outputs]
+        self.recorded.append({"counters": counters, "steps": run.steps, "tokens": tokens})
+        problem = self._check_outputs(llm, run, oracle)
         want = self.reference_record(call)
+        if problem is None and not oracle and want is not None and "tokens" in want:
+            problem = _compare_with_reference(call + 1, tokens, want["tokens"])
         if want is None:
             if problem:
                 raise ExamFailure(problem)
@@ -569,8 +578,9 @@ class Exam:
         except Exception:  # noqa: BLE001 - steps the exam cannot read explain nothing
             return []
 
-    def _check_outputs(self, llm: Engine, run: Run) -> str | None:
-        """The first way the call's completions or its freed blocks are wrong, or None."""
+    def _check_outputs(self, llm: Engine, run: Run, oracle: bool = True) -> str | None:
+        """The first way the call's completions (against the oracle, unless ``oracle`` is
+        false) or its freed blocks are wrong, or None."""
         call = len(self.recorded)
         if len(run.outputs) != len(run.prompts):
             return (f"generate call {call}: {len(run.outputs)} outputs for {len(run.prompts)} "
@@ -579,7 +589,7 @@ class Exam:
             if len(out.outputs) != p.n:
                 return (f"generate call {call}: request {i} has {len(out.outputs)} "
                         f"completions, its params ask n={p.n}")
-            for j, comp in enumerate(out.outputs):
+            for j, comp in enumerate(out.outputs if oracle else ()):
                 child = p
                 if p.n > 1:
                     child = SamplingParams(**{**p.__dict__, "n": 1})
@@ -679,6 +689,21 @@ def _compare(index, prompt: list[int], got, want: Completion) -> None:
             f"request {index}: finish reason {got.finish_reason!r}, reference "
             f"{want.finish_reason!r}"
         )
+
+
+def _compare_with_reference(call: int, mine: list, reference: list) -> str | None:
+    """How generate call ``call``'s completions differ from the reference engine's, or None."""
+    for i, (got, want) in enumerate(zip(mine, reference)):
+        for j, (g, w) in enumerate(zip(got, want)):
+            if list(g) != list(w):
+                at = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+                return (f"generate call {call}: request {i}" + (f".{j}" if len(got) > 1 else "")
+                        + f" differs from the reference engine's seeded tokens at token {at} "
+                        f"(yours {list(g)[at:at + 3]}, reference {list(w)[at:at + 3]}): with "
+                        "speculative decoding a seeded request draws exactly as the reference "
+                        "(lab 04-04's rejection sampler: the uniforms first, then one draw at a "
+                        "rejection)")
+    return None
 
 
 def expect(condition: bool, what: str) -> None:
@@ -976,16 +1001,20 @@ NGRAM_ALWAYS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_m
 
 def case_speculative_decoding(exam: Exam) -> None:
     """Speculative decoding (labs 03-01, 03-04, 04-04): prompt lookup's drafts are scheduled
-    from the token budget, checked in one forward pass and rolled back when rejected, with
-    chunked prefill, prefix caching and a cache small enough to preempt. Every token is the
-    no-cache oracle's, drafts were both accepted and rejected, and every block is free at the
-    end. Each prompt is a text, its own greedy continuation and the text again, so that prompt
-    lookup proposes what the model partly repeats."""
+    from a token budget that cuts some of them, checked in one forward pass and rolled back when
+    rejected, with chunked prefill, prefix caching and preemption. Every greedy token is the
+    no-cache oracle's, drafts were both accepted and rejected, the counts of drafted and
+    accepted tokens are the reference engine's (they depend on which continuation the proposer
+    picks), and every block is free at the end. Each prompt is a text from a few distinct
+    tokens, its own greedy continuation, the text again, other tokens and the text a third
+    time: its ending recurs twice, followed by different tokens. Then the same prompts sampled
+    with seeds: every token and every step must be the reference engine's."""
     rng = random.Random(17)
-    texts = _prompts(rng, [5, 9, 14, 20])
-    llm = exam.llm(block_size=4, num_gpu_blocks=30, max_num_batched_tokens=16,
+    texts = [[rng.randrange(8) for _ in range(n)] for n in (6, 9, 12, 7)]
+    llm = exam.llm(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=10,
                    speculative_config=NGRAM_ALWAYS)
-    prompts = [t + exam.expected(t, GREEDY, llm.max_model_len).token_ids[:8] + t for t in texts]
+    prompts = [t + exam.expected(t, GREEDY, llm.max_model_len).token_ids[:6] + t
+               + [rng.randrange(8, 64) for _ in range(4)] + t for t in texts]
     run = exam.generate(llm, prompts, GREEDY)
     drafted = run.stats.spec_decoding_num_draft_tokens
     accepted = run.stats.spec_decoding_num_accepted_tokens
@@ -993,7 +1022,11 @@ def case_speculative_decoding(exam: Exam) -> None:
            "runner stages them and proposes the next)")
     expect(0 < accepted < drafted, f"drafts both accepted and rejected ({accepted} of {drafted} "
            "accepted)")
-    expect(run.stats.num_preemptions > 0, "preemptions in a cache of 29 blocks")
+    expect(run.stats.num_preemptions > 0, "preemptions in a cache of 23 blocks")
+    seeded = [SamplingParams(temperature=1.0, max_tokens=16, seed=i)
+              for i in range(2 * len(prompts))]
+    run = exam.generate(llm, prompts * 2, seeded, oracle=False)
+    expect(run.stats.spec_decoding_num_accepted_tokens > 0, "sampled drafts accepted")
 
 
 SERVED_TOKENS = 10  # tokens per streamed completion in the served case
