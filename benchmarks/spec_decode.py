@@ -155,7 +155,7 @@ def step_costs(base: LLM, max_rows: int, context: int = 256, repeats: int = 7) -
         for rows in range(1, max_rows + 1):
             meta = build_attention_metadata(["r"], {"r": rows}, {"r": context}, {"r": blocks},
                                             runner.block_size)
-            ids = torch.randint(0, 1000, (rows,))
+            ids = torch.randint(0, runner.model.config.vocab_size, (rows,))
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()

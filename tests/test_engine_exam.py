@@ -116,7 +116,7 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path, monke
     summary = next(line for line in exam.stdout.splitlines() if "exam cases passed" in line)
     assert summary.startswith("1/1 exam cases passed") and "not your engine yet" in summary, (
         exam.stdout + exam.stderr)
-    assert "Labs 03-02, 03-03, 03-04, 03-05, 03-06 ran as the reference" in summary, summary
+    assert "Labs 03-02, 03-03, 03-04, 03-05, 03-06, 04-04 ran as the reference" in summary, summary
 
 
 def test_every_failing_case_is_bisected_and_the_diagnosis_is_computed(tmp_path):
@@ -240,8 +240,8 @@ def test_a_hung_piece_is_a_timeout_not_a_hang(tmp_path):
 
 
 def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp_path):
-    """Lab 03-01 a stand-in's, lab 03-03 the reference: in swap mode the engine runs the
-    stand-in's scheduler with the reference's swap members on top."""
+    """Lab 03-01 a stand-in's, labs 03-03 and 04-04 the reference: the engine runs the
+    stand-in's scheduler with the reference's swap members and draft members on top."""
     from course.integrity.shadow import shadow_tree
 
     root = shadow_tree(tmp_path / "tree")
@@ -252,7 +252,11 @@ def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp
         "from mini_vllm_shadow_03_01.core.sched.scheduler import Scheduler as Theirs\n"
         "cls = core.Scheduler\n"
         "assert cls is ref.Scheduler and issubclass(cls, Theirs) and cls is not Theirs\n"
-        "assert cls.__dict__['_preempt_by_swap'].__module__ == 'mini_vllm.core.sched.scheduler'\n"
+        "def owner(m):\n"
+        "    return next(k.__dict__[m] for k in cls.__mro__ if m in k.__dict__).__module__\n"
+        "assert owner('_preempt_by_swap') == 'mini_vllm.core.sched.scheduler'\n"
+        "assert owner('_take_spec_tokens') == 'mini_vllm.core.sched.scheduler'\n"
+        "assert owner('_schedule_running') == 'mini_vllm_shadow_03_01.core.sched.scheduler'\n"
         "print(dict((r[0], r[1]) for r in c.lab_rows()))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
@@ -260,6 +264,7 @@ def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "'03-01': 'yours'" in proc.stdout and "'03-03': 'reference'" in proc.stdout
+    assert "'04-04': 'reference'" in proc.stdout
     exam = _run(root, "engine", "--exam", "--labs", "03-01", "--case", "preempt-swap",
                 cache=tmp_path / "cache")
     assert exam.returncode == 0, exam.stdout + exam.stderr

@@ -200,7 +200,8 @@ def test_tasks_are_what_the_published_starter_leaves_to_write():
 
 def test_intake_flags_given_code_that_differs_from_the_published_starter(tmp_path):
     """A flag only (the tests decide the points), naming the given definitions: here a lab
-    03-01 starter begun before the course's given schedule() called lab 03-03's hooks."""
+    03-01 starter begun before the course's given schedule() called lab 03-03's hooks (and
+    before its given _make_output asked lab 04-04 for the drafts)."""
     (lab,) = [lab for lab in discover() if lab.id == "03-01"]
     starter = tmp_path / "fork" / lab.rel / "starter.py"
     starter.parent.mkdir(parents=True)
@@ -209,7 +210,8 @@ def test_intake_flags_given_code_that_differs_from_the_published_starter(tmp_pat
     (flag,) = intake(tmp_path / "fork", [lab]).lab_flags["03-01"]
     assert flag.startswith("given code changed: Scheduler.swap_space_cls (missing), "
                            "Scheduler.__init__, Scheduler._free_request, Scheduler.schedule, "
-                           "Scheduler._preempt, Scheduler._allocate_on_admission (missing) (")
+                           "Scheduler._preempt, Scheduler._allocate_on_admission (missing), "
+                           "Scheduler.update_draft_token_ids (missing), Scheduler._make_output (")
     # Today's starter with a task written (and a comment in given code): no flag.
     today = (lab.path / "starter.py").read_text()
     starter.write_text(today.replace("    def schedule(self", "    # mine\n    def schedule(self")
