@@ -1,6 +1,6 @@
 """The course's figures, drawn by the course's own code, for the notebooks and the READMEs.
 
-The drawing lives here, once: ``phase01``, ``phase02`` and ``phase03`` hold functions that build
+The drawing lives here, once: ``phase01`` to ``phase04`` hold functions that build
 a scenario with mini_vllm's real classes and return a matplotlib figure. The phase notebooks call
 them (and show the figure inline); ``python -m course figures`` calls the same functions and
 writes the SVG files that the READMEs embed, ``phase-*/figures/<name>.svg``.
@@ -59,6 +59,7 @@ class FigureSpec:
 
 
 P1, P2, P3 = "phase-01-attention", "phase-02-paged-attention", "phase-03-scheduler"
+P4 = "phase-04-vllm-today"
 FIGURES = [
     FigureSpec(P1, "masks", "phase01:masks"),
     FigureSpec(P1, "online-softmax", "phase01:online_softmax"),
@@ -77,6 +78,7 @@ FIGURES = [
     FigureSpec(P3, "chunked-prefill-batch", "phase03:chunked_prefill_batch"),
     FigureSpec(P3, "latency-vs-rate", "load:latency_vs_rate"),
     FigureSpec(P3, "ttft-cdf", "load:ttft_cdf"),
+    FigureSpec(P4, "rejection-sampling", "phase04:rejection_sampling"),
 ]
 
 
