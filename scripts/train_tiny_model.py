@@ -119,6 +119,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=CKPT_DIR)
     p.add_argument("--name", default="tiny_shakespeare")
     p.add_argument("--init", type=Path, help="continue from this checkpoint (path stem)")
+    # The shape (defaults: the shipped model's). The draft of lab 04-04's draft-model proposer
+    # is the same recipe at --layers 2 --hidden 64 --heads 2 --kv-heads 1 --intermediate 192.
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=384)
     p.add_argument("--eval", type=Path, help="only measure the loss by position of this checkpoint")
     args = p.parse_args()
 
@@ -141,7 +148,10 @@ def main() -> None:
         print_loss_by_position(loss_by_position(model, val, seq))
         return
 
-    config = ModelConfig(vocab_size=tok.vocab_size, max_position_embeddings=args.seq)
+    config = ModelConfig(vocab_size=tok.vocab_size, max_position_embeddings=args.seq,
+                         num_hidden_layers=args.layers, hidden_size=args.hidden,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         intermediate_size=args.intermediate)
     model = LlamaForCausalLM(config)
     init_weights(model, seed=args.seed)
     previous = None

@@ -28,7 +28,7 @@ from mini_vllm.sample.rejection_sampler import (
     accepts,
     recovered_distribution,
 )
-from mini_vllm.spec_decode.draft_policy import DraftPolicy
+from mini_vllm.spec_decode.draft_policy import REMEASURE, DraftPolicy
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer, propose_ngram_tokens
 
 # --- the n-gram proposer -------------------------------------------------------------------------
@@ -291,6 +291,21 @@ def test_a_request_that_stopped_drafting_tries_again_as_its_history_fades():
         DraftPolicy(0)
 
 
+def test_the_policy_measures_the_plain_step_again_while_it_drafts():
+    """A plain step measured while the machine was busy makes drafting look cheap; a batch that
+    drafts never runs the step that would correct it, so the policy runs one now and then."""
+    policy = _policy({1: 3.0, 2: 1.3, 3: 1.6, 4: 1.9, 5: 2.2})  # the 3.0: a busy moment
+    drafted = []
+    for _ in range(2 * REMEASURE):
+        n = policy.num_drafts("r", 1)
+        drafted.append(n)
+        policy.observe_step(1 + n, 1.0 + 0.3 * n)
+        policy.observe_draft("r", n, 0) if n else None
+    assert drafted[0] > 0 and 0 in drafted, drafted
+    # Once measured again at its real cost, the plain step wins over drafts that fail.
+    assert drafted[-1] == 0 and policy.seconds(1) < 2.0
+
+
 def test_the_benchmark_runs_and_records_its_command(tmp_path, monkeypatch):
     """``benchmarks/spec_decode.py --quick`` (the shipped model): every speculating contender
     makes plain decoding's tokens (the script stops otherwise), and the JSON says how to rerun."""
@@ -308,4 +323,5 @@ def test_the_benchmark_runs_and_records_its_command(tmp_path, monkeypatch):
     assert sorted(int(rows) for rows in costs) == [1, 2, 3, 4, 5]
     assert all(ms > 0 for ms in costs.values())
     for task in fp32.values():
-        assert set(task["contenders"]) == {"plain", "ngram (always)", "ngram (adaptive)"}
+        assert set(task["contenders"]) == {"plain", "ngram (always)", "ngram (adaptive)",
+                                           "draft model (always)", "draft model (adaptive)"}

@@ -45,6 +45,7 @@ class EngineCoreBase:
         kv_scales: tuple[float, float] | list[tuple[float, float]] | None = None,
         enforce_eager: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        draft_model: LlamaForCausalLM | None = None,
     ) -> None:
         self.scheduler = Scheduler(scheduler_config, log_stats=True)
         # Only an fp8 cache, enforce_eager or speculation pass the newer arguments, so a runner
@@ -60,6 +61,8 @@ class EngineCoreBase:
         if self.use_spec_decode:
             extra_kwargs["speculative_config"] = speculative_config
             extra_kwargs["max_model_len"] = scheduler_config.max_model_len
+            if draft_model is not None:
+                extra_kwargs["draft_model"] = draft_model
         self.model_runner = self.runner_cls(
             model,
             block_size=scheduler_config.block_size,

@@ -44,8 +44,9 @@ from mini_vllm.entrypoints.beam_search import (
 )
 from mini_vllm.metrics.stats import EngineStats
 from mini_vllm.model_executor.model_loader.loader import (
-    WEIGHT_DTYPES,
     _load_model,
+    check_weight_dtype,
+    load_draft_model,
     store_weights,
 )
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM
@@ -100,12 +101,7 @@ class LLM:
             not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
         ):
             raise ValueError(f"LLM: num_threads must be an int >= 1, got {num_threads!r}")
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"LLM: weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got "
-                             f"{weight_dtype!r}")
-        if isinstance(WEIGHT_DTYPES[weight_dtype], str) and str(device).split(":")[0] != "cpu":
-            raise ValueError(f"LLM: weight_dtype={weight_dtype!r} runs on the CPU only (its "
-                             "kernel is C); use device='cpu', or weight_dtype='bfloat16'")
+        check_weight_dtype(weight_dtype, device)
         dev = check_device(device)
         loaded = _load_model(model, tokenizer, dev)
         self.model = loaded.model.eval()
@@ -116,7 +112,9 @@ class LLM:
         self.num_threads = num_threads or default_num_threads(self.model)
         if dev.type == "cpu":
             torch.set_num_threads(self.num_threads)
-        self._scheduler_config = self.config.scheduler_config(self.model)
+        # A draft model (if any) is loaded once, here: its cache counts in kv_cache_memory.
+        self.draft_model = load_draft_model(self.config.speculative_config, self.model)
+        self._scheduler_config = self.config.scheduler_config(self.model, self.draft_model)
         self.engine = self._make_engine()
         self._counter = 0
         self.last_stats = EngineStats()
@@ -131,6 +129,7 @@ class LLM:
             kv_scales=self.config.kv_scales,
             enforce_eager=self.config.enforce_eager,
             speculative_config=self.config.speculative_config,
+            draft_model=self.draft_model,
         )
 
     # ------------------------------------------------------------------ the public calls

@@ -14,10 +14,16 @@ rows leave. So the policy measures both as the engine runs:
 * the seconds of a decode step by the number of rows it computes (a running average per count).
 
 and picks the ``j`` that maximises tokens per second for the batch, treating the other requests
-as one row each: ``(B - 1 + tokens(j)) / seconds(B + j)``. Until a step without drafts has been
+as one row each: ``(B - 1 + tokens(j)) / (seconds(B + j) + j * draft_seconds)``, where
+``draft_seconds`` is what one pass of a draft model costs (measured the same way; 0 for an n-gram
+lookup, which runs no model). Until a step without drafts has been
 measured for the batch's size, nothing is drafted (that cost is what drafts must beat); after
 that, a row count not yet measured is taken to cost what the largest measured count below it
-costs, so longer drafts get tried once, and their real cost decides from then on.
+costs, so longer drafts get tried once, and their real cost decides from then on. The step
+without drafts is measured again every ``REMEASURE`` steps: a slow measurement of it (the
+machine busy for a moment) would otherwise make drafting look cheap for good, since a batch
+that drafts never runs the step that would correct it. A measurement that old is replaced,
+not averaged.
 
 upstream: none (vLLM checks every draft its proposer returns; its knob for drafts that stop paying
 is ``num_speculative_tokens_per_batch_size``, a draft length chosen by batch size)
@@ -33,6 +39,8 @@ DECAY = 0.7
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 1.0
 # The weight of a new step-time measurement in the running average.
 COST_WEIGHT = 0.2
+# A step without drafts is measured again after this many steps of others.
+REMEASURE = 32
 
 
 class DraftPolicy:
@@ -50,6 +58,8 @@ class DraftPolicy:
         self._accepted: dict[str, float] = {}
         self._checked: dict[str, float] = {}
         self._seconds: dict[int, float] = {}
+        self._age: dict[int, int] = {}  # steps since each row count was last measured
+        self.draft_seconds = 0.0
 
     def acceptance(self, req_id: str) -> float:
         """The estimated probability that a draft token of ``req_id`` is accepted, given that
@@ -69,11 +79,23 @@ class DraftPolicy:
         """A decode step of ``num_rows`` rows (one per request plus its drafts) took
         ``seconds``; every request's history decays by one step."""
         old = self._seconds.get(num_rows)
-        self._seconds[num_rows] = (seconds if old is None
+        stale = self._age.get(num_rows, 0) >= REMEASURE
+        self._seconds[num_rows] = (seconds if old is None or stale
                                    else (1 - COST_WEIGHT) * old + COST_WEIGHT * seconds)
+        for rows in self._age:
+            self._age[rows] += 1
+        self._age[num_rows] = 0
         for counts in (self._accepted, self._checked):
             for req_id in counts:
                 counts[req_id] *= DECAY
+
+    def observe_draft_cost(self, num_passes: int, seconds: float) -> None:
+        """A draft model proposed in ``num_passes`` forward passes that took ``seconds``."""
+        if num_passes < 1:
+            return
+        per_pass = seconds / num_passes
+        self.draft_seconds = (per_pass if not self.draft_seconds
+                              else (1 - COST_WEIGHT) * self.draft_seconds + COST_WEIGHT * per_pass)
 
     def seconds(self, num_rows: int) -> float | None:
         """The estimated seconds of a step of ``num_rows`` rows (``None`` before any is
@@ -84,14 +106,14 @@ class DraftPolicy:
     def num_drafts(self, req_id: str, batch_rows: int) -> int:
         """How many drafts ``req_id`` should have checked in a step whose batch has
         ``batch_rows`` requests (see the module docstring)."""
-        if self.seconds(batch_rows) is None:
-            return 0  # measure a step without drafts first: the cost every draft must beat
+        if self.seconds(batch_rows) is None or self._age.get(batch_rows, 0) >= REMEASURE:
+            return 0  # measure a step without drafts (again): the cost every draft must beat
         alpha = self.acceptance(req_id)
         best, best_rate = 0, None
         for j in range(self.max_drafts + 1):
             seconds = self.seconds(batch_rows + j)
             tokens = sum(alpha ** i for i in range(j + 1))
-            rate = (batch_rows - 1 + tokens) / seconds
+            rate = (batch_rows - 1 + tokens) / (seconds + j * self.draft_seconds)
             if best_rate is None or rate > best_rate:
                 best, best_rate = j, rate
         return best

@@ -60,10 +60,12 @@ from mini_vllm.outputs import DraftTokenIds, LogprobsLists, ModelRunnerOutput
 from mini_vllm.sample.rejection_sampler import RejectionSampler
 from mini_vllm.sample.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.spec_decode.draft_model import DraftModelProposer
 from mini_vllm.spec_decode.draft_policy import DraftPolicy
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.utils import huge_pages
 from mini_vllm.worker.cpu_decode import FusedDecode
+from mini_vllm.worker.drafter import make_drafter, sync_draft_cache
 
 __all__ = [
     "CachedRequestState",
@@ -175,6 +177,7 @@ class ModelRunnerBase:
         enforce_eager: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
+        draft_model: LlamaForCausalLM | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -230,13 +233,13 @@ class ModelRunnerBase:
             model, self.kv_caches, self.attn_backend.cpu_kernels is not None)
         self.sampler = Sampler()
         # Speculative decoding: the proposer, the verifier, and the drafts of the last step.
-        self.drafter: NgramProposer | None = None
+        self.drafter: NgramProposer | DraftModelProposer | None = None
         self.draft_policy: DraftPolicy | None = None
         if speculative_config is not None:
-            self.drafter = NgramProposer(
-                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
-                speculative_config.num_speculative_tokens,
-                max_model_len or cfg.max_position_embeddings)
+            self.drafter = make_drafter(speculative_config, model, draft_model, block_size,
+                                         num_gpu_blocks,
+                                         max_model_len or cfg.max_position_embeddings,
+                                         compiled=not enforce_eager)
             if speculative_config.draft_policy == "adaptive":
                 self.draft_policy = DraftPolicy(speculative_config.num_speculative_tokens)
         self.rejection_sampler = RejectionSampler()
@@ -287,9 +290,12 @@ class ModelRunnerBase:
 
         V0's worker runs swap-in first; mini_vllm's scheduler never swaps both ways in one step,
         and swapping out first stays correct even if a block it frees were handed out at once.
+        A draft model's cache does not travel with the blocks: the requests they belong to
+        start its cache over (:meth:`_sync_draft_cache`).
 
         upstream: vllm/worker/worker.py:512 @ v0.10.2
         """
+        sync_draft_cache(self.drafter, scheduler_output)
         pairs = (
             (scheduler_output.blocks_to_swap_out, self.kv_caches, self.cpu_kv_caches),
             (scheduler_output.blocks_to_swap_in, self.cpu_kv_caches, self.kv_caches),
@@ -456,7 +462,7 @@ class ModelRunnerBase:
         policy = self.draft_policy
         if policy is not None:
             self._teach_draft_policy(policy, meta, sampled, drafts)
-        req_ids, proposals = [], []
+        req_ids, rooms = [], []
         for req_id, tokens in zip(meta.req_ids, sampled):
             state = self.requests[req_id]
             params = state.sampling_params
@@ -467,8 +473,18 @@ class ModelRunnerBase:
             if policy is not None:
                 room = min(room, policy.num_drafts(req_id, len(meta.req_ids)))
             req_ids.append(req_id)
-            proposals.append(self.drafter.propose([state.token_ids])[0][:max(room, 0)]
-                             if room > 0 else [])
+            rooms.append(max(room, 0))
+        states = [self.requests[r] for r in req_ids]
+        if isinstance(self.drafter, DraftModelProposer):
+            started = time.perf_counter()
+            proposals = self.drafter.propose(req_ids, [s.token_ids for s in states],
+                                             [s.block_ids for s in states], rooms)
+            if policy is not None and any(proposals):
+                policy.observe_draft_cost(max(map(len, proposals)),
+                                          time.perf_counter() - started)
+        else:
+            proposals = [self.drafter.propose([s.token_ids])[0][:room] if room > 0 else []
+                         for s, room in zip(states, rooms)]
         self._draft_token_ids = DraftTokenIds(req_ids, proposals)
 
     def _teach_draft_policy(self, policy: DraftPolicy, meta: AttentionMetadata,

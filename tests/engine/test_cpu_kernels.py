@@ -397,9 +397,9 @@ def test_quantized_weights_are_refused_off_the_cpu():
 
 def test_the_cli_offers_every_weight_dtype():
     from mini_vllm.__main__ import WEIGHT_DTYPES
-    from mini_vllm.entrypoints import llm
+    from mini_vllm.model_executor.model_loader import loader
 
-    assert list(WEIGHT_DTYPES) == list(llm.WEIGHT_DTYPES)
+    assert list(WEIGHT_DTYPES) == list(loader.WEIGHT_DTYPES)
 
 
 # ------------------------------------------------------------------ GGUF blocks: Q4_1, Q8_0

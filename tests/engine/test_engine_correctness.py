@@ -142,3 +142,33 @@ def test_greedy_speculation_with_the_adaptive_draft_policy_equals_full_recomputa
               **CASES["chunked-prefill"])
     outputs = llm.generate(spec_prompts, SPEC_GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == spec_reference
+
+
+# A draft model that is the target itself guesses exactly what greedy decoding picks, as long as
+# its own cache is right: caught up on every accepted token, its drafts written through the
+# lookahead slots, and started over when a request's blocks move (preemption, swapping).
+DRAFT_IS_TARGET = {"method": "draft_model", "num_speculative_tokens": 3, "draft_policy": "always"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_with_the_target_as_its_own_draft_accepts_every_draft(case, path, tiny_model,
+                                                                     spec_prompts,
+                                                                     spec_reference):
+    """Greedy output equals the oracle's, and every draft the target checks is accepted: any
+    slip in the draft's positions, catch-up or cache (stale after a preemption or a swap, or
+    written outside its blocks) would show as a rejected draft."""
+    llm = LLM(tiny_model, speculative_config={**DRAFT_IS_TARGET, "model": tiny_model},
+              **engine_config(case, path))
+    outputs = llm.generate(spec_prompts, SPEC_GREEDY, use_tqdm=False)
+    for i, (out, want) in enumerate(zip(outputs, spec_reference)):
+        got = out.outputs[0].token_ids
+        assert got == want, f"{case}: prompt {i}: speculative {got} != reference {want}"
+    stats = llm.last_stats
+    spec = stats.spec_decoding
+    assert spec.num_draft_tokens > len(spec_prompts), spec
+    assert spec.num_accepted_tokens == spec.num_draft_tokens, (
+        f"{case}: {spec.num_draft_tokens - spec.num_accepted_tokens} of "
+        f"{spec.num_draft_tokens} drafts of a draft identical to the target were rejected")
+    assert stats.kv_blocks_in_use == 0, "every block must be free once all requests finished"
+    if case.startswith("preempt"):
+        assert stats.num_preemptions > 0, "the cache was meant to be small enough to preempt"

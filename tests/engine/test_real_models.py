@@ -320,3 +320,25 @@ def test_smollm2_answers_a_question(tmp_path, monkeypatch):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.text and out.outputs[0].finish_reason == "stop"
+
+
+@SMOLLM2
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    {"method": "draft_model", "num_draft_layers": 24},
+], ids=["ngram", "self-speculation"])
+def test_smollm2_speculates_to_its_own_greedy_answer(spec, monkeypatch):
+    """Greedy speculative decoding on a real model is the plain engine's answer, token for
+    token, whatever the drafts (n-gram lookup, or the target's first 24 of 30 layers)."""
+    monkeypatch.setenv("MINI_VLLM_CACHE", str(Path.home() / ".cache" / "mini_vllm"))
+    messages = [{"role": "user", "content": "Repeat this sentence twice: the quick brown fox "
+                 "jumps over the lazy dog."}]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    plain = LLM("smollm2", num_threads=1)
+    want = plain.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(plain.model, tokenizer=plain.tokenizer, num_threads=1,
+              speculative_config={**spec, "num_speculative_tokens": 4, "draft_policy": "always"})
+    got = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    spec_stats = llm.last_stats.spec_decoding
+    assert spec_stats.num_accepted_tokens > 0, spec_stats

@@ -205,17 +205,25 @@ def _chi_square(counts: collections.Counter, expected: torch.Tensor) -> tuple[fl
     return sum((o - e) ** 2 / e for o, e in zip(obs, exp)), len(obs) - 1
 
 
-def test_random_speculative_sampling_emits_the_targets_distribution(tiny_model, planted_prompt):
-    """3,000 seeded requests of three tokens: after ``a`` the engine checks the draft ``b``.
-    The second token given ``a`` must follow the target's distribution after ``a``; the third,
-    after an accepted ``b`` (the bonus token) and after a rejection (drawn by the next step),
-    the target's distribution after the two before it (summed chi-square at the 0.1% level;
-    the seeds are fixed)."""
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_random_speculative_sampling_emits_the_targets_distribution(proposer, tiny_model,
+                                                                    planted_prompt):
+    """3,000 seeded requests of three tokens: after ``a`` the engine checks the draft ``b``
+    (prompt lookup finds it after ``a`` in the prompt; a draft model that is the target
+    guesses the target's most likely token, ``b``). The second token given ``a`` must follow
+    the target's distribution after ``a``; the third, after an accepted ``b`` (the bonus token)
+    and after a rejection (drawn by the next step), the target's distribution after the two
+    before it (summed chi-square at the 0.1% level; the seeds are fixed)."""
     prompt, a, b = planted_prompt
-    ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 1, "draft_policy": "always"}
-    llm = LLM(tiny_model, speculative_config=ngram, num_gpu_blocks=2048, max_num_seqs=256,
-              max_num_batched_tokens=4096)
+    # (The draft model writes the sampled token's K/V before it guesses: blocks of 64 leave the
+    # 32-token prompt's block room for it right after the prefill, which claims no lookahead.)
+    spec, blocks = (({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1},
+                     dict(num_gpu_blocks=2048)) if proposer == "ngram" else
+                    ({"method": "draft_model", "model": tiny_model},
+                     dict(num_gpu_blocks=512, block_size=64)))
+    llm = LLM(tiny_model, speculative_config={**spec, "num_speculative_tokens": 1,
+                                              "draft_policy": "always"},
+              max_num_seqs=256, max_num_batched_tokens=4096, **blocks)
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, seed=i)
               for i in range(N_REQUESTS)]
     outputs = [o.outputs[0].token_ids for o in llm.generate([prompt] * N_REQUESTS, params,

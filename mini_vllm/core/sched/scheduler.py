@@ -138,6 +138,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = scheduler_config.block_size
         self.preemption_mode = scheduler_config.preemption_mode
+        # KV slots a running request claims past its step, for a draft model's drafts.
+        self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
         self.kv_cache_manager = KVCacheManager(
             num_blocks=scheduler_config.num_gpu_blocks,
             block_size=scheduler_config.block_size,
@@ -183,7 +185,8 @@ class Scheduler:
                 f"add_request: request {rid!r} has {request.num_tokens} prompt tokens; "
                 f"max_model_len={self.max_model_len} leaves no room for an output token"
             )
-        longest = min(request.num_tokens + request.max_tokens, self.max_model_len)
+        longest = min(request.num_tokens + request.max_tokens + self.num_lookahead_tokens,
+                      self.max_model_len)
         # A reservation is claimed whole on admission, so it, not the final length, must fit.
         longest += reservation.admission_lookahead(
             self.scheduler_config.kv_reservation, request.num_prompt_tokens, request.max_tokens,
@@ -331,7 +334,9 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                # Lookahead slots: room for a draft model's K/V past the step's tokens.
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 # Out of KV blocks: the newest running request gives its blocks up.

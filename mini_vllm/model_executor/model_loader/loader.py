@@ -18,10 +18,13 @@ import torch
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM
 from mini_vllm.tokenizers.tokenizer import ByteTokenizer
 
-__all__ = ["DEFAULT_CHECKPOINT", "WEIGHT_DTYPES", "load_default_model", "store_weights"]
+__all__ = ["DEFAULT_CHECKPOINT", "WEIGHT_DTYPES", "check_weight_dtype", "load_default_model",
+           "load_draft_model", "store_weights"]
 
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny_shakespeare"
+# The shipped model's draft (lab 04-04): the same recipe, 2 layers of width 64.
+DRAFT_CHECKPOINT = DEFAULT_CHECKPOINT.with_name("tiny_shakespeare_draft")
 
 
 def load_default_model(device: str | torch.device = "cpu") -> LlamaForCausalLM:
@@ -32,6 +35,51 @@ def load_default_model(device: str | torch.device = "cpu") -> LlamaForCausalLM:
     from mini_vllm.model_executor.model_loader.hf_loader import load_checkpoint
 
     return load_checkpoint(DEFAULT_CHECKPOINT, device=device)
+
+
+def check_weight_dtype(weight_dtype: str, device: object) -> None:
+    """``ValueError`` for a ``weight_dtype`` that is not one of :data:`WEIGHT_DTYPES`, or a
+    quantized one (its kernel is C) on a device other than the CPU."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"LLM: weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got "
+                         f"{weight_dtype!r}")
+    if isinstance(WEIGHT_DTYPES[weight_dtype], str) and str(device).split(":")[0] != "cpu":
+        raise ValueError(f"LLM: weight_dtype={weight_dtype!r} runs on the CPU only (its "
+                         "kernel is C); use device='cpu', or weight_dtype='bfloat16'")
+
+
+def load_draft_model(speculative_config: Any,
+                     target: LlamaForCausalLM) -> LlamaForCausalLM | None:
+    """The draft model a ``SpeculativeConfig`` with ``method="draft_model"`` names, on the
+    target's device (``None`` for no config or another method): its ``model`` loaded as
+    ``LLM(model=...)`` loads one (the name ``"tiny_shakespeare_draft"`` is the shipped draft),
+    or the target's first ``num_draft_layers`` layers. ``ValueError`` when the draft cannot
+    stand in for the target: another vocabulary, or not fewer layers than the target.
+
+    upstream: vllm/v1/spec_decode/eagle.py:809 @ v0.11.0 (the proposer loads its draft; today
+    in ``llm_base_proposer.py``, and ``draft_model.py`` loads a plain draft model)
+    """
+    if speculative_config is None or speculative_config.method != "draft_model":
+        return None
+    device = next(target.parameters()).device
+    n_layers = speculative_config.num_draft_layers
+    if n_layers is not None:
+        if n_layers >= target.config.num_hidden_layers:
+            raise ValueError(
+                f"speculative_config: num_draft_layers={n_layers}, but the target has "
+                f"{target.config.num_hidden_layers} layers; a self-speculative draft must be "
+                "shallower than the target")
+        return target.first_layers(n_layers)
+    source = speculative_config.model
+    if isinstance(source, str) and source == DRAFT_CHECKPOINT.name:
+        source = DRAFT_CHECKPOINT
+    draft = _load_model(source, None, device).model.eval()
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model has a vocabulary of {draft.config.vocab_size} "
+            f"tokens, the target {target.config.vocab_size}; a draft must share the target's "
+            "tokenizer (see SpeculativeConfig.num_draft_layers for a draft made of the target)")
+    return draft
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -435,6 +435,28 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        """A model made of this one's first ``num_layers`` decoder layers, its embedding, final
+        norm and head, *sharing* their weights (nothing is copied): the draft of
+        self-speculative decoding, which reads the last layers' job off an earlier layer.
+
+        upstream: none (LayerSkip-style early exit; vLLM's drafts are separate models)
+        """
+        if not isinstance(num_layers, int) or not 1 <= num_layers <= len(self.model.layers):
+            raise ValueError(f"first_layers: num_layers must be in [1, "
+                             f"{len(self.model.layers)}], got {num_layers!r}")
+        draft = LlamaForCausalLM.__new__(LlamaForCausalLM)
+        nn.Module.__init__(draft)
+        draft.config = replace(self.config, num_hidden_layers=num_layers)
+        inner = LlamaModel.__new__(LlamaModel)
+        nn.Module.__init__(inner)
+        inner.embed_tokens = self.model.embed_tokens
+        inner.layers = nn.ModuleList(self.model.layers[:num_layers])
+        inner.norm = self.model.norm
+        draft.model = inner
+        draft.lm_head = self.lm_head
+        return draft
 
     def fuse_projections(self) -> None:
         """Fuse every layer's q/k/v and gate/up projections into one product each (the
