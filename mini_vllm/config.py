@@ -119,6 +119,8 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # How many of a proposal's tokens are checked: as many as pay (mini_vllm), or all (as upstream).
 DRAFT_POLICIES = ("adaptive", "always")
+# How a draft model picks its guesses (upstream's names).
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 @dataclass
@@ -138,6 +140,10 @@ class SpeculativeConfig:
       ``num_draft_layers`` layers with its final norm and head (self-speculation, sharing the
       target's weights; a mini_vllm addition). A draft model needs lookahead slots
       (:attr:`num_lookahead_tokens`) for the drafts it feeds back in.
+    * ``draft_sample_method`` (draft model): ``"greedy"`` (default) drafts the draft's argmax,
+      which the rejection sampler treats as certain (``q`` one-hot); ``"probabilistic"`` samples
+      a sampled request's drafts from the draft's distribution at the request's temperature and
+      hands that distribution to the rejection sampler as ``q``.
     * ``draft_policy``: ``"adaptive"`` (default) checks, per request, only as many drafted tokens
       as its measured acceptance and the measured cost of the extra rows pay for
       (:mod:`mini_vllm.spec_decode.draft_policy`; a mini_vllm addition), so that speculation
@@ -154,6 +160,7 @@ class SpeculativeConfig:
     draft_policy: str = "adaptive"
     model: object = None
     num_draft_layers: int | None = None
+    draft_sample_method: str = "greedy"
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -182,9 +189,14 @@ class SpeculativeConfig:
                     or isinstance(self.num_draft_layers, bool) or self.num_draft_layers < 1):
                 raise ValueError("SpeculativeConfig: num_draft_layers must be an int >= 1, got "
                                  f"{self.num_draft_layers!r}")
-        elif self.model is not None or self.num_draft_layers is not None:
-            raise ValueError(f"SpeculativeConfig: model and num_draft_layers are for method "
-                             f"'draft_model', not {self.method!r}")
+        elif (self.model is not None or self.num_draft_layers is not None
+              or self.draft_sample_method != "greedy"):
+            raise ValueError(f"SpeculativeConfig: model, num_draft_layers and "
+                             f"draft_sample_method are for method 'draft_model', not "
+                             f"{self.method!r}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"SpeculativeConfig: draft_sample_method must be one of "
+                             f"{DRAFT_SAMPLE_METHODS}, got {self.draft_sample_method!r}")
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:

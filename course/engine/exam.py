@@ -1000,6 +1000,11 @@ def case_fp8_kv_cache(exam: Exam) -> None:
 # the exam compares every step with the reference engine's).
 NGRAM_ALWAYS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                 "prompt_lookup_max": 3, "draft_policy": "always"}
+# A one-layer draft of the model whose drafts are sampled: its distribution q reaches the
+# rejection sampler, so a rejected draft's token comes from max(0, p - q).
+SAMPLED_DRAFT = {"method": "draft_model", "num_draft_layers": 1,
+                 "draft_sample_method": "probabilistic", "num_speculative_tokens": 3,
+                 "draft_policy": "always"}
 
 
 def case_speculative_decoding(exam: Exam) -> None:
@@ -1011,7 +1016,12 @@ def case_speculative_decoding(exam: Exam) -> None:
     picks), and every block is free at the end. Each prompt is a text from a few distinct
     tokens, its own greedy continuation, the text again, other tokens and the text a third
     time: its ending recurs twice, followed by different tokens. Then the same prompts sampled
-    with seeds: every token and every step must be the reference engine's."""
+    with seeds: every token and every step must be the reference engine's. Then four short
+    texts decoding side by side in a budget of 8 tokens, which cuts a request's drafts short
+    part-way twice (the texts of seed 6: the scheduler must name only the drafts it
+    schedules); and sampled with
+    a draft model's sampled drafts, whose distribution the rejection sampler weighs (blocks of
+    64 hold each request whole, so the draft's lookahead slots claim no block of their own)."""
     rng = random.Random(17)
     texts = [[rng.randrange(8) for _ in range(n)] for n in (6, 9, 12, 7)]
     llm = exam.llm(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=10,
@@ -1030,6 +1040,17 @@ def case_speculative_decoding(exam: Exam) -> None:
               for i in range(2 * len(prompts))]
     run = exam.generate(llm, prompts * 2, seeded, oracle=False)
     expect(run.stats.spec_decoding_num_accepted_tokens > 0, "sampled drafts accepted")
+    cut_rng = random.Random(6)
+    short = [[cut_rng.randrange(8) for _ in range(n)] for n in (6, 9, 12, 7)]
+    llm = exam.llm(block_size=16, num_gpu_blocks=64, max_num_batched_tokens=8,
+                   speculative_config=NGRAM_ALWAYS)
+    run = exam.generate(llm, short, GREEDY)
+    expect(run.stats.spec_decoding_num_draft_tokens > 0, "drafts checked within a budget of 8")
+    llm = exam.llm(block_size=64, num_gpu_blocks=16, speculative_config=SAMPLED_DRAFT)
+    run = exam.generate(llm, prompts * 2, seeded, oracle=False)
+    accepted = run.stats.spec_decoding_num_accepted_tokens
+    expect(0 < accepted < run.stats.spec_decoding_num_draft_tokens,
+           "a sampled draft's tokens both accepted and rejected")
 
 
 SERVED_TOKENS = 10  # tokens per streamed completion in the served case

@@ -21,8 +21,11 @@ proposal of ``n`` drafts is
 
 All the requests of a step are batched in each pass. Drafts are greedy (argmax), and the
 rejection sampler treats them as certain (``q`` is one-hot), as upstream's draft-model proposer
-does; the target's verdict alone decides what is emitted, so a poor draft costs speed, never
-correctness.
+does by default; with ``temperatures`` (upstream's ``draft_sample_method="probabilistic"``) a
+sampled request's drafts are drawn from the draft's distribution at its temperature, with its
+own generator, and that distribution is kept for the rejection sampler
+(:meth:`take_draft_probs`). The target's verdict alone decides what is emitted, so a poor draft
+costs speed, never correctness.
 
 Invariant: for every request it tracks, the draft cache holds the draft's K/V of the request's
 tokens at positions ``[0, computed)`` in the request's current blocks, written by this proposer
@@ -101,6 +104,8 @@ class DraftModelProposer:
         # were written through (a table that no longer starts with it means the blocks moved).
         self.num_computed: dict[str, int] = {}
         self._tables: dict[str, list[int]] = {}
+        # The last proposal's draft distributions (one row per draft) of sampled requests.
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -120,18 +125,32 @@ class DraftModelProposer:
         for req_id in [r for r, table in self._tables.items() if moved.intersection(table)]:
             self.forget(req_id)
 
+    def take_draft_probs(self) -> dict[str, torch.Tensor]:
+        """The draft distributions of the last proposal, by request (``[drafts, vocab]``, only
+        for requests whose drafts were sampled), and forget them."""
+        probs, self._draft_probs = self._draft_probs, {}
+        return probs
+
     @torch.no_grad()
     def propose(self, req_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
-                block_ids: Sequence[Sequence[int]], max_drafts: Sequence[int]) -> list[list[int]]:
-        """One list of greedy drafts per request: at most ``max_drafts[i]`` (and
+                block_ids: Sequence[Sequence[int]], max_drafts: Sequence[int],
+                temperatures: Sequence[float] | None = None,
+                generators: Sequence[torch.Generator | None] | None = None) -> list[list[int]]:
+        """One list of drafts per request: at most ``max_drafts[i]`` (and
         ``num_speculative_tokens``) for request ``req_ids[i]``, whose tokens so far are
         ``token_ids[i]`` and whose block table is ``block_ids[i]``; fewer where the table or
-        ``max_model_len`` leaves no room, none for ``max_drafts[i] <= 0``.
+        ``max_model_len`` leaves no room, none for ``max_drafts[i] <= 0``. Greedy, except for a
+        request with a ``temperatures[i] > 0``: sampled at that temperature with
+        ``generators[i]`` (see the module docstring).
 
         upstream: vllm/v1/spec_decode/eagle.py:155 @ v0.11.0
         """
         drafts: dict[str, list[int]] = {r: [] for r in req_ids}
         todo: dict[str, int] = {}  # request -> drafts to make
+        self._draft_probs = {}
+        sampling = {r: (t, g) for r, t, g in zip(req_ids, temperatures or [],
+                                                 generators or [None] * len(req_ids)) if t > 0}
+        rows: dict[str, list[torch.Tensor]] = {r: [] for r in sampling}
         tokens_of, tables = {}, {}
         for req_id, tokens, table, limit in zip(req_ids, token_ids, block_ids, max_drafts):
             total = len(tokens)
@@ -154,7 +173,7 @@ class DraftModelProposer:
         for group in self._disjoint_groups(list(todo), computed, tokens_of, tables):
             reorder_batch_to_split_decodes_and_prefills(group, scheduled)
             inputs = [t for r in group for t in tokens_of[r][computed[r]:]]
-            next_tokens = self._step(group, inputs, scheduled, computed, tables)
+            next_tokens = self._step(group, inputs, scheduled, computed, tables, sampling, rows)
             for r, token in zip(group, next_tokens):
                 drafts[r].append(token)
                 self.num_computed[r] = len(tokens_of[r])
@@ -166,9 +185,10 @@ class DraftModelProposer:
             live = [r for r in order if todo[r] > j]
             positions = {r: len(tokens_of[r]) - 1 + j for r in live}
             next_tokens = self._step(live, [drafts[r][-1] for r in live],
-                                     dict.fromkeys(live, 1), positions, tables)
+                                     dict.fromkeys(live, 1), positions, tables, sampling, rows)
             for r, token in zip(live, next_tokens):
                 drafts[r].append(token)
+        self._draft_probs = {r: torch.stack(q) for r, q in rows.items() if q}
         return [drafts[r] for r in req_ids]
 
     def _disjoint_groups(self, req_ids: list[str], computed: dict[str, int],
@@ -191,9 +211,12 @@ class DraftModelProposer:
         return [members for members, _ in groups]
 
     def _step(self, order: list[str], inputs: list[int], scheduled: dict[str, int],
-              computed: dict[str, int], tables: dict[str, list[int]]) -> list[int]:
-        """One draft forward pass over ``inputs`` (the requests' rows in ``order``); the
-        greedy next token after each request's last row."""
+              computed: dict[str, int], tables: dict[str, list[int]],
+              sampling: dict[str, tuple[float, torch.Generator | None]],
+              rows: dict[str, list[torch.Tensor]]) -> list[int]:
+        """One draft forward pass over ``inputs`` (the requests' rows in ``order``); the next
+        token after each request's last row: the argmax, or for a request in ``sampling`` a
+        draw at its temperature, whose distribution is appended to ``rows``."""
         meta = build_attention_metadata(order, scheduled, computed, tables, self.block_size)
         input_ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
         hidden = self.fast_forward(input_ids, meta) if self.fast_forward is not None else None
@@ -201,4 +224,12 @@ class DraftModelProposer:
             hidden = self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta,
                                 self.attn_backend)
         last_rows = meta.query_start_loc[1:].to(self.device, torch.long) - 1
-        return self.model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden[last_rows])
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, r in enumerate(order):
+            if r in sampling:
+                temperature, generator = sampling[r]
+                q = (logits[i].double() / temperature).softmax(-1).cpu()
+                tokens[i] = int(torch.multinomial(q, 1, generator=generator))
+                rows[r].append(q)
+        return tokens

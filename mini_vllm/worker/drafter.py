@@ -11,6 +11,8 @@ its constructor and loads the draft model with the target)
 
 from __future__ import annotations
 
+import torch
+
 from mini_vllm.attention.backend import _reference_pieces_in_place
 from mini_vllm.config import SpeculativeConfig
 from mini_vllm.core.sched.output import SchedulerOutput
@@ -19,7 +21,7 @@ from mini_vllm.spec_decode.draft_model import DraftModelProposer
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.worker.cpu_decode import FusedDecode
 
-__all__ = ["make_drafter", "sync_draft_cache"]
+__all__ = ["make_drafter", "scheduled_draft_q", "sync_draft_cache"]
 
 
 def make_drafter(config: SpeculativeConfig, model: LlamaForCausalLM,
@@ -65,3 +67,23 @@ def sync_draft_cache(drafter: object, scheduler_output: SchedulerOutput) -> None
                                  *scheduler_output.blocks_to_copy)]
     if moved:
         drafter.invalidate_blocks(moved)
+
+
+def scheduled_draft_q(kept: dict[str, tuple[list[int], torch.Tensor]], req_ids: list[str],
+                      drafts: list[list[int]], target_probs: torch.Tensor) -> torch.Tensor | None:
+    """The draft distributions of the drafts a step checks, row for row with ``target_probs``
+    (``None`` when no draft was sampled: every ``q`` is one-hot). ``kept`` holds each sampled
+    request's proposal and its rows; a request whose drafts were not sampled gets one-hot rows,
+    which mean the same to the rejection sampler. The scheduler may have cut a proposal short,
+    never changed it."""
+    if not kept:
+        return None
+    rows = []
+    for req_id, d in zip(req_ids, drafts):
+        proposal, q = kept.get(req_id, (None, None))
+        if q is not None and proposal[:len(d)] == d:
+            rows.append(q[:len(d)].to(target_probs))
+        else:
+            rows.append(torch.nn.functional.one_hot(
+                torch.tensor(d, dtype=torch.long), target_probs.shape[1]).to(target_probs))
+    return torch.cat(rows) if rows else None

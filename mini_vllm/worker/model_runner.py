@@ -65,7 +65,7 @@ from mini_vllm.spec_decode.draft_policy import DraftPolicy
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.utils import huge_pages
 from mini_vllm.worker.cpu_decode import FusedDecode
-from mini_vllm.worker.drafter import make_drafter, sync_draft_cache
+from mini_vllm.worker.drafter import make_drafter, scheduled_draft_q, sync_draft_cache
 
 __all__ = [
     "CachedRequestState",
@@ -244,6 +244,11 @@ class ModelRunnerBase:
                 self.draft_policy = DraftPolicy(speculative_config.num_speculative_tokens)
         self.rejection_sampler = RejectionSampler()
         self._draft_token_ids: DraftTokenIds | None = None
+        # "probabilistic" drafts: each sampled request's drafts and their distributions q, kept
+        # for the step that checks them.
+        self.sample_drafts = (speculative_config is not None
+                              and speculative_config.draft_sample_method == "probabilistic")
+        self._draft_q: dict[str, tuple[list[int], torch.Tensor]] = {}
         self._step_started = 0.0
         self.requests: dict[str, CachedRequestState] = {}
         # The persistent batch order (decodes first), carried from step to step.
@@ -477,8 +482,13 @@ class ModelRunnerBase:
         states = [self.requests[r] for r in req_ids]
         if isinstance(self.drafter, DraftModelProposer):
             started = time.perf_counter()
+            sampled_at = ([0.0 if s.sampling_params.greedy else s.sampling_params.temperature
+                           for s in states] if self.sample_drafts else None)
             proposals = self.drafter.propose(req_ids, [s.token_ids for s in states],
-                                             [s.block_ids for s in states], rooms)
+                                             [s.block_ids for s in states], rooms, sampled_at,
+                                             [s.generator for s in states])
+            q = self.drafter.take_draft_probs()
+            self._draft_q = {r: (d, q[r]) for r, d in zip(req_ids, proposals) if r in q}
             if policy is not None and any(proposals):
                 policy.observe_draft_cost(max(map(len, proposals)),
                                           time.perf_counter() - started)
@@ -550,8 +560,11 @@ class ModelRunnerBase:
         row_params = [p for p, d in zip(params, request_drafts) for _ in d]
         target_probs = self.sampler.compute_probs(
             draft_logits, SamplingMetadata.from_params(row_params))
+        kept_q, self._draft_q = self._draft_q, {}  # sampled drafts' q, used once
         emitted = self.rejection_sampler.parse_output(self.rejection_sampler(
             request_drafts, target_probs, bonus.tolist(), [p.greedy for p in params],
+            draft_probs=scheduled_draft_q(kept_q, [s.req_id for s in states],
+                                          request_drafts, target_probs),
             generators=[s.generator for s in states]))
         index = {r: i for i, r in enumerate(meta.req_ids)}
         for state, tokens in zip(states, emitted):

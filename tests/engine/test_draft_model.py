@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mini_vllm.config import EngineConfig, SchedulerConfig, SpeculativeConfig, kv_block_bytes
 from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
@@ -37,6 +38,10 @@ def test_the_config_needs_exactly_one_draft_and_counts_lookahead_slots():
         SpeculativeConfig(method="ngram", num_draft_layers=2)
     with pytest.raises(ValueError, match="num_draft_layers must be an int >= 1"):
         SpeculativeConfig(method="draft_model", num_draft_layers=0)
+    with pytest.raises(ValueError, match="draft_sample_method must be one of"):
+        SpeculativeConfig(method="draft_model", num_draft_layers=1, draft_sample_method="top")
+    with pytest.raises(ValueError, match="are for method 'draft_model'"):
+        SpeculativeConfig(method="ngram", draft_sample_method="probabilistic")
     assert SpeculativeConfig(method="draft_model", num_draft_layers=1,
                              num_speculative_tokens=3).num_lookahead_tokens == 3
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).num_lookahead_tokens == 0
@@ -176,9 +181,9 @@ def test_the_draft_cache_is_written_only_in_blocks_its_requests_hold(tiny_model,
     held: set[int] = set()
     propose = drafter.propose
 
-    def spy(req_ids, token_ids, block_ids, max_drafts):
+    def spy(req_ids, token_ids, block_ids, *rest):
         held.update(b for table in block_ids for b in table)
-        return propose(req_ids, token_ids, block_ids, max_drafts)
+        return propose(req_ids, token_ids, block_ids, *rest)
 
     drafter.propose = spy
     llm.generate(prompts[:3], GREEDY, use_tqdm=False)
@@ -210,3 +215,27 @@ def test_the_runner_tells_the_draft_which_requests_lost_their_draft_kv():
     sync_draft_cache(drafter, step)
     assert set(drafter.num_computed) == {"kept"}
     sync_draft_cache(None, step)  # no proposer: nothing to do
+
+
+def test_sampled_drafts_come_with_their_distribution_and_follow_the_seed():
+    """With a temperature, a request's drafts are draws from the draft's distribution at that
+    temperature (kept for the rejection sampler, one row per draft); a greedy request's are the
+    argmax, with no distribution. The same generator state gives the same drafts."""
+    def propose(seed):
+        drafter = DraftModelProposer(_model(), num_speculative_tokens=3, block_size=4,
+                                     num_blocks=8, max_model_len=64)
+        gen = torch.Generator().manual_seed(seed)
+        drafts = drafter.propose(["hot", "cold"], [[1, 2, 3], [1, 2, 3]], [[1, 2], [3, 4]],
+                                 [3, 3], temperatures=[2.0, 0.0], generators=[gen, None])
+        return drafts, drafter.take_draft_probs(), drafter
+
+    (hot, cold), probs, drafter = propose(0)
+    assert set(probs) == {"hot"} and probs["hot"].shape == (3, 64)
+    assert torch.allclose(probs["hot"].sum(-1), torch.ones(3, dtype=probs["hot"].dtype))
+    assert all(probs["hot"][i, t] > 0 for i, t in enumerate(hot))
+    assert drafter.take_draft_probs() == {}, "taken once"
+    greedy = DraftModelProposer(_model(), num_speculative_tokens=3, block_size=4, num_blocks=8,
+                                max_model_len=64).propose(["cold"], [[1, 2, 3]], [[3, 4]], [3])
+    assert [cold] == greedy
+    assert propose(0)[0] == [hot, cold]
+    assert any(propose(seed)[0][0] != hot for seed in range(1, 6)), "draws depend on the seed"

@@ -205,22 +205,29 @@ def _chi_square(counts: collections.Counter, expected: torch.Tensor) -> tuple[fl
     return sum((o - e) ** 2 / e for o, e in zip(obs, exp)), len(obs) - 1
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "sampled_draft"])
 def test_random_speculative_sampling_emits_the_targets_distribution(proposer, tiny_model,
                                                                     planted_prompt):
     """3,000 seeded requests of three tokens: after ``a`` the engine checks the draft ``b``
     (prompt lookup finds it after ``a`` in the prompt; a draft model that is the target
-    guesses the target's most likely token, ``b``). The second token given ``a`` must follow
+    guesses the target's most likely token, ``b``; a one-layer draft whose drafts are sampled
+    proposes anything, with its own distribution ``q`` for the rejection sampler, so the
+    recovered tokens come from ``max(0, p - q)``). The second token given ``a`` must follow
     the target's distribution after ``a``; the third, after an accepted ``b`` (the bonus token)
     and after a rejection (drawn by the next step), the target's distribution after the two
     before it (summed chi-square at the 0.1% level; the seeds are fixed)."""
     prompt, a, b = planted_prompt
     # (The draft model writes the sampled token's K/V before it guesses: blocks of 64 leave the
     # 32-token prompt's block room for it right after the prefill, which claims no lookahead.)
-    spec, blocks = (({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1},
-                     dict(num_gpu_blocks=2048)) if proposer == "ngram" else
-                    ({"method": "draft_model", "model": tiny_model},
-                     dict(num_gpu_blocks=512, block_size=64)))
+    spec, blocks = {
+        "ngram": ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1},
+                  dict(num_gpu_blocks=2048)),
+        "draft_model": ({"method": "draft_model", "model": tiny_model},
+                        dict(num_gpu_blocks=512, block_size=64)),
+        "sampled_draft": ({"method": "draft_model", "num_draft_layers": 1,
+                           "draft_sample_method": "probabilistic"},
+                          dict(num_gpu_blocks=512, block_size=64)),
+    }[proposer]
     llm = LLM(tiny_model, speculative_config={**spec, "num_speculative_tokens": 1,
                                               "draft_policy": "always"},
               max_num_seqs=256, max_num_batched_tokens=4096, **blocks)

@@ -403,6 +403,22 @@ def test_a_budget_that_cuts_the_drafts_schedules_only_those_it_reaches():
     )
 
 
+def test_a_request_the_budget_gives_only_its_last_token_checks_no_draft():
+    scheduler = _scheduler(upto=6)
+    first, second = _request("a"), _request("b", prompt=(6, 5, 4, 3, 2, 1))
+    _decoding(scheduler, first, second)
+    scheduler.max_num_scheduled_tokens = 5
+    first.spec_token_ids, second.spec_token_ids = [10, 11, 12], [20, 21]
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 4, "b": 1}, (
+        f"a budget of 5: a takes 4, b its last token only; got {out.num_scheduled_tokens}"
+    )
+    assert out.scheduled_spec_decode_tokens == {"a": [10, 11, 12]}, (
+        f"b's step reaches none of its drafts, so b is not named (an entry, even empty, is a "
+        f"draft checked and counted); got {out.scheduled_spec_decode_tokens}"
+    )
+
+
 def test_update_draft_token_ids_gives_running_requests_their_drafts():
     scheduler = _scheduler(upto=7)
     request = _request()
@@ -437,6 +453,26 @@ def test_drafts_for_a_request_mid_prompt_or_not_running_are_ignored():
     scheduler.update_draft_token_ids(DraftTokenIds(["waiting"], [[3]]))
     assert waiting.spec_token_ids == [] and waiting.status == RequestStatus.WAITING, (
         "a waiting request takes no drafts"
+    )
+
+
+def test_a_request_two_tokens_short_of_its_prompt_takes_no_drafts():
+    scheduler = _scheduler(upto=7, max_num_batched_tokens=4)
+    request = _request("r", prompt=range(1, 7))
+    scheduler.add_request(request)
+    out = scheduler.schedule()  # 4 of its 6 prompt tokens: 2 are left
+    scheduler.update_from_output(out, _sampled(out, {"r": []}))
+    scheduler.update_draft_token_ids(DraftTokenIds(["r"], [[3]]))
+    assert request.spec_token_ids == [], (
+        f"a request with 2 prompt tokens still to compute (4 of 6) takes no drafts: drafts "
+        f"follow the last token only; got {request.spec_token_ids!r}"
+    )
+    out = scheduler.schedule()  # the last 2, and it samples
+    scheduler.update_from_output(out, _sampled(out, {"r": [9]}))
+    scheduler.update_draft_token_ids(DraftTokenIds(["r"], [[3]]))
+    assert request.spec_token_ids == [3], (
+        f"once its prompt is computed and it sampled, it takes drafts; got "
+        f"{request.spec_token_ids!r}"
     )
 
 
