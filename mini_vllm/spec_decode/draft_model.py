@@ -71,6 +71,8 @@ class DraftModelProposer:
     hold). The runner may later set :attr:`fast_forward`, a faster forward pass for the draft
     (the CPU's compiled step, built over :attr:`kv_caches`) returning ``None`` where it does not
     apply.
+
+    upstream: vllm/v1/spec_decode/eagle.py:42 @ v0.11.0
     """
 
     fast_forward: Callable[[torch.Tensor, object], torch.Tensor | None] | None = None

@@ -29,7 +29,10 @@ def make_drafter(config: SpeculativeConfig, model: LlamaForCausalLM,
                  max_model_len: int, compiled: bool) -> NgramProposer | DraftModelProposer:
     """The proposer ``config.method`` names; a draft model not given is loaded here (as
     upstream's runner loads it), with its cache mirroring the target's ``num_blocks``, and its
-    passes compiled as the target's are (``compiled``: not ``enforce_eager``)."""
+    passes compiled as the target's are (``compiled``: not ``enforce_eager``).
+
+    upstream: vllm/v1/worker/gpu_model_runner.py:280 @ v0.11.0
+    """
     if config.method != "draft_model":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                              config.num_speculative_tokens, max_model_len)
@@ -54,7 +57,11 @@ def make_drafter(config: SpeculativeConfig, model: LlamaForCausalLM,
 def sync_draft_cache(drafter: object, scheduler_output: SchedulerOutput) -> None:
     """Before a step's block operations: tell a draft-model proposer which requests' draft K/V
     is gone (finished and resumed requests, and those holding a block the step swaps or
-    copies). Nothing for another proposer, or none."""
+    copies). Nothing for another proposer, or none.
+
+    upstream: none (upstream's draft layers live in the target's KV-cache groups, so its block
+    operations move them with the target's; mini_vllm's draft cache is a pool of its own)
+    """
     if not isinstance(drafter, DraftModelProposer):
         return
     cached = scheduler_output.scheduled_cached_reqs
@@ -75,7 +82,11 @@ def scheduled_draft_q(kept: dict[str, tuple[list[int], torch.Tensor]], req_ids: 
     (``None`` when no draft was sampled: every ``q`` is one-hot). ``kept`` holds each sampled
     request's proposal and its rows; a request whose drafts were not sampled gets one-hot rows,
     which mean the same to the rejection sampler. The scheduler may have cut a proposal short,
-    never changed it."""
+    never changed it.
+
+    upstream: vllm/v1/worker/gpu_model_runner.py:2082 @ v0.11.0 (where 0.11 passes no draft
+    probabilities; 0.33 passes the proposer's, with draft_sample_method="probabilistic")
+    """
     if not kept:
         return None
     rows = []

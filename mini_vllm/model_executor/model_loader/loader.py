@@ -39,7 +39,11 @@ def load_default_model(device: str | torch.device = "cpu") -> LlamaForCausalLM:
 
 def check_weight_dtype(weight_dtype: str, device: object) -> None:
     """``ValueError`` for a ``weight_dtype`` that is not one of :data:`WEIGHT_DTYPES`, or a
-    quantized one (its kernel is C) on a device other than the CPU."""
+    quantized one (its kernel is C) on a device other than the CPU.
+
+    upstream: none (vLLM's ``dtype`` casts the whole model; these weight-only formats are
+    mini_vllm's, run by its C kernels)
+    """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"LLM: weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got "
                          f"{weight_dtype!r}")
