@@ -114,18 +114,24 @@ def spec_reference(tiny_model, spec_prompts) -> list[list[int]]:
     return [greedy_reference(tiny_model, p, SPEC_GREEDY.max_tokens) for p in spec_prompts]
 
 
+def _speculate(spec: dict, case: str, path: str, tiny_model, prompts, reference):
+    """Greedy generation of ``prompts`` with ``spec`` in engine configuration ``case``: every
+    output must be ``reference``'s (the oracle's). Returns the call's statistics."""
+    llm = LLM(tiny_model, speculative_config=spec, **engine_config(case, path))
+    outputs = llm.generate(prompts, SPEC_GREEDY, use_tqdm=False)
+    for i, (out, want) in enumerate(zip(outputs, reference)):
+        got = out.outputs[0].token_ids
+        assert got == want, f"{case}: prompt {i}: speculative {got} != reference {want}"
+    return llm.last_stats
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_speculative_decoding_equals_full_recomputation(case, path, tiny_model,
                                                                spec_prompts, spec_reference):
     """With n-gram drafts checked in every step, greedy output is token for token the plain
     oracle's, in every configuration; and the drafts really were checked, some accepted and
     some rejected (so the rollback ran)."""
-    llm = LLM(tiny_model, speculative_config=NGRAM, **engine_config(case, path))
-    outputs = llm.generate(spec_prompts, SPEC_GREEDY, use_tqdm=False)
-    for i, (out, want) in enumerate(zip(outputs, spec_reference)):
-        got = out.outputs[0].token_ids
-        assert got == want, f"{case}: prompt {i}: speculative {got} != reference {want}"
-    stats = llm.last_stats
+    stats = _speculate(NGRAM, case, path, tiny_model, spec_prompts, spec_reference)
     spec = stats.spec_decoding
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
     # Every draft step emits accepted + 1 tokens: fewer steps than tokens.
@@ -157,13 +163,8 @@ def test_greedy_with_the_target_as_its_own_draft_accepts_every_draft(case, path,
     """Greedy output equals the oracle's, and every draft the target checks is accepted: any
     slip in the draft's positions, catch-up or cache (stale after a preemption or a swap, or
     written outside its blocks) would show as a rejected draft."""
-    llm = LLM(tiny_model, speculative_config={**DRAFT_IS_TARGET, "model": tiny_model},
-              **engine_config(case, path))
-    outputs = llm.generate(spec_prompts, SPEC_GREEDY, use_tqdm=False)
-    for i, (out, want) in enumerate(zip(outputs, spec_reference)):
-        got = out.outputs[0].token_ids
-        assert got == want, f"{case}: prompt {i}: speculative {got} != reference {want}"
-    stats = llm.last_stats
+    stats = _speculate({**DRAFT_IS_TARGET, "model": tiny_model}, case, path, tiny_model,
+                       spec_prompts, spec_reference)
     spec = stats.spec_decoding
     assert spec.num_draft_tokens > len(spec_prompts), spec
     assert spec.num_accepted_tokens == spec.num_draft_tokens, (
