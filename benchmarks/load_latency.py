@@ -110,7 +110,7 @@ def main() -> int:
                   block_size=args.block_size, enable_prefix_caching=False, num_threads=1,
                   **SETTINGS[name])
         check_outputs(llm, requests[:2])
-        engines[name] = AsyncLLM(llm)
+        engines[name] = AsyncLLM(llm, multiprocessing=False)  # stats read from the core
     try:
         # Rates outside, settings inside: the settings compared at one rate run minutes apart
         # at most, under about the same load of a shared machine.

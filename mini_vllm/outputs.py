@@ -17,11 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+# At run time, not only for type checkers: the engine-core process's messages decode
+# EngineCoreOutput by its annotations (mini_vllm/engine/messages.py).
+from mini_vllm.request import FinishReason
+
 if TYPE_CHECKING:
     import torch
 
     from mini_vllm.logprobs import Logprob, PromptLogprobs
-    from mini_vllm.request import FinishReason
 
 __all__ = [
     "CompletionOutput",

@@ -44,7 +44,7 @@ def test_a_stream_whose_output_loop_never_started_says_so():
 
 def test_the_same_stream_with_the_loop_started_runs_to_the_end():
     """The control: the check never fires while the loop runs (a slow step included)."""
-    engine = AsyncLLM(LLM(max_model_len=64))
+    engine = AsyncLLM(LLM(max_model_len=64), multiprocessing=False)
     try:
         outs = asyncio.run(asyncio.wait_for(_consume(engine), timeout=60))
         assert outs and outs[-1].finished

@@ -62,7 +62,7 @@ def test_a_short_real_run_through_async_llm():
     requests = sharegpt_like_requests(4, seed=0, scale=0.03, max_model_len=64)
     llm = LLM(max_model_len=64, num_gpu_blocks=17, block_size=4, enable_prefix_caching=False,
               kv_reservation="oracle")
-    engine = AsyncLLM(llm)
+    engine = AsyncLLM(llm, multiprocessing=False)
     try:
         results, duration = asyncio.run(run_in_process(engine, requests, [0.0] * 4))
     finally:

@@ -41,8 +41,10 @@ class Served(ServerThread):
 
     def __init__(self) -> None:
         self.reference = LLM(max_model_len=MAX_MODEL_LEN)
+        # In one process: the tests read the engine core's state (its own process is tested in
+        # tests/engine/test_core_process.py).
         self.engine = AsyncLLM(LLM(self.reference.model, max_model_len=MAX_MODEL_LEN),
-                               model_name=MODEL)
+                               model_name=MODEL, multiprocessing=False)
         super().__init__(build_app(self.engine, chat_template=TEMPLATE))
 
     @property
@@ -563,7 +565,7 @@ def test_a_speculating_server_answers_as_plain_greedy_and_exports_its_acceptance
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
             "draft_policy": "always"}
     engine = AsyncLLM(LLM(served.reference.model, max_model_len=MAX_MODEL_LEN,
-                          speculative_config=spec), model_name=MODEL)
+                          speculative_config=spec), model_name=MODEL, multiprocessing=False)
     server = ServerThread(build_app(engine)).start()
     try:
         prompt = "ROMEO.\nBut soft, what light. ROMEO.\nBut soft, what light. ROMEO.\n"

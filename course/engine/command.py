@@ -503,7 +503,8 @@ def _serve(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     print(f"Your mini_vllm, served: pieces of {len(student)} lab(s) yours{yours}\n")
     print(_composition_table(composition.lab_rows(), reasons) + "\n", flush=True)
     name = args.model or DEFAULT_SERVED_NAME
-    engine = AsyncLLM(LLM(args.model), model_name=name)
+    # In this process: composition patched it, and a spawned core would run the reference.
+    engine = AsyncLLM(LLM(args.model), model_name=name, multiprocessing=False)
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
     run_server(engine, host=args.host, port=args.port, model_name=name)

@@ -222,7 +222,8 @@ class Engines:
         from mini_vllm.engine.async_llm import AsyncLLM
         from mini_vllm.entrypoints.openai.api_server import build_app
 
-        async_llm = AsyncLLM(self.llms[engine], model_name="exam")
+        # In this process: composition patched it, and a spawned core would run the reference.
+        async_llm = AsyncLLM(self.llms[engine], model_name="exam", multiprocessing=False)
         self.servers.append((None, async_llm))  # stopped by forget() even if it fails to start
         server = ServerThread(build_app(async_llm), uds=True).start()
         self.servers[-1] = (server, async_llm)

@@ -176,7 +176,9 @@ def _new_engine(model_name=None):
     """A ``lab.AsyncLLM`` on the reference's weights, made where the lab's code runs (a fork of
     this process: the weights loaded once for the module are there already)."""
     kwargs = {} if model_name is None else {"model_name": model_name}
-    return lab.AsyncLLM(LLM(reference_llm().model, max_model_len=MAX_MODEL_LEN), **kwargs)
+    # In one process: the tests read the engine core's state between steps.
+    return lab.AsyncLLM(LLM(reference_llm().model, max_model_len=MAX_MODEL_LEN),
+                        multiprocessing=False, **kwargs)
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ def _latency(impl, policy: str, rate: int) -> float:
     times = impl.arrival_times(len(requests), float(rate), seed=0)
     llm = LLM(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
               enable_prefix_caching=False, num_threads=1, kv_reservation=policy)
-    engine = AsyncLLM(llm)
+    engine = AsyncLLM(llm, multiprocessing=False)  # the admission patch is this process's
     try:
         with _admission(impl):
             results, duration = asyncio.run(impl.run_in_process(engine, requests, times))
