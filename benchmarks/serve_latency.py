@@ -10,10 +10,13 @@ behind a decode) and charge that to them. ``--rate R`` sends them instead as Poi
 
 * **LLM.generate**: the in-process engine, one request per call (TTFT and per-token times from
   the request's own timestamps: arrival, first token, finish);
-* **AsyncLLM**: the server's engine loop in this process, streaming, no HTTP;
+* **AsyncLLM**: the server's engine, streaming, no HTTP: its engine core in a process of its
+  own (the default), and ``(one process)``: on a thread of this one (``multiprocessing=False``);
 * **HTTP server**: ``python -m mini_vllm serve`` in a subprocess on 127.0.0.1, the official
   ``openai`` client streaming (TTFT: request sent to first text chunk; per-token: first to last
-  chunk over the tokens between them).
+  chunk over the tokens between them); ``(one process)``: the same server with
+  ``MINI_VLLM_ENABLE_MULTIPROCESSING=0``, its engine core on a thread of the server's process,
+  taking turns with the server's Python on one GIL.
 
 Correctness first: each path's text must equal ``LLM.generate``'s for every prompt. Times are
 medians (and 90th percentiles) over the requests, in milliseconds. The issue's target (the server
@@ -142,12 +145,13 @@ def free_port() -> int:
 
 
 async def run_server_path(prompts, times, params, max_tokens: int, model: str | None,
-                          threads: int) -> dict:
+                          threads: int, multiprocessing: bool) -> dict:
     import httpx
     import openai
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "MINI_VLLM_ENABLE_MULTIPROCESSING": "1" if multiprocessing else "0"}
     served = "mini_vllm/tiny_shakespeare" if model is None else model
     extra = [] if model is None else ["--model", model]
     proc = subprocess.Popen([sys.executable, "-m", "mini_vllm", "serve", "--port", str(port),
@@ -201,8 +205,9 @@ async def run_server_path(prompts, times, params, max_tokens: int, model: str | 
         proc.wait(timeout=30)
 
 
-async def run_async_path(llm: LLM, prompts, times, params, max_tokens: int) -> dict:
-    engine = AsyncLLM(llm)
+async def run_async_path(llm: LLM, prompts, times, params, max_tokens: int,
+                         multiprocessing: bool) -> dict:
+    engine = AsyncLLM(llm, multiprocessing=multiprocessing)
 
     async def stream_of(prompt: str):
         async for out in engine.generate(prompt, params):
@@ -236,10 +241,13 @@ def main() -> int:
     llm = LLM(args.model)  # the server runs with the same number of threads
     run_generate(llm, prompts[:2], params)  # warm-up
     paths = {"LLM.generate": run_generate(llm, prompts, params)}
-    paths["AsyncLLM"] = asyncio.run(run_async_path(llm, prompts, times, params,
-                                                   args.max_tokens))
-    paths["HTTP server"] = asyncio.run(run_server_path(prompts, times, params, args.max_tokens,
-                                                       args.model, llm.num_threads))
+    for multiprocessing, suffix in ((False, " (one process)"), (True, "")):
+        paths["AsyncLLM" + suffix] = asyncio.run(run_async_path(
+            llm, prompts, times, params, args.max_tokens, multiprocessing))
+    for multiprocessing, suffix in ((False, " (one process)"), (True, "")):
+        paths["HTTP server" + suffix] = asyncio.run(run_server_path(
+            prompts, times, params, args.max_tokens, args.model, llm.num_threads,
+            multiprocessing))
 
     want = paths["LLM.generate"]["texts"]
     for name, got in paths.items():
@@ -250,7 +258,7 @@ def main() -> int:
 
     base = {k: summary(paths["LLM.generate"][k]) for k in ("ttft", "tpot")}
     rows = []
-    print(f"{'path':<14}{'TTFT median':>13}{'p90':>9}{'per token':>11}{'p90':>9}"
+    print(f"{'path':<28}{'TTFT median':>13}{'p90':>9}{'per token':>11}{'p90':>9}"
           f"{'TTFT +%':>9}{'token +%':>10}   (ms)")
     for name, got in paths.items():
         ttft, tpot = summary(got["ttft"]), summary(got["tpot"])
@@ -259,16 +267,20 @@ def main() -> int:
         rows.append({"path": name, "ttft": ttft, "time_per_output_token": tpot,
                      "ttft_overhead_pct": round(over_ttft, 1),
                      "per_token_overhead_pct": round(over_tpot, 1)})
-        print(f"{name:<14}{ttft['median_ms']:>13.2f}{ttft['p90_ms']:>9.2f}"
+        print(f"{name:<28}{ttft['median_ms']:>13.2f}{ttft['p90_ms']:>9.2f}"
               f"{tpot['median_ms']:>11.2f}{tpot['p90_ms']:>9.2f}{over_ttft:>8.1f}%"
               f"{over_tpot:>9.1f}%")
-    http = paths["HTTP server"]
-    print(f"inside the server (its /metrics, mean): TTFT "
-          f"{http['server_side_mean_ms']['vllm:time_to_first_token_seconds']:.2f} ms, "
-          f"inter-token {http['server_side_mean_ms']['vllm:inter_token_latency_seconds']:.2f} "
-          f"ms; GET /health round trip median {http['health_round_trip']['median_ms']:.2f} ms")
-    rows[-1]["server_side_mean_ms"] = http["server_side_mean_ms"]
-    rows[-1]["health_round_trip"] = http["health_round_trip"]
+    for row in rows:
+        if row["path"].startswith("HTTP server"):
+            http = paths[row["path"]]
+            row["server_side_mean_ms"] = http["server_side_mean_ms"]
+            row["health_round_trip"] = http["health_round_trip"]
+            print(f"inside {row['path']} (its /metrics, mean): TTFT "
+                  f"{http['server_side_mean_ms']['vllm:time_to_first_token_seconds']:.2f} ms, "
+                  f"inter-token "
+                  f"{http['server_side_mean_ms']['vllm:inter_token_latency_seconds']:.2f} ms; "
+                  f"GET /health round trip median {http['health_round_trip']['median_ms']:.2f} "
+                  "ms")
     server = rows[-1]
     target = {"ttft_within_10pct": server["ttft_overhead_pct"] <= 10,
               "per_token_within_10pct": server["per_token_overhead_pct"] <= 10}

@@ -59,9 +59,9 @@ from mini_vllm.sampling_params import SamplingParams
 __all__ = ["AsyncLLM", "AsyncLLMBase", "EngineDeadError", "EngineGenerateError"]
 
 
-def multiprocessing_default() -> bool:
-    """``MINI_VLLM_ENABLE_MULTIPROCESSING`` (default on), upstream's
-    ``VLLM_ENABLE_V1_MULTIPROCESSING``."""
+def _multiprocessing_default() -> bool:
+    """``MINI_VLLM_ENABLE_MULTIPROCESSING`` (default on), as upstream's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` (vllm/envs.py)."""
     return os.environ.get("MINI_VLLM_ENABLE_MULTIPROCESSING", "1") != "0"
 
 
@@ -103,7 +103,7 @@ class AsyncLLMBase:
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         if multiprocessing is None:
-            multiprocessing = multiprocessing_default()
+            multiprocessing = _multiprocessing_default()
         self.multiprocessing = multiprocessing
         self.core_client: EngineCoreClient = (
             AsyncMPClient(llm, step_timeout_s=step_timeout_s) if multiprocessing
