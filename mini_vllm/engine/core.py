@@ -2,10 +2,12 @@
 
 ``schedule() -> execute_model() -> update_from_output()``: :class:`EngineCoreBase` holds the two
 and the statistics they feed; :class:`EngineCore` adds the step (lab 03-04 has the student write
-it). ``LLM`` (:mod:`mini_vllm.entrypoints.llm`) and ``AsyncLLM`` (:mod:`mini_vllm.engine.async_llm`)
-drive it in the caller's process; upstream runs it in a process of its own behind an engine-core
-client. With speculative decoding, whoever loops over ``step()`` calls ``post_step()`` after each:
-it hands the drafts the runner proposed to the scheduler, for the next step to check.
+it). ``LLM`` (:mod:`mini_vllm.entrypoints.llm`) steps it in the caller's process; ``AsyncLLM``
+(:mod:`mini_vllm.engine.async_llm`) runs it in a busy loop (:mod:`mini_vllm.engine.core_proc`), in
+a process of its own by default, behind an engine-core client
+(:mod:`mini_vllm.engine.core_client`). With speculative decoding, whoever loops over ``step()``
+calls ``post_step()`` after each: it hands the drafts the runner proposed to the scheduler, for
+the next step to check.
 
 upstream: vllm/v1/engine/core.py
 """
