@@ -75,7 +75,8 @@ class AsyncLLMBase:
     Build it from an :class:`~mini_vllm.entrypoints.llm.LLM` (which loads the model and checks the
     engine knobs): ``AsyncLLM(LLM(...))`` or ``AsyncLLM.from_engine_args(model=..., **knobs)``.
     ``multiprocessing``: the engine core in its own process (the default; see the module
-    docstring), which starts here and is ready when the constructor returns. In one process,
+    docstring), which starts here and is ready when the constructor returns; ``llm``'s own engine
+    core is released then (its KV cache: ``llm.generate`` would build it again). In one process,
     once ``generate`` has started the core thread, the ``LLM``'s own ``generate`` must not be
     called (they share one engine core) until ``shutdown``. ``step_timeout_s``: in the core
     process, a step that runs longer is taken for a hang (the core is killed). ``model_name`` is
@@ -108,6 +109,8 @@ class AsyncLLMBase:
         self.core_client: EngineCoreClient = (
             AsyncMPClient(llm, step_timeout_s=step_timeout_s) if multiprocessing
             else InprocClient(llm))
+        if multiprocessing:
+            llm.engine = None  # and its KV cache: the core process has its own
 
     @classmethod
     def from_engine_args(cls, model: Any = None, *, model_name: str = "mini_vllm",

@@ -126,6 +126,20 @@ class EngineCoreBase:
         self.num_block_steps += in_use
         self.peak_blocks_in_step = max(self.peak_blocks_in_step, in_use)
 
+    def stall_message(self) -> str:
+        """Why a loop stopped stepping: a step that scheduled nothing and changed nothing while
+        requests wait would repeat forever (said with the scheduler's queues and free blocks)."""
+        sched = self.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        return (
+            f"the engine stalled: a step scheduled nothing and changed nothing while requests "
+            f"wait ({len(sched.running)} running, {len(sched.waiting)} waiting, "
+            f"{len(getattr(sched, 'swapped', ()))} swapped; {pool.get_num_free_blocks()} of "
+            f"{pool.num_gpu_blocks - 1} KV blocks free), so every later step would do the same. "
+            "The scheduler cannot make progress: check Scheduler.schedule (a request it never "
+            "schedules, or a budget it never spends). The requests of this call were aborted."
+        )
+
     @property
     def num_blocks_in_use(self) -> int:
         """KV blocks not in the free queue (held by some request), the null block excluded."""

@@ -101,7 +101,7 @@ class EngineCoreProc:
                     # step left everything as it was (every later step would do the same).
                     state = self._progress_state()
                     if state == stalled_at:
-                        raise RuntimeError(self.llm._stall_message())
+                        raise RuntimeError(core.stall_message())
                     stalled_at = state
                 else:
                     stalled_at = None

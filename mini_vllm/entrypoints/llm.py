@@ -115,9 +115,21 @@ class LLM:
         # A draft model (if any) is loaded once, here: its cache counts in kv_cache_memory.
         self.draft_model = load_draft_model(self.config.speculative_config, self.model)
         self._scheduler_config = self.config.scheduler_config(self.model, self.draft_model)
-        self.engine = self._make_engine()
+        self._engine: EngineCoreBase | None = self._make_engine()
         self._counter = 0
         self.last_stats = EngineStats()
+
+    @property
+    def engine(self) -> EngineCoreBase:
+        """The engine core; built anew if it was released (``AsyncLLM`` releases it, with its
+        KV cache, while the core runs in a process of its own)."""
+        if self._engine is None:
+            self._engine = self._make_engine()
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: EngineCoreBase | None) -> None:
+        self._engine = engine
 
     def _make_engine(self) -> EngineCoreBase:
         return EngineCore(
@@ -497,7 +509,7 @@ class LLM:
                 # when the step left everything as it was (the next one would do the same).
                 state = self._progress_state(tracked)
                 if state == stalled_at:
-                    raise RuntimeError(self._stall_message())
+                    raise RuntimeError(engine.stall_message())
                 stalled_at = state
             for t in tracked:
                 if t.logprobs is not None:
@@ -651,18 +663,6 @@ class LLM:
             tuple((r.request_id, r.status, r.num_computed_tokens, r.num_output_tokens)
                   for r in (t.request for t in tracked)),
             sched.kv_cache_manager.block_pool.get_num_free_blocks(),
-        )
-
-    def _stall_message(self) -> str:
-        sched = self.engine.scheduler
-        pool = sched.kv_cache_manager.block_pool
-        return (
-            f"the engine stalled: a step scheduled nothing and changed nothing while requests "
-            f"wait ({len(sched.running)} running, {len(sched.waiting)} waiting, "
-            f"{len(getattr(sched, 'swapped', ()))} swapped; {pool.get_num_free_blocks()} of "
-            f"{pool.num_gpu_blocks - 1} KV blocks free), so every later step would do the same. "
-            "The scheduler cannot make progress: check Scheduler.schedule (a request it never "
-            "schedules, or a budget it never spends). The requests of this call were aborted."
         )
 
     def _abort_after_failure(self, tracked: list[_Tracked]) -> None:
