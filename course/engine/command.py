@@ -490,8 +490,12 @@ def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> i
 
 
 def _serve(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
-    """Your engine behind mini_vllm's real server, in this process: composition patches the
-    process it runs in, and this one does nothing else until the server stops."""
+    """Your engine behind mini_vllm's real server, its engine core in a process of its own as
+    ``mini_vllm serve`` runs it. Composition patches the process it runs in: this one (the
+    server's side: the detokenizer, the streams) and the core's, which composes the same labs
+    before it builds the engine."""
+    import functools
+
     from course.engine.compose import compose
     from mini_vllm.__main__ import DEFAULT_SERVED_NAME
     from mini_vllm.engine.async_llm import AsyncLLM
@@ -503,8 +507,8 @@ def _serve(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     print(f"Your mini_vllm, served: pieces of {len(student)} lab(s) yours{yours}\n")
     print(_composition_table(composition.lab_rows(), reasons) + "\n", flush=True)
     name = args.model or DEFAULT_SERVED_NAME
-    # In this process: composition patched it, and a spawned core would run the reference.
-    engine = AsyncLLM(LLM(args.model), model_name=name, multiprocessing=False)
+    engine = AsyncLLM(LLM(args.model), model_name=name, multiprocessing=True,
+                      core_setup=functools.partial(compose, tuple(student), gpu=gpu))
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
     run_server(engine, host=args.host, port=args.port, model_name=name)

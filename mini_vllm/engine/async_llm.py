@@ -36,7 +36,7 @@ import itertools
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mini_vllm.engine.core import EngineCoreBase
@@ -79,8 +79,10 @@ class AsyncLLMBase:
     core is released then (its KV cache: ``llm.generate`` would build it again). In one process,
     once ``generate`` has started the core thread, the ``LLM``'s own ``generate`` must not be
     called (they share one engine core) until ``shutdown``. ``step_timeout_s``: in the core
-    process, a step that runs longer is taken for a hang (the core is killed). ``model_name`` is
-    what ``/v1/models`` lists and ``/metrics`` labels.
+    process, a step that runs longer is taken for a hang (the core is killed); ``core_setup``
+    (picklable) runs there before the engine is built (``course engine`` composes the student's
+    pieces there as in this process). ``model_name`` is what ``/v1/models`` lists and
+    ``/metrics`` labels.
 
     Invariants: every user request that ``generate`` accepted ends in exactly one of: finished
     (its last delta has ``finished=True``), aborted (its consumer went away; its engine requests
@@ -92,8 +94,8 @@ class AsyncLLMBase:
     """
 
     def __init__(self, llm: LLM, *, model_name: str = "mini_vllm",
-                 multiprocessing: bool | None = None,
-                 step_timeout_s: float | None = 60.0) -> None:
+                 multiprocessing: bool | None = None, step_timeout_s: float | None = 60.0,
+                 core_setup: Callable[[], None] | None = None) -> None:
         if not isinstance(llm, LLM):
             raise TypeError(f"AsyncLLM: pass a mini_vllm.LLM, got {type(llm).__name__}")
         self.llm = llm
@@ -107,7 +109,8 @@ class AsyncLLMBase:
             multiprocessing = _multiprocessing_default()
         self.multiprocessing = multiprocessing
         self.core_client: EngineCoreClient = (
-            AsyncMPClient(llm, step_timeout_s=step_timeout_s) if multiprocessing
+            AsyncMPClient(llm, step_timeout_s=step_timeout_s, setup=core_setup)
+            if multiprocessing
             else InprocClient(llm))
         if multiprocessing:
             llm.engine = None  # and its KV cache: the core process has its own

@@ -173,6 +173,7 @@ class AsyncMPClient(EngineCoreClient):
     ``llm``: the :class:`~mini_vllm.entrypoints.llm.LLM` whose model and knobs the core process
     builds its engine from. ``step_timeout_s``: a step that runs longer is taken for a hang
     (upstream's ``VLLM_ENGINE_ITERATION_TIMEOUT_S``, also 60 s by default); ``None``: no limit.
+    ``setup``: a picklable callable the core process runs before it builds its engine.
 
     upstream: vllm/v1/engine/core_client.py:759 @ v0.11.0
     """
