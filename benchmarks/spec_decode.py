@@ -103,12 +103,15 @@ def ngram(policy: str, k: int, lookup_min: int, lookup_max: int) -> dict:
             "prompt_lookup_max": lookup_max, "draft_policy": policy}
 
 
-def draft_model(policy: str, k: int, model: str, draft_layers: int) -> dict:
+def draft_source(model: str, draft_layers: int) -> dict:
     """The shipped model's own draft, or (any other model) its first ``draft_layers`` layers."""
-    draft = ({"model": "tiny_shakespeare_draft"} if model == "shipped"
-             else {"num_draft_layers": draft_layers})
+    return ({"model": "tiny_shakespeare_draft"} if model == "shipped"
+            else {"num_draft_layers": draft_layers})
+
+
+def draft_model(policy: str, k: int, model: str, draft_layers: int) -> dict:
     return {"method": "draft_model", "num_speculative_tokens": k, "draft_policy": policy,
-            **draft}
+            **draft_source(model, draft_layers)}
 
 
 class MiniVLLM:
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                      "threads": args.threads, "num_speculative_tokens": args.k,
                      "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max,
                      "proposers": args.proposers,
-                     "draft": draft_model("-", args.k, model, args.draft_layers),
+                     "draft": draft_source(model, args.draft_layers),
                      "quick": args.quick},
         "skipped": skipped, "results": by_weights}, argv)
     return 0

@@ -1,6 +1,11 @@
-"""One place for numeric comparisons in tests: tolerances keyed by dtype, readable mismatches."""
+"""One place for numeric comparisons in tests: tolerances keyed by dtype, readable mismatches,
+and the chi-square test of sampled tokens against the distribution they must follow."""
 
 from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -138,3 +143,56 @@ def where_wrong(bad: torch.Tensor, dims: tuple[str, ...]) -> str:
             shown = ", ".join(str(i) for i in idx[:12]) + (", ..." if len(idx) > 12 else "")
             parts.append(f"{name} {shown} of {size}")
     return "mismatches in: " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------- sampled tokens
+
+
+def chi_square(counts: Mapping[int, int], expected: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom for token ``counts`` against ``expected``
+    counts (one per token id), the categories expected fewer than 5 times pooled into one (and
+    that one folded into the largest category when even the pool is under 5). For counts
+    gathered under several contexts, with ``expected`` the sum of their distributions, the
+    statistic is, if anything, smaller than chi-square: a test keeps its level."""
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    observed = torch.tensor([counts.get(t, 0) for t in range(len(expected))],
+                            dtype=torch.float64)
+    big = expected >= 5
+    obs = [*observed[big].tolist(), float(observed[~big].sum())]
+    exp = [*expected[big].tolist(), float(expected[~big].sum())]
+    if exp[-1] < 5:
+        i = max(range(len(exp) - 1), key=exp.__getitem__)
+        obs[i] += obs.pop()
+        exp[i] += exp.pop()
+    return sum((o - e) ** 2 / e for o, e in zip(obs, exp)), len(obs) - 1
+
+
+def chi_square_limit(df: int, z: float = 3.09) -> float:
+    """The value a chi-square statistic with ``df`` degrees of freedom exceeds with the normal
+    tail probability of ``z`` (3.09: 0.1%), by Wilson and Hilferty's cube-root approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def planted_draft_prompt(target: Callable[[list[int]], torch.Tensor], vocab_size: int,
+                         ) -> tuple[list[int], int, int] | None:
+    """A prompt ``[a, b] + rest`` whose likely next token is ``a``, and after ``a`` is ``b``:
+    prompt lookup (n = 1) drafts ``b`` after a sampled ``a`` (``a`` is not in ``rest``), and the
+    target accepts it often, not always. ``target(ids)`` is the distribution of the token after
+    ``ids``. Found by a fixed-point search over seeded random ``rest``; ``None`` when no seed
+    gives one. Returns ``(prompt, a, b)``."""
+    for seed in range(200):
+        rng = random.Random(seed)
+        rest = [rng.randrange(vocab_size) for _ in range(30)]
+        pair = [0, 0]
+        for _ in range(6):
+            p1 = target(pair + rest)
+            a = int(p1.argmax())
+            p2 = target([*pair, *rest, a])
+            if [a, int(p2.argmax())] == pair:
+                break
+            pair = [a, int(p2.argmax())]
+        else:
+            continue
+        if a not in rest and 0.4 < p1[a] and 0.5 < p2[pair[1]] < 0.9:
+            return pair + rest, a, pair[1]
+    return None

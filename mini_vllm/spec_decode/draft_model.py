@@ -109,12 +109,6 @@ class DraftModelProposer:
         # The last proposal's draft distributions (one row per draft) of sampled requests.
         self._draft_probs: dict[str, torch.Tensor] = {}
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes held by the draft's cache (keys and values of every draft layer)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for k, v in self.kv_caches)
-
     def forget(self, req_id: str) -> None:
         """Drop what the draft cache holds for ``req_id`` (finished, preempted or resumed)."""
         self.num_computed.pop(req_id, None)

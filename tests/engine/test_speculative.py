@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import collections
-import math
-import random
+import functools
 
 import pytest
 import torch
 
+from course.labs.numerics import chi_square, chi_square_limit, planted_draft_prompt
 from mini_vllm.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
 from mini_vllm.core.sched.scheduler import Scheduler
@@ -150,8 +150,6 @@ def test_stats_add_up_and_say_the_acceptance():
 N_REQUESTS = 3000
 # The sampling settings under test: temperature and top-k both shape the target distribution.
 TEMPERATURE, TOP_K = 0.8, 24
-# The 0.1% point of chi-square is about this many standard deviations above its mean.
-Z_999 = 3.09
 
 
 def _target(model, ids: list[int]) -> torch.Tensor:
@@ -167,42 +165,13 @@ def _target(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def planted_prompt(tiny_model) -> tuple[list[int], int, int]:
-    """A prompt ``[a, b] + R`` whose most likely next token is ``a``, and after ``a`` is ``b``:
-    prompt lookup then drafts ``b`` after a sampled ``a``, and the target accepts it often, not
-    always. Found by a fixed-point search over seeded random ``R`` (a not in R, so the draft
-    after ``a`` is ``b``)."""
-    for seed in range(200):
-        rng = random.Random(seed)
-        rest = [rng.randrange(tiny_model.config.vocab_size) for _ in range(30)]
-        pair = [0, 0]
-        for _ in range(6):
-            p1 = _target(tiny_model, pair + rest)
-            a = int(p1.argmax())
-            p2 = _target(tiny_model, [*pair, *rest, a])
-            if [a, int(p2.argmax())] == pair:
-                break
-            pair = [a, int(p2.argmax())]
-        else:
-            continue
-        if a not in rest and 0.4 < p1[a] and 0.5 < p2[pair[1]] < 0.9:
-            return pair + rest, a, pair[1]
-    pytest.fail("no prompt with a planted draft found; widen the search")
-
-
-def _chi_square(counts: collections.Counter, expected: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic and its degrees of freedom for token ``counts`` against the expected
-    counts, categories expected < 5 times pooled. (For counts gathered under several contexts
-    and ``expected`` the sum of their distributions, the statistic is, if anything, smaller
-    than chi-square: the test stays at its level.)"""
-    observed = torch.tensor([counts[t] for t in range(len(expected))], dtype=torch.float64)
-    big = expected >= 5
-    obs = [*observed[big].tolist(), float(observed[~big].sum())]
-    exp = [*expected[big].tolist(), float(expected[~big].sum())]
-    if exp[-1] < 5:  # too little left to pool: fold it into the largest category
-        i = max(range(len(exp) - 1), key=exp.__getitem__)
-        obs[i] += obs.pop()
-        exp[i] += exp.pop()
-    return sum((o - e) ** 2 / e for o, e in zip(obs, exp)), len(obs) - 1
+    """A prompt ``[a, b] + R`` whose most likely next token is ``a``, and after ``a`` is ``b``
+    (:func:`course.labs.numerics.planted_draft_prompt`)."""
+    found = planted_draft_prompt(functools.partial(_target, tiny_model),
+                                 tiny_model.config.vocab_size)
+    if found is None:
+        pytest.fail("no prompt with a planted draft found; widen the search")
+    return found
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model", "sampled_draft"])
@@ -247,15 +216,14 @@ def test_random_speculative_sampling_emits_the_targets_distribution(proposer, ti
     expected = {True: second[b] * _target(tiny_model, [*prompt, a, b]),
                 False: sum(n * _target(tiny_model, [*prompt, a, x])
                            for x, n in second.items() if x != b)}
-    chi_square, df = _chi_square(second, len(after_a) * _target(tiny_model, [*prompt, a]))
+    stat_sum, df = chi_square(second, len(after_a) * _target(tiny_model, [*prompt, a]))
     for accepted in (True, False):
-        stat, dof = _chi_square(third[accepted], expected[accepted])
-        chi_square, df = chi_square + stat, df + dof
+        stat, dof = chi_square(third[accepted], expected[accepted])
+        stat_sum, df = stat_sum + stat, df + dof
     assert df >= 15
-    # Wilson-Hilferty: the chi-square quantile from the normal one.
-    limit = df * (1 - 2 / (9 * df) + Z_999 * math.sqrt(2 / (9 * df))) ** 3
-    assert chi_square < limit, (
-        f"chi-square {chi_square:.1f} over {df} degrees of freedom (0.1% limit {limit:.1f}): "
+    limit = chi_square_limit(df)
+    assert stat_sum < limit, (
+        f"chi-square {stat_sum:.1f} over {df} degrees of freedom (0.1% limit {limit:.1f}): "
         "speculative sampling does not emit the target's distribution")
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import random
 
 import pytest
@@ -31,6 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from course.labs.loader import load_lab
+from course.labs.numerics import chi_square, chi_square_limit, planted_draft_prompt
 from course.labs.student_process import beside_the_student
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
@@ -640,36 +640,10 @@ def test_greedy_speculative_decoding_is_plain_greedy(engine):
 def _planted_prompt():
     """``[a, b] + rest`` where ``a`` is the likely next token and, after ``a``, ``b``: prompt
     lookup (n = 1) then drafts ``b`` after a sampled ``a``, accepted often, not always."""
-    for seed in range(200):
-        rng = random.Random(seed)
-        rest = [rng.randrange(TINY.vocab_size) for _ in range(30)]
-        pair = [0, 0]
-        for _ in range(6):
-            p1 = _target(pair + rest)
-            a = int(p1.argmax())
-            p2 = _target([*pair, *rest, a])
-            if [a, int(p2.argmax())] == pair:
-                break
-            pair = [a, int(p2.argmax())]
-        else:
-            continue
-        if a not in rest and 0.4 < p1[a] and 0.5 < p2[pair[1]] < 0.9:
-            return pair + rest, a, pair[1]
-    pytest.fail("set-up: no prompt with a planted draft found")
-
-
-def _chi_square(counts, expected):
-    """Pearson's statistic and degrees of freedom, categories expected < 5 times pooled."""
-    obs = [counts.get(t, 0) for t in range(len(expected))]
-    exp = [float(e) for e in expected]
-    big = [i for i, e in enumerate(exp) if e >= 5]
-    o = [obs[i] for i in big] + [sum(obs[i] for i in range(len(exp)) if i not in big)]
-    e = [exp[i] for i in big] + [sum(exp[i] for i in range(len(exp)) if i not in big)]
-    if e[-1] < 5:
-        top = max(range(len(e) - 1), key=e.__getitem__)
-        o[top] += o.pop()
-        e[top] += e.pop()
-    return sum((a - b) ** 2 / b for a, b in zip(o, e)), len(o) - 1
+    found = planted_draft_prompt(_target, TINY.vocab_size)
+    if found is None:
+        pytest.fail("set-up: no prompt with a planted draft found")
+    return found
 
 
 def test_random_speculative_sampling_keeps_the_targets_distribution():
@@ -690,14 +664,14 @@ def test_random_speculative_sampling_keeps_the_targets_distribution():
         f"{got['spec']['num_drafts']} drafts)"
     )
     second = collections.Counter(t[1] for t in after_a)
-    chi, df = _chi_square(second, len(after_a) * _target([*prompt, a]))
+    chi, df = chi_square(second, len(after_a) * _target([*prompt, a]))
     for accepted in (True, False):
         third = collections.Counter(t[2] for t in after_a if (t[1] == b) == accepted)
         expected = sum(m * _target([*prompt, a, x]) for x, m in second.items()
                        if (x == b) == accepted)
-        c, d = _chi_square(third, expected)
+        c, d = chi_square(third, expected)
         chi, df = chi + c, df + d
-    limit = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+    limit = chi_square_limit(df)
     assert chi < limit, (
         f"chi-square {chi:.1f} over {df} degrees of freedom (0.1% limit {limit:.1f}): the "
         "tokens emitted with speculation are not distributed as the target's"
