@@ -138,6 +138,52 @@ def test_concurrent_streams_and_a_refused_prompt_leave_the_core_serving(engine, 
     assert engine.stat_logger.load.num_running_reqs == 0
 
 
+def test_metrics_cross_from_the_core_process(reference):
+    """The engine's load and counters travel with each step's outputs: ``/metrics`` of a server
+    whose (speculating) core runs in its own process counts the requests, the prefix-cache
+    hits, the drafts and the accepted tokens, and ends with nothing running and no block held;
+    the answers are plain greedy decoding's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from course.labs.serving import ServerThread
+    from mini_vllm.entrypoints.openai.api_server import build_app
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "draft_policy": "always"}
+    engine = AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN, speculative_config=spec),
+                      model_name="bard", multiprocessing=True)
+    server = ServerThread(build_app(engine)).start()
+    prompt = "ROMEO.\nBut soft, what light. ROMEO.\nBut soft, what light. ROMEO.\n"
+    want = reference.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                     ignore_eos=True), use_tqdm=False)
+    try:
+        for _ in range(2):
+            got = server.client().completions.create(
+                model="bard", prompt=prompt, temperature=0.0, max_tokens=24,
+                extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want[0].outputs[0].text
+        deadline = time.monotonic() + 10
+        while True:  # the idle snapshot after the last step may trail the last answer
+            text = httpx.get(f"{server.base}/metrics", timeout=10).text
+            samples = {s.name: s.value for f in text_string_to_metric_families(text)
+                       for s in f.samples if "position" not in s.labels}
+            if samples["vllm:num_requests_running"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert samples["vllm:generation_tokens_total"] == 48
+    assert samples["vllm:e2e_request_latency_seconds_count"] == 2
+    assert samples["vllm:prefix_cache_hits_total"] >= 16 * (len(prompt) // 16), (
+        "the second identical prompt found nothing in the prefix cache")
+    assert 0 < samples["vllm:spec_decode_num_accepted_tokens_total"] <= samples[
+        "vllm:spec_decode_num_draft_tokens_total"]
+    assert samples["vllm:spec_decode_num_drafts_total"] > 0
+    assert samples["vllm:num_requests_running"] == samples["vllm:num_requests_waiting"] == 0
+    assert samples["vllm:kv_cache_usage_perc"] == 0
+
+
 # ---------------------------------------------------------------------------- faults
 
 
@@ -180,7 +226,9 @@ def test_a_killed_core_fails_every_open_stream_within_a_second(reference):
         asyncio.run(collect(engine, "ROMEO.\n", sp))
 
 
-HANG = "from mini_vllm.engine import core\ncore.EngineCore.step = lambda self: __import__('time').sleep(3600)"
+# Run in the core process before it builds its engine: every step then sleeps for an hour.
+HANG = ("from mini_vllm.engine import core\n"
+        "core.EngineCore.step = lambda self: __import__('time').sleep(3600)")
 
 
 def test_a_hung_step_is_taken_for_dead_and_its_process_killed(reference):
