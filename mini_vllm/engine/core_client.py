@@ -308,15 +308,9 @@ def _core_recipe(llm: Any) -> functools.partial:
     the compiled decode step of ``llm``'s runner reading freed memory)."""
     knobs = {f.name: getattr(llm.config, f.name) for f in dataclasses.fields(llm.config)}
     device = str(next(llm.model.parameters()).device)
-    return functools.partial(_build_llm, copy.deepcopy(llm.model), llm.tokenizer, device,
-                             llm.num_threads, knobs)
-
-
-def _build_llm(model: Any, tokenizer: Any, device: str, num_threads: int,
-               knobs: dict[str, Any]) -> Any:
-    from mini_vllm.entrypoints.llm import LLM
-
-    return LLM(model, tokenizer=tokenizer, device=device, num_threads=num_threads, **knobs)
+    # LLM's class travels by name: engine/ never imports entrypoints/ (its layer is above).
+    return functools.partial(type(llm), copy.deepcopy(llm.model), tokenizer=llm.tokenizer,
+                             device=device, num_threads=llm.num_threads, **knobs)
 
 
 @contextlib.contextmanager
