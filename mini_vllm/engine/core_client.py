@@ -52,7 +52,7 @@ from mini_vllm.engine.messages import (
 )
 from mini_vllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-__all__ = ["AsyncMPClient", "EngineCoreClient", "InprocClient"]
+__all__ = ["AsyncMPClient", "EngineCoreClient", "InprocClient", "core_failure"]
 
 HEARTBEAT_TIMEOUT_S = 5.0  # a core this long silent is stuck (it says "alive" every 0.25 s)
 STARTUP_TIMEOUT_S = 600.0
@@ -188,10 +188,19 @@ class AsyncMPClient(EngineCoreClient):
         output_address = f"ipc://{res.socket_dir}/output"
         self._input = res.ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_address)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never refuse a burst of adds as "dead"
         output = res.ctx.socket(zmq.PULL)
         output.setsockopt(zmq.LINGER, 0)
-        output.bind(output_address)
+        try:
+            self._input.bind(input_address)
+            output.bind(output_address)
+        except zmq.ZMQError as exc:  # e.g. a socket path over the OS's ~107 characters
+            self._input.close()
+            output.close()
+            self._finalizer()
+            raise RuntimeError(
+                f"AsyncLLM: cannot open the engine core's sockets in {res.socket_dir} ({exc}); "
+                "set TMPDIR to a short folder, or pass multiprocessing=False") from exc
         self._encoder = MsgpackEncoder()
         spawn = multiprocessing.get_context("spawn")
         reader, res.parent_alive = spawn.Pipe(duplex=False)
@@ -247,29 +256,22 @@ class AsyncMPClient(EngineCoreClient):
 
     def _receive(self, output: zmq.Socket) -> None:
         """The client's output thread: decode what the core sends and hand it to the event
-        loop; watch the core's liveness and declare it dead (killing it) when it fails."""
+        loop; declare the core dead (killing it) as soon as :func:`core_failure` says why."""
         res, decoder = self._resources, MsgpackDecoder(EngineCoreOutputs)
         heard = time.monotonic()
         with output:
             while not res.stop.is_set():
-                why = None
-                if output.poll(100):
-                    out = decoder.decode(output.recv_multipart())
-                    heard = time.monotonic()
-                    timeout = self.step_timeout_s
-                    if out.fatal:
-                        why = out.error
-                    elif out.load is not None:
-                        self._post(out)
-                    elif timeout is not None and out.step_age > timeout:
-                        why = f"one engine step has run for {out.step_age:.0f} s (a hang?)"
-                elif not self.process.is_alive():
-                    why = f"the engine core process died ({_exit_text(self.process.exitcode)})"
-                elif time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
-                    why = f"the engine core stopped answering for {HEARTBEAT_TIMEOUT_S:.0f} s"
+                out = decoder.decode(output.recv_multipart()) if output.poll(100) else None
+                now = time.monotonic()
+                if out is not None:
+                    heard = now
+                exitcode = None if self.process.is_alive() else self.process.exitcode
+                why = core_failure(out, now - heard, exitcode, self.step_timeout_s)
                 if why is not None:
                     self._die(f"AsyncLLM: {why}; restart the server")
                     return
+                if out is not None and out.load is not None:
+                    self._post(out)
 
     def _die(self, why: str) -> None:
         """The core is gone: tell the event loop why, then kill what is left of it (a hung or
@@ -299,6 +301,33 @@ class AsyncMPClient(EngineCoreClient):
                 pass
         self._input.close()
         self._finalizer()
+
+
+def core_failure(out: EngineCoreOutputs | None, silent_s: float, exitcode: int | None,
+                 step_timeout_s: float | None) -> str | None:
+    """Why the engine core is to be taken for dead, or ``None`` while it serves.
+
+    ``out``: what the core just sent (``None``: nothing within the poll); ``silent_s``: seconds
+    since it last sent anything; ``exitcode``: its process's exit code once it has exited
+    (negative: the signal that killed it), ``None`` while it runs. In order: a ``fatal``
+    message (its own words); a heartbeat saying one step has run longer than
+    ``step_timeout_s``; a process that exited; silence longer than ``HEARTBEAT_TIMEOUT_S``
+    (the core says "alive" four times a second, so a stopped or frozen one falls silent).
+
+    upstream: none (0.11's MP client watches the process's sentinel, and 0.33's core dumps its
+    threads' stacks from a watchdog; neither takes a hung step for dead)
+    """
+    if out is not None:
+        if out.fatal:
+            return out.error or "the engine core failed"
+        if step_timeout_s is not None and out.step_age > step_timeout_s:
+            return f"one engine step has run for {out.step_age:.0f} s (a hang?)"
+        return None
+    if exitcode is not None:
+        return f"the engine core process died ({_exit_text(exitcode)})"
+    if silent_s > HEARTBEAT_TIMEOUT_S:
+        return f"the engine core stopped answering for {HEARTBEAT_TIMEOUT_S:.0f} s"
+    return None
 
 
 def _core_recipe(llm: Any) -> functools.partial:

@@ -307,6 +307,7 @@ def _process_input_socket(ctx: zmq.Context, address: str, input_queue: queue.Sim
     abort_decoder = MsgpackDecoder(EngineCoreAbort)
     with ctx.socket(zmq.PULL) as socket:
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
         socket.connect(address)
         while not stop.is_set():
             if not socket.poll(100):

@@ -23,7 +23,7 @@ import torch
 
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.engine.async_llm import AsyncLLM
-from mini_vllm.engine.core_client import AsyncMPClient
+from mini_vllm.engine.core_client import HEARTBEAT_TIMEOUT_S, AsyncMPClient, core_failure
 from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.engine.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest
 from mini_vllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -185,6 +185,26 @@ def test_metrics_cross_from_the_core_process(reference):
 
 
 # ---------------------------------------------------------------------------- faults
+
+
+def test_the_verdict_on_a_core_names_each_way_it_fails():
+    beat = EngineCoreOutputs(timestamp=1.0)
+    step = EngineCoreOutputs(timestamp=1.0, load=EngineLoad())
+    assert core_failure(step, 0.0, None, 60.0) is None
+    assert core_failure(beat, 0.0, None, 60.0) is None
+    assert core_failure(None, HEARTBEAT_TIMEOUT_S - 0.1, None, 60.0) is None
+    # A message answers for the core even when it comes late or the process has just exited:
+    # what it says is read first.
+    assert core_failure(step, HEARTBEAT_TIMEOUT_S + 1, -9, 60.0) is None
+    fatal = EngineCoreOutputs(fatal=True, error="the engine core's loop died: boom")
+    assert core_failure(fatal, 0.0, None, 60.0) == "the engine core's loop died: boom"
+    long_step = EngineCoreOutputs(step_age=61.5)
+    assert "has run for 62 s" in core_failure(long_step, 0.0, None, 60.0)
+    assert core_failure(long_step, 0.0, None, None) is None  # no step timeout
+    assert core_failure(EngineCoreOutputs(step_age=60.0), 0.0, None, 60.0) is None
+    assert "died (killed by signal 9)" in core_failure(None, 0.0, -9, 60.0)
+    assert "died (exit code 3)" in core_failure(None, 0.0, 3, 60.0)
+    assert "stopped answering" in core_failure(None, HEARTBEAT_TIMEOUT_S + 0.1, None, 60.0)
 
 
 def test_a_killed_core_fails_every_open_stream_within_a_second(reference):
