@@ -10,8 +10,8 @@ Both clients take requests and aborts from the event loop and hand each
 * :class:`AsyncMPClient` starts the engine-core process (:func:`~mini_vllm.engine.core_proc.
   run_engine_core`, spawned: a forked child would inherit PyTorch's OpenMP pool and hang) and
   talks to it over two ZeroMQ sockets in a private folder: msgpack requests out, outputs in.
-  The model's weights reach the child through shared memory (PyTorch's pickling of a tensor to
-  a child process), not through a copy.
+  The model's weights reach the child as one copy in shared memory (PyTorch's pickling of a
+  tensor to a child process), which the child maps rather than copies again.
 
 Faults, as the caller sees them: the core process exits or is killed, falls silent for
 ``HEARTBEAT_TIMEOUT_S``, or runs one step longer than ``step_timeout_s``: the client kills it

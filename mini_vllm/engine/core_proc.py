@@ -8,7 +8,7 @@ client's choice (:mod:`mini_vllm.engine.core_client`):
 
 * ``InprocClient``: on a thread of the caller's process, ``post`` handing outputs to its event
   loop. The server's Python and the engine then take turns on one GIL;
-* the MP clients: in a process of its own, started with :func:`run_engine_core`. An input thread
+* ``AsyncMPClient``: in a process of its own, started with :func:`run_engine_core`. An input thread
   receives messages from a ZeroMQ socket, decodes them and fills ``input_queue``; ``post``
   encodes and sends on the output socket (a heartbeat thread fills the silences). The client's
   process keeps its GIL to itself.
@@ -272,7 +272,10 @@ class _Sender:
     an output thread so that encoding overlaps the GPU's work; on a CPU the step holds the GIL,
     and that hand-off cost each step a GIL switch, more than the encoding (measured: one stream
     of the shipped model through ``AsyncLLM``, 0.48-0.50 ms a token with the thread, 0.40 ms
-    without; the engine alone takes 0.35 ms)."""
+    without; the engine alone takes 0.35 ms).
+
+    upstream: vllm/v1/engine/core.py:882 @ v0.11.0
+    """
 
     def __init__(self, socket: zmq.Socket) -> None:
         self.socket = socket
@@ -325,7 +328,8 @@ def _heartbeat(sender: _Sender, proc: EngineCoreProc, stop: threading.Event) -> 
     """Say "alive" (with the running step's age) whenever nothing was sent for
     ``HEARTBEAT_S``: the client takes silence for a stuck core, a long step for a hang.
 
-    upstream: vllm/v1/engine/core.py:882 @ v0.11.0
+    upstream: none (0.11's client watches only the process; 0.33's core adds a watchdog that
+    dumps stacks, vllm/utils/watch_dog.py)
     """
     while not stop.wait(HEARTBEAT_S / 2):
         if time.monotonic() - sender.last_sent < HEARTBEAT_S:

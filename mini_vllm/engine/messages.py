@@ -2,9 +2,9 @@
 
 Every message is a msgspec ``Struct`` encoded as msgpack (:mod:`mini_vllm.engine.serial_utils`),
 never pickle: a message is data, so a peer can send nothing that runs code, and each field is
-checked against its type as it is decoded. A message to the core is two frames, the
-:class:`EngineCoreRequestType` byte and the payload; one from the core is an
-:class:`EngineCoreOutputs`.
+checked against its type as it is decoded. A message to the core is the
+:class:`EngineCoreRequestType` byte, then the payload's frames (none for ``SHUTDOWN``); one from
+the core is an :class:`EngineCoreOutputs`'s frames.
 
 upstream: vllm/v1/engine/__init__.py:43 @ v0.11.0
 """

@@ -3,7 +3,8 @@
 A message encodes to a list of frames: the msgpack body first, then one raw buffer per tensor
 (a tensor in the body is only a reference: dtype, shape, buffer index). ZeroMQ sends the frames
 as they are, so a tensor's bytes are never copied into the body nor parsed on arrival: the
-decoder wraps the received buffer (``torch.frombuffer``).
+decoder wraps the received buffer (``torch.frombuffer``; a frame received as immutable ``bytes``
+is copied once into a writable buffer first).
 
 upstream: vllm/v1/serial_utils.py:98 @ v0.11.0
 """
