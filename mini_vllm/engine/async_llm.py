@@ -60,9 +60,13 @@ __all__ = ["AsyncLLM", "AsyncLLMBase", "EngineDeadError", "EngineGenerateError"]
 
 
 def _multiprocessing_default() -> bool:
-    """``MINI_VLLM_ENABLE_MULTIPROCESSING`` (default on), as upstream's
+    """``MINI_VLLM_ENABLE_MULTIPROCESSING``: ``1`` (the default) or ``0``, as upstream's
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` (vllm/envs.py)."""
-    return os.environ.get("MINI_VLLM_ENABLE_MULTIPROCESSING", "1") != "0"
+    value = os.environ.get("MINI_VLLM_ENABLE_MULTIPROCESSING", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"MINI_VLLM_ENABLE_MULTIPROCESSING must be 0 (the engine core on a "
+                         f"thread of this process) or 1 (in its own process), got {value!r}")
+    return value == "1"
 
 
 class AsyncLLMBase:

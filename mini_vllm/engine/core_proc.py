@@ -30,6 +30,7 @@ import shutil
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +134,8 @@ class EngineCoreProc:
         while True:
             if item is SHUTDOWN:
                 return False
+            if isinstance(item, Exception):
+                raise RuntimeError(f"the engine core could not read its input: {item}")
             kind, payload = item
             if kind is EngineCoreRequestType.ADD:
                 self._add(payload)
@@ -238,6 +241,7 @@ def run_engine_core(make_llm: Callable[[], Any], input_address: str, output_addr
             setup()
         proc = EngineCoreProc(make_llm(), sender.send)
     except BaseException as exc:  # a failed start: the client says why instead of waiting
+        traceback.print_exc()  # where: the server's terminal; the client gets the one line
         sender.send(EngineCoreOutputs(
             timestamp=time.monotonic(), fatal=True,
             error=f"the engine core failed to start: {type(exc).__name__}: {exc}"))
@@ -255,6 +259,7 @@ def run_engine_core(make_llm: Callable[[], Any], input_address: str, output_addr
     try:
         proc.run_busy_loop()
     except BaseException as exc:  # the loop itself died: say so before going
+        traceback.print_exc()
         sender.send(EngineCoreOutputs(
             timestamp=time.monotonic(), fatal=True,
             error=f"the engine core's loop died: {type(exc).__name__}: {exc}"))
@@ -315,13 +320,17 @@ def _process_input_socket(ctx: zmq.Context, address: str, input_queue: queue.Sim
         while not stop.is_set():
             if not socket.poll(100):
                 continue
-            kind_frame, *frames = socket.recv_multipart()
-            kind = EngineCoreRequestType(kind_frame)
-            if kind is EngineCoreRequestType.SHUTDOWN:
-                input_queue.put(SHUTDOWN)
+            try:
+                kind_frame, *frames = socket.recv_multipart()
+                kind = EngineCoreRequestType(kind_frame)
+                if kind is EngineCoreRequestType.SHUTDOWN:
+                    input_queue.put(SHUTDOWN)
+                    return
+                decoder = add_decoder if kind is EngineCoreRequestType.ADD else abort_decoder
+                input_queue.put((kind, decoder.decode(frames)))
+            except Exception as exc:  # a core deaf to its client would hang every stream
+                input_queue.put(exc)  # the busy loop raises it: the client hears "fatal"
                 return
-            decoder = add_decoder if kind is EngineCoreRequestType.ADD else abort_decoder
-            input_queue.put((kind, decoder.decode(frames)))
 
 
 def _heartbeat(sender: _Sender, proc: EngineCoreProc, stop: threading.Event) -> None:

@@ -297,6 +297,32 @@ def test_the_core_exits_when_its_client_process_is_killed(tmp_path):
     assert list(tmp_path.iterdir()) == [], "the core left its socket folder behind"
 
 
+def test_a_message_the_core_cannot_read_ends_it_loudly(reference):
+    """A core whose input thread died would take no request and still say "alive": the input
+    it cannot read ends its loop instead, and the client says why."""
+    engine = engine_on(reference)
+    client = engine.core_client
+    try:
+        client._input.send_multipart([b"\x07", b"not a request"])
+        deadline = time.monotonic() + 10
+        while client._dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(EngineDeadError, match="could not read its input"):
+            client.check_health()
+    finally:
+        engine.shutdown()
+    assert gone(client.process.pid)
+
+
+def test_the_multiprocessing_switch_takes_0_or_1(reference, monkeypatch):
+    monkeypatch.setenv("MINI_VLLM_ENABLE_MULTIPROCESSING", "false")
+    with pytest.raises(ValueError, match="must be 0 .* or 1"):
+        AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN))
+    monkeypatch.setenv("MINI_VLLM_ENABLE_MULTIPROCESSING", "0")
+    engine = AsyncLLM(LLM(reference.model, max_model_len=MAX_MODEL_LEN))
+    assert not engine.multiprocessing and engine.engine_core is engine.llm.engine
+
+
 # ---------------------------------------------------------------------------- the real server
 
 
