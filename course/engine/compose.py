@@ -43,6 +43,10 @@ ENGINE_MODULES = (
     "mini_vllm.engine.output_processor",
     "mini_vllm.engine.async_llm",
     "mini_vllm.entrypoints.openai.api_server",
+    # lab 04-01's: the core's busy loop and its codec, the client's verdict
+    "mini_vllm.engine.serial_utils",
+    "mini_vllm.engine.core_proc",
+    "mini_vllm.engine.core_client",
 )
 GPU_ONLY_LABS = ("02-06",)
 

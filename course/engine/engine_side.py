@@ -18,6 +18,7 @@ through JSON as it would cross the socket.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -139,7 +140,8 @@ class Engines:
     output into NaN, and every step counts the rows of the model's output that hold NaN.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, labs: tuple[str, ...] = (), gpu: bool = False) -> None:
+        self.labs, self.gpu = tuple(labs), gpu  # composed here, and in a core process it starts
         self.models: dict[bool, object] = {}
         self.llms: list = []
         self.recorders: list[StepRecorder] = []
@@ -215,15 +217,28 @@ class Engines:
                 "blocks_in_use": int(llm.engine.num_blocks_in_use),
                 "prefix_cache_hits": int(llm.last_stats.prefix_cache_hits)}
 
-    def serve(self, engine: int) -> dict:
+    def serve(self, engine: int, multiprocessing: bool = False) -> dict:
         """Serve an engine behind the OpenAI-compatible server, on a Unix socket the exam's
-        client connects to."""
+        client connects to. ``multiprocessing``: its engine core in a process of its own, which
+        composes the same pieces before it builds the engine (a spawned process starts from
+        the reference); else on a thread of this one."""
         from course.labs.serving import ServerThread
         from mini_vllm.engine.async_llm import AsyncLLM
         from mini_vllm.entrypoints.openai.api_server import build_app
 
-        # In this process: composition patched it, and a spawned core would run the reference.
-        async_llm = AsyncLLM(self.llms[engine], model_name="exam", multiprocessing=False)
+        llm, setup = self.llms[engine], None
+        if multiprocessing:
+            from course.engine.compose import compose
+            from mini_vllm.entrypoints.llm import LLM
+
+            # The core is built from a copy of the model: one without this process's NaN hook
+            # (a closure, which cannot travel to a spawned process).
+            knobs = {f.name: getattr(llm.config, f.name)
+                     for f in dataclasses.fields(llm.config)}
+            llm = LLM(tiny_model(config=TINY), tokenizer=llm.tokenizer, **knobs)
+            setup = functools.partial(compose, self.labs, gpu=self.gpu) if self.labs else None
+        async_llm = AsyncLLM(llm, model_name="exam", multiprocessing=multiprocessing,
+                             core_setup=setup)
         self.servers.append((None, async_llm))  # stopped by forget() even if it fails to start
         server = ServerThread(build_app(async_llm), uds=True).start()
         self.servers[-1] = (server, async_llm)
@@ -237,6 +252,12 @@ class Engines:
 
         return {"held": wait_idle(self.servers[server][1], float(timeout))}
 
+    def kill_core(self, server: int) -> dict:
+        """SIGKILL the engine-core process of a server whose core runs in one."""
+        process = self.servers[server][1].core_client.process
+        os.kill(process.pid, signal.SIGKILL)
+        return {"pid": process.pid}
+
     def stop_server(self, server: int) -> dict:
         stopping, self.servers[server] = self.servers[server][0], (None, None)
         if stopping is not None:
@@ -246,7 +267,7 @@ class Engines:
     # --- answering ------------------------------------------------------------------------------
 
     REQUESTS = ("forget", "new", "generate", "beam_search", "serve", "generation_tokens",
-                "wait_idle", "stop_server")
+                "wait_idle", "kill_core", "stop_server")
 
     def answer(self, request: dict) -> dict:
         """One request (``op``, ``args``, ``seconds`` left for it) answered as data: ``{"ok":
@@ -498,7 +519,7 @@ def _engine_process(sock: socket.socket, labs: list[str], gpu: bool, worker: int
                                 [:MESSAGE_LIMIT]}, [])
             return
         send_message(sock, {"composition": composition.lab_rows()}, [])
-        engines, reader = Engines(), Reader(sock)
+        engines, reader = Engines(tuple(labs), gpu), Reader(sock)
         while True:
             try:
                 request, _ = recv_message(reader)

@@ -482,10 +482,11 @@ class Exam:
         return Engine(int(made["engine"]), config["max_model_len"], scales,
                       str(made["kv_cache_dtype"]))
 
-    def serve(self, llm: Engine) -> Served:
+    def serve(self, llm: Engine, multiprocessing: bool = False) -> Served:
         """``llm`` behind the OpenAI-compatible server in the engine process; the exam is its
-        client."""
-        made = self.call("serve", engine=llm.id)
+        client. ``multiprocessing``: the engine core in a process of its own, composed as the
+        engine process is (lab 04-01), rather than on a thread of the engine process."""
+        made = self.call("serve", engine=llm.id, multiprocessing=multiprocessing)
         return Served(self, int(made["server"]), str(made["uds"]))
 
     def model_for(self, fp8: bool) -> LlamaForCausalLM:
@@ -640,6 +641,16 @@ class Served:
         after ``timeout`` seconds."""
         held = self.exam.call("wait_idle", server=self.server, timeout=timeout)["held"]
         return None if held is None else str(held)
+
+    def kill_core(self) -> None:
+        """SIGKILL the server's engine-core process (it must run in one)."""
+        self.exam.call("kill_core", server=self.server)
+
+    def health(self) -> tuple[int, str]:
+        """``/health``'s status code and body."""
+        with self.http_client(timeout=10) as http:
+            response = http.get("/health")
+        return response.status_code, response.text
 
     def stop(self) -> None:
         try:
@@ -1114,6 +1125,63 @@ def case_served_over_http(exam: Exam) -> None:
     _check_split_characters(exam, prompts)
 
 
+DEAD_CORE_S = 10.0  # how soon a stream must end after its engine core is killed (it takes ~0.1 s)
+
+
+def case_engine_core_process(exam: Exam) -> None:
+    """The exam's prompts served with the engine core in a process of its own (lab 04-01): the
+    core's busy loop and the messages' codec run in that process, the verdict on a dead core in
+    the server's; the official client's token ids equal the oracle's. Then the core is killed
+    (SIGKILL) mid-stream: the stream must end with the engine's error within seconds, not hang,
+    and ``/health`` must answer 503 saying the core died."""
+    rng = random.Random(41)
+    prompts = _prompts(rng, [11, 6, 19])
+    llm = exam.llm(block_size=16, num_gpu_blocks=80)
+    params = SamplingParams(temperature=0.0, max_tokens=SERVED_TOKENS)
+    server = exam.serve(llm, multiprocessing=True)
+    try:
+        client = server.client(timeout=30)
+        for i, prompt in enumerate(prompts):
+            ids = []
+            for chunk in client.completions.create(
+                    model="exam", prompt=prompt, max_tokens=SERVED_TOKENS, temperature=0.0,
+                    stream=True, extra_body={"return_token_ids": True}):
+                for choice in chunk.choices:
+                    ids += getattr(choice, "token_ids", None) or []
+            want = exam.expected(prompt, params, llm.max_model_len)
+            if ids != want.token_ids:
+                raise ExamFailure(f"completion {i} (prompt {_show(prompt)}) through the engine "
+                                  f"core's process: the client read token ids {ids}, the oracle "
+                                  f"makes {want.token_ids}")
+        error, read = None, 0
+        with client.completions.create(model="exam", prompt=prompts[0], max_tokens=HANG_UP_TOKENS,
+                                       temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True}) as stream:
+            try:
+                for read, _ in enumerate(stream, 1):
+                    if read == 2:
+                        server.kill_core()
+                        killed = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - what the client saw is the verdict
+                error = exc
+        if error is None:
+            raise ExamFailure(f"the engine core was killed mid-stream, yet the stream read {read} "
+                              "chunks and ended without an error: a dead core must fail every "
+                              "open stream (core_failure on its exit)")
+        waited = time.monotonic() - killed
+        if waited > DEAD_CORE_S or "engine core" not in str(error):
+            raise ExamFailure(f"the engine core was killed mid-stream; {waited:.1f} s later the "
+                              f"stream ended with {type(error).__name__}: {str(error)[:200]}: it "
+                              f"must end within {DEAD_CORE_S:.0f} s with the engine's error "
+                              "saying the core died (core_failure on its exit)")
+        status, body = server.health()
+        if status != 503 or "died" not in body:
+            raise ExamFailure(f"after the engine core was killed, /health answered {status}: "
+                              f"{body[:200]!r}; it must answer 503 saying the core died")
+    finally:
+        server.stop()
+
+
 SPLIT_TOKENS = 40  # tokens per completion in the split-character check
 
 
@@ -1315,6 +1383,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("speculative-decoding", case_speculative_decoding),
         Case("reserved-admission", case_reserved_admission),
         Case("served-over-http", case_served_over_http),
+        Case("engine-core-process", case_engine_core_process),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)

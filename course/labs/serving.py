@@ -115,12 +115,19 @@ def openai_client(uds: str | None, base: str = UDS_BASE, timeout: float = 60.0) 
 def wait_idle(engine: Any, timeout: float = 20.0) -> str | None:
     """Wait until ``engine`` (an ``AsyncLLM``) holds no request and no KV block; ``None`` then,
     else a sentence saying what is still held after ``timeout`` seconds (the loop applies aborts
-    between steps, so a clean engine gets there within a step or two)."""
+    between steps, so a clean engine gets there within a step or two). An engine core in its
+    own process is read from the load it last reported (it reports one after every step, and
+    once more when it goes idle)."""
     deadline = time.monotonic() + timeout
     while True:
-        core = engine.engine_core
-        held = (len(core.scheduler.requests), core.num_blocks_in_use,
-                len(engine.output_processor.request_states))
+        if engine.multiprocessing:
+            load = engine.stat_logger.load
+            in_core, blocks = load.num_running_reqs + load.num_waiting_reqs, \
+                load.num_kv_blocks_in_use
+        else:
+            core = engine.engine_core
+            in_core, blocks = len(core.scheduler.requests), core.num_blocks_in_use
+        held = (in_core, blocks, len(engine.output_processor.request_states))
         if held == (0, 0, 0):
             return None
         if time.monotonic() > deadline:
@@ -134,11 +141,12 @@ def _still_held(engine: Any, held: tuple[int, int, int], timeout: float) -> str:
         names = [repr(k) for k in list(mapping)[:4]]
         return ", ".join(names) + (", ..." if len(mapping) > 4 else "")
 
-    core = engine.engine_core
     parts = []
-    if held[0]:
+    if held[0] and engine.multiprocessing:
+        parts.append(f"{held[0]} request(s) in the engine core's scheduler")
+    elif held[0]:
         parts.append(f"{held[0]} request(s) in the scheduler (engine_core.scheduler.requests: "
-                     f"{ids(core.scheduler.requests)})")
+                     f"{ids(engine.engine_core.scheduler.requests)})")
     if held[1]:
         parts.append(f"{held[1]} KV block(s) in use")
     if held[2]:

@@ -52,7 +52,7 @@ from mini_vllm.engine.messages import (
 )
 from mini_vllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-__all__ = ["AsyncMPClient", "EngineCoreClient", "InprocClient", "core_failure"]
+__all__ = ["AsyncMPClient", "EngineCoreClient", "InprocClient", "core_failure", "describe_exit"]
 
 HEARTBEAT_TIMEOUT_S = 5.0  # a core this long silent is stuck (it says "alive" every 0.25 s)
 STARTUP_TIMEOUT_S = 600.0
@@ -232,7 +232,7 @@ class AsyncMPClient(EngineCoreClient):
         while not output.poll(100):
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine core process exited while starting "
-                                   f"({_exit_text(self.process.exitcode)}); its error is above")
+                                   f"({describe_exit(self.process.exitcode)}); its error is above")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine core did not start in {STARTUP_TIMEOUT_S:.0f} s")
         first = decoder.decode(output.recv_multipart())
@@ -286,7 +286,7 @@ class AsyncMPClient(EngineCoreClient):
         super().check_health()
         if not self.process.is_alive():
             raise EngineDeadError(f"AsyncLLM: the engine core process died "
-                                  f"({_exit_text(self.process.exitcode)})")
+                                  f"({describe_exit(self.process.exitcode)})")
 
     def shutdown(self) -> None:
         """Ask the core to stop after its step, then stop it by force if it does not; release
@@ -324,7 +324,7 @@ def core_failure(out: EngineCoreOutputs | None, silent_s: float, exitcode: int |
             return f"one engine step has run for {out.step_age:.0f} s (a hang?)"
         return None
     if exitcode is not None:
-        return f"the engine core process died ({_exit_text(exitcode)})"
+        return f"the engine core process died ({describe_exit(exitcode)})"
     if silent_s > HEARTBEAT_TIMEOUT_S:
         return f"the engine core stopped answering for {HEARTBEAT_TIMEOUT_S:.0f} s"
     return None
@@ -371,7 +371,11 @@ def _stop_process(process: Any) -> None:
         process.join(timeout=5)
 
 
-def _exit_text(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words: ``"exit code 1"``, ``"killed by signal 9"``.
+
+    upstream: none (upstream's client names no exit code: it says the core died)
+    """
     if code is None:
         return "still running"
     if code < 0:

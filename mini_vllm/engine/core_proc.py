@@ -48,19 +48,22 @@ from mini_vllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from mini_vllm.metrics.loggers import EngineLoad
 from mini_vllm.request import Request
 
-__all__ = ["EngineCoreProc", "run_engine_core"]
+__all__ = ["SHUTDOWN", "EngineCoreProc", "EngineCoreProcBase", "run_engine_core"]
 
 SHUTDOWN = object()  # put on the input queue: the busy loop returns
 HEARTBEAT_S = 0.25  # the core's longest silence: then it says "alive"
 
 
-class EngineCoreProc:
-    """The busy loop around one engine core: adds and aborts in, step outputs out.
+class EngineCoreProcBase:
+    """The state around one engine core that the busy loop works on (the given half of lab
+    04-01): the input queue, applying one add or abort, the recovery from a failed step, the
+    load snapshot.
 
     ``input_queue`` takes ``(EngineCoreRequestType.ADD, [EngineCoreRequest])``,
-    ``(EngineCoreRequestType.ABORT, EngineCoreAbort)`` or ``SHUTDOWN``. ``step_started`` is the
-    ``time.monotonic()`` at which the running step began (``None`` between steps): the step
-    timeout reads it from another thread.
+    ``(EngineCoreRequestType.ABORT, EngineCoreAbort)``, ``SHUTDOWN``, or an ``Exception`` (the
+    input thread could not read a message). ``step_started`` is the ``time.monotonic()`` at
+    which the running step began (``None`` between steps): the heartbeat reads it from another
+    thread. ``_in_core``: the requests the engine core holds, by id.
 
     upstream: vllm/v1/engine/core.py:453 @ v0.11.0
     """
@@ -78,6 +81,80 @@ class EngineCoreProc:
     def engine_core(self) -> Any:
         """The engine core (a failed step may rebuild it, so always read it here)."""
         return self.llm.engine
+
+    def _add(self, requests: list[EngineCoreRequest]) -> None:
+        """Put new requests in the engine core; one the scheduler refuses is posted as failed
+        (``error_kind="refused"``) and the rest go in."""
+        core = self.engine_core
+        for new in requests:
+            request = core.make_request(new.request_id, new.prompt_token_ids,
+                                        new.sampling_params)
+            request.arrival_time = new.arrival_time
+            try:
+                core.add_request(request)
+            except ValueError as exc:  # checked by the client first; a refusal fails it
+                self._post(EngineCoreOutputs(timestamp=time.monotonic(), load=self._snapshot(),
+                                             failed=[new.request_id], error=str(exc),
+                                             error_kind="refused"))
+                continue
+            self._in_core[new.request_id] = request
+
+    def _abort(self, abort: EngineCoreAbort) -> None:
+        """Finish the named requests with the abort's status; their blocks go back."""
+        self.engine_core.scheduler.finish_requests(abort.request_ids, abort.status)
+        for rid in abort.request_ids:
+            self._in_core.pop(rid, None)
+
+    def _progress_state(self) -> tuple:
+        """What a step that makes progress changes: each request's place, and the free blocks."""
+        sched = self.engine_core.scheduler
+        return (
+            tuple((r.request_id, r.status, r.num_computed_tokens, r.num_output_tokens)
+                  for r in self._in_core.values()),
+            sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+        )
+
+    def _recover(self) -> list[str]:
+        """A step raised: abort every request in the core and make the engine clean (as ``LLM``
+        does after a failed ``generate``: requests aborted, prefix cache dropped, or a fresh
+        core when that is not enough). Returns the ids of the requests that failed."""
+        failed = list(self._in_core)
+        tracked = [_Tracked(0, 0, r) for r in self._in_core.values()]
+        self._in_core.clear()
+        self.llm._abort_after_failure(tracked)
+        return failed
+
+    def _snapshot(self) -> EngineLoad:
+        """The engine's load now, for the client's stat logger."""
+        core = self.engine_core
+        sched = core.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        usable = pool.num_gpu_blocks - 1
+        in_use = core.num_blocks_in_use
+        # The core's prefix-cache counters restart when a failure rebuilds it: fold in deltas.
+        seen_core, seen_q, seen_h = self._seen_prefix
+        if seen_core is not core:
+            seen_q = seen_h = 0
+        load = self._load
+        load.prefix_cache_queries += core.prefix_cache_queries - seen_q
+        load.prefix_cache_hits += core.prefix_cache_hits - seen_h
+        self._seen_prefix = (core, core.prefix_cache_queries, core.prefix_cache_hits)
+        load.num_running_reqs = len(sched.running)
+        load.num_waiting_reqs = len(sched.waiting) + len(getattr(sched, "swapped", ()))
+        load.num_kv_blocks_in_use = in_use
+        load.num_kv_blocks_total = usable
+        load.kv_cache_usage = in_use / usable if usable else 0.0
+        load.num_preemptions = sched.stats.num_preemptions
+        if core.use_spec_decode:
+            load.spec_decoding = sched.spec_decoding_stats.copy()
+        return dataclasses.replace(load)
+
+
+class EngineCoreProc(EngineCoreProcBase):
+    """The busy loop around one engine core: adds and aborts in, step outputs out.
+
+    upstream: vllm/v1/engine/core.py:453 @ v0.11.0
+    """
 
     def run_busy_loop(self) -> None:
         """Apply adds and aborts, step, post the outputs; wait only while there is no work.
@@ -146,69 +223,6 @@ class EngineCoreProc:
             except queue.Empty:
                 return True
 
-    def _add(self, requests: list[EngineCoreRequest]) -> None:
-        core = self.engine_core
-        for new in requests:
-            request = core.make_request(new.request_id, new.prompt_token_ids,
-                                        new.sampling_params)
-            request.arrival_time = new.arrival_time
-            try:
-                core.add_request(request)
-            except ValueError as exc:  # checked by the client first; a refusal fails it
-                self._post(EngineCoreOutputs(timestamp=time.monotonic(), load=self._snapshot(),
-                                             failed=[new.request_id], error=str(exc),
-                                             error_kind="refused"))
-                continue
-            self._in_core[new.request_id] = request
-
-    def _abort(self, abort: EngineCoreAbort) -> None:
-        self.engine_core.scheduler.finish_requests(abort.request_ids, abort.status)
-        for rid in abort.request_ids:
-            self._in_core.pop(rid, None)
-
-    def _progress_state(self) -> tuple:
-        sched = self.engine_core.scheduler
-        return (
-            tuple((r.request_id, r.status, r.num_computed_tokens, r.num_output_tokens)
-                  for r in self._in_core.values()),
-            sched.kv_cache_manager.block_pool.get_num_free_blocks(),
-        )
-
-    def _recover(self) -> list[str]:
-        """A step raised: abort every request in the core and make the engine clean (as ``LLM``
-        does after a failed ``generate``: requests aborted, prefix cache dropped, or a fresh
-        core when that is not enough). Returns the ids of the requests that failed."""
-        failed = list(self._in_core)
-        tracked = [_Tracked(0, 0, r) for r in self._in_core.values()]
-        self._in_core.clear()
-        self.llm._abort_after_failure(tracked)
-        return failed
-
-    def _snapshot(self) -> EngineLoad:
-        """The engine's load now, for the client's stat logger."""
-        core = self.engine_core
-        sched = core.scheduler
-        pool = sched.kv_cache_manager.block_pool
-        usable = pool.num_gpu_blocks - 1
-        in_use = core.num_blocks_in_use
-        # The core's prefix-cache counters restart when a failure rebuilds it: fold in deltas.
-        seen_core, seen_q, seen_h = self._seen_prefix
-        if seen_core is not core:
-            seen_q = seen_h = 0
-        load = self._load
-        load.prefix_cache_queries += core.prefix_cache_queries - seen_q
-        load.prefix_cache_hits += core.prefix_cache_hits - seen_h
-        self._seen_prefix = (core, core.prefix_cache_queries, core.prefix_cache_hits)
-        load.num_running_reqs = len(sched.running)
-        load.num_waiting_reqs = len(sched.waiting) + len(getattr(sched, "swapped", ()))
-        load.num_kv_blocks_in_use = in_use
-        load.num_kv_blocks_total = usable
-        load.kv_cache_usage = in_use / usable if usable else 0.0
-        load.num_preemptions = sched.stats.num_preemptions
-        if core.use_spec_decode:
-            load.spec_decoding = sched.spec_decoding_stats.copy()
-        return dataclasses.replace(load)
-
 
 # ---------------------------------------------------------------------- the engine-core process
 
@@ -234,15 +248,16 @@ def run_engine_core(make_llm: Callable[[], Any], input_address: str, output_addr
     out_socket = ctx.socket(zmq.PUSH)
     out_socket.setsockopt(zmq.LINGER, 2000)
     out_socket.connect(output_address)
-    sender = _Sender(out_socket)
+    sender = None
     stop = threading.Event()
     try:
         if setup is not None:
-            setup()
+            setup()  # first: the pieces it puts in place (the encoder too) are the ones used
+        sender = _Sender(out_socket)
         proc = EngineCoreProc(make_llm(), sender.send)
     except BaseException as exc:  # a failed start: the client says why instead of waiting
         traceback.print_exc()  # where: the server's terminal; the client gets the one line
-        sender.send(EngineCoreOutputs(
+        (sender or _Sender(out_socket)).send(EngineCoreOutputs(
             timestamp=time.monotonic(), fatal=True,
             error=f"the engine core failed to start: {type(exc).__name__}: {exc}"))
         out_socket.close()
