@@ -217,7 +217,8 @@ class Engines:
                 "blocks_in_use": int(llm.engine.num_blocks_in_use),
                 "prefix_cache_hits": int(llm.last_stats.prefix_cache_hits)}
 
-    def serve(self, engine: int, multiprocessing: bool = False) -> dict:
+    def serve(self, engine: int, multiprocessing: bool = False,
+              step_timeout_s: float = 60.0) -> dict:
         """Serve an engine behind the OpenAI-compatible server, on a Unix socket the exam's
         client connects to. ``multiprocessing``: its engine core in a process of its own, which
         composes the same pieces before it builds the engine (a spawned process starts from
@@ -238,7 +239,7 @@ class Engines:
             llm = LLM(tiny_model(config=TINY), tokenizer=llm.tokenizer, **knobs)
             setup = functools.partial(compose, self.labs, gpu=self.gpu) if self.labs else None
         async_llm = AsyncLLM(llm, model_name="exam", multiprocessing=multiprocessing,
-                             core_setup=setup)
+                             step_timeout_s=float(step_timeout_s), core_setup=setup)
         self.servers.append((None, async_llm))  # stopped by forget() even if it fails to start
         server = ServerThread(build_app(async_llm), uds=True).start()
         self.servers[-1] = (server, async_llm)

@@ -482,11 +482,15 @@ class Exam:
         return Engine(int(made["engine"]), config["max_model_len"], scales,
                       str(made["kv_cache_dtype"]))
 
-    def serve(self, llm: Engine, multiprocessing: bool = False) -> Served:
+    def serve(self, llm: Engine, multiprocessing: bool = False,
+              step_timeout_s: float = 60.0) -> Served:
         """``llm`` behind the OpenAI-compatible server in the engine process; the exam is its
         client. ``multiprocessing``: the engine core in a process of its own, composed as the
-        engine process is (lab 04-01), rather than on a thread of the engine process."""
-        made = self.call("serve", engine=llm.id, multiprocessing=multiprocessing)
+        engine process is (lab 04-01), rather than on a thread of the engine process;
+        ``step_timeout_s``: how long one step may run before the server takes the core for
+        hung."""
+        made = self.call("serve", engine=llm.id, multiprocessing=multiprocessing,
+                         step_timeout_s=step_timeout_s)
         return Served(self, int(made["server"]), str(made["uds"]))
 
     def model_for(self, fp8: bool) -> LlamaForCausalLM:
@@ -1126,33 +1130,58 @@ def case_served_over_http(exam: Exam) -> None:
 
 
 DEAD_CORE_S = 10.0  # how soon a stream must end after its engine core is killed (it takes ~0.1 s)
+# The core-process case's step limit, and how long its server then sits idle: a core whose
+# heartbeat reports a step's age between steps would be taken for hung.
+CORE_STEP_TIMEOUT_S = 3.0
+CORE_IDLE_S = 4.0
 
 
 def case_engine_core_process(exam: Exam) -> None:
     """The exam's prompts served with the engine core in a process of its own (lab 04-01): the
     core's busy loop and the messages' codec run in that process, the verdict on a dead core in
-    the server's; the official client's token ids equal the oracle's. Then the core is killed
-    (SIGKILL) mid-stream: the stream must end with the engine's error within seconds, not hang,
-    and ``/health`` must answer 503 saying the core died."""
+    the server's; the official client's token ids equal the oracle's. A client that hangs up
+    mid-stream leaves the core holding nothing (as its load reports it). The server then sits
+    idle past its step limit and serves again (an idle core is not a hung one). Last, the core
+    is killed (SIGKILL) mid-stream: the stream must end with the engine's error within seconds,
+    not hang, and ``/health`` must answer 503 saying the core died."""
     rng = random.Random(41)
     prompts = _prompts(rng, [11, 6, 19])
     llm = exam.llm(block_size=16, num_gpu_blocks=80)
     params = SamplingParams(temperature=0.0, max_tokens=SERVED_TOKENS)
-    server = exam.serve(llm, multiprocessing=True)
+    server = exam.serve(llm, multiprocessing=True, step_timeout_s=CORE_STEP_TIMEOUT_S)
+
+    def check_stream(i: int, prompt: list[int], when: str) -> None:
+        ids = []
+        for chunk in client.completions.create(
+                model="exam", prompt=prompt, max_tokens=SERVED_TOKENS, temperature=0.0,
+                stream=True, extra_body={"return_token_ids": True}):
+            for choice in chunk.choices:
+                ids += getattr(choice, "token_ids", None) or []
+        want = exam.expected(prompt, params, llm.max_model_len)
+        if ids != want.token_ids:
+            raise ExamFailure(f"completion {i} (prompt {_show(prompt)}) through the engine core's "
+                              f"process{when}: the client read token ids {ids}, the oracle makes "
+                              f"{want.token_ids}")
+
     try:
         client = server.client(timeout=30)
         for i, prompt in enumerate(prompts):
-            ids = []
-            for chunk in client.completions.create(
-                    model="exam", prompt=prompt, max_tokens=SERVED_TOKENS, temperature=0.0,
-                    stream=True, extra_body={"return_token_ids": True}):
-                for choice in chunk.choices:
-                    ids += getattr(choice, "token_ids", None) or []
-            want = exam.expected(prompt, params, llm.max_model_len)
-            if ids != want.token_ids:
-                raise ExamFailure(f"completion {i} (prompt {_show(prompt)}) through the engine "
-                                  f"core's process: the client read token ids {ids}, the oracle "
-                                  f"makes {want.token_ids}")
+            check_stream(i, prompt, "")
+        with client.completions.create(model="exam", prompt=prompts[1], max_tokens=HANG_UP_TOKENS,
+                                       temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True}) as stream:
+            for k, _ in enumerate(stream):
+                if k == 2:
+                    break
+        held = server.wait_idle(20.0)
+        if held is not None:
+            raise ExamFailure(f"{held}, as the engine core reports its load: after the last "
+                              "request goes away the core must say so (a load-only post), and a "
+                              "client that hangs up must leave nothing held")
+        time.sleep(CORE_IDLE_S)
+        check_stream(len(prompts), prompts[2], f" after {CORE_IDLE_S:.0f} s idle (the step "
+                     f"limit is {CORE_STEP_TIMEOUT_S:.0f} s: between steps the heartbeat must "
+                     "report no running step)")
         error, read = None, 0
         with client.completions.create(model="exam", prompt=prompts[0], max_tokens=HANG_UP_TOKENS,
                                        temperature=0.0, stream=True,

@@ -506,8 +506,10 @@ def test_an_abort_after_its_add_in_the_same_batch_leaves_nothing(reference):
 
 @pytest.mark.points(2)
 def test_block_waits_for_the_first_item_and_not_after_it(reference):
+    # SHUTDOWN at 3 s ends a call that would wait for ever.
     seen = _run_queue_script([([], True, [(0.2, [("add", [("a", 4)])]),
-                                          (1.5, [("add", [("b", 4)])])])], beside=lab)
+                                          (1.5, [("add", [("b", 4)])]),
+                                          (3.0, [("shutdown",)])])], beside=lab)
     assert seen[0]["returned"] == ("returned", True) and seen[0]["requests"] == ["a"], (
         f"_process_input_queue(block=True), an add of a arriving 0.2 s later and one of b "
         f"1.5 s later: it returned {seen[0]['returned']} holding {seen[0]['requests']}, not "
