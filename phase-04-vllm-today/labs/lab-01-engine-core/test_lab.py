@@ -346,8 +346,8 @@ class Core:
     """A student's ``EngineCoreProc`` on the tiny model (in the student's process), what it
     posted (encoded by mini_vllm's encoder, as the core process sends it) and its loop thread."""
 
-    def __init__(self) -> None:
-        self.llm = LLM(reference_llm().model, max_model_len=MAX_MODEL_LEN)
+    def __init__(self, **knobs) -> None:
+        self.llm = LLM(reference_llm().model, max_model_len=MAX_MODEL_LEN, **knobs)
         self.posted: list[list[bytes]] = []
         encoder = MsgpackEncoder()
         self.proc = lab.EngineCoreProc(
@@ -617,8 +617,10 @@ def _abort_mid_stream():
     idle = core.wait(lambda outs: any(
         o.load is not None and not o.outputs and o.load.num_running_reqs == 0
         and o.load.num_kv_blocks_in_use == 0 for o in outs), timeout=5.0)
+    core.put(add_item([("b", 4)]))  # the idle loop serves on
+    served_on = core.wait(lambda outs: "b" in finished_of(outs))
     returned = core.stop()
-    return core.result(started=started, idle=idle, returned=returned)
+    return core.result(started=started, idle=idle, served_on=served_on, returned=returned)
 
 
 @pytest.mark.points(2)
@@ -635,8 +637,15 @@ def test_an_abort_mid_stream_frees_the_request_and_says_so(reference):
         "after the abort the loop posted no output with the engine's load at 0 requests and 0 "
         "blocks: with no unfinished request left, post EngineCoreOutputs(timestamp=..., "
         "load=self._snapshot()) so the client sees the blocks go back")
+    assert all(o.timestamp > 0 for o in outs), (
+        "a post has no timestamp: every post, the idle one too, carries "
+        "timestamp=time.monotonic()")
+    assert run["served_on"] and tokens_of(outs).get("b") == expected(reference, "b", 4), (
+        f"after the abort left it idle, the loop served request b as {tokens_of(outs).get('b')}"
+        f" (finished: {run['served_on']}): an idle loop goes round and waits for input, it "
+        "does not return")
     assert run["in_scheduler"] == 0 and run["blocks"] == 0 and run["returned"], (
-        f"after the abort the scheduler holds {run['in_scheduler']} request(s) and "
+        f"at the end the scheduler holds {run['in_scheduler']} request(s) and "
         f"{run['blocks']} block(s)")
 
 
@@ -682,7 +691,9 @@ def test_a_failed_step_fails_the_requests_the_core_holds_and_the_loop_serves_on(
     assert err.failed == ["b"], (
         f"the failure names {err.failed}: a had finished at step 2 and must not be named (drop "
         "finished requests from self._in_core); b was in the core and failed")
-    assert err.load is not None, "the failure's post has no load: load=self._snapshot()"
+    assert err.load is not None and err.timestamp > 0, (
+        "the failure's post has no load or no timestamp: timestamp=time.monotonic(), "
+        "load=self._snapshot()")
     assert run["served_on"], (
         "after the failed step, a new request never finished: the loop must go on serving")
     want = expected(reference, "c", 6)
@@ -690,6 +701,35 @@ def test_a_failed_step_fails_the_requests_the_core_holds_and_the_loop_serves_on(
         f"after the failed step, request c made {tokens_of(outs).get('c')}, LLM.generate "
         f"makes {want}")
     assert run["step_started"] is None, "step_started was left set after the failed step"
+
+
+@beside_the_student
+def _chunked(budget):
+    """The loop with a token budget smaller than the prompts: the first steps of a prompt
+    make progress and no token."""
+    core = Core(max_num_batched_tokens=budget)
+    core.start()
+    core.put(add_item([("c", 5), ("a", 5)]))
+    finished = core.wait(lambda outs: len(finished_of(outs)) >= 2)
+    returned = core.stop()
+    return core.result(finished=finished, returned=returned)
+
+
+def test_steps_that_gain_no_token_but_make_progress_are_not_a_stall(reference):
+    run = _chunked(2, beside=lab)
+    outs = decode_all(run["posted"])
+    errors = [o.error for o in outs if o.error]
+    assert not errors, (
+        f"prompts prefilled 2 tokens a step (no token for several steps, progress every step) "
+        f"were failed: {errors[0]!r}: only an empty step that leaves the progress state as the "
+        "last empty one left it is a stall")
+    assert run["finished"] and run["raised"] is None, (
+        f"the chunked requests did not finish (raised: {run['raised']})")
+    got = tokens_of(outs)
+    for rid in ("c", "a"):
+        assert got.get(rid) == expected(reference, rid, 5), (
+            f"request {rid}, prefilled 2 tokens a step: the posts carry {got.get(rid)}, "
+            f"LLM.generate makes {expected(reference, rid, 5)}")
 
 
 @beside_the_student
@@ -764,7 +804,8 @@ def test_the_core_s_own_words_and_a_step_too_long():
         "in whole seconds ('one engine step has run for 61 s')")
     assert lab.core_failure(EngineCoreOutputs(fatal=True, error="gone", step_age=99.0), 0.0,
                             None, 60.0) == "gone", "fatal comes first, before the step's age"
-    for out, limit in ((heartbeat(59.0), 60.0), (heartbeat(1e6), None), (heartbeat(), 60.0)):
+    for out, limit in ((heartbeat(59.0), 60.0), (heartbeat(60.0), 60.0), (heartbeat(1e6), None),
+                       (heartbeat(), 60.0)):
         assert lab.core_failure(out, 0.0, None, limit) is None, (
             f"a heartbeat with step_age {out.step_age} and limit {limit} was taken for "
             "dead: a core that talks within its limits is alive")
@@ -785,7 +826,9 @@ def test_a_dead_or_silent_process():
     assert why == "the engine core process died (killed by signal 9)", (
         f"a process that was killed and is silent gave {why!r}: its exit says more than its "
         "silence: check the exit first")
-    assert lab.core_failure(None, lab.HEARTBEAT_TIMEOUT_S - 0.5, None, 60.0) is None, (
-        "a core silent for less than HEARTBEAT_TIMEOUT_S was taken for dead")
+    for silent in (lab.HEARTBEAT_TIMEOUT_S - 0.5, lab.HEARTBEAT_TIMEOUT_S):
+        assert lab.core_failure(None, silent, None, 60.0) is None, (
+            f"a core silent for {silent} s (HEARTBEAT_TIMEOUT_S = {lab.HEARTBEAT_TIMEOUT_S}) "
+            "was taken for dead: only silence longer than the limit is")
     assert lab.core_failure(heartbeat(), 30.0, None, 60.0) is None, (
         "a heartbeat that just came was taken for silence: when out is not None the core talks")
