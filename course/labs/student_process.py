@@ -173,8 +173,10 @@ class _Storages:
 
     def id_of(self, storage, blobs: list[bytes], new: list) -> int:
         sid = self.ids.get(storage.data_ptr())
-        if sid is not None and sid in self.by_id and self.by_id[sid][0].nbytes() == \
-                storage.nbytes():
+        # Empty storages share an address (often 0) without being one storage: never reuse one
+        # (the other side may have dropped it already).
+        if sid is not None and sid in self.by_id and storage.nbytes() and \
+                self.by_id[sid][0].nbytes() == storage.nbytes():
             return sid
         sid, self.next_id = self.next_id, self.next_id + 2
         view = self._bytes_view(storage)
