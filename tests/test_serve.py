@@ -547,12 +547,30 @@ def test_a_leak_names_the_structure_that_holds_the_request():
     from types import SimpleNamespace
 
     engine = SimpleNamespace(
+        multiprocessing=False,  # its engine core in this process, read directly
         engine_core=SimpleNamespace(scheduler=SimpleNamespace(requests={}), num_blocks_in_use=0),
         output_processor=SimpleNamespace(request_states={"req-3": object()}))
     message = wait_idle(engine, timeout=0)
     assert message.startswith("the engine still holds 1 request(s) in "
                               "output_processor.request_states ('req-3')"), message
     assert "scheduler" not in message and "KV block" not in message, message
+
+
+def test_a_core_in_its_own_process_is_read_from_the_load_it_reported():
+    """With the engine core in another process there is no scheduler to read: what it holds is
+    the load it last reported (after each step, and once more when it goes idle)."""
+    from types import SimpleNamespace
+
+    from mini_vllm.metrics.loggers import EngineLoad
+
+    load = EngineLoad(num_running_reqs=1, num_kv_blocks_in_use=2)
+    engine = SimpleNamespace(multiprocessing=True, stat_logger=SimpleNamespace(load=load),
+                             output_processor=SimpleNamespace(request_states={}))
+    message = wait_idle(engine, timeout=0)
+    assert message.startswith("the engine still holds 1 request(s) in the engine core's "
+                              "scheduler; 2 KV block(s) in use"), message
+    engine.stat_logger.load = EngineLoad()
+    assert wait_idle(engine, timeout=0) is None
 
 
 # ---------------------------------------------------------------------------- speculation
