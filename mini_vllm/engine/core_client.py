@@ -189,6 +189,9 @@ class AsyncMPClient(EngineCoreClient):
         self._input = res.ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.SNDHWM, 0)  # never refuse a burst of adds as "dead"
+        # A send waits only while no core is connected: the core says "ready" before its input
+        # thread's connection is through, so the first add may come a moment early.
+        self._input.setsockopt(zmq.SNDTIMEO, int(HEARTBEAT_TIMEOUT_S * 1000))
         output = res.ctx.socket(zmq.PULL)
         output.setsockopt(zmq.LINGER, 0)
         try:
@@ -248,11 +251,10 @@ class AsyncMPClient(EngineCoreClient):
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         self.check_health()
         try:
-            self._input.send_multipart([kind.value, *self._encoder.encode(payload)],
-                                       flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:  # the core stopped reading: it is gone or stuck
-            raise EngineDeadError(f"AsyncLLM: the engine core took no more input ({exc})") \
-                from exc
+            self._input.send_multipart([kind.value, *self._encoder.encode(payload)], copy=False)
+        except zmq.ZMQError as exc:  # no core connected for HEARTBEAT_TIMEOUT_S: gone or stuck
+            raise EngineDeadError(f"AsyncLLM: the engine core took no input for "
+                                  f"{HEARTBEAT_TIMEOUT_S:.0f} s ({exc})") from exc
 
     def _receive(self, output: zmq.Socket) -> None:
         """The client's output thread: decode what the core sends and hand it to the event
