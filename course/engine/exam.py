@@ -1072,6 +1072,22 @@ SERVED_TOKENS = 10  # tokens per streamed completion in the served case
 HANG_UP_TOKENS = 900  # the completion a client abandons: far more than an abort lets through
 
 
+def _long_stream(client, prompt: list[int]):
+    """A streamed completion of ``HANG_UP_TOKENS`` tokens, EOS ignored: longer than any case
+    reads."""
+    return client.completions.create(model="exam", prompt=prompt, max_tokens=HANG_UP_TOKENS,
+                                     temperature=0.0, stream=True,
+                                     extra_body={"ignore_eos": True})
+
+
+def _hang_up(client, prompt: list[int]) -> None:
+    """A client that reads three chunks of a long completion and hangs up."""
+    with _long_stream(client, prompt) as stream:
+        for k, _ in enumerate(stream):
+            if k == 2:
+                break
+
+
 def case_served_over_http(exam: Exam) -> None:
     """The exam's prompts served over HTTP (lab 03-05): the composed engine runs in AsyncLLM's
     loop behind the OpenAI-compatible server, on a Unix socket, and the official ``openai``
@@ -1109,12 +1125,7 @@ def case_served_over_http(exam: Exam) -> None:
         # A client that hangs up at its third chunk of a long completion: the server must abort
         # the request (its tokens stop well short of max_tokens) and free everything it held.
         before = server.generation_tokens()
-        with client.completions.create(model="exam", prompt=prompts[0], max_tokens=HANG_UP_TOKENS,
-                                       temperature=0.0, stream=True,
-                                       extra_body={"ignore_eos": True}) as stream:
-            for k, _ in enumerate(stream):
-                if k == 2:
-                    break
+        _hang_up(client, prompts[0])
         held = server.wait_idle(20.0)
         if held is not None:
             raise ExamFailure(f"{held}: a client that hangs up mid-stream must leave nothing "
@@ -1167,12 +1178,7 @@ def case_engine_core_process(exam: Exam) -> None:
         client = server.client(timeout=30)
         for i, prompt in enumerate(prompts):
             check_stream(i, prompt, "")
-        with client.completions.create(model="exam", prompt=prompts[1], max_tokens=HANG_UP_TOKENS,
-                                       temperature=0.0, stream=True,
-                                       extra_body={"ignore_eos": True}) as stream:
-            for k, _ in enumerate(stream):
-                if k == 2:
-                    break
+        _hang_up(client, prompts[1])
         held = server.wait_idle(20.0)
         if held is not None:
             raise ExamFailure(f"{held}, as the engine core reports its load: after the last "
@@ -1182,10 +1188,8 @@ def case_engine_core_process(exam: Exam) -> None:
         check_stream(len(prompts), prompts[2], f" after {CORE_IDLE_S:.0f} s idle (the step "
                      f"limit is {CORE_STEP_TIMEOUT_S:.0f} s: between steps the heartbeat must "
                      "report no running step)")
-        error, read = None, 0
-        with client.completions.create(model="exam", prompt=prompts[0], max_tokens=HANG_UP_TOKENS,
-                                       temperature=0.0, stream=True,
-                                       extra_body={"ignore_eos": True}) as stream:
+        error, read, killed = None, 0, None
+        with _long_stream(client, prompts[0]) as stream:
             try:
                 for read, _ in enumerate(stream, 1):
                     if read == 2:
@@ -1193,6 +1197,11 @@ def case_engine_core_process(exam: Exam) -> None:
                         killed = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - what the client saw is the verdict
                 error = exc
+        if killed is None:
+            raise ExamFailure(f"a long completion ended after {read} chunk(s), before the engine "
+                              f"core could be killed at its second: "
+                              f"{type(error).__name__ if error else 'no error'}: "
+                              f"{str(error)[:200]}")
         if error is None:
             raise ExamFailure(f"the engine core was killed mid-stream, yet the stream read {read} "
                               "chunks and ended without an error: a dead core must fail every "
