@@ -74,6 +74,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--speculative-config", type=_json_object, default=None, metavar="JSON",
         help='speculative decoding, as vLLM\'s flag: e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+    add("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="plan each step while the one before it runs (vLLM's flag; default: on for a CUDA "
+        "device, off on a CPU, never when speculating)")
     add("--device", default="cpu")
 
 
@@ -208,6 +211,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         kv_reservation=args.kv_reservation,
         static_batching=args.static_batching,
         speculative_config=args.speculative_config,
+        async_scheduling=args.async_scheduling,
     )
 
 

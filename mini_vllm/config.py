@@ -240,6 +240,10 @@ class EngineConfig:
       off upstream).
     * ``speculative_config``: a :class:`SpeculativeConfig`, or the same fields as a dict (as
       upstream's ``LLM(speculative_config={...})``); ``None`` (default): no speculation.
+    * ``async_scheduling``: plan each step while the one before it runs (the engine core's busy
+      loop, :meth:`~mini_vllm.engine.core.EngineCore.step_with_batch_queue`); ``None``
+      (default): on for a model on a CUDA device, off on a CPU (where it does not pay: see
+      ``benchmarks/async_scheduling.py``); never with speculative decoding.
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -261,13 +265,21 @@ class EngineConfig:
     static_batching: bool = False
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | dict | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"EngineConfig: async_scheduling must be None, True or False, got "
+                            f"{self.async_scheduling!r}")
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
         if not isinstance(self.speculative_config, (SpeculativeConfig, type(None))):
             raise TypeError("EngineConfig: speculative_config must be a SpeculativeConfig, a "
                             f"dict of its fields or None, got {self.speculative_config!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("EngineConfig: async_scheduling=True does not run with a "
+                             "speculative_config (a step's drafts come too late to plan the "
+                             "next step with); leave async_scheduling unset or False")
         for name, low, optional in (
             ("block_size", 1, False), ("num_gpu_blocks", 2, True), ("kv_cache_memory", 1, True),
             ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),

@@ -171,7 +171,7 @@ class Request:
     """A request's tokens and progress; see the module docstring for the invariants.
 
     Invariants: ``num_tokens == num_prompt_tokens + num_output_tokens``;
-    ``0 <= num_computed_tokens <= num_tokens`` (the scheduler's job);
+    ``0 <= num_computed_tokens <= num_tokens + num_output_placeholders`` (the scheduler's job);
     with a block hasher, ``len(block_hashes) == num_tokens // block_size`` at all times and
     ``block_hashes[i]`` is the chained hash of block ``i``.
 
@@ -225,6 +225,9 @@ class Request:
         self.all_token_ids: ConstantList[int] = ConstantList(self._all_token_ids)
 
         self.num_computed_tokens = 0
+        # Async scheduling: tokens that steps still in flight will sample for this request
+        # (num_tokens counts them once they arrive; the scheduler plans past them meanwhile).
+        self.num_output_placeholders = 0
         # Draft tokens a proposer guessed after the last token, for the next step to check
         # (speculative decoding); never part of num_tokens.
         self.spec_token_ids: list[int] = []

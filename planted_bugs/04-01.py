@@ -119,6 +119,22 @@ BUGS = [
         replace="except ZeroDivisionError as exc:  # the step failed",
     ),
     PlantedBug(
+        name="steps-one-at-a-time",
+        description="the loop calls step() whatever the engine runs, so async scheduling never "
+        "plans a step while another runs",
+        file=PROC,
+        find="                outputs = core.step_fn()\n",
+        replace="                outputs = core.step()\n",
+    ),
+    PlantedBug(
+        name="planning-turn-posted",
+        description="a turn that only started a step posts an empty output, a message per "
+        "step for nothing",
+        file=PROC,
+        find="                if outputs is None:\n                    continue",
+        replace="                if outputs is None:\n                    outputs = []",
+    ),
+    PlantedBug(
         name="no-stall-check",
         description="an empty step that changed nothing is never taken for a stall, so the "
         "loop spins on it forever",

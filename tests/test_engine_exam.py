@@ -116,7 +116,7 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path, monke
     summary = next(line for line in exam.stdout.splitlines() if "exam cases passed" in line)
     assert summary.startswith("1/1 exam cases passed") and "not your engine yet" in summary, (
         exam.stdout + exam.stderr)
-    assert ("Labs 03-02, 03-03, 03-04, 03-05, 03-06, 04-01, 04-04 ran as the reference"
+    assert ("Labs 03-02, 03-03, 03-04, 03-05, 03-06, 04-01, 04-02, 04-04 ran as the reference"
             in summary), summary
 
 
@@ -241,8 +241,9 @@ def test_a_hung_piece_is_a_timeout_not_a_hang(tmp_path):
 
 
 def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp_path):
-    """Lab 03-01 a stand-in's, labs 03-03 and 04-04 the reference: the engine runs the
-    stand-in's scheduler with the reference's swap members and draft members on top."""
+    """Lab 03-01 a stand-in's, labs 03-03, 04-02 and 04-04 the reference: the engine runs the
+    stand-in's scheduler with the reference's swap members and draft members on top, and the
+    reference's async scheduler rebuilt on it."""
     from course.integrity.shadow import shadow_tree
 
     root = shadow_tree(tmp_path / "tree")
@@ -258,6 +259,8 @@ def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp
         "assert owner('_preempt_by_swap') == 'mini_vllm.core.sched.scheduler'\n"
         "assert owner('_take_spec_tokens') == 'mini_vllm.core.sched.scheduler'\n"
         "assert owner('_schedule_running') == 'mini_vllm_shadow_03_01.core.sched.scheduler'\n"
+        "a = core.AsyncScheduler\n"  # lab 04-02's reference, rebuilt on the stand-in's scheduler
+        "assert issubclass(a, Theirs) and a.__module__ == 'mini_vllm.core.sched.async_scheduler'\n"
         "print(dict((r[0], r[1]) for r in c.lab_rows()))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
@@ -266,9 +269,10 @@ def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp
     assert proc.returncode == 0, proc.stderr
     assert "'03-01': 'yours'" in proc.stdout and "'03-03': 'reference'" in proc.stdout
     assert "'04-04': 'reference'" in proc.stdout
-    exam = _run(root, "engine", "--exam", "--labs", "03-01", "--case", "preempt-swap",
-                cache=tmp_path / "cache")
-    assert exam.returncode == 0, exam.stdout + exam.stderr
+    for case in ("preempt-swap", "async-scheduling"):
+        exam = _run(root, "engine", "--exam", "--labs", "03-01", "--case", case,
+                    cache=tmp_path / "cache")
+        assert exam.returncode == 0, exam.stdout + exam.stderr
 
 
 def test_bad_requests_exit_2_and_change_nothing(tmp_path):

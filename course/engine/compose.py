@@ -15,7 +15,9 @@ instead:
    scheduler subclasses the student's lab 03-01 scheduler;
 3. a lab that is not the student's keeps the reference, except where it *extends* an earlier
    lab's class that is the student's (``extends`` in labs.toml): then the engine gets the
-   student's class with the reference's versions of the members that lab adds.
+   student's class with the reference's versions of the members that lab adds. A reference
+   class that *subclasses* an earlier piece the student replaced (lab 04-02's
+   ``AsyncScheduler`` of lab 03-01's ``Scheduler``) is rebuilt on the student's class.
 
 The reference modules stay as they are: mini_vllm looks its pieces up through module-level names
 at call time (``Scheduler(...)``, ``paged_attn.forward_decode(...)``), and rebinding those names is
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 from dataclasses import dataclass, field
 
 from course.labs.catalog import Lab, discover
@@ -137,6 +140,33 @@ def _extend(base: type, reference: type, members: list[str]) -> type:
     return type(base.__name__, (base,), namespace)
 
 
+def with_super_of(func: object, cls: type) -> object:
+    """``func`` (a method written in some class) with its zero-argument ``super()`` meaning
+    ``cls``'s: its ``__class__`` cell is the one thing that names the class it was written in.
+    Anything that is not such a function comes back as it is."""
+    code = getattr(func, "__code__", None)
+    if code is None or "__class__" not in code.co_freevars:
+        return func
+    cell = types.CellType(cls)
+    closure = tuple(cell if var == "__class__" else c
+                    for var, c in zip(code.co_freevars, func.__closure__, strict=True))
+    new = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, closure)
+    new.__kwdefaults__, new.__doc__ = func.__kwdefaults__, func.__doc__
+    new.__qualname__ = func.__qualname__
+    return new
+
+
+def _rebase(cls: type, bases: tuple[type, ...]) -> type:
+    """``cls`` rebuilt on ``bases``: the same members, ``super()`` in them meaning the new class."""
+    namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    new = type(cls.__name__, bases, namespace)
+    for name, value in namespace.items():
+        rebound = with_super_of(value, new)
+        if rebound is not value:
+            setattr(new, name, rebound)
+    return new
+
+
 def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False,
             notebook: bool = False) -> Composition:
     """Make this process's mini_vllm run the student's pieces of ``student_labs`` (lab ids).
@@ -190,6 +220,9 @@ def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False,
                     )
             elif name in extends and now is not ref:
                 new = _extend(now, ref, extends[name])
+            elif isinstance(ref, type) and now is ref and any(
+                    current.get(id(b), b) is not b for b in ref.__bases__):
+                new = _rebase(ref, tuple(current.get(id(b), b) for b in ref.__bases__))
             else:
                 new = now
             if new is not now:

@@ -33,6 +33,7 @@ import json
 import math
 import random
 import signal
+import threading
 import time
 import traceback
 import types
@@ -1072,17 +1073,17 @@ SERVED_TOKENS = 10  # tokens per streamed completion in the served case
 HANG_UP_TOKENS = 900  # the completion a client abandons: far more than an abort lets through
 
 
-def _long_stream(client, prompt: list[int]):
-    """A streamed completion of ``HANG_UP_TOKENS`` tokens, EOS ignored: longer than any case
+def _long_stream(client, prompt: list[int], max_tokens: int = HANG_UP_TOKENS):
+    """A streamed completion of ``max_tokens`` tokens, EOS ignored: longer than any case
     reads."""
-    return client.completions.create(model="exam", prompt=prompt, max_tokens=HANG_UP_TOKENS,
+    return client.completions.create(model="exam", prompt=prompt, max_tokens=max_tokens,
                                      temperature=0.0, stream=True,
                                      extra_body={"ignore_eos": True})
 
 
-def _hang_up(client, prompt: list[int]) -> None:
+def _hang_up(client, prompt: list[int], max_tokens: int = HANG_UP_TOKENS) -> None:
     """A client that reads three chunks of a long completion and hangs up."""
-    with _long_stream(client, prompt) as stream:
+    with _long_stream(client, prompt, max_tokens) as stream:
         for k, _ in enumerate(stream):
             if k == 2:
                 break
@@ -1216,6 +1217,73 @@ def case_engine_core_process(exam: Exam) -> None:
         if status != 503 or "died" not in body:
             raise ExamFailure(f"after the engine core was killed, /health answered {status}: "
                               f"{body[:200]!r}; it must answer 503 saying the core died")
+    finally:
+        server.stop()
+
+
+# The async-scheduling case: six streams at once, each its own max_tokens (1 to 3 test the step
+# not planned past a last token in flight), in a cache small enough to preempt.
+ASYNC_MAX_TOKENS = (1, 2, 3, 12, 7, 10)
+ASYNC_HANG_UP_TOKENS = 60  # the abandoned completion: fits the small cache, longer than read
+
+
+def case_async_scheduling(exam: Exam) -> None:
+    """The exam's prompts served with asynchronous scheduling (lab 04-02): the engine core plans
+    each step while the one before it runs. Six completions stream at once with 1 to 12 tokens
+    each, one of them ending at a stop token it meets mid-stream, in a KV cache small enough to
+    preempt and a budget that splits the prompts; each client's token ids equal the oracle's. A
+    client then hangs up mid-stream: the engine must end holding no request and no KV block."""
+    rng = random.Random(47)
+    prompts = _prompts(rng, [9, 14, 5, 22, 3, 17])
+    llm = exam.llm(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=16,
+                   async_scheduling=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=ASYNC_MAX_TOKENS[3])
+    stop = exam.expected(prompts[3], plain, llm.max_model_len).token_ids[4]
+    wants = [exam.expected(p, SamplingParams(temperature=0.0, max_tokens=n,
+                                             stop_token_ids=[stop] if i == 3 else None),
+                           llm.max_model_len)
+             for i, (p, n) in enumerate(zip(prompts, ASYNC_MAX_TOKENS, strict=True))]
+    server = exam.serve(llm)
+    try:
+        client = server.client(timeout=30)
+        got: dict[int, list[int] | BaseException] = {}
+
+        def stream(i: int) -> None:
+            ids: list[int] = []
+            extra = {"return_token_ids": True}
+            if i == 3:
+                extra["stop_token_ids"] = [stop]
+            try:
+                for chunk in client.completions.create(
+                        model="exam", prompt=prompts[i], max_tokens=ASYNC_MAX_TOKENS[i],
+                        temperature=0.0, stream=True, extra_body=extra):
+                    for choice in chunk.choices:
+                        ids += getattr(choice, "token_ids", None) or []
+                got[i] = ids
+            except Exception as exc:  # noqa: BLE001 - reported below, in the exam's thread
+                got[i] = exc
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for i, want in enumerate(wants):
+            ids = got.get(i)
+            if isinstance(ids, BaseException) or ids is None:
+                raise ExamFailure(f"completion {i} of six streamed at once with async scheduling "
+                                  f"did not finish: {ids or 'no answer in 60 s'}")
+            if ids != want.token_ids:
+                stopped = f", stop token {stop}" if i == 3 else ""
+                raise ExamFailure(f"completion {i} (prompt {_show(prompts[i])}, max_tokens "
+                                  f"{ASYNC_MAX_TOKENS[i]}{stopped}) with async scheduling: the "
+                                  f"client read token ids {ids}, the oracle makes "
+                                  f"{want.token_ids}")
+        _hang_up(client, prompts[1], ASYNC_HANG_UP_TOKENS)
+        held = server.wait_idle(20.0)
+        if held is not None:
+            raise ExamFailure(f"{held}: with async scheduling, a client that hangs up while its "
+                              "steps are in flight must leave nothing held")
     finally:
         server.stop()
 
@@ -1422,6 +1490,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("reserved-admission", case_reserved_admission),
         Case("served-over-http", case_served_over_http),
         Case("engine-core-process", case_engine_core_process),
+        Case("async-scheduling", case_async_scheduling),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)

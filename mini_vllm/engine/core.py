@@ -9,27 +9,51 @@ a process of its own by default, behind an engine-core client
 calls ``post_step()`` after each: it hands the drafts the runner proposed to the scheduler, for
 the next step to check.
 
+Asynchronous scheduling (``async_scheduling``; never with speculative decoding): the scheduler
+is an :class:`~mini_vllm.core.sched.async_scheduler.AsyncScheduler` and the busy loop steps with
+:meth:`EngineCore.step_with_batch_queue`, which plans step N+1 while step N runs on the model
+thread (one thread, so steps run in the order planned, as kernels on one CUDA stream). The
+model's work runs in torch's and the attention kernels' C code, which releases the GIL, so the
+busy loop's scheduling and output handling overlap it where a core is left for them. ``LLM``
+steps with ``step()``, which runs the same scheduler one step at a time.
+
 upstream: vllm/v1/engine/core.py
 """
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
 from mini_vllm.config import SchedulerConfig, SpeculativeConfig
 from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
+from mini_vllm.core.sched.async_scheduler import AsyncScheduler
+from mini_vllm.core.sched.output import SchedulerOutput
 from mini_vllm.core.sched.scheduler import Scheduler
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM
-from mini_vllm.outputs import EngineCoreOutput
+from mini_vllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from mini_vllm.request import Request
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.worker.model_runner import ModelRunner
 
-__all__ = ["EngineCore", "EngineCoreBase"]
+__all__ = ["BATCH_QUEUE_SIZE", "EngineCore", "EngineCoreBase"]
+
+# Steps in flight at most under async scheduling: the one running and the one planned after it.
+BATCH_QUEUE_SIZE = 2
 
 
 class EngineCoreBase:
     """A scheduler and a model runner side by side; :class:`EngineCore` adds the step.
 
     ``runner_cls`` is the runner class to build (lab 03-04 plugs the student's in).
+    ``async_scheduling``: ``None`` (default) turns it on for a model on a CUDA device, as
+    upstream does, and off on a CPU, where the step's threads already take every core and the
+    hand-off costs more than the overlap saves (``benchmarks/async_scheduling.py``); never with
+    speculation (step N's drafts are proposed after it, too late to plan step N+1 with; upstream
+    turns it off for its CPU n-gram proposer too), and ``True`` with speculation is refused.
+    ``batch_queue``: the steps in flight (newest first), each ``(future, scheduler_output)``.
 
     upstream: vllm/v1/engine/core.py:63 @ v0.11.0
     """
@@ -48,8 +72,23 @@ class EngineCoreBase:
         enforce_eager: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         draft_model: LlamaForCausalLM | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
-        self.scheduler = Scheduler(scheduler_config, log_stats=True)
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise TypeError(f"EngineCore: async_scheduling must be None, True or False, got "
+                            f"{async_scheduling!r}")
+        if async_scheduling and speculative_config is not None:
+            raise ValueError(
+                "EngineCore: async scheduling does not run with speculative decoding (a step's "
+                "drafts are proposed after it, too late to plan the next one); leave "
+                "async_scheduling unset or False")
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        self.async_scheduling = speculative_config is None and (
+            async_scheduling if async_scheduling is not None else on_gpu)
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(scheduler_config, log_stats=True)
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
+        self._model_thread: ThreadPoolExecutor | None = None
         # Only an fp8 cache, enforce_eager or speculation pass the newer arguments, so a runner
         # class written before them still builds a default engine.
         extra_kwargs = ({"kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales}
@@ -111,6 +150,46 @@ class EngineCoreBase:
         if drafts is not None:
             self.scheduler.update_draft_token_ids(drafts)
 
+    def step_fn(self) -> list[EngineCoreOutput] | None:
+        """The busy loop's step: :meth:`EngineCore.step_with_batch_queue` under async
+        scheduling (``None`` when it only planned a step), else :meth:`EngineCore.step`.
+
+        upstream: vllm/v1/engine/core.py:166 @ v0.11.0 (the step_fn attribute)
+        """
+        return self.step_with_batch_queue() if self.async_scheduling else self.step()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future:
+        """Start the step on the model thread; the future holds its ``ModelRunnerOutput``.
+
+        One thread runs every step, in the order they were started: a step reads the tokens
+        the one before it sampled, and writes KV the next may read.
+
+        upstream: vllm/v1/executor/abstract.py:98 @ v0.11.0 (execute_model, non_block=True)
+        """
+        if self._model_thread is None:
+            # The CPU ops' thread count is a per-thread setting: the model thread takes the
+            # caller's.
+            self._model_thread = ThreadPoolExecutor(
+                1, thread_name_prefix="mini_vllm-model", initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),))
+        return self._model_thread.submit(self.model_runner.execute_model, scheduler_output)
+
+    def drain_batch_queue(self) -> None:
+        """Wait for every step in flight and drop its result (after a failure, before the
+        engine is cleaned up: nothing may still run on it); stop the model thread.
+
+        upstream: none (upstream's executor is shut down with its workers)
+        """
+        while self.batch_queue:
+            future, _ = self.batch_queue.pop()
+            try:
+                future.result()
+            except Exception:  # noqa: S110 - the failure that mattered is being handled
+                pass
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=True)
+            self._model_thread = None
+
     def _record_stats(self) -> None:
         """After a step: fold the prefix-cache counters in and track the peak block usage."""
         stats = self.scheduler.kv_cache_manager.make_prefix_cache_stats()
@@ -169,6 +248,32 @@ class EngineCore(EngineCoreBase):
         scheduler_output = self.scheduler.schedule()
         self._record_blocks_in_step()
         model_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._record_stats()
+        return outputs
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
+        """One turn of the busy loop under async scheduling: plan and start the next step,
+        and while it can wait, return ``None`` at once; otherwise wait for the oldest step in
+        flight and update the requests from its tokens (its outputs are returned).
+
+        A step that schedules nothing is started all the same (it carries the ids of finished
+        requests the runner must forget) but never makes the loop wait for a newer one.
+
+        upstream: vllm/v1/engine/core.py:300 @ v0.11.0
+        """
+        queue = self.batch_queue
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            self._record_blocks_in_step()
+            queue.appendleft((self.execute_model_async(scheduler_output), scheduler_output))
+            if (scheduler_output.total_num_scheduled_tokens > 0
+                    and len(queue) < BATCH_QUEUE_SIZE and not queue[-1][0].done()):
+                return None
+        if not queue:
+            return []
+        future, scheduler_output = queue.pop()
+        model_output: ModelRunnerOutput = future.result()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self._record_stats()
         return outputs

@@ -142,6 +142,8 @@ class InprocClient(EngineCoreClient):
         self.proc.input_queue.put(SHUTDOWN)
         if self._thread is not None:
             self._thread.join(timeout=60)
+            if not self._thread.is_alive():
+                self.proc.engine_core.drain_batch_queue()  # no model thread left behind
 
 
 @dataclasses.dataclass

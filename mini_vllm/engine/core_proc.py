@@ -118,6 +118,7 @@ class EngineCoreProcBase:
         """A step raised: abort every request in the core and make the engine clean (as ``LLM``
         does after a failed ``generate``: requests aborted, prefix cache dropped, or a fresh
         core when that is not enough). Returns the ids of the requests that failed."""
+        self.engine_core.drain_batch_queue()  # nothing may run on the engine while it is mended
         failed = list(self._in_core)
         tracked = [_Tracked(0, 0, r) for r in self._in_core.values()]
         self._in_core.clear()
@@ -158,6 +159,8 @@ class EngineCoreProc(EngineCoreProcBase):
 
     def run_busy_loop(self) -> None:
         """Apply adds and aborts, step, post the outputs; wait only while there is no work.
+        The step is ``step_fn()``: under async scheduling it returns ``None`` when it only
+        planned a step, and there is nothing to post.
 
         upstream: vllm/v1/engine/core.py:720 @ v0.11.0
         """
@@ -172,8 +175,10 @@ class EngineCoreProc(EngineCoreProcBase):
                 continue
             self.step_started = time.monotonic()
             try:
-                outputs = core.step()
+                outputs = core.step_fn()
                 core.post_step()
+                if outputs is None:
+                    continue  # async scheduling: a step planned, the one before still runs
                 if not outputs:
                     # Nothing gained a token: fine during chunked prefill, a livelock when the
                     # step left everything as it was (every later step would do the same).

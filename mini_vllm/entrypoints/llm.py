@@ -142,6 +142,7 @@ class LLM:
             enforce_eager=self.config.enforce_eager,
             speculative_config=self.config.speculative_config,
             draft_model=self.draft_model,
+            async_scheduling=self.config.async_scheduling,
         )
 
     # ------------------------------------------------------------------ the public calls

@@ -176,9 +176,12 @@ class EngineCoreProc(EngineCoreProcBase):
         2. Still no unfinished request (none came, or the input aborted the last ones): post
            ``EngineCoreOutputs(timestamp=time.monotonic(), load=self._snapshot())``, so that
            the client sees the blocks go back, and go round.
-        3. Step: ``self.step_started = time.monotonic()``, then ``outputs = core.step()`` and
-           ``core.post_step()``; afterwards ``self.step_started`` is ``None`` again, whether the
-           step returned or raised (the heartbeat reports its age: a stale one reads as a hang).
+        3. Step: ``self.step_started = time.monotonic()``, then ``outputs = core.step_fn()``
+           and ``core.post_step()``; afterwards ``self.step_started`` is ``None`` again, whether
+           the step returned or raised (the heartbeat reports its age: a stale one reads as a
+           hang). ``step_fn`` is ``core.step`` or, under async scheduling (lab 04-02),
+           ``core.step_with_batch_queue``, which returns ``None`` when it only started a step:
+           then there is nothing to post or check; go round.
         4. A step may return no output (a chunk of a long prompt gains no token); that is fine
            once. But a step with no output that leaves ``self._progress_state()`` where the last
            one with no output left it is a livelock (every later step would do the same): treat

@@ -343,6 +343,7 @@ class Core:
         self.raised: tuple[str, str] | None = None
         self.exception: Exception | None = None
         self.steps_seen: list = []  # step_started as each step saw it
+        self.step_fn_calls = 0  # step_with_batch_queue calls (async scheduling)
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._decoded: list[EngineCoreOutputs] = []
 
@@ -383,13 +384,17 @@ class Core:
 
     def watch_steps(self) -> None:
         core = self.proc.engine_core
-        step = core.step
+        step, step_with_batch_queue = core.step, core.step_with_batch_queue
 
         def watched():
             self.steps_seen.append(self.proc.step_started)
             return step()
 
-        core.step = watched
+        def watched_queue():
+            self.step_fn_calls += 1
+            return step_with_batch_queue()
+
+        core.step, core.step_with_batch_queue = watched, watched_queue
 
     def result(self, **extra) -> dict:
         if isinstance(self.exception, NotImplementedError):
@@ -397,6 +402,7 @@ class Core:
         core = self.proc.engine_core
         return {"posted": self.posted, "raised": self.raised, "in_core": list(self.proc._in_core),
                 "step_started": self.proc.step_started, "steps_seen": self.steps_seen,
+                "step_fn_calls": self.step_fn_calls,
                 "in_scheduler": len(core.scheduler.requests),
                 "blocks": int(core.num_blocks_in_use), **extra}
 
@@ -531,10 +537,10 @@ def test_an_unreadable_message_is_a_runtime_error(reference):
 
 
 @beside_the_student
-def _serve(specs, idle_s=0.3):
+def _serve(specs, idle_s=0.3, knobs=None):
     """Start the loop, add ``specs`` at once, wait for each to finish, stay idle ``idle_s``,
     then shut down."""
-    core = Core()
+    core = Core(**(knobs or {}))
     core.watch_steps()
     core.start()
     core.put(add_item(specs))
@@ -574,6 +580,31 @@ def test_the_loop_serves_every_request_with_generate_s_tokens(reference):
     assert run["in_core"] == [] and run["blocks"] == 0, (
         f"after every request finished, _in_core holds {run['in_core']} and {run['blocks']} "
         "block(s) are in use: drop each finished output's request from self._in_core")
+
+
+def test_under_async_scheduling_the_loop_steps_with_step_fn(reference):
+    specs = [("a", 12), ("b", 5), ("c", 9)]
+    run = _serve(specs, knobs={"async_scheduling": True}, beside=lab)
+    assert run["raised"] is None, f"run_busy_loop raised {run['raised'][0]}: {run['raised'][1]}"
+    outs = decode_all(run["posted"])
+    failed = [o.error for o in outs if o.failed]
+    assert not failed, (
+        f"under async scheduling a step failed: {failed[0]}. step_fn() returns None when it "
+        "only started a step: nothing to post or check then, go round")
+    assert run["finished"] and run["step_fn_calls"] > 0, (
+        f"the loop made {run['step_fn_calls']} step_with_batch_queue call(s) and not every "
+        "request finished: step with core.step_fn(), which under async scheduling is "
+        "step_with_batch_queue")
+    got = tokens_of(outs)
+    for rid, n in specs:
+        want = expected(reference, rid, n)
+        assert got.get(rid) == want, (
+            f"request {rid}: the posted outputs carry tokens {got.get(rid)}, LLM.generate "
+            f"makes {want}")
+    empty = [o for o in outs if not o.outputs and not o.failed]
+    assert not empty, (
+        f"{len(empty)} post(s) with no output while requests ran: a turn whose step_fn() "
+        "returned None has nothing to post")
 
 
 @pytest.mark.points(2)
