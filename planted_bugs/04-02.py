@@ -92,8 +92,9 @@ BUGS = [
         name="turn-waits-at-once",
         description="the turn waits for the step it just started: one step at a time again",
         file=CORE,
-        find="            if (scheduler_output.total_num_scheduled_tokens > 0\n",
-        replace="            if (False and scheduler_output.total_num_scheduled_tokens > 0\n",
+        find="            if scheduler_output.total_num_scheduled_tokens > 0 and len(queue)",
+        replace="            if False and scheduler_output.total_num_scheduled_tokens > 0 and "
+        "len(queue)",
     ),
     PlantedBug(
         name="empty-step-not-started",
@@ -110,8 +111,8 @@ BUGS = [
         name="three-in-flight",
         description="the queue lets a third step start before the oldest is waited for",
         file=CORE,
-        find="                    and len(queue) < BATCH_QUEUE_SIZE and",
-        replace="                    and len(queue) <= BATCH_QUEUE_SIZE and",
+        find="and len(queue) < BATCH_QUEUE_SIZE:",
+        replace="and len(queue) <= BATCH_QUEUE_SIZE:",
     ),
     PlantedBug(
         name="newest-waited-for",

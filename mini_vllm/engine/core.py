@@ -267,8 +267,7 @@ class EngineCore(EngineCoreBase):
             scheduler_output = self.scheduler.schedule()
             self._record_blocks_in_step()
             queue.appendleft((self.execute_model_async(scheduler_output), scheduler_output))
-            if (scheduler_output.total_num_scheduled_tokens > 0
-                    and len(queue) < BATCH_QUEUE_SIZE and not queue[-1][0].done()):
+            if scheduler_output.total_num_scheduled_tokens > 0 and len(queue) < BATCH_QUEUE_SIZE:
                 return None
         if not queue:
             return []

@@ -218,6 +218,14 @@ class EngineCore(EngineCoreBase):
             "lab 03-04, task 5: implement EngineCore.step (hint: python -m course hint 03-04 5)"
         )
 
+    def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
+        """The busy loop's turn under async scheduling: lab 04-02 writes it, in the engine core
+        that extends this one; this one steps one at a time. (Complete.)"""
+        raise RuntimeError(
+            "EngineCore.step_with_batch_queue: this is lab 03-04's engine core, which steps one "
+            "at a time; async scheduling needs lab 04-02's EngineCore"
+        )
+
 
 # ----------------------------------------------------------------------------------------------
 # Beam search on your engine (tasks 6 and 7)

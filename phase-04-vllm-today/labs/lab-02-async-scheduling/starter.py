@@ -135,8 +135,8 @@ class EngineCore(_EngineCore):
            ``self._record_blocks_in_step()``, start it (``execute_model_async``) and put
            ``(future, output)`` at the left of ``self.batch_queue``, whatever it scheduled (a
            step of no tokens still tells the runner which requests finished). Then, if the step
-           scheduled tokens, fewer than ``BATCH_QUEUE_SIZE`` steps are in flight and the
-           oldest is not done yet, return ``None``: nothing to wait for yet.
+           scheduled tokens and fewer than ``BATCH_QUEUE_SIZE`` steps are in flight, return
+           ``None``: nothing to wait for yet.
         2. No step in flight: return ``[]``.
         3. Otherwise take the oldest step from the right of the queue, wait for its
            ``ModelRunnerOutput`` (``future.result()``: an exception of the step propagates),
