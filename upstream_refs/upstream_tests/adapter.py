@@ -330,13 +330,6 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
                              arrival_time=arrival_time, lora_request=lora_request,
                              cache_salt=cache_salt, priority=priority, block_hasher=block_hasher)
 
-        @property
-        def num_output_placeholders(self) -> int:
-            # Today's count of tokens scheduled under async scheduling whose ids are not back
-            # yet; mini_vllm schedules a step only after the last one's tokens are back, so it is
-            # always 0 (no setter: a test that plants placeholders fails).
-            return 0
-
     def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Any,
                                  num_hash_lookahead_tokens: int = 0):
         if num_hash_lookahead_tokens:

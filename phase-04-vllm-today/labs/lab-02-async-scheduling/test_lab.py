@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import random
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -42,6 +43,7 @@ lab = load_lab(__file__)
 BLOCK = 4
 WAIT_S = 20.0  # the longest a test waits on the model thread (a tiny model steps in ms)
 MAX_TURNS = 3000  # a run of the engine tests takes a few hundred turns
+HOLD_S = 5.0  # how long a test waits for a turn to start a step or return, its step held back
 
 
 @pytest.fixture(autouse=True)
@@ -353,6 +355,13 @@ def _add(core, rid, prompt, max_tokens):
     core.add_request(core.make_request(rid, list(prompt), _params(max_tokens)))
 
 
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
 def _turn(core, timeout):
     """One turn on a thread: ``(finished in time, returned or raised)``."""
     box = {}
@@ -383,14 +392,16 @@ def _first_two_turns():
     core = _core()
     gate = Gate(core)
     _add(core, "r", [5, 9, 12, 40, 7], 4)
-    thread, box = _turn(core, 3.0)
-    first = {"done": not thread.is_alive(), "started": gate.started,
-             "in_flight": len(core.batch_queue)}
-    if thread.is_alive():
+    thread, box = _turn(core, 0)
+    done = _wait_until(lambda: not thread.is_alive(), HOLD_S)
+    first = {"done": done, "started": gate.started, "in_flight": len(core.batch_queue)}
+    if not done:
         gate.open.set()
         thread.join(WAIT_S)
     first["value"] = _outputs(box.get("value", ("raised", "the turn never returned")))
-    thread, box = _turn(core, 0.5)
+    thread, box = _turn(core, 0)
+    _wait_until(lambda: gate.started == 2 or not thread.is_alive(), HOLD_S)
+    time.sleep(0.05)  # a turn that returns right after starting step 2 is done by now
     second = {"waited": thread.is_alive(), "started": gate.started}
     gate.open.set()
     thread.join(WAIT_S)
