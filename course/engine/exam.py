@@ -1222,7 +1222,7 @@ def case_engine_core_process(exam: Exam) -> None:
 
 
 # The async-scheduling case: six streams at once, each its own max_tokens (1 to 3 test the step
-# not planned past a last token in flight), in a cache small enough to preempt.
+# not planned past a last token in flight), in a small cache (23 usable blocks of 4 tokens).
 ASYNC_MAX_TOKENS = (1, 2, 3, 12, 7, 10)
 ASYNC_HANG_UP_TOKENS = 60  # the abandoned completion: fits the small cache, longer than read
 
@@ -1230,8 +1230,9 @@ ASYNC_HANG_UP_TOKENS = 60  # the abandoned completion: fits the small cache, lon
 def case_async_scheduling(exam: Exam) -> None:
     """The exam's prompts served with asynchronous scheduling (lab 04-02): the engine core plans
     each step while the one before it runs. Six completions stream at once with 1 to 12 tokens
-    each, one of them ending at a stop token it meets mid-stream, in a KV cache small enough to
-    preempt and a budget that splits the prompts; each client's token ids equal the oracle's. A
+    each, one of them ending at a stop token it meets mid-stream, in a small KV cache and a
+    budget that splits the prompts; each client's token ids equal the oracle's (preemption under
+    async scheduling is lab 04-02's tests' to stage). A
     client then hangs up mid-stream: the engine must end holding no request and no KV block."""
     rng = random.Random(47)
     prompts = _prompts(rng, [9, 14, 5, 22, 3, 17])
