@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.continuous_batching import environment  # noqa: E402
 from benchmarks.record import write_result  # noqa: E402
+from benchmarks.timing import Stopwatch  # noqa: E402
 from mini_vllm.entrypoints.llm import LLM  # noqa: E402
 from mini_vllm.sampling_params import SamplingParams  # noqa: E402
 
@@ -41,21 +42,9 @@ def run(llm: LLM, batch: int, tokens: int) -> tuple[float, float, list[list[int]
     """Step ``batch`` requests of ``tokens`` tokens to the end the busy loop's way. Returns
     (seconds in all, seconds inside schedule() and update_from_output(), each one's tokens)."""
     core = llm.engine
-    sched = core.scheduler
-    spent = [0.0]
-
-    def timed(method):
-        def call(*args):
-            t = time.perf_counter()
-            try:
-                return method(*args)
-            finally:
-                spent[0] += time.perf_counter() - t
-        return call
-
+    watch = Stopwatch()
     if not core.async_scheduling:  # timed in the synchronous run only: no extra cost there
-        sched.schedule, sched.update_from_output = timed(sched.schedule), \
-            timed(sched.update_from_output)
+        watch.wrap(core.scheduler, "schedule", "update_from_output")
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(batch)]
     for rid in ids:
@@ -66,9 +55,8 @@ def run(llm: LLM, batch: int, tokens: int) -> tuple[float, float, list[list[int]
         for out in core.step_fn() or []:
             got[out.request_id] += out.new_token_ids
     elapsed = time.perf_counter() - start
-    vars(sched).pop("schedule", None)
-    vars(sched).pop("update_from_output", None)
-    return elapsed, spent[0], [got[rid] for rid in ids]
+    watch.unwrap()
+    return elapsed, watch.seconds, [got[rid] for rid in ids]
 
 
 def measure(model: str, threads: int, batch: int, tokens: int, repeats: int) -> dict:

@@ -77,6 +77,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="plan each step while the one before it runs (vLLM's flag; default: on for a CUDA "
         "device, off on a CPU, never when speculating)")
+    add("--persistent-batch", action="store_true",
+        help="keep the runner's batch in rows updated by diffs across steps, as vLLM's runner "
+        "does (default: rebuilt each step)")
     add("--device", default="cpu")
 
 
@@ -212,6 +215,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         static_batching=args.static_batching,
         speculative_config=args.speculative_config,
         async_scheduling=args.async_scheduling,
+        persistent_batch=args.persistent_batch,
     )
 
 

@@ -147,8 +147,9 @@ class SpeculativeConfig:
     * ``draft_policy``: ``"adaptive"`` (default) checks, per request, only as many drafted tokens
       as its measured acceptance and the measured cost of the extra rows pay for
       (:mod:`mini_vllm.spec_decode.draft_policy`; a mini_vllm addition), so that speculation
-      stops costing time where drafts keep failing; ``"always"`` checks every proposed token,
-      as upstream does.
+      stops costing time where drafts keep failing (except for a seeded sampled request, which
+      checks every proposed token so that its seed alone decides its tokens); ``"always"``
+      checks every proposed token, as upstream does.
 
     upstream: vllm/config/speculative.py:42 @ v0.11.0
     """
@@ -244,6 +245,9 @@ class EngineConfig:
       loop, :meth:`~mini_vllm.engine.core.EngineCore.step_with_batch_queue`); ``None``
       (default): on for a model on a CUDA device, off on a CPU (where it does not pay: see
       ``benchmarks/async_scheduling.py``); never with speculative decoding.
+    * ``persistent_batch``: keep the runner's batch in rows that live across steps, updated by
+      diffs (:mod:`mini_vllm.worker.persistent_runner`, lab 04-03) instead of rebuilding it each
+      step; ``False`` (default): the per-step runner of lab 03-04.
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -266,8 +270,12 @@ class EngineConfig:
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | dict | None = None
     async_scheduling: bool | None = None
+    persistent_batch: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.persistent_batch, bool):
+            raise TypeError(f"EngineConfig: persistent_batch must be True or False, got "
+                            f"{self.persistent_batch!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"EngineConfig: async_scheduling must be None, True or False, got "
                             f"{self.async_scheduling!r}")

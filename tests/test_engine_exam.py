@@ -116,7 +116,8 @@ def test_finished_labs_become_the_engine_and_match_the_reference(tmp_path, monke
     summary = next(line for line in exam.stdout.splitlines() if "exam cases passed" in line)
     assert summary.startswith("1/1 exam cases passed") and "not your engine yet" in summary, (
         exam.stdout + exam.stderr)
-    assert ("Labs 03-02, 03-03, 03-04, 03-05, 03-06, 04-01, 04-02, 04-04 ran as the reference"
+    assert ("Labs 03-02, 03-03, 03-04, 03-05, 03-06, 04-01, 04-02, 04-03, 04-04 ran as the "
+            "reference"
             in summary), summary
 
 
@@ -240,6 +241,15 @@ def test_a_hung_piece_is_a_timeout_not_a_hang(tmp_path):
     assert [b["case"] for b in bisections] == ["prefix-odd-lengths"], bisections
 
 
+def _composed_in(root, code):
+    """``code`` run in a fresh process of the stand-in tree ``root``; it must exit 0."""
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp_path):
     """Lab 03-01 a stand-in's, labs 03-03, 04-02 and 04-04 the reference: the engine runs the
     stand-in's scheduler with the reference's swap members and draft members on top, and the
@@ -263,16 +273,35 @@ def test_stand_ins_compose_and_an_extended_class_keeps_the_reference_members(tmp
         "assert issubclass(a, Theirs) and a.__module__ == 'mini_vllm.core.sched.async_scheduler'\n"
         "print(dict((r[0], r[1]) for r in c.lab_rows()))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    proc = _composed_in(root, code)
     assert "'03-01': 'yours'" in proc.stdout and "'03-03': 'reference'" in proc.stdout
     assert "'04-04': 'reference'" in proc.stdout
     for case in ("preempt-swap", "async-scheduling"):
         exam = _run(root, "engine", "--exam", "--labs", "03-01", "--case", case,
                     cache=tmp_path / "cache")
         assert exam.returncode == 0, exam.stdout + exam.stderr
+
+
+def test_the_reference_persistent_runner_is_rebuilt_on_a_stand_in_s_runner(tmp_path):
+    """Lab 03-04 a stand-in's, lab 04-03 the reference: the persistent batch's runner is the
+    reference's rebuilt on the stand-in's ModelRunner (its step, its records, its sampling), and
+    the exam's persistent-batch case passes with it."""
+    from course.integrity.shadow import shadow_tree
+
+    root = shadow_tree(tmp_path / "tree")
+    code = (
+        "from course.engine.compose import compose\n"
+        "compose(['03-04'])\n"
+        "import mini_vllm.engine.core as core\n"
+        "from mini_vllm_shadow_03_04.worker.model_runner import ModelRunner as Theirs\n"
+        "p = core.PersistentBatchRunner\n"
+        "assert issubclass(p, Theirs) and p.__module__ == 'mini_vllm.worker.persistent_runner'\n"
+        "assert p.__mro__[1] is Theirs\n"
+    )
+    _composed_in(root, code)
+    exam = _run(root, "engine", "--exam", "--labs", "03-04", "--case", "persistent-batch",
+                cache=tmp_path / "cache")
+    assert exam.returncode == 0, exam.stdout + exam.stderr
 
 
 def test_bad_requests_exit_2_and_change_nothing(tmp_path):

@@ -1221,6 +1221,33 @@ def case_engine_core_process(exam: Exam) -> None:
         server.stop()
 
 
+def case_persistent_batch(exam: Exam) -> None:
+    """The persistent batch (lab 04-03): the runner keeps its batch in rows across steps. Seven
+    prompts in a small cache and a budget that splits them: requests are preempted, lose their
+    rows and take rows again, finished ones leave holes that the next arrivals and the condense
+    fill; then the same prompts reversed (rows reused, prefix hits). Then prompt lookup's drafts,
+    some accepted and some rejected, whose rejected positions the rows must not keep. Every
+    token is the oracle's and every block is free at the end."""
+    rng = random.Random(53)
+    prompts = _prompts(rng, [13, 9, 17, 6, 11, 3, 21])
+    llm = exam.llm(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=12,
+                   persistent_batch=True)
+    lengths = [SamplingParams(temperature=0.0, max_tokens=n) for n in (14, 3, 9, 1, 12, 7, 5)]
+    run = exam.generate(llm, prompts, lengths)
+    expect(run.stats.num_preemptions > 0, "preemptions in a cache of 15 blocks")
+    exam.generate(llm, prompts[::-1], GREEDY)
+    texts = [[rng.randrange(8) for _ in range(n)] for n in (6, 9, 12, 7)]
+    llm = exam.llm(block_size=4, num_gpu_blocks=32, max_num_batched_tokens=10,
+                   speculative_config=NGRAM_ALWAYS, persistent_batch=True)
+    drafty = [t + exam.expected(t, GREEDY, llm.max_model_len).token_ids[:6] + t
+              + [rng.randrange(8, 64) for _ in range(4)] + t for t in texts]
+    run = exam.generate(llm, drafty, GREEDY)
+    accepted = run.stats.spec_decoding_num_accepted_tokens
+    drafted = run.stats.spec_decoding_num_draft_tokens
+    expect(0 < accepted < drafted, f"drafts both accepted and rejected ({accepted} of {drafted} "
+           "accepted)")
+
+
 # The async-scheduling case: six streams at once, each its own max_tokens (1 to 3 test the step
 # not planned past a last token in flight), in a small cache (23 usable blocks of 4 tokens).
 ASYNC_MAX_TOKENS = (1, 2, 3, 12, 7, 10)
@@ -1492,6 +1519,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("served-over-http", case_served_over_http),
         Case("engine-core-process", case_engine_core_process),
         Case("async-scheduling", case_async_scheduling),
+        Case("persistent-batch", case_persistent_batch),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)

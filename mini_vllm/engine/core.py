@@ -37,6 +37,7 @@ from mini_vllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from mini_vllm.request import Request
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.worker.model_runner import ModelRunner
+from mini_vllm.worker.persistent_runner import PersistentBatchRunner
 
 __all__ = ["BATCH_QUEUE_SIZE", "EngineCore", "EngineCoreBase"]
 
@@ -54,6 +55,8 @@ class EngineCoreBase:
     speculation (step N's drafts are proposed after it, too late to plan step N+1 with; upstream
     turns it off for its CPU n-gram proposer too), and ``True`` with speculation is refused.
     ``batch_queue``: the steps in flight (newest first), each ``(future, scheduler_output)``.
+    ``persistent_batch``: build a :class:`PersistentBatchRunner` (lab 04-03: the batch kept in
+    rows across steps) instead of ``runner_cls``.
 
     upstream: vllm/v1/engine/core.py:63 @ v0.11.0
     """
@@ -73,10 +76,14 @@ class EngineCoreBase:
         speculative_config: SpeculativeConfig | None = None,
         draft_model: LlamaForCausalLM | None = None,
         async_scheduling: bool | None = None,
+        persistent_batch: bool = False,
     ) -> None:
         if async_scheduling is not None and not isinstance(async_scheduling, bool):
             raise TypeError(f"EngineCore: async_scheduling must be None, True or False, got "
                             f"{async_scheduling!r}")
+        if not isinstance(persistent_batch, bool):
+            raise TypeError(f"EngineCore: persistent_batch must be True or False, got "
+                            f"{persistent_batch!r}")
         if async_scheduling and speculative_config is not None:
             raise ValueError(
                 "EngineCore: async scheduling does not run with speculative decoding (a step's "
@@ -104,7 +111,12 @@ class EngineCoreBase:
             extra_kwargs["max_model_len"] = scheduler_config.max_model_len
             if draft_model is not None:
                 extra_kwargs["draft_model"] = draft_model
-        self.model_runner = self.runner_cls(
+        runner_cls = self.runner_cls
+        if persistent_batch:
+            runner_cls = PersistentBatchRunner
+            extra_kwargs["max_num_reqs"] = scheduler_config.max_num_seqs
+            extra_kwargs["max_model_len"] = scheduler_config.max_model_len
+        self.model_runner = runner_cls(
             model,
             block_size=scheduler_config.block_size,
             num_gpu_blocks=scheduler_config.num_gpu_blocks,

@@ -143,6 +143,7 @@ class LLM:
             speculative_config=self.config.speculative_config,
             draft_model=self.draft_model,
             async_scheduling=self.config.async_scheduling,
+            persistent_batch=self.config.persistent_batch,
         )
 
     # ------------------------------------------------------------------ the public calls
@@ -685,6 +686,9 @@ class LLM:
             for rid in [r for r in runner.requests if r not in live]:
                 del runner.requests[rid]
             runner.batch_req_ids = [r for r in runner.batch_req_ids if r in live]
+            reset_batch = getattr(runner, "reset_persistent_batch", None)
+            if reset_batch is not None:  # its rows may hold half of the failed step's diff
+                reset_batch()
             clean = (not engine.has_unfinished_requests() and engine.num_blocks_in_use == 0
                      and engine.scheduler.kv_cache_manager.reset_prefix_cache())
         except Exception:  # the state is too broken to repair in place

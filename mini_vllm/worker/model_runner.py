@@ -457,8 +457,9 @@ class ModelRunnerBase:
         :meth:`take_draft_token_ids`. None for a request that asks for log-probabilities or is
         still under ``min_tokens`` (its stop tokens are banned position by position); no more
         than the request can still emit (``max_tokens``) needs, and, with the adaptive draft
-        policy, no more than pay (:mod:`mini_vllm.spec_decode.draft_policy`), which learns
-        here from the step just run (its time, and how many of ``drafts`` were accepted).
+        policy, no more than pay (:mod:`mini_vllm.spec_decode.draft_policy`; not for a seeded
+        sampled request), which learns here from the step just run (its time, and how many of
+        ``drafts`` were accepted).
 
         upstream: vllm/v1/worker/gpu_model_runner.py:2458 @ v0.11.0
         """
@@ -475,7 +476,10 @@ class ModelRunnerBase:
                     or state.num_output_tokens < params.min_tokens):
                 continue
             room = params.max_tokens - state.num_output_tokens - 1
-            if policy is not None:
+            # Not for a seeded sampled request: its tokens depend on how many drafts it checks
+            # (each draws from its generator), and the policy's choice on measured step times,
+            # so the seed alone would not decide them. It checks its whole proposal.
+            if policy is not None and state.generator is None:
                 room = min(room, policy.num_drafts(req_id, len(meta.req_ids)))
             req_ids.append(req_id)
             rooms.append(max(room, 0))

@@ -241,3 +241,18 @@ def test_a_seeded_speculative_request_reproduces_whatever_shares_its_batch(tiny_
                          use_tqdm=False)
     assert crowd[1].outputs[0].token_ids == alone
     assert llm.last_stats.spec_decoding.num_drafts > 0
+
+
+def test_a_seeded_speculative_request_reproduces_across_engines_with_the_adaptive_policy():
+    """The adaptive draft policy picks draft lengths from measured step times, and a sampled
+    request's tokens depend on how many drafts it checks (each draws from its generator): a
+    seeded request checks its whole proposal, so three engines give it the same tokens."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3}
+    seeded = SamplingParams(temperature=1.0, seed=9, max_tokens=33)
+    outputs = []
+    for _ in range(3):
+        llm = LLM(speculative_config=ngram, enforce_eager=True)
+        outputs.append(llm.generate(["KING"], seeded, use_tqdm=False)[0].outputs[0].token_ids)
+        assert llm.last_stats.spec_decoding.num_drafts > 0
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
