@@ -42,7 +42,8 @@ class InputBatchBase:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
-        for name, value in (("max_num_reqs", max_num_reqs), ("max_model_len", max_model_len)):
+        for name, value in (("max_num_reqs", max_num_reqs), ("max_model_len", max_model_len),
+                            ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"InputBatch: {name} must be an int >= 1, got {value!r}")
         self.max_num_reqs = max_num_reqs

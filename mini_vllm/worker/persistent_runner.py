@@ -14,9 +14,10 @@
    positions, the slot mapping and the block table with array gathers over the rows.
 
 Everything else (swapping blocks, the forward pass, sampling, drafts, log-probabilities) is the
-per-step runner's. The tokens are the same on every step; ``benchmarks/persistent_batch.py``
-measures what the rows save. Upstream keeps the same split: ``self.requests`` and
-``self.input_batch`` side by side.
+per-step runner's. Greedy and seeded requests get the same tokens on every step (unseeded
+sampling draws in batch order, and a newcomer fills a hole here where it joins the back there);
+``benchmarks/persistent_batch.py`` measures what the rows save. Upstream keeps the same split:
+``self.requests`` and ``self.input_batch`` side by side.
 
 upstream: vllm/v1/worker/gpu_model_runner.py:526 @ v0.11.0
 """
@@ -130,13 +131,22 @@ def batch_metadata(batch: InputBatch, req_ids: list[str],
                    query_lens: np.ndarray) -> tuple[torch.Tensor, AttentionMetadata]:
     """The step's ``input_ids`` and attention metadata from rows ``[0, len(req_ids))`` of
     ``batch`` (decodes first), row ``i`` computing ``query_lens[i]`` tokens after its
-    ``num_computed_tokens``: every flat-token array is one gather over the rows.
+    ``num_computed_tokens``: every flat-token array is one gather over the rows. Raises
+    ``ValueError`` when a row's blocks do not cover its step's positions.
 
     upstream: vllm/v1/worker/gpu_model_runner.py:923 @ v0.11.0
     """
     n = len(req_ids)
     context = batch.num_computed_tokens[:n]
     seq = context + query_lens
+    short = np.flatnonzero(batch.block_table.num_blocks_per_row[:n] * batch.block_table.block_size
+                           < seq)
+    if short.size:
+        row = int(short[0])
+        raise ValueError(
+            f"batch_metadata: request {req_ids[row]!r} (row {row}) needs {int(seq[row])} slots but "
+            f"its block-table row holds {int(batch.block_table.num_blocks_per_row[row])} block(s) "
+            f"of {batch.block_table.block_size}; its new blocks never reached the row")
     cu_query = np.cumsum(query_lens)
     total = int(cu_query[-1])
     # Flat token t: its row, and its offset inside the row's query.

@@ -4,6 +4,7 @@ and clear errors for bad sizes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mini_vllm.config import EngineConfig, SchedulerConfig
@@ -13,7 +14,7 @@ from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.worker.block_table import BlockTable
 from mini_vllm.worker.input_batch import InputBatch
 from mini_vllm.worker.model_runner import ModelRunner
-from mini_vllm.worker.persistent_runner import PersistentBatchRunner
+from mini_vllm.worker.persistent_runner import PersistentBatchRunner, batch_metadata
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -91,8 +92,19 @@ def test_bad_sizes_and_overflows_are_refused():
         InputBatch(0, 16, 4)
     with pytest.raises(ValueError, match="block_size must be an int >= 1"):
         BlockTable(2, 4, 0)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        InputBatch(2, 16, 0)
     batch = InputBatch(1, 8, 4)
     row = batch.add_request("a", [1, 2, 3], 3, 0, [5])
     with pytest.raises(ValueError, match="would hold 9 tokens, more than max_model_len=8"):
         batch.write_tokens(row, 3, [4, 5, 6, 7, 8, 9])
     assert batch.num_tokens[row] == 3
+
+
+def test_a_row_whose_blocks_miss_the_step_s_positions_is_named():
+    batch = InputBatch(2, 16, 4)
+    batch.add_request("a", list(range(6)), 6, 0, [3, 4])
+    batch.add_request("b", list(range(6)), 6, 0, [5])  # 6 tokens, one block of 4
+    with pytest.raises(ValueError, match="request 'b' \\(row 1\\) needs 6 slots but its "
+                                         "block-table row holds 1 block"):
+        batch_metadata(batch, ["a", "b"], np.array([6, 6]))

@@ -228,9 +228,10 @@ class PersistentBatchRunner(ModelRunner):
         1. For each row ``[0, num_reqs)``: its record's ``token_ids`` may be ahead of the row (the
            token lab 03-04's ``_sample`` appended last step) and end in this step's drafts
            (``scheduled_spec_decode_tokens[req_id]``, appended to the record before this call).
-           Positions from ``num_tokens_no_spec[row]`` on are stale (last step's drafts may have
-           been rejected): write the record's tokens from there with ``write_tokens(row, start,
-           tokens, num_drafts=...)`` whenever the row is not already equal to the record.
+           Positions from ``start = num_tokens_no_spec[row]`` on are stale (last step's drafts
+           may have been rejected): whenever the row is not already equal to the record, write
+           the record's tokens from there, ``write_tokens(row, start, tokens[start:],
+           num_drafts=len(scheduled_spec_decode_tokens.get(req_id, ())))``.
         2. Order: ``reorder_batch_to_split_decodes_and_prefills`` on a copy of the rows' ids,
            then ``swap_states`` until each row holds its id; ``self.batch_req_ids`` is the order.
         3. ``input_ids, meta = batch_metadata(batch, order, query_lens)`` with ``query_lens`` an

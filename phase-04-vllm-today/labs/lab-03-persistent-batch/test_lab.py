@@ -163,15 +163,30 @@ def test_swapping_rows_moves_everything_with_them():
             "longer one's), counts and blocks move with it")
 
 
+def test_swapping_a_short_row_with_a_longer_one_after_it_moves_all_of_the_longer_one():
+    batch = _batch()
+    batch.add_request("s", [9], 1, 0, [4])
+    batch.add_request("l", [1, 2, 3, 4, 5], 5, 2, [6, 7])
+    batch.swap_states(0, 1)
+    _, _, rows = _rows(batch)
+    assert rows["l"] == (0, [1, 2, 3, 4, 5], (5, 5, 5, 2), [6, 7]) and \
+        rows["s"] == (1, [9], (1, 1, 1, 0), [4]), (
+            f"swap_states(0, 1) with the longer row second: l {rows['l']}, s {rows['s']}: move "
+            "the tokens of the longer row whichever argument it is")
+
+
 def test_a_row_swaps_with_a_hole():
     batch = _batch()
     for r in "abc":
         batch.add_request(r, [ord(r)], 1, 0, [])
+    batch.add_request("d", [7, 8], 2, 1, [3])
     batch.remove_request("a")
-    batch.swap_states(0, 2)
+    batch.swap_states(0, 3)
     req_ids, index, rows = _rows(batch)
-    assert req_ids == ["c", "b", None] and index == {"b": 1, "c": 0} and rows["c"][1] == [99], (
-        f"swapping the hole at row 0 with c at row 2: req_ids {req_ids}, index {index}")
+    assert req_ids == ["d", "b", "c", None] and index == {"b": 1, "c": 2, "d": 0}, (
+        f"swapping the hole at row 0 with d at row 3: req_ids {req_ids}, index {index}")
+    assert rows["d"] == (0, [7, 8], (2, 2, 2, 1), [3]), (
+        f"d moved into the hole as {rows['d']}: its tokens, counts and blocks move with it")
 
 
 def test_condensing_fills_the_lowest_holes_with_the_last_rows():
@@ -208,15 +223,21 @@ def test_condensing_drops_trailing_holes_and_leaves_a_full_batch_alone():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("aarrc"), st.integers(0, 5)), max_size=30))
-def test_any_sequence_of_adds_removes_and_condenses_keeps_every_request_s_row(ops):
-    """Hypothesis: rows as the rules move them, checked after every operation."""
+@given(st.lists(st.tuples(st.sampled_from("aarrcs"), st.integers(0, 24)), max_size=30))
+def test_any_sequence_of_adds_removes_swaps_and_condenses_keeps_every_request_s_row(ops):
+    """Hypothesis: rows as the rules move them, checked after every operation (``s`` swaps two
+    rows, holes included)."""
     batch = _batch(rows=5, max_len=12)
     model: list[str | None] = []  # the rows, as the rules say they are
     state: dict[str, tuple] = {}
     serial = 0
     for op, k in ops:
-        if op == "a" and sum(r is not None for r in model) < 5:
+        k, j = k % 6, k // 6
+        if op == "s" and len(model) > 1:
+            a, b = j % len(model), (j + k) % len(model)
+            batch.swap_states(a, b)
+            model[a], model[b] = model[b], model[a]
+        elif op == "a" and sum(r is not None for r in model) < 5:
             rid, serial = f"q{serial}", serial + 1
             tokens = [serial] * (k + 1)
             state[rid] = (tokens, (k + 1, k + 1, k + 1, k), [serial, serial + 1][: k % 3])
@@ -485,6 +506,41 @@ def test_a_request_back_in_the_batch_listed_first_does_not_stop_the_others_updat
     assert preemptions > 0, "set-up: this run was meant to preempt"
 
 
+@beside_the_student
+def _count_adds(runner):
+    """Set-up: count the rows your batch hands out from now on (how the code runs)."""
+    batch = runner.input_batch
+    add = batch.add_request
+
+    def counted(*args, **kwargs):
+        runner.rows_handed_out = getattr(runner, "rows_handed_out", 0) + 1
+        return add(*args, **kwargs)
+
+    batch.add_request = counted
+
+
+def test_a_request_that_keeps_decoding_keeps_its_row():
+    config = _config()
+    scheduler = Scheduler(config)
+    yours = _runner(4, config, beside=lab)
+    for rid, prompt in (("a", [1, 2, 3]), ("b", [4, 5]), ("c", [6, 7, 8, 9])):
+        scheduler.add_request(_request(rid, prompt, 12))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, yours.execute_model(out))
+    rows_before, batch = list(yours.input_batch.req_ids), yours.input_batch
+    _count_adds(yours, beside=lab)
+    for _ in range(6):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, yours.execute_model(out))
+    handed_out = getattr(yours, "rows_handed_out", 0)
+    assert yours.input_batch is batch, (
+        "your runner replaced its InputBatch between two steps: the batch lives across steps")
+    assert handed_out == 0 and list(yours.input_batch.req_ids) == rows_before, (
+        f"six decode steps of a, b and c, no request arriving or leaving: your batch handed out "
+        f"{handed_out} row(s) and went from {rows_before} to {list(yours.input_batch.req_ids)}; "
+        "a request that stays keeps its row and gets only the diff (that is the point)")
+
+
 def test_a_finished_id_the_batch_never_held_is_not_an_error():
     config = _config()
     scheduler = Scheduler(config)
@@ -536,6 +592,8 @@ def _check_inputs(step, out, got, theirs, ref, yours):
     want = _per_request(*ref._prepare_inputs(out))
     input_ids, meta = yours.last_inputs
     mine = _per_request(input_ids, meta)
+    assert set(mine) == set(want), (
+        f"step {step}: your inputs are for {sorted(mine)}, the step schedules {sorted(want)}")
     for rid in want:
         assert mine.get(rid) == want[rid], (
             f"step {step}: request {rid}'s (tokens, positions, slots, seq_len, blocks) are "
@@ -610,15 +668,17 @@ def _reject_drafts(runner, emitted):
 
 @beside_the_student
 def _with_your_pieces(waves, config, knobs):
-    """Set-up: the engine core with your runner (and so your batch and table) in it."""
+    """Set-up: the engine core with your runner, your batch and your block table in it."""
     from mini_vllm.engine import core as core_module
+    from mini_vllm.worker import input_batch as batch_module
 
-    saved = core_module.PersistentBatchRunner
-    core_module.PersistentBatchRunner = lab.PersistentBatchRunner
+    saved = core_module.PersistentBatchRunner, batch_module.BlockTable
+    core_module.PersistentBatchRunner, batch_module.BlockTable = (lab.PersistentBatchRunner,
+                                                                  lab.BlockTable)
     try:
         core = ReferenceEngineCore(tiny_model(), config, persistent_batch=True, **knobs)
     finally:
-        core_module.PersistentBatchRunner = saved
+        core_module.PersistentBatchRunner, batch_module.BlockTable = saved
     got = {}
     try:
         for wave in waves:
@@ -630,10 +690,12 @@ def _with_your_pieces(waves, config, knobs):
                     break
                 for out in core.step_fn() or []:
                     got[out.request_id] += out.new_token_ids
+            else:
+                raise RuntimeError(f"the engine still had work after {MAX_STEPS} steps: some "
+                                   "request is never finished")
     finally:
         core.drain_batch_queue()
     return {"tokens": got, "blocks": int(core.num_blocks_in_use),
-            "runner": type(core.model_runner).__mro__[1].__module__,
             "preemptions": core.scheduler.stats.num_preemptions}
 
 
