@@ -12,9 +12,12 @@ qualified name is a good one. This module finds the definitions of one source fi
   ``;``, ``{`` or ``}`` at namespace or class scope.
 
 Invariants: a symbol's span ``start..end`` (1-based, inclusive) contains every line of its
-definition; spans of one file nest or are disjoint; the signature is a normalised string that
-changes exactly when the parameters (names, order, kinds, defaults present) change, not when
-annotations, whitespace or comments do.
+definition; spans of one file nest or are disjoint. A Python symbol's signature is read with
+``ast`` into its parts (:class:`Param`: name, kind, annotation and default as source text, in
+order; and the return annotation): it changes exactly when one of those does, not when
+whitespace, comments or the spelling of a type do (``Optional[X]`` is ``X | None``).
+:func:`signature_differences` says what changed, part by part. A C/C++ symbol's signature is
+its parameter list as text, whitespace collapsed.
 """
 
 from __future__ import annotations
@@ -30,12 +33,50 @@ PY_SUFFIXES = (".py",)
 C_SUFFIXES = (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp")
 
 
+KINDS = ("positional-only", "regular", "*args", "keyword-only", "**kwargs")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # one of KINDS
+    annotation: str  # the type as source text (one spelling), "" when unannotated
+    default: str | None  # the default as source text, None when there is none
+
+    def text(self) -> str:
+        star = {"*args": "*", "**kwargs": "**"}.get(self.kind, "")
+        out = star + self.name + (f": {self.annotation}" if self.annotation else "")
+        if self.default is not None:
+            out += f" = {self.default}" if self.annotation else f"={self.default}"
+        return out
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A Python definition's parameters, in order, and its return annotation ("" if none)."""
+
+    params: tuple[Param, ...]
+    returns: str = ""
+
+    def text(self) -> str:
+        parts: list[str] = []
+        kinds = [p.kind for p in self.params] + [""]
+        for i, param in enumerate(self.params):
+            if param.kind == "keyword-only" and not {"*args", "keyword-only"} & set(kinds[:i]):
+                parts.append("*")  # keyword-only without *args
+            parts.append(param.text())
+            if param.kind == "positional-only" and kinds[i + 1] != "positional-only":
+                parts.append("/")
+        return "(" + ", ".join(parts) + ")" + (f" -> {self.returns}" if self.returns else "")
+
+
 @dataclass(frozen=True)
 class Symbol:
     qualname: str
     start: int
     end: int
     signature: str  # "" for names that take no parameters (constants, enums, macros)
+    parts: Signature | None = None  # a Python function's or class's signature, by part
 
 
 def symbols_of(path: Path) -> dict[str, Symbol]:
@@ -107,45 +148,97 @@ def _type_text(annotation: ast.expr) -> str:
     return ast.unparse(_Spelling().visit(copy.deepcopy(annotation)))
 
 
-def _annotated(arg: ast.arg) -> str:
-    """``name: annotation`` with the annotation's type as text (one spelling), or the name."""
-    return f"{arg.arg}: {_type_text(arg.annotation)}" if arg.annotation else arg.arg
+def _param(arg: ast.arg, kind: str, default: ast.expr | None) -> Param:
+    annotation = _type_text(arg.annotation) if arg.annotation else ""
+    return Param(arg.arg, kind, annotation, None if default is None else ast.unparse(default))
 
 
-def _py_signature(args: ast.arguments, returns: ast.expr | None = None) -> str:
-    """Parameters in order with their annotations as text, ``/``, ``*`` and ``=`` for defaults
-    (not their values), and the return annotation: a parameter renamed, added, made keyword-only
-    or given another type (``touch(blocks: tuple[list[...], ...])`` becoming
-    ``touch(blocks: Sequence[...])``) changes it."""
+def _py_signature(args: ast.arguments, returns: ast.expr | None = None) -> Signature:
+    """Parameters in order, each with its kind, its annotation's type as text (one spelling)
+    and its default as source text, and the return annotation: a parameter renamed, added,
+    made keyword-only, given another default or another type (``touch(blocks:
+    tuple[list[...], ...])`` becoming ``touch(blocks: Sequence[...])``) changes it."""
     positional = [*args.posonlyargs, *args.args]
-    first_default = len(positional) - len(args.defaults)
-    parts = []
-    for i, arg in enumerate(positional):
-        parts.append(_annotated(arg) + ("=" if i >= first_default else ""))
-        if args.posonlyargs and i == len(args.posonlyargs) - 1:
-            parts.append("/")
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults))
+    defaults += args.defaults
+    params = [
+        _param(arg, "positional-only" if i < len(args.posonlyargs) else "regular", default)
+        for i, (arg, default) in enumerate(zip(positional, defaults))
+    ]
     if args.vararg:
-        parts.append("*" + _annotated(args.vararg))
-    elif args.kwonlyargs:
-        parts.append("*")
-    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
-        parts.append(_annotated(arg) + ("=" if default is not None else ""))
+        params.append(_param(args.vararg, "*args", None))
+    params += [_param(arg, "keyword-only", default)
+               for arg, default in zip(args.kwonlyargs, args.kw_defaults)]
     if args.kwarg:
-        parts.append("**" + _annotated(args.kwarg))
-    return "(" + ", ".join(parts) + ")" + (f" -> {_type_text(returns)}" if returns else "")
+        params.append(_param(args.kwarg, "**kwargs", None))
+    return Signature(tuple(params), _type_text(returns) if returns else "")
 
 
-def _class_signature(node: ast.ClassDef) -> str:
-    """A class's parameters: its ``__init__``'s, else its annotated fields (a dataclass)."""
+def _class_signature(node: ast.ClassDef) -> Signature | None:
+    """A class's parameters: its ``__init__``'s, else its annotated fields (a dataclass), else
+    None (nothing to compare)."""
     for item in node.body:
         if isinstance(item, ast.FunctionDef) and item.name == "__init__":
             return _py_signature(item.args)
     fields = [
-        f"{item.target.id}: {_type_text(item.annotation)}" + ("=" if item.value is not None else "")
+        Param(item.target.id, "regular", _type_text(item.annotation),
+              ast.unparse(item.value) if item.value is not None else None)
         for item in node.body
         if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
     ]
-    return "(" + ", ".join(fields) + ")" if fields else ""
+    return Signature(tuple(fields)) if fields else None
+
+
+def _quoted(text: str | None) -> str:
+    return "none" if not text else repr(text)
+
+
+def signature_differences(then: Symbol, now: Symbol) -> list[str]:
+    """What differs between two symbols' signatures, one phrase per difference (``parameter
+    'blocks' annotation 'list[list[Block]]' -> 'Sequence[Block]'``); [] when they are the
+    same. Symbols without parts (C, C++, constants) compare their signature text."""
+    if then.parts is None or now.parts is None:
+        if then.signature == now.signature:
+            return []
+        return [f"parameters {then.signature or '()'!r} -> {now.signature or '()'!r}"]
+    old, new = then.parts.params, now.parts.params
+    old_names, new_names = [p.name for p in old], [p.name for p in new]
+    found: list[str] = []
+    pairs: list[tuple[Param, Param]] = []
+    renamed: set[str] = set()
+    for a, b in zip(old, new):  # a new name in the place of a name now gone: renamed
+        if a.name != b.name and a.name not in new_names and b.name not in old_names:
+            found.append(f"parameter {a.name!r} renamed {b.name!r}")
+            pairs.append((a, b))
+            renamed |= {a.name, b.name}
+    by_name = {p.name: p for p in new}
+    for a in old:
+        if a.name in renamed:
+            continue
+        if a.name in by_name:
+            pairs.append((a, by_name[a.name]))
+        else:
+            found.append(f"parameter {a.name!r} removed")
+    found += [f"parameter {b.name!r} added" for b in new
+              if b.name not in old_names and b.name not in renamed]
+    kept_old = [n for n in old_names if n in new_names]
+    kept_new = [n for n in new_names if n in old_names]
+    if kept_old != kept_new:
+        found.append(f"parameters reordered ({', '.join(kept_old)}) -> ({', '.join(kept_new)})")
+    for a, b in pairs:
+        name = b.name
+        if a.kind != b.kind:
+            found.append(f"parameter {name!r} kind {a.kind} -> {b.kind}")
+        if a.annotation != b.annotation:
+            found.append(f"parameter {name!r} annotation {_quoted(a.annotation)} -> "
+                         f"{_quoted(b.annotation)}")
+        if a.default != b.default:
+            found.append(f"parameter {name!r} default {_quoted(a.default)} -> "
+                         f"{_quoted(b.default)}")
+    if then.parts.returns != now.parts.returns:
+        found.append(f"return annotation {_quoted(then.parts.returns)} -> "
+                     f"{_quoted(now.parts.returns)}")
+    return found
 
 
 def python_symbols(text: str) -> dict[str, Symbol]:
@@ -159,12 +252,14 @@ def python_symbols(text: str) -> dict[str, Symbol]:
             end = node.end_lineno or node.lineno
             if isinstance(node, ast.ClassDef):
                 name = prefix + node.name
-                found.setdefault(name, Symbol(name, start, end, _class_signature(node)))
+                parts = _class_signature(node)
+                signature = parts.text() if parts else ""
+                found.setdefault(name, Symbol(name, start, end, signature, parts))
                 visit(node.body, name + ".")
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 name = prefix + node.name
-                signature = _py_signature(node.args, node.returns)
-                found.setdefault(name, Symbol(name, start, end, signature))
+                parts = _py_signature(node.args, node.returns)
+                found.setdefault(name, Symbol(name, start, end, parts.text(), parts))
                 visit(node.body, name + ".", in_function=True)
             elif isinstance(node, ast.Assign | ast.AnnAssign) and not in_function:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]

@@ -38,7 +38,7 @@ import tomllib
 
 from course.labs.catalog import REPO_ROOT
 from course.upstream.refs import Ref, find_uses, load_map, toml_files
-from course.upstream.symbols import Symbol, enclosing, symbols_of
+from course.upstream.symbols import Symbol, enclosing, signature_differences, symbols_of
 
 CHANGES = ("signature", "behaviour")
 SECTION = "## Upstream today"
@@ -315,7 +315,11 @@ def check_today_source(
     today_tree: Path, pinned_trees: dict[str, Path], root: Path = REPO_ROOT
 ) -> tuple[list[str], int]:
     """(problems, pieces checked) of every record against today's release, and, where the pin a
-    record cites is also given, the record's signature flag against both releases."""
+    record cites is also given, the record's signature flag against both releases: the full
+    signatures at ``at`` and at ``today`` (a class's: its ``__init__``'s, else its fields),
+    parameter by parameter (name, order, kind, annotation and default as source text) and the
+    return annotation. A record that keeps its signature where they differ names what differs;
+    one that flags a change where none is, is wrong too."""
     pieces, problems = load_pieces(root)
     cache: dict[Path, dict[str, Symbol]] = {}
     version = today_version(root)
@@ -344,12 +348,18 @@ def check_today_source(
         if then is False:
             problems.append(f"{where}: not in v{piece.version} itself")
         elif isinstance(then, Symbol) and isinstance(now, Symbol):
-            changed = then.signature != now.signature
-            if changed != ("signature" in piece.changes):
+            differences = signature_differences(then, now)
+            if differences and "signature" not in piece.changes:
                 problems.append(
-                    f"{where}: the signature {'changed' if changed else 'did not change'} "
-                    f"({then.signature} -> {now.signature}); "
-                    f"{'add' if changed else 'drop'} 'signature' in changes"
+                    f"{where}: recorded with its signature kept, but it changed from "
+                    f"v{piece.version} to v{version}: {'; '.join(differences)} "
+                    f"({then.signature} -> {now.signature}); add 'signature' in changes"
+                )
+            elif not differences and "signature" in piece.changes:
+                problems.append(
+                    f"{where}: recorded with a signature change, but the signature did not "
+                    f"change from v{piece.version} to v{version} ({then.signature}); "
+                    f"drop 'signature' in changes"
                 )
     return problems, checked
 
