@@ -133,15 +133,11 @@ class LLM:
 
     def _make_engine(self) -> EngineCoreBase:
         return EngineCore(
-            self.model,
-            self._scheduler_config,
+            self.model, self._scheduler_config,
             eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
-            use_cuda_ops=self.config.use_cuda_ops,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            kv_scales=self.config.kv_scales,
-            enforce_eager=self.config.enforce_eager,
-            speculative_config=self.config.speculative_config,
-            draft_model=self.draft_model,
+            use_cuda_ops=self.config.use_cuda_ops, kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_scales=self.config.kv_scales, enforce_eager=self.config.enforce_eager,
+            speculative_config=self.config.speculative_config, draft_model=self.draft_model,
             async_scheduling=self.config.async_scheduling,
             persistent_batch=self.config.persistent_batch,
         )

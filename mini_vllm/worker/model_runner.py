@@ -476,9 +476,8 @@ class ModelRunnerBase:
                     or state.num_output_tokens < params.min_tokens):
                 continue
             room = params.max_tokens - state.num_output_tokens - 1
-            # Not for a seeded sampled request: its tokens depend on how many drafts it checks
-            # (each draws from its generator), and the policy's choice on measured step times,
-            # so the seed alone would not decide them. It checks its whole proposal.
+            # Not for a seeded sampled request: its draws depend on how many drafts it checks,
+            # the policy's choice on measured times; so it checks its whole proposal.
             if policy is not None and state.generator is None:
                 room = min(room, policy.num_drafts(req_id, len(meta.req_ids)))
             req_ids.append(req_id)

@@ -16,8 +16,10 @@ from mini_vllm.worker.input_batch import InputBatch
 from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.worker.persistent_runner import PersistentBatchRunner, batch_metadata
 
+# "always": the adaptive policy sizes drafts from measured times, and the batch's shape with
+# them, which moves the log-probabilities' last bits between two runs of either runner.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "draft_policy": "always"}
 
 
 def test_off_unless_asked_and_a_bad_value_says_what_it_takes(tiny_model):
