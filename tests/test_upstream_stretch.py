@@ -10,7 +10,9 @@ network) their tests skip, at no cost.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -138,6 +140,21 @@ def test_an_untouched_stretch_is_skipped_with_a_sentence(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
+RESULTS = UPSTREAM_TESTS / "results.json"
+
+
+def test_lab_readme_counts_are_the_recorded_run():
+    """Lab 02-01's file-by-file table is ``results.json``'s (which the next test checks against
+    a fresh run)."""
+    recorded = json.loads(RESULTS.read_text(encoding="utf-8"))["by_file"]
+    readme = (LAB / "README.md").read_text(encoding="utf-8")
+    table = {m[0]: {"items": int(m[1]), "passed": int(m[2]), "excluded": int(m[3])}
+             for m in re.findall(r"^\| `((?:core|sample)/[\w/]+\.py)` \| (\d+) \| (\d+) \| "
+                                 r"(\d+) \|$", readme, flags=re.M)}
+    assert table == {name: {k: row[k] for k in ("items", "passed", "excluded")}
+                     for name, row in recorded.items()}
+
+
 @pytest.mark.slow
 def test_upstream_tests_pass_or_are_excluded_with_a_reason(upstream_release):
     run, src = upstream_release
@@ -146,6 +163,10 @@ def test_upstream_tests_pass_or_are_excluded_with_a_reason(upstream_release):
     assert not result["stale_exclusions"], (
         f"exclusions that name nothing or only passing items: {result['stale_exclusions']}")
     assert result["counts"]["passed"] > 0
+    recorded = json.loads(RESULTS.read_text(encoding="utf-8"))
+    assert result["by_file"] == recorded["by_file"], (
+        "upstream_refs/upstream_tests/results.json is not today's run: write it again with "
+        f"`{recorded['command']}` and copy its counts into lab 02-01's README")
 
 
 @pytest.mark.slow

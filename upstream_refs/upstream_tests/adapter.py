@@ -11,11 +11,12 @@ module built here:
   values, ``KVCacheManager`` takes a ``KVCacheConfig``, ``Request`` takes ``SamplingParams``
   with the EOS id in it);
 * the scheduler's tests build today's configs (``VllmConfig`` and its parts, held as given)
-  and a ``Scheduler`` from them: mini_vllm's v1 scheduler with the settings it has (n-gram
-  speculation among them), which raises ``LeftOutError`` for every other one (async
-  scheduling, priority, connectors, other drafters, ...); ``update_from_output`` returns
-  today's ``{client: EngineCoreOutputs}``, with this step's spec-decoding counts when the
-  scheduler logs stats;
+  and a ``Scheduler`` or ``AsyncScheduler`` from them: mini_vllm's v1 schedulers with the
+  settings they have (n-gram speculation in the synchronous one), which raise ``LeftOutError``
+  for every other one (priority, connectors, pipeline parallelism, other drafters, ...);
+  ``update_from_output`` returns today's ``{client: EngineCoreOutputs}``, with this step's
+  spec-decoding counts when the scheduler logs stats;
+* the rejection sampler's tests get today's API around mini_vllm's (``sample_adapter.py``);
 * any other name is a :class:`LeftOut` placeholder: importing it works, using it raises
   ``LeftOutError`` naming it, so a test of a piece mini_vllm leaves out fails with that name.
 
@@ -39,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
+
+import sample_adapter
 
 from mini_vllm import request as mv_request
 from mini_vllm import sampling_params as mv_sampling
@@ -330,6 +333,11 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
                              arrival_time=arrival_time, lora_request=lora_request,
                              cache_salt=cache_salt, priority=priority, block_hasher=block_hasher)
 
+        def update_block_hashes(self) -> None:
+            # Today's name for the hashing mini_vllm does inline when tokens are appended.
+            if self.get_hash_new_full_blocks is not None:
+                self.block_hashes.extend(self.get_hash_new_full_blocks())
+
     def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Any,
                                  num_hash_lookahead_tokens: int = 0):
         if num_hash_lookahead_tokens:
@@ -369,6 +377,7 @@ def _build_core(impl: SimpleNamespace) -> dict[str, dict[str, Any]]:
             "KVCacheTensor": KVCacheTensor,
         },
         "vllm.v1.request": {"Request": Request, "RequestStatus": mv_request.RequestStatus},
+        "vllm.v1.utils": {"ConstantList": mv_request.ConstantList},
         "vllm.sampling_params": {"SamplingParams": SamplingParams},
         "vllm.lora.request": {"LoRARequest": LoRARequest},
         "vllm.utils.hashing": {"sha256": mv_utils.sha256},
@@ -458,6 +467,7 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
     """Module name -> {upstream name: object} for the scheduler's tests."""
     from mini_vllm import config as mv_config
     from mini_vllm import outputs as mv_outputs
+    from mini_vllm.core.sched import async_scheduler as mv_async
     from mini_vllm.core.sched import output as mv_output
     from mini_vllm.core.sched import scheduler as mv_scheduler
 
@@ -511,9 +521,12 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
                              preempted_req_ids=list(preempted_req_ids or []),
                              scheduled_spec_decode_tokens=scheduled_spec_decode_tokens)
 
-    class Scheduler(mv_scheduler.Scheduler):
+    class TodaysScheduler:
         """``Scheduler(vllm_config, kv_cache_config, structured_output_manager, block_size,
-        ...)``: mini_vllm's scheduler with the settings it has; any other raises."""
+        ...)``: mini_vllm's scheduler with the settings it has; any other raises. Mixed into
+        mini_vllm's Scheduler and AsyncScheduler below (``ASYNC``: which one)."""
+
+        ASYNC = False
 
         def __init__(self, vllm_config: VllmConfig, kv_cache_config: Any,
                      structured_output_manager: Any, block_size: int,
@@ -529,7 +542,10 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
                 ("max_num_active_seqs", sc.max_num_active_seqs is not None),
                 ("the adaptive long-prefill threshold", sc.long_prefill_token_threshold_adaptive),
                 ("scheduling without chunked prefill", not sc.enable_chunked_prefill),
-                ("async scheduling", sc.async_scheduling),
+                # Today's config chooses the class (create_scheduler: AsyncScheduler when
+                # async_scheduling); a synchronous scheduler under the async flag is refused.
+                ("async scheduling in the synchronous Scheduler",
+                 sc.async_scheduling and not self.ASYNC),
                 ("a prefill interval", sc.prefill_schedule_interval != 1),
                 (f"the {sc.policy!r} policy", sc.policy != "fcfs"),
                 ("multimodal inputs", sc.disable_chunked_mm_input),
@@ -542,6 +558,8 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
                 # models, EAGLE, MTP, DFlash) and suffix decoding are left out.
                 (f"the {method!r} speculative method",
                  spec is not None and method not in ("ngram", "ngram_gpu")),
+                # As mini_vllm's EngineConfig: drafts are never planned a step ahead.
+                ("speculative decoding under async scheduling", spec is not None and self.ASYNC),
                 ("parallel drafting and draft lengths per batch size", spec is not None and (
                     spec.parallel_drafting or spec.num_speculative_tokens_per_batch_size)),
                 ("per-request spec-decoding metrics",
@@ -590,6 +608,12 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
             stats = SchedulerStats(spec_decoding_stats=step if step.num_drafts else None)
             return {0: EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)}
 
+    class Scheduler(TodaysScheduler, mv_scheduler.Scheduler):
+        pass
+
+    class AsyncScheduler(TodaysScheduler, mv_async.AsyncScheduler):
+        ASYNC = True
+
     return {
         "vllm.config": {name: cls for name, cls in (
             ("ModelConfig", ModelConfig), ("SchedulerConfig", SchedulerConfig),
@@ -597,6 +621,7 @@ def _build_scheduler(full_attention_spec: type) -> dict[str, dict[str, Any]]:
             ("ObservabilityConfig", ObservabilityConfig), ("VllmConfig", VllmConfig),
             ("SpeculativeConfig", SpeculativeConfig))},
         "vllm.v1.core.sched.scheduler": {"Scheduler": Scheduler},
+        "vllm.v1.core.sched.async_scheduler": {"AsyncScheduler": AsyncScheduler},
         "vllm.v1.core.sched.utils": {"check_stop": mv_scheduler.check_stop},
         # Today's DraftTokenIds has the same two fields.
         "vllm.v1.outputs": {"ModelRunnerOutput": ModelRunnerOutput,
@@ -665,7 +690,8 @@ def install(impl: str = "solution", today: bool = True) -> None:
     mv_utils.use_today_behaviour(today)
     pieces = _implementation(impl)
     core = _build_core(pieces)
-    for name, names in _build_scheduler(
-            core["vllm.v1.kv_cache_interface"]["FullAttentionSpec"]).items():
+    for name, names in [*_build_scheduler(
+            core["vllm.v1.kv_cache_interface"]["FullAttentionSpec"]).items(),
+            *sample_adapter.build(LeftOutError).items()]:
         core.setdefault(name, {}).update(names)
     sys.meta_path.insert(0, _Finder(core, pieces.none_hash))

@@ -22,7 +22,7 @@ def load_document() -> dict:
 
 def load_exclusions() -> dict[str, str]:
     """``{item: reason}``. An item is ``file.py`` (every test in it), ``file.py::test`` (every
-    parameter of it) or ``file.py::test[param]``; files are relative to ``tests/v1/core/``."""
+    parameter of it) or ``file.py::test[param]``; files are relative to ``tests/v1/``."""
     out: dict[str, str] = {}
     for group in load_document().get("excluded", []):
         for item in group["items"]:

@@ -33,8 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _key(nodeid: str) -> str:
-    """``test_file.py::test_name[param]`` relative to tests/v1/core/."""
-    return nodeid.split("tests/v1/core/", 1)[-1]
+    """``dir/test_file.py::test_name[param]`` relative to tests/v1/."""
+    return nodeid.split("tests/v1/", 1)[-1]
 
 
 def _reason_for(key: str) -> str | None:

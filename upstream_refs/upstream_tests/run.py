@@ -1,6 +1,6 @@
 """Run the newest vLLM release's own unit tests for the block pool, the free queue, the hashing,
-prefix caching and the scheduler against mini_vllm (with today's behaviour on), and count the
-outcomes, file by file.
+prefix caching, the scheduler (synchronous and async) and the rejection sampler against
+mini_vllm (with today's behaviour on), and count the outcomes, file by file.
 
     python upstream_refs/upstream_tests/run.py [--impl solution|stretch] [--vllm-src DIR]
                                                [--json PATH]
@@ -30,15 +30,24 @@ sys.path.insert(0, str(HERE))
 
 from exclusions import load_document, load_exclusions  # noqa: E402
 
-# The upstream files that test the pieces the course rebuilds (relative to tests/v1/core/).
-TEST_FILES = (
-    "test_kv_cache_utils.py",
-    "test_prefix_caching.py",
-    "test_single_type_kv_cache_manager.py",
-    "prefix_cache/test_partial_prefix_cache_primitives.py",
-    "test_scheduler.py",
-    "test_async_scheduler.py",
+# The upstream files that test the pieces the course rebuilds (relative to tests/v1/): the
+# block pool, hashing, prefix caching and the scheduler, then the rejection sampler. The stretch
+# (lab 02-01) swaps in the student's block pool and hashing only, so its runs skip the sampler.
+CORE_FILES = (
+    "core/test_kv_cache_utils.py",
+    "core/test_prefix_caching.py",
+    "core/test_single_type_kv_cache_manager.py",
+    "core/prefix_cache/test_partial_prefix_cache_primitives.py",
+    "core/test_scheduler.py",
+    "core/test_async_scheduler.py",
 )
+SAMPLE_FILES = ("sample/test_rejection_sampler.py",)
+TEST_FILES = CORE_FILES + SAMPLE_FILES
+
+
+def files_for(impl: str) -> tuple[str, ...]:
+    """The files a run of ``impl`` takes."""
+    return TEST_FILES if impl == "solution" else CORE_FILES
 
 
 def release() -> str:
@@ -72,7 +81,7 @@ def run(src: Path, impl: str = "solution", today: bool = True) -> dict:
         cmd = [sys.executable, "-m", "pytest", "-q", "--tb=no", "-p", "plugin",
                "-p", "no:cacheprovider", "--noconftest", "--continue-on-collection-errors",
                "-c", str(ini), "--rootdir", str(src), "-W", "ignore",
-               *[f"tests/v1/core/{f}" for f in TEST_FILES]]
+               *[f"tests/v1/{f}" for f in files_for(impl)]]
         proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True)
         if not outcomes_file.exists():
             said = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
@@ -83,21 +92,22 @@ def run(src: Path, impl: str = "solution", today: bool = True) -> dict:
     outcomes, errors = data["outcomes"], data["errors"]
     counts = {k: sum(1 for v in outcomes.values() if v == k)
               for k in ("passed", "failed", "excluded", "skipped", "uncollected")}
-    exclusions = load_exclusions()
+    exclusions = {item: reason for item, reason in load_exclusions().items()
+                  if item.split("::", 1)[0] in files_for(impl)}
     stale = sorted(item for item in exclusions
                    if not any(_covers(item, key) for key in outcomes)
                    or all(outcomes[key] == "passed" for key in outcomes if _covers(item, key)))
     failing = {k: errors.get(k, "") for k, v in outcomes.items()
                if v in ("failed", "uncollected", "skipped")}
     return {"counts": counts, "failing": failing, "stale_exclusions": stale,
-            "outcomes": outcomes, "by_file": by_file(outcomes)}
+            "outcomes": outcomes, "by_file": by_file(outcomes, files_for(impl))}
 
 
-def by_file(outcomes: dict[str, str]) -> dict[str, dict[str, int]]:
-    """Per upstream test file (in TEST_FILES order): its items, and how many passed, failed or
-    were excluded."""
+def by_file(outcomes: dict[str, str], files_run: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Per upstream test file (in ``files_run`` order): its items, and how many passed, failed
+    or were excluded."""
     files: dict[str, dict[str, int]] = {
-        f: {"items": 0, "passed": 0, "failed": 0, "excluded": 0} for f in TEST_FILES}
+        f: {"items": 0, "passed": 0, "failed": 0, "excluded": 0} for f in files_run}
     for key, outcome in outcomes.items():
         row = files.setdefault(key.split("::", 1)[0], {"items": 0, "passed": 0, "failed": 0,
                                                         "excluded": 0})
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = result["counts"]
     total = sum(counts.values())
     behaviour = "v0.11.0's behaviour" if args.pinned else "today's behaviour on"
-    print(f"vLLM {release()}'s tests/v1/core against mini_vllm ({args.impl}, {behaviour}): "
+    print(f"vLLM {release()}'s tests/v1 against mini_vllm ({args.impl}, {behaviour}): "
           f"{counts['passed']} passed, {counts['failed']} failed, {counts['excluded']} "
           f"excluded with a reason, of {total} items")
     for name, row in result["by_file"].items():
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "behaviour": "v0.11.0" if args.pinned else "today",
             "release": release(),
             "impl": args.impl,
-            "files": [f"tests/v1/core/{f}" for f in TEST_FILES],
+            "files": [f"tests/v1/{f}" for f in files_for(args.impl)],
             "counts": counts,
             "by_file": result["by_file"],
             "failing": result["failing"],
