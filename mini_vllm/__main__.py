@@ -80,6 +80,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--persistent-batch", action="store_true",
         help="keep the runner's batch in rows updated by diffs across steps, as vLLM's runner "
         "does (default: rebuilt each step)")
+    add("--attention-backend", choices=("paged", "triton"), default="paged",
+        help="paged (default): PagedAttention and chunked-prefill attention; triton: one Triton "
+        "kernel for the whole batch (lab 02-07; interpreted on a CPU: slow)")
     add("--device", default="cpu")
 
 
@@ -216,6 +219,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         speculative_config=args.speculative_config,
         async_scheduling=args.async_scheduling,
         persistent_batch=args.persistent_batch,
+        attention_backend=args.attention_backend,
     )
 
 

@@ -23,14 +23,15 @@ from mini_vllm.attention.fp8 import (
 if TYPE_CHECKING:
     from mini_vllm.model_executor.models.llama import LlamaForCausalLM
 
-__all__ = ["KV_RESERVATIONS", "PREEMPTION_MODES", "RESERVATION_POLICIES", "EngineConfig",
-           "SchedulerConfig", "kv_block_bytes"]
+__all__ = ["ATTENTION_BACKENDS", "KV_RESERVATIONS", "PREEMPTION_MODES", "RESERVATION_POLICIES",
+           "EngineConfig", "SchedulerConfig", "kv_block_bytes"]
 
 PREEMPTION_MODES = ("recompute", "swap")
 # The contiguous-reservation baselines (mini_vllm.core.sched.reservation computes their sizes).
 RESERVATION_POLICIES = ("max", "pow2", "oracle")
 # What SchedulerConfig.kv_reservation accepts: paging, or one of the reservation policies.
 KV_RESERVATIONS = ("paged", *RESERVATION_POLICIES)
+ATTENTION_BACKENDS = ("paged", "triton")
 
 
 @dataclass
@@ -248,6 +249,10 @@ class EngineConfig:
     * ``persistent_batch``: keep the runner's batch in rows that live across steps, updated by
       diffs (:mod:`mini_vllm.worker.persistent_runner`, lab 04-03) instead of rebuilding it each
       step; ``False`` (default): the per-step runner of lab 03-04.
+    * ``attention_backend``: ``"paged"`` (default): PagedAttention for the decodes and
+      chunked-prefill attention for the rest (labs 02-04, 02-06, 03-02); ``"triton"``: one
+      Triton kernel for the whole batch (:mod:`mini_vllm.attention.triton_unified`, lab 02-07;
+      compiled on a CUDA GPU, interpreted on a CPU: slow, for correctness). Not with an fp8 cache.
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -271,8 +276,15 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     async_scheduling: bool | None = None
     persistent_batch: bool = False
+    attention_backend: str = "paged"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig: attention_backend must be one of "
+                             f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and is_fp8(self.kv_cache_dtype):
+            raise ValueError("EngineConfig: the triton attention backend reads a cache of the "
+                             "model's dtype; leave kv_cache_dtype='auto' with it")
         if not isinstance(self.persistent_batch, bool):
             raise TypeError(f"EngineConfig: persistent_batch must be True or False, got "
                             f"{self.persistent_batch!r}")

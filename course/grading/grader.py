@@ -105,6 +105,9 @@ def student_files(lab: Lab) -> list[str]:
     return names
 
 
+TRITON_IMPORT = re.compile(r"^import triton\b", re.M)
+
+
 def hide_reference_source(tree: Path) -> None:
     """The reference's Python in a course copy becomes bytecode only: every module of mini_vllm
     and every lab's solution.py. They still import (the tests' oracles, the engine pieces of
@@ -113,10 +116,17 @@ def hide_reference_source(tree: Path) -> None:
     its shape (course.grading.plugin).
 
     Each file is compiled under its own final path, so a function's `co_filename` equals its
-    module's `__file__`, as it does with source (mini_vllm.worker.model_runner relies on it)."""
+    module's `__file__`, as it does with source (mini_vllm.worker.model_runner relies on it).
+
+    A module of Triton kernels keeps its source: Triton compiles (and interprets) a kernel from
+    its source text. A submitted piece that is the reference's object is still caught
+    (course.grading.plugin's reference check reads a kernel's function too), and a copy of its
+    source by the similarity comparison."""
     tree = tree.resolve()
     sources = [*(tree / "mini_vllm").rglob("*.py"), *tree.glob("phase-*/labs/lab-*/solution.py")]
     for src in sources:
+        if TRITON_IMPORT.search(src.read_text(encoding="utf-8")):
+            continue
         compiled = src.with_suffix(".pyc")
         py_compile.compile(str(src), cfile=str(compiled), dfile=str(compiled), doraise=True,
                            invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)

@@ -578,6 +578,10 @@ def _functions_of(value) -> list:
         return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
     if isinstance(value, types.FunctionType):
         return [value]
+    # A Triton kernel (compiled or interpreted): the Python function it was made from.
+    made_from = getattr(value, "fn", None)
+    if isinstance(made_from, types.FunctionType) and type(value).__module__.startswith("triton."):
+        return [made_from]
     return []
 
 

@@ -179,6 +179,7 @@ def reference_body(lab: Lab, task: Task) -> list[str]:
         obj = module
         for part in name.split("."):
             obj = getattr(obj, part)
+        obj = getattr(obj, "fn", obj)  # a Triton kernel: the Python function it was made from
         source = textwrap.dedent(inspect.getsource(obj))
         node = ast.parse(source).body[0]
         body = node.body[1:] if ast.get_docstring(node) is not None else node.body

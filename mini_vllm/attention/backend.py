@@ -93,6 +93,11 @@ class PagedAttentionBackend:
     path (``mini_vllm.csrc.ops``); chunked-prefill attention, which has no kernel, reads a
     dequantized copy of the prefill blocks in either case.
 
+    ``kernel="triton"``: after the same cache write, the whole batch (decodes and prefill
+    chunks) goes through lab 02-07's one Triton kernel
+    (:func:`mini_vllm.attention.triton_unified.unified_attention`), compiled on a GPU and
+    interpreted on a CPU; not with an fp8 cache.
+
     upstream: vllm/attention/ops/chunked_prefill_paged_decode.py:227 @ v0.11.0
     """
 
@@ -103,14 +108,20 @@ class PagedAttentionBackend:
         kv_cache_dtype: str = "auto",
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         kv_scales: list[tuple[float, float]] | None = None,
+        kernel: str = "paged",
     ) -> None:
         self.num_kv_heads = num_kv_heads
         self.fp8 = is_fp8(kv_cache_dtype)
+        self.triton = _load_triton_unified() if kernel == "triton" else None
+        if kernel not in ("paged", "triton") or (self.triton and self.fp8):
+            raise ValueError(f"PagedAttentionBackend: kernel must be 'paged' or 'triton' (the "
+                             f"latter with a cache of the model's dtype), got {kernel!r} with "
+                             f"kv_cache_dtype={kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
         self.cuda_ops = cuda_ops
         self.cpu_kernels = (
             cpu_kernels.load()
-            if cuda_ops is None and not self.fp8 and kv_caches
+            if cuda_ops is None and not self.fp8 and not self.triton and kv_caches
             and cpu_kernels.supports(kv_caches[0][0].dtype, *kv_caches[0]) else None
         )
         # Which layer a key cache belongs to: the model hands the backend caches, not indices.
@@ -134,6 +145,12 @@ class PagedAttentionBackend:
         return scales
 
     def __call__(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale):
+        if self.triton is not None:
+            cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+            return self.triton.unified_attention(
+                query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                meta.block_tables, scale, num_segments=self.triton.choose_num_segments(
+                    meta.num_reqs, meta.max_query_len, self.num_kv_heads, meta.max_seq_len))
         if self.fp8:
             return self._forward_fp8(query, key, value, key_cache, value_cache, meta, scale)
         if (self.cpu_kernels is not None and query.dtype == torch.float32
@@ -249,6 +266,17 @@ def _dequantized_blocks(key_cache, value_cache, meta: AttentionMetadata, k_scale
     v = scaled_fp8_dequant(value_cache.index_select(0, ids), v_scale, dtype)
     renumbered = torch.arange(ids.numel(), dtype=tables.dtype, device=tables.device)
     return k, v, dataclasses.replace(meta, block_tables=renumbered.view(tables.shape))
+
+
+def _load_triton_unified():
+    """Lab 02-07's kernel module (it imports Triton, so only when the backend is chosen)."""
+    try:
+        from mini_vllm.attention import triton_unified
+    except ImportError as error:
+        raise ImportError(f"attention_backend='triton' needs Triton, which ships wheels for "
+                          f"Linux only (pip install -r requirements.txt installs it there): "
+                          f"{error}") from error
+    return triton_unified
 
 
 def _load_cuda_ops(device: torch.device) -> object | None:

@@ -57,6 +57,7 @@ class EngineCoreBase:
     ``batch_queue``: the steps in flight (newest first), each ``(future, scheduler_output)``.
     ``persistent_batch``: build a :class:`PersistentBatchRunner` (lab 04-03: the batch kept in
     rows across steps) instead of ``runner_cls``.
+    ``attention_backend``: ``"paged"`` or ``"triton"`` (the runner's; see ``EngineConfig``).
 
     upstream: vllm/v1/engine/core.py:63 @ v0.11.0
     """
@@ -77,6 +78,7 @@ class EngineCoreBase:
         draft_model: LlamaForCausalLM | None = None,
         async_scheduling: bool | None = None,
         persistent_batch: bool = False,
+        attention_backend: str = "paged",
     ) -> None:
         if async_scheduling is not None and not isinstance(async_scheduling, bool):
             raise TypeError(f"EngineCore: async_scheduling must be None, True or False, got "
@@ -102,6 +104,8 @@ class EngineCoreBase:
                       if kv_cache_dtype != "auto" else {})
         if enforce_eager:
             extra_kwargs["enforce_eager"] = True
+        if attention_backend != "paged":
+            extra_kwargs["attention_backend"] = attention_backend
         # Speculation needs a scheduler that schedules drafts (lab 03-01's alone does not: lab
         # 04-04 adds _take_spec_tokens and the rest).
         self.use_spec_decode = (speculative_config is not None

@@ -140,7 +140,7 @@ class LLM:
             speculative_config=self.config.speculative_config, draft_model=self.draft_model,
             async_scheduling=self.config.async_scheduling,
             persistent_batch=self.config.persistent_batch,
-        )
+            attention_backend=self.config.attention_backend)
 
     # ------------------------------------------------------------------ the public calls
 

@@ -178,6 +178,7 @@ class ModelRunnerBase:
         speculative_config: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
         draft_model: LlamaForCausalLM | None = None,
+        attention_backend: str = "paged",
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -224,9 +225,8 @@ class ModelRunnerBase:
                     f"{cuda_ops.SUPPORTED_HEAD_SIZES}, not this model's {cfg.head_dim}; leave "
                     "use_cuda_ops unset to run the PyTorch ops")
             cuda_ops = None  # a head size with no compiled kernel: the PyTorch ops serve it
-        self.attn_backend = PagedAttentionBackend(
-            cfg.num_key_value_heads, cuda_ops, kv_cache_dtype, self.kv_caches, kv_scales
-        )
+        self.attn_backend = PagedAttentionBackend(cfg.num_key_value_heads, cuda_ops, kv_cache_dtype,
+                                                  self.kv_caches, kv_scales, attention_backend)
         # The decode step as one compiled call, where the model and the kernels allow it (the
         # CPU's CUDA graph); enforce_eager=True runs every step op by op, as vLLM's flag does.
         self.fused_decode = None if enforce_eager else FusedDecode.build(
