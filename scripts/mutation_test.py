@@ -21,6 +21,10 @@ mutmut runs in a scratch copy of the repository against the lab's own test file 
 LAB_IMPL=solution and the `ci` Hypothesis profile. Score = killed / (in scope - set aside);
 a timeout counts as killed, "no tests" as a survivor. The results (and the command that made
 them) go to --out, merged with the other labs already there. Too slow for .ci/run.
+
+    mode = "source"                   # in the toml: the functions are Triton kernels, which
+                                      # mutmut's trampolines break; each mutant is the whole
+                                      # file rewritten (run_lab_by_source)
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ def run_lab(lab_id: str, max_children: int) -> dict:
     (lab,) = select(discover(), [lab_id])
     config_path = CONFIG_DIR / f"{lab.id}.toml"
     config = tomllib.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("mode") == "source":
+        return run_lab_by_source(lab, config, max_children)
     scope = [name for t in open_tasks(lab) for name, _ in t.functions] + config.get("also", [])
     set_aside = config.get("set_aside", [])
     test_file = (lab.path / "test_lab.py").relative_to(REPO_ROOT).as_posix()
@@ -192,6 +198,121 @@ def run_lab(lab_id: str, max_children: int) -> dict:
         "seconds": round(seconds, 1),
         "survivors": survivors,
         "set_aside_mutants": aside,
+    }
+
+
+def _mutations_by_source(copy: Path, path: str, scope: list[str]) -> list[tuple[str, str, str]]:
+    """(function, the whole file mutated, the mutated line) for every mutmut mutation inside
+    the in-scope top-level functions of `path`. mutmut reads its settings from `copy`."""
+    import libcst as cst
+    from mutmut.mutation.file_mutation import create_mutations
+
+    # mutmut leaves decorated functions alone (a decorator runs at definition): mutate the
+    # functions without their `@triton.jit`, and put it back on each mutant.
+    decorators: dict[str, tuple] = {}
+
+    class Undecorate(cst.CSTTransformer):
+        def leave_FunctionDef(self, node, updated):  # noqa: N802 (libcst's name)
+            if updated.decorators and updated.name.value in scope:
+                decorators[updated.name.value] = updated.decorators
+                return updated.with_changes(decorators=())
+            return updated
+
+    class Redecorate(cst.CSTTransformer):
+        def leave_FunctionDef(self, node, updated):  # noqa: N802
+            if updated.name.value in decorators and not updated.decorators:
+                return updated.with_changes(decorators=decorators[updated.name.value])
+            return updated
+
+    code = cst.parse_module((copy / path).read_text(encoding="utf-8")).visit(Undecorate()).code
+    here = os.getcwd()
+    os.chdir(copy)  # mutmut's configuration is the copy's pyproject.toml
+    try:
+        module, mutations, _, _ = create_mutations(path, code)
+    finally:
+        os.chdir(here)
+    out = []
+    for mutation in mutations:
+        func = mutation.contained_by_top_level_function
+        if func is None or func.name.value not in scope:
+            continue
+        mutated = module.deep_replace(mutation.original_node, mutation.mutated_node)
+        mutated = mutated.visit(Redecorate())
+        before = cst.Module([]).code_for_node(mutation.original_node)
+        after = cst.Module([]).code_for_node(mutation.mutated_node)
+        out.append((func.name.value, mutated.code, f"{before} -> {after}"))
+    return out
+
+
+def run_lab_by_source(lab, config: dict, max_children: int) -> dict:
+    """The same score for a lab whose in-scope functions are Triton kernels (``mode =
+    "source"``): mutmut's trampolines replace a function's body, and Triton compiles or
+    interprets a kernel from its source, so each mutant is the whole file rewritten instead,
+    in its own copy, with the lab's tests run until one fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    scope = [name for t in open_tasks(lab) for name, _ in t.functions] + config.get("also", [])
+    set_aside = config.get("set_aside", [])
+    test_file = (lab.path / "test_lab.py").relative_to(REPO_ROOT).as_posix()
+    env = dict(os.environ, LAB_IMPL="solution", HYPOTHESIS_PROFILE="ci", OMP_NUM_THREADS="1")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        copies = []
+        for i in range(max_children):
+            copy = Path(tmp) / f"repo{i}"
+            shutil.copytree(REPO_ROOT, copy, ignore=copy_ignore)
+            copies.append(copy)
+        with (copies[0] / "pyproject.toml").open("a", encoding="utf-8") as f:
+            f.write(f"\n[tool.mutmut]\nsource_paths = {json.dumps(config['paths'])}\n")
+        mutants = [(path, *m) for path in config["paths"]
+                   for m in _mutations_by_source(copies[0], path, scope)]
+        free = list(copies)
+
+        def run(mutant) -> str:
+            path, _, code, _ = mutant
+            copy = free.pop()
+            original = (copy / path).read_text(encoding="utf-8")
+            try:
+                (copy / path).write_text(code, encoding="utf-8")
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                     test_file], cwd=copy, env=env, capture_output=True, timeout=600)
+                return "survived" if proc.returncode == 0 else "killed"
+            except subprocess.TimeoutExpired:
+                return "timeout"
+            finally:
+                (copy / path).write_text(original, encoding="utf-8")
+                free.append(copy)
+
+        with ThreadPoolExecutor(max_children) as pool:
+            statuses = list(pool.map(run, mutants))
+    survivors, aside = [], []
+    for (path, function, _, change), status in zip(mutants, statuses):
+        if status != "survived":
+            continue
+        before, _, after = change.partition(" -> ")
+        entry = {"mutant": f"{path}:{function}", "function": function, "status": status,
+                 "before": _norm(before), "after": _norm(after)}
+        match = next((a for a in set_aside if a["function"] == function
+                      and _norm(a["before"]) == entry["before"]
+                      and _norm(a["after"]) == entry["after"]), None)
+        if match is not None:
+            aside.append({**entry, "kind": match["kind"], "reason": match["reason"]})
+        else:
+            survivors.append(entry)
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[status] = counts.get(status, 0) + 1
+    killed = counts.get("killed", 0) + counts.get("timeout", 0)
+    denominator = len(statuses) - len(aside)
+    return {
+        "lab": lab.id, "paths": config["paths"], "scope": scope, "mode": "source",
+        "mutants_in_files": len(statuses), "mutants_in_scope": len(statuses),
+        "statuses": counts, "killed": killed, "set_aside": len(aside),
+        "survived": len(survivors),
+        "score": round(killed / denominator, 4) if denominator else None,
+        "seconds": round(time.perf_counter() - start, 1),
+        "survivors": survivors, "set_aside_mutants": aside,
     }
 
 
