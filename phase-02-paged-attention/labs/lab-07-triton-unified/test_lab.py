@@ -52,7 +52,7 @@ class Batch:
     """A flat batch of sequences in the course's paged layout, with its oracle."""
 
     def __init__(self, q_lens, seq_lens, num_heads, num_kv_heads, block_size, dtype, seed=0,
-                 scale_keys=1.0):
+                 scale_keys=1.0, head=HEAD):
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         x = 16 // torch.empty((), dtype=dtype).element_size()
@@ -60,9 +60,9 @@ class Batch:
         self.num_heads, self.num_kv_heads, self.dtype = num_heads, num_kv_heads, dtype
         blocks_per = [math.ceil(n / block_size) for n in seq_lens]
         num_blocks = sum(blocks_per) + 2  # two blocks nobody owns
-        self.key_cache = torch.full((num_blocks, num_kv_heads, HEAD // x, block_size, x), NAN,
+        self.key_cache = torch.full((num_blocks, num_kv_heads, head // x, block_size, x), NAN,
                                     dtype=dtype)
-        self.value_cache = torch.full((num_blocks, num_kv_heads, HEAD, block_size), NAN,
+        self.value_cache = torch.full((num_blocks, num_kv_heads, head, block_size), NAN,
                                       dtype=dtype)
         order = list(range(num_blocks))
         rng.shuffle(order)
@@ -73,22 +73,22 @@ class Batch:
             owned = [order.pop() for _ in range(blocks_per[s])]
             padding = [rng.choice([-1, num_blocks + 7]) for _ in range(width - len(owned))]
             self.block_tables[s] = torch.tensor(owned + padding, dtype=torch.int32)
-            k = (torch.randn(n, num_kv_heads, HEAD, generator=gen) * scale_keys).to(dtype)
-            v = torch.randn(n, num_kv_heads, HEAD, generator=gen).to(dtype)
+            k = (torch.randn(n, num_kv_heads, head, generator=gen) * scale_keys).to(dtype)
+            v = torch.randn(n, num_kv_heads, head, generator=gen).to(dtype)
             self.keys.append(k)
             self.values.append(v)
             for p in range(n):
                 block, slot = owned[p // block_size], p % block_size
-                for d in range(0, HEAD, x):  # key element d: chunk d // x, lane d % x
+                for d in range(0, head, x):  # key element d: chunk d // x, lane d % x
                     self.key_cache[block, :, d // x, slot, :] = k[p, :, d:d + x]
                 self.value_cache[block, :, :, slot] = v[p]
-        self.query = torch.randn(sum(q_lens), num_heads, HEAD, generator=gen).to(dtype)
+        self.query = torch.randn(sum(q_lens), num_heads, head, generator=gen).to(dtype)
         starts = [0]
         for q in q_lens:
             starts.append(starts[-1] + q)
         self.query_start_loc = torch.tensor(starts, dtype=torch.int32)
         self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        self.scale = HEAD ** -0.5
+        self.scale = head ** -0.5
 
     def run(self, yours=None, sliding_window=0, num_segments=1):
         kwargs = {} if yours is None else {"yours": tuple(yours)}
@@ -154,6 +154,13 @@ def test_q_tile_packs_the_query_heads_of_a_kv_head(num_heads, num_kv_heads):
     batch.check(f"heads {num_heads}/{num_kv_heads}", yours=task("load_q_tile"))
 
 
+def test_q_tile_masks_the_columns_past_the_head():
+    """A head of 24 in tiles of 32 columns: the 8 columns past the head are padding (reading
+    them reads the next head's query)."""
+    batch = Batch([1, 5], [9, 13], 4, 2, 4, torch.float32, seed=12, head=24)
+    batch.check("head size 24", yours=task("load_q_tile"))
+
+
 def test_q_tile_walks_several_q_blocks_of_a_long_chunk():
     """A chunk of 37 queries (BLOCK_Q = 16 with G = 1: three Q blocks, the last one partial)
     after a decode, so the second sequence's rows start at an offset."""
@@ -173,6 +180,13 @@ def test_kv_tiles_follow_the_block_table(block_size):
     unused slot and junk past each table row."""
     batch = Batch([1, 2, 1], [1, 17, 35], 4, 2, block_size, torch.float32, seed=3)
     batch.check(f"block size {block_size}", yours=task("load_kv_tile"))
+
+
+def test_kv_tiles_mask_the_columns_past_the_head():
+    """A head of 24 in tiles of 32 columns: the key and value columns past the head are padding
+    (reading them reads the next KV head's, or NaN)."""
+    batch = Batch([1, 3], [19, 10], 4, 2, 8, torch.float32, seed=13, head=24)
+    batch.check("head size 24", yours=task("load_kv_tile"))
 
 
 def test_kv_tiles_read_the_right_kv_head():
@@ -230,6 +244,14 @@ def test_split_kv_partials_combine(num_segments):
     batch = Batch([1, 1], [70, 40], 2, 1, 8, torch.float32, seed=9, scale_keys=6.0)
     batch.check(f"{num_segments} segments", yours=task("reduce_segments"),
                 num_segments=num_segments)
+
+
+def test_split_kv_with_large_scores_and_a_padded_head():
+    """Scores in the hundreds (exp of a sum of two maxima overflows float32; only differences
+    from the overall max stay finite) and a head of 24 in 32 columns (the output's padding
+    columns are not written)."""
+    batch = Batch([1, 1], [50, 33], 2, 1, 8, torch.float32, seed=14, scale_keys=60.0, head=24)
+    batch.check("large scores", yours=task("reduce_segments"), num_segments=4)
 
 
 def test_split_kv_with_empty_segments():
