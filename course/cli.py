@@ -741,6 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "'smollm2'); default the shipped Shakespeare model")
     p.add_argument("--chat", action="store_true",
                    help="each prompt is a user message, rendered with the model's chat template")
+    p.add_argument("--attention-backend", choices=("paged", "triton"), default="paged",
+                   help="the engine's attention: PagedAttention and chunked prefill (default), or "
+                   "lab 02-07's one Triton kernel (yours when 02-07 is; interpreted on a CPU, "
+                   "slow); the reference engine it is compared with uses the same")
     p.add_argument("--exam", action="store_true", help="run the engine exam")
     p.add_argument("--serve", action="store_true",
                    help="serve your engine with mini_vllm's OpenAI-compatible server (as "

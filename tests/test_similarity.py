@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import csv
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,25 @@ def test_names_of_the_lab_api_stay():
     # `items` is the published starter's attribute: it stays, where a local's name does not.
     assert tokens("def f(p):\n    return p.items") != tokens("def f(p):\n    return p.other")
     assert tokens("def f(p):\n    return p") == tokens("def f(q):\n    return q")
+
+
+def test_a_pasted_triton_kernel_piece_scores_zero():
+    """Lab 02-07's reference keeps its source in a course copy (Triton compiles kernels from
+    source text), so pasting it is possible: the lab's pieces taken from
+    mini_vllm/attention/triton_unified.py into the starter, locals renamed, score 0."""
+    lab = next(lab for lab in discover() if lab.id == "02-07")
+    reference = (REPO_ROOT / "mini_vllm/attention/triton_unified.py").read_text(encoding="utf-8")
+    lines = reference.splitlines()
+    bodies = {node.name: "\n".join(lines[node.body[1].lineno - 1:node.end_lineno])
+              for node in ast.parse(reference).body
+              if isinstance(node, ast.FunctionDef) and len(node.body) > 1}
+    pasted = (lab.path / "starter.py").read_text(encoding="utf-8")
+    for name in ("load_q_tile", "load_kv_tile", "visible", "softmax_step", "reduce_segments",
+                 "in_window", "first_tile"):
+        body = bodies[name].replace("dims", "cols").replace("rows", "lanes")
+        task = re.compile(r"    raise NotImplementedError\(\n[^\n]*implement " + name + " .*\n")
+        pasted, n = task.subn(lambda _, body=body: body + "\n", pasted)
+        assert n == 1, f"the 02-07 starter's {name} body was not found"
+    sim = similarity.class_similarity({"paster": {f"{lab.rel}/starter.py": pasted.encode()}},
+                                      [lab], REPO_ROOT, peers=False)
+    assert sim.zero == {"paster": {"02-07"}}, sim.rows

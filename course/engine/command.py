@@ -441,8 +441,11 @@ def _generate(args, student: list[str], reasons: dict[str, str], gpu: bool) -> i
     if not prompts and (args.chat or args.model):
         raise UsageError("give the prompt(s) for this model with --prompt")
     prompts = prompts or FINALE_PROMPTS
+    # Both engines attend with the same backend: a difference is then the pieces', not the
+    # kernels' rounding.
     job = {"mode": "generate", "prompts": prompts, "max_tokens": args.max_tokens, "gpu": gpu,
-           "budget": args.timeout, "model": args.model, "chat": args.chat}
+           "budget": args.timeout, "model": args.model, "chat": args.chat,
+           "attention_backend": args.attention_backend}
     yours_job = {**job, "labs": student}
     jobs = [yours_job] + ([{**job, "labs": []}] if student else [])
     results = run_workers(jobs, args.timeout)
@@ -507,7 +510,8 @@ def _serve(args, student: list[str], reasons: dict[str, str], gpu: bool) -> int:
     print(f"Your mini_vllm, served: pieces of {len(student)} lab(s) yours{yours}\n")
     print(_composition_table(composition.lab_rows(), reasons) + "\n", flush=True)
     name = args.model or DEFAULT_SERVED_NAME
-    engine = AsyncLLM(LLM(args.model), model_name=name, multiprocessing=True,
+    engine = AsyncLLM(LLM(args.model, attention_backend=args.attention_backend),
+                      model_name=name, multiprocessing=True,
                       core_setup=functools.partial(compose, tuple(student), gpu=gpu))
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)

@@ -28,6 +28,7 @@ course engine`` starts one per engine it runs) and changes no file.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ ENGINE_MODULES = (
     "mini_vllm.engine.core_client",
 )
 GPU_ONLY_LABS = ("02-06",)
+# Lab 02-07's pieces: the engine calls them only with its Triton attention backend, and only
+# where Triton installs (Linux).
+TRITON_MODULE = "mini_vllm.attention.triton_unified"
+BACKEND_NOTES = {"02-07": "run by --attention-backend triton"}
 
 
 class CompositionError(Exception):
@@ -190,6 +195,8 @@ def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False,
             )
     for name in ENGINE_MODULES:
         importlib.import_module(name)
+    if importlib.util.find_spec("triton") is not None:
+        importlib.import_module(TRITON_MODULE)
     if gpu:
         importlib.import_module("mini_vllm.csrc.ops")
 
@@ -201,7 +208,8 @@ def compose(student_labs: list[str] | tuple[str, ...], *, gpu: bool = False,
     for lab in labs:
         gpu_only = lab.id in GPU_ONLY_LABS
         yours = lab.id in wanted and (gpu or not gpu_only)
-        note = "used only for decode on a CUDA GPU" if gpu_only and not gpu else ""
+        note = ("used only for decode on a CUDA GPU" if gpu_only and not gpu
+                else BACKEND_NOTES.get(lab.id, ""))
         starter = None
         if yours:
             try:

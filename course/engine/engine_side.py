@@ -183,7 +183,8 @@ class Engines:
         self.recorders.append(StepRecorder(llm))
         self.cpu_free.append(swap.get_num_free_blocks() if swap is not None else 0)
         return {"engine": len(self.llms) - 1,
-                "kv_cache_dtype": str(runner.kv_caches[0][0].dtype)}
+                "kv_cache_dtype": str(runner.kv_caches[0][0].dtype),
+                "attention": "triton" if getattr(runner.attn_backend, "triton", None) else "paged"}
 
     def generate(self, engine: int, prompts: list, params: list) -> dict:
         from mini_vllm.sampling_params import SamplingParams

@@ -12,7 +12,8 @@ The parent passes a JSON job on the command line; the worker writes one JSON obj
 the pipe ``job["out_fd"]`` as the work goes, so a case that hangs or kills the process leaves
 every result before it. No process that runs student code holds that pipe, and the worker is
 not dumpable. Job fields: ``labs`` (lab ids whose pieces are the student's), ``mode``
-("generate" or "exam"), ``gpu``; for generate ``prompts`` and ``max_tokens``; for the exam
+("generate" or "exam"), ``gpu``; for generate ``prompts``, ``max_tokens`` and optionally
+``attention_backend`` (the engine's; lab 02-07's pieces run with "triton"); for the exam
 ``cases`` (names), ``sweep``, ``timeout`` (seconds per case), ``fail_fast``, ``bisect`` (rerun
 failing cases with one lab at a time the student's: "all" of them, or True; the "first" only;
 "none", or False), and optionally ``first`` (a case to run before the others), ``bisect_labs``
@@ -105,7 +106,7 @@ def run_generate(job: dict, out) -> None:
 
     composition = compose(job["labs"], gpu=job.get("gpu", False))
     _emit(out, {"type": "composition", "rows": composition.lab_rows()})
-    llm = LLM(job.get("model"))
+    llm = LLM(job.get("model"), attention_backend=job.get("attention_backend", "paged"))
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     if job.get("chat"):
         conversations = [[{"role": "user", "content": p}] for p in job["prompts"]]

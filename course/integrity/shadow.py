@@ -38,8 +38,13 @@ def _piece_modules(labs: list[Lab]) -> dict[str, dict[str, str]]:
     out = {}
     for lab in labs:
         solution = load_module(lab.path, "solution", lab.id)
-        out[lab.id] = {n: getattr(solution, n).__module__ for n in lab.engine_parts}
+        out[lab.id] = {n: _defined_in(getattr(solution, n)) for n in lab.engine_parts}
     return out
+
+
+def _defined_in(obj: object) -> str:
+    # A Triton kernel's own __module__ is Triton's; the function it was made from knows.
+    return getattr(obj, "fn", obj).__module__
 
 
 def _module_file(root: Path, module: str) -> Path:

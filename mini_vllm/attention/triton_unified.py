@@ -72,10 +72,12 @@ if INTERPRET and _TRITON_WAS_IMPORTED and not isinstance(tl.zeros, InterpretedFu
     _interpret_triton_library()
 
 __all__ = [
-    "PIECES",
+    "PIECE_NAMES",
     "block_shape",
     "choose_num_segments",
+    "first_tile",
     "in_window",
+    "lab_entry_point",
     "load_kv_tile",
     "load_q_tile",
     "reduce_segments",
@@ -219,16 +221,10 @@ def reduce_segments(out_ptr, segm_acc_ptr, segm_max_ptr, segm_sum_ptr, num_token
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD)
 
 
-# The names the kernel calls, and the reference's pieces by those names.
-PIECES: dict[str, object] = {
-    "load_q_tile": load_q_tile,
-    "load_kv_tile": load_kv_tile,
-    "visible": visible,
-    "softmax_step": softmax_step,
-    "in_window": in_window,
-    "first_tile": first_tile,
-    "reduce_segments": reduce_segments,
-}
+# The names the kernel calls. The reference's pieces are this module's functions of those names,
+# looked up when a kernel is launched: ``python -m course engine`` rebinds them to a student's.
+PIECE_NAMES = ("load_q_tile", "load_kv_tile", "visible", "softmax_step", "reduce_segments",
+               "in_window", "first_tile")
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,9 +331,9 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloa
 
 def _kernel(pieces: Mapping[str, object]):
     """The kernel with ``pieces`` in its globals (built once per set of pieces)."""
-    key = tuple(id(pieces[name]) for name in PIECES)
+    key = tuple(id(pieces[name]) for name in PIECE_NAMES)
     if key not in _KERNELS:
-        namespace = {**globals(), **{name: pieces[name] for name in PIECES}}
+        namespace = {**globals(), **{name: pieces[name] for name in PIECE_NAMES}}
         # A copy of the (undecorated) kernel function whose globals hold these pieces.
         source = types.FunctionType(unified_attention_kernel.__code__, namespace,
                                     unified_attention_kernel.__name__)
@@ -394,12 +390,13 @@ def unified_attention(
 
     ``sliding_window``: 0 for none, else the number of keys a query sees (itself included).
     ``num_segments``: 1 for one pass per Q block ("2D"), a power of two for split KV ("3D").
-    ``pieces``: the functions the kernel calls, by name (default: :data:`PIECES`).
+    ``pieces``: the functions the kernel calls, by name (:data:`PIECE_NAMES`); the others are
+    this module's.
     Raises ``ValueError`` on shapes that do not agree.
 
     upstream: vllm/v1/attention/ops/triton_unified_attention.py:828 @ v0.33.0
     """
-    pieces = {**PIECES, **(pieces or {})}
+    pieces = {**{name: globals()[name] for name in PIECE_NAMES}, **(pieces or {})}
     num_tokens, num_heads, head = query.shape
     if key_cache.dim() != 5 or value_cache.dim() != 4 or value_cache.shape[2] != head:
         raise ValueError("unified_attention: key_cache must be [blocks, KVH, D // x, bs, x] and "
@@ -458,6 +455,34 @@ def unified_attention(
                out, *scratch, num_tokens, out.stride(0), out.stride(1),
                NUM_HEADS=num_heads, NUM_SEGMENTS=num_segments, HEAD=head, HEAD_PAD=head_pad)
     return out
+
+
+def lab_entry_point(namespace: Mapping[str, object]):
+    """Lab 02-07's ``unified_attention``: :func:`unified_attention` with the pieces of
+    ``namespace`` (a lab file's globals, read at each call) named in its ``yours`` and this
+    module's for the others, so that a task's tests take the student's pieces of that task
+    only. ``yours`` naming anything but :data:`PIECE_NAMES` is a ``ValueError``.
+
+    upstream: none (the lab's switch between a student's pieces and the reference's)
+    """
+
+    def unified_attention_of_lab(query, key_cache, value_cache, query_start_loc, seq_lens,
+                                 block_tables, scale, *, sliding_window=0, num_segments=1,
+                                 yours=PIECE_NAMES):
+        unknown = sorted(set(yours) - set(PIECE_NAMES))
+        if unknown:
+            raise ValueError(f"unified_attention: {unknown} are not pieces of this lab; "
+                             f"choose among {list(PIECE_NAMES)}")
+        return unified_attention(
+            query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
+            sliding_window=sliding_window, num_segments=num_segments,
+            pieces={name: namespace[name] for name in yours})
+
+    unified_attention_of_lab.__doc__ = (
+        "The unified kernel over a flat batch (see mini_vllm.attention.triton_unified."
+        "unified_attention), with this file's pieces named in ``yours`` and the reference's for "
+        "the others. Returns ``[num_tokens, num_heads, head]`` in the query's dtype.")
+    return unified_attention_of_lab
 
 
 def _guarded(tensor: torch.Tensor) -> torch.Tensor:

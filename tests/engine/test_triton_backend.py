@@ -53,3 +53,19 @@ def test_bad_choices_say_what_to_do():
         EngineConfig(attention_backend="flash")
     with pytest.raises(ValueError, match="leave kv_cache_dtype='auto'"):
         EngineConfig(attention_backend="triton", kv_cache_dtype="fp8")
+
+
+def test_course_engine_runs_the_student_s_pieces_with_the_triton_backend():
+    """`python -m course engine --labs 02-07 --attention-backend triton` composes lab 02-07's
+    starter into the engine: the untouched starter's first piece is what stops it."""
+    import subprocess
+    import sys
+
+    from course.labs.catalog import REPO_ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "course", "engine", "--labs", "02-07", "--attention-backend",
+         "triton", "--max-tokens", "2", "--prompt", "ROMEO:"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "lab 02-07, task 1: implement load_q_tile" in proc.stdout, proc.stdout

@@ -7,10 +7,6 @@ starter's).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
 from mini_vllm.attention import triton_unified
 from mini_vllm.attention.triton_unified import (
     first_tile,
@@ -35,23 +31,11 @@ __all__ = [
 ]
 
 # The functions of this file the kernel calls, by the names it calls them.
-PIECE_NAMES = ("load_q_tile", "load_kv_tile", "visible", "softmax_step", "reduce_segments",
-               "in_window", "first_tile")
+PIECE_NAMES = triton_unified.PIECE_NAMES
 
 
-def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_tables: torch.Tensor, scale: float, *, sliding_window: int = 0,
-                      num_segments: int = 1, yours: Sequence[str] = PIECE_NAMES) -> torch.Tensor:
-    """Given. The kernel of ``mini_vllm.attention.triton_unified`` with this file's functions
-    named in ``yours`` (the reference's for the others): the tests of one task take yours for
-    that task only. Returns ``[num_tokens, num_heads, head]`` in the query's dtype.
-    """
-    unknown = sorted(set(yours) - set(PIECE_NAMES))
-    if unknown:
-        raise ValueError(f"unified_attention: {unknown} are not pieces of this lab; "
-                         f"choose among {list(PIECE_NAMES)}")
-    return triton_unified.unified_attention(
-        query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-        sliding_window=sliding_window, num_segments=num_segments,
-        pieces={name: globals()[name] for name in yours})
+# Given: ``unified_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+# block_tables, scale, *, sliding_window=0, num_segments=1, yours=PIECE_NAMES)``, the kernel of
+# ``triton_unified`` with this file's functions named in ``yours`` (the reference's for the
+# others): the tests of one task take yours for that task only.
+unified_attention = triton_unified.lab_entry_point(globals())

@@ -20,17 +20,15 @@ Layouts (``x = 16 // element_size``)::
     key_cache   [num_blocks, num_kv_heads, head // x, block_size, x]
     value_cache [num_blocks, num_kv_heads, head, block_size]
 
-Rules: from ``triton_unified`` use only ``unified_attention`` (the given wrapper below calls it);
-its other functions are the answers. Run the tests against this file with::
+Rules: from ``triton_unified`` use only what the given lines use (``PIECE_NAMES``,
+``lab_entry_point``, which makes this file's ``unified_attention``); its other functions are the
+answers. Run the tests against this file with::
 
     LAB_IMPL=starter python -m pytest phase-02-paged-attention/labs/lab-07-triton-unified -q
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 import triton
 import triton.language as tl
 
@@ -51,8 +49,7 @@ __all__ = [
 ]
 
 # The functions of this file the kernel calls, by the names it calls them.
-PIECE_NAMES = ("load_q_tile", "load_kv_tile", "visible", "softmax_step", "reduce_segments",
-               "in_window", "first_tile")
+PIECE_NAMES = triton_unified.PIECE_NAMES
 
 
 @triton.jit
@@ -161,19 +158,8 @@ def first_tile(first_q_pos, WINDOW: tl.constexpr, TILE: tl.constexpr):
         "lab 02-07, task 5: implement first_tile (hint: python -m course hint 02-07 5)")
 
 
-def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_tables: torch.Tensor, scale: float, *, sliding_window: int = 0,
-                      num_segments: int = 1, yours: Sequence[str] = PIECE_NAMES) -> torch.Tensor:
-    """Given. The kernel of ``mini_vllm.attention.triton_unified`` with this file's functions
-    named in ``yours`` (the reference's for the others): the tests of one task take yours for
-    that task only. Returns ``[num_tokens, num_heads, head]`` in the query's dtype.
-    """
-    unknown = sorted(set(yours) - set(PIECE_NAMES))
-    if unknown:
-        raise ValueError(f"unified_attention: {unknown} are not pieces of this lab; "
-                         f"choose among {list(PIECE_NAMES)}")
-    return triton_unified.unified_attention(
-        query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-        sliding_window=sliding_window, num_segments=num_segments,
-        pieces={name: globals()[name] for name in yours})
+# Given: ``unified_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+# block_tables, scale, *, sliding_window=0, num_segments=1, yours=PIECE_NAMES)``, the kernel of
+# ``triton_unified`` with this file's functions named in ``yours`` (the reference's for the
+# others): the tests of one task take yours for that task only.
+unified_attention = triton_unified.lab_entry_point(globals())
