@@ -36,6 +36,7 @@ structure: the lab's map is in its README)
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import types
@@ -485,35 +486,56 @@ def lab_entry_point(namespace: Mapping[str, object]):
     return unified_attention_of_lab
 
 
-def _guarded(tensor: torch.Tensor) -> torch.Tensor:
+def _guarded(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A copy of ``tensor`` in the middle of a buffer three times its size, the rest holding
-    NaN (floats) or -1 (integers). The interpreter reads whatever address a kernel computes; a
-    load a little outside a tensor then reads junk (and the result is wrong) instead of
-    crashing the process."""
+    NaN (floats) or -1 (integers); returns the copy, the buffer and the copy's offset in it.
+    The interpreter reads whatever address a kernel computes; a load a little outside a tensor
+    then reads junk (and the result is wrong) instead of crashing the process, and a store
+    there is seen afterwards (:func:`_stores_outside`)."""
     span = max(tensor.numel(), 4096)
     fill = float("nan") if tensor.is_floating_point() else -1
     buffer = torch.full((3 * span,), fill, dtype=tensor.dtype, device=tensor.device)
     middle = buffer.as_strided(tensor.shape, tensor.stride(), span)
     middle.copy_(tensor)
-    return middle
+    return middle, buffer, span
+
+
+def _stores_outside(tensor: torch.Tensor, buffer: torch.Tensor, offset: int) -> int:
+    """How many elements of ``buffer`` around ``tensor`` (a view at ``offset``) a kernel
+    changed."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()) if n)
+    around = torch.cat([buffer[:offset], buffer[offset + extent:]])
+    untouched = around.isnan() if around.is_floating_point() else around == -1
+    return int((~untouched).sum())
 
 
 def launch(kernel, grid, *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``. In the interpreter, every tensor goes in guarded
-    (:func:`_guarded`; written ones are copied back), and an error raised inside the kernel (a
-    task's ``NotImplementedError``, an ``IndexError``) comes out as itself rather than wrapped
-    in Triton's ``InterpreterError``.
+    (:func:`_guarded`; written ones are copied back), a store outside a tensor argument is a
+    ``RuntimeError`` (on a GPU it would overwrite whatever lies there), and an error raised
+    inside the kernel (a task's ``NotImplementedError``, an ``IndexError``) comes out as itself
+    rather than wrapped in Triton's ``InterpreterError``.
 
     upstream: none (course-only: the interpreter is how a CPU runs the lab)
     """
-    if INTERPRET:
-        guarded = [_guarded(a) if isinstance(a, torch.Tensor) else a for a in args]
-        _launch_unguarded(kernel, grid, *guarded, **constants)
-        for arg, copy in zip(args, guarded):
-            if isinstance(arg, torch.Tensor):
-                arg.copy_(copy)
+    if not INTERPRET:
+        _launch_unguarded(kernel, grid, *args, **constants)
         return
-    _launch_unguarded(kernel, grid, *args, **constants)
+    guards = {i: _guarded(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    _launch_unguarded(kernel, grid, *[guards[i][0] if i in guards else a
+                                      for i, a in enumerate(args)], **constants)
+    for i, (copy, buffer, offset) in guards.items():  # every check before any copy back
+        outside = _stores_outside(copy, buffer, offset)
+        if outside:
+            fn = getattr(kernel, "fn", kernel)
+            params = list(inspect.signature(fn).parameters)
+            raise RuntimeError(
+                f"{fn.__name__} stored {outside} element(s) outside its argument "
+                f"{params[i] if i < len(params) else i} (shape {tuple(copy.shape)}): a store's "
+                "mask lets through rows or columns that are not the tensor's; check the masks "
+                "of the tl.store calls and the row and column masks they are built from")
+    for i, (copy, _, _) in guards.items():
+        args[i].copy_(copy)
 
 
 def _launch_unguarded(kernel, grid, *args, **constants) -> None:

@@ -52,7 +52,7 @@ class Batch:
     """A flat batch of sequences in the course's paged layout, with its oracle."""
 
     def __init__(self, q_lens, seq_lens, num_heads, num_kv_heads, block_size, dtype, seed=0,
-                 scale_keys=1.0, head=HEAD):
+                 scale_keys=1.0, head=HEAD, query_scales=None):
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         x = 16 // torch.empty((), dtype=dtype).element_size()
@@ -82,7 +82,10 @@ class Batch:
                 for d in range(0, head, x):  # key element d: chunk d // x, lane d % x
                     self.key_cache[block, :, d // x, slot, :] = k[p, :, d:d + x]
                 self.value_cache[block, :, :, slot] = v[p]
-        self.query = torch.randn(sum(q_lens), num_heads, head, generator=gen).to(dtype)
+        query = torch.randn(sum(q_lens), num_heads, head, generator=gen)
+        if query_scales is not None:  # one factor per query head
+            query = query * torch.tensor(query_scales)[None, :, None]
+        self.query = query.to(dtype)
         starts = [0]
         for q in q_lens:
             starts.append(starts[-1] + q)
@@ -217,6 +220,15 @@ def test_the_online_softmax_rescales_across_tiles():
     batch.check("several tiles", yours=task("visible", "softmax_step"))
 
 
+def test_each_row_keeps_its_own_running_max():
+    """Two query heads of one KV head whose scores lie hundreds apart (one head's queries 40
+    times the other's, over large keys): each row is shifted by its own max. A max shared by
+    the tile's rows would underflow the other row's weights to 0."""
+    batch = Batch([1, 4], [20, 9], 2, 1, 4, torch.float32, seed=15, scale_keys=6.0,
+                  query_scales=(40.0, 1.0))
+    batch.check("rows hundreds apart", yours=task("visible", "softmax_step"))
+
+
 def test_a_first_token_sees_only_itself():
     """A one-token prefill and a fresh sequence of 4: the first query has a single visible key
     (its weight is exactly 1, so its output is that key's value)."""
@@ -267,11 +279,12 @@ def test_split_kv_with_empty_segments():
 
 
 @pytest.mark.points(2)
-@pytest.mark.parametrize("window", [1, 5, 16, 17])
+@pytest.mark.parametrize("window", [1, 5, 13, 16, 17])
 def test_a_sliding_window_keeps_the_last_keys(window):
-    """Decodes and a chunk over up to four tiles, windows of 1, 5, 16 and 17 keys (the query's
-    own key included): the window's first tile is past the start, so a first tile too late
-    loses keys, and a window one key too wide or narrow changes every row."""
+    """Decodes and a chunk over up to four tiles, windows of 1, 5, 13, 16 and 17 keys (the
+    query's own key included): the window's first tile is past the start, so a first tile too
+    late loses keys (with 13, the decode's oldest key is the last of its tile), and a window one
+    key too wide or narrow changes every row."""
     batch = Batch([1, 5, 1], [60, 38, 9], 2, 1, 8, torch.float32, seed=11)
     batch.check(f"window {window}", yours=task("in_window", "first_tile"),
                 sliding_window=window)
