@@ -253,6 +253,10 @@ class EngineConfig:
       chunked-prefill attention for the rest (labs 02-04, 02-06, 03-02); ``"triton"``: one
       Triton kernel for the whole batch (:mod:`mini_vllm.attention.triton_unified`, lab 02-07;
       compiled on a CUDA GPU, interpreted on a CPU: slow, for correctness). Not with an fp8 cache.
+    * ``tensor_parallel_size``: split the model and its KV cache over this many processes
+      (:mod:`mini_vllm.executor.multiproc_executor`; 1, the default, is one process). Each rank
+      holds ``1/tp`` of the KV heads of the same number of blocks. Not with speculation, async
+      scheduling or the persistent batch; the model must split (its heads and MLP evenly).
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -277,8 +281,17 @@ class EngineConfig:
     async_scheduling: bool | None = None
     persistent_batch: bool = False
     attention_backend: str = "paged"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"EngineConfig: tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1 and (self.speculative_config is not None or self.async_scheduling
+                       or self.persistent_batch):
+            raise ValueError("EngineConfig: tensor_parallel_size > 1 runs the default engine "
+                             "only; leave speculative_config, async_scheduling and "
+                             "persistent_batch unset with it")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineConfig: attention_backend must be one of "
                              f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -58,6 +58,8 @@ class EngineCoreBase:
     ``persistent_batch``: build a :class:`PersistentBatchRunner` (lab 04-03: the batch kept in
     rows across steps) instead of ``runner_cls``.
     ``attention_backend``: ``"paged"`` or ``"triton"`` (the runner's; see ``EngineConfig``).
+    ``tensor_parallel_size``: above 1, the runner is a
+    :class:`~mini_vllm.executor.multiproc_executor.TensorParallelRunner` over that many ranks.
 
     upstream: vllm/v1/engine/core.py:63 @ v0.11.0
     """
@@ -79,6 +81,7 @@ class EngineCoreBase:
         async_scheduling: bool | None = None,
         persistent_batch: bool = False,
         attention_backend: str = "paged",
+        tensor_parallel_size: int = 1,
     ) -> None:
         if async_scheduling is not None and not isinstance(async_scheduling, bool):
             raise TypeError(f"EngineCore: async_scheduling must be None, True or False, got "
@@ -120,15 +123,20 @@ class EngineCoreBase:
             runner_cls = PersistentBatchRunner
             extra_kwargs["max_num_reqs"] = scheduler_config.max_num_seqs
             extra_kwargs["max_model_len"] = scheduler_config.max_model_len
-        self.model_runner = runner_cls(
-            model,
-            block_size=scheduler_config.block_size,
-            num_gpu_blocks=scheduler_config.num_gpu_blocks,
-            num_cpu_blocks=scheduler_config.num_cpu_blocks,
-            eos_token_id=eos_token_id,
-            use_cuda_ops=use_cuda_ops,
-            **extra_kwargs,
-        )
+        runner_kwargs = dict(block_size=scheduler_config.block_size,
+                             num_gpu_blocks=scheduler_config.num_gpu_blocks,
+                             num_cpu_blocks=scheduler_config.num_cpu_blocks,
+                             eos_token_id=eos_token_id, use_cuda_ops=use_cuda_ops, **extra_kwargs)
+        if tensor_parallel_size > 1:  # rank 0's runner here, the other ranks' in workers
+            from mini_vllm.executor.multiproc_executor import TensorParallelRunner
+
+            if self.async_scheduling or self.use_spec_decode or persistent_batch:
+                raise ValueError("EngineCore: tensor_parallel_size > 1 runs the default engine "
+                                 "only (no async scheduling, speculation or persistent batch)")
+            self.model_runner = TensorParallelRunner(model, tensor_parallel_size, runner_cls,
+                                                     **runner_kwargs)
+        else:
+            self.model_runner = runner_cls(model, **runner_kwargs)
         self.block_hasher = get_request_block_hasher(scheduler_config.block_size, sha256)
         self.eos_token_id = eos_token_id
         self.prefix_cache_queries = 0
@@ -205,6 +213,16 @@ class EngineCoreBase:
         if self._model_thread is not None:
             self._model_thread.shutdown(wait=True)
             self._model_thread = None
+
+    def shutdown(self) -> None:
+        """Stop what the engine started: the model thread, and the tensor-parallel workers.
+
+        upstream: vllm/v1/engine/core.py:834 @ v0.33.0
+        """
+        self.drain_batch_queue()
+        stop = getattr(self.model_runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def _record_stats(self) -> None:
         """After a step: fold the prefix-cache counters in and track the peak block usage."""

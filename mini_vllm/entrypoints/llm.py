@@ -132,15 +132,14 @@ class LLM:
         self._engine = engine
 
     def _make_engine(self) -> EngineCoreBase:
+        c = self.config
         return EngineCore(
-            self.model, self._scheduler_config,
+            self.model, self._scheduler_config, tensor_parallel_size=c.tensor_parallel_size,
             eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
-            use_cuda_ops=self.config.use_cuda_ops, kv_cache_dtype=self.config.kv_cache_dtype,
-            kv_scales=self.config.kv_scales, enforce_eager=self.config.enforce_eager,
-            speculative_config=self.config.speculative_config, draft_model=self.draft_model,
-            async_scheduling=self.config.async_scheduling,
-            persistent_batch=self.config.persistent_batch,
-            attention_backend=self.config.attention_backend)
+            use_cuda_ops=c.use_cuda_ops, kv_cache_dtype=c.kv_cache_dtype, kv_scales=c.kv_scales,
+            enforce_eager=c.enforce_eager, speculative_config=c.speculative_config,
+            draft_model=self.draft_model, async_scheduling=c.async_scheduling,
+            persistent_batch=c.persistent_batch, attention_backend=c.attention_backend)
 
     # ------------------------------------------------------------------ the public calls
 

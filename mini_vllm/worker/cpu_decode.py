@@ -141,9 +141,12 @@ class FusedDecode:
         """The plan, or ``None`` where the fused step does not apply: the compiled kernels not
         in use (off, no compiler, an fp8 cache or another block size), not a
         :class:`LlamaForCausalLM` on the CPU with fp32 activations, or q/k/v or gate/up not
-        fused (their weights in different formats)."""
+        fused (their weights in different formats), or a tensor-parallel shard (its layers
+        communicate)."""
         lib = cpu_kernels.load()
         if lib is None or not backend_uses_cpu_kernels or type(model) is not LlamaForCausalLM:
+            return None
+        if type(model.model.embed_tokens) is not torch.nn.Embedding:  # split over ranks
             return None
         embed = model.model.embed_tokens.weight
         if embed.dtype != torch.float32 or embed.device.type != "cpu":

