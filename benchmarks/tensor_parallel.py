@@ -13,7 +13,9 @@ latencies are assumptions of this model (a small all-reduce's fixed cost), writt
 The point the table makes: a decode step's payload is a few kilobytes, so the fixed cost of each
 of its ``2 x layers + 1`` all-reduces, not bandwidth, decides whether splitting pays.
 
-    python benchmarks/tensor_parallel.py
+    python benchmarks/tensor_parallel.py --json benchmarks/results/tensor_parallel.json
+    python benchmarks/tensor_parallel.py --eager \
+        --json benchmarks/results/tensor_parallel_eager.json
     python benchmarks/tensor_parallel.py --model smollm2 --tp 1 3 \
         --json benchmarks/results/tensor_parallel_smollm2.json
 """
@@ -88,6 +90,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--eager", action="store_true",
+                   help="every engine op by op (enforce_eager): tp 1 without the fused decode "
+                   "step, which a tensor-parallel shard never takes")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.tp[0] != 1:
@@ -95,7 +100,8 @@ def main() -> None:
 
     rows, expected = [], {}
     for tp in args.tp:
-        llm = LLM(args.model, tensor_parallel_size=tp, num_gpu_blocks=512)
+        llm = LLM(args.model, tensor_parallel_size=tp, num_gpu_blocks=512,
+                  enforce_eager=args.eager)
         cfg = llm.model.config
         try:
             for batch in args.batch:
@@ -136,7 +142,7 @@ def main() -> None:
             print(f"  on paper, tp {r['tp']}, batch {r['batch']}, {name}: "
                   f"{paper['step_ms']:.2f} ms/step ({paper['all_reduce_us']:.1f} µs an all-reduce)")
     write_result(args.json, "tensor_parallel.py", environment(), {
-        "model": args.model or "shipped", "tokens": args.tokens,
+        "model": args.model or "shipped", "tokens": args.tokens, "eager": args.eager,
         "links": {k: {"bandwidth_gb_s_per_direction": v[0], "assumed_latency_us": v[1]}
                   for k, v in LINKS.items()},
         "rows": rows})

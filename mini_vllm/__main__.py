@@ -83,6 +83,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--attention-backend", choices=("paged", "triton"), default="paged",
         help="paged (default): PagedAttention and chunked-prefill attention; triton: one Triton "
         "kernel for the whole batch (lab 02-07; interpreted on a CPU: slow)")
+    add("--tensor-parallel-size", "-tp", type=int, default=1,
+        help="split the model and its KV cache over this many processes (vLLM's flag; "
+        "`generate` only: the server's engine core runs in a process of its own)")
     add("--device", default="cpu")
 
 
@@ -220,10 +223,16 @@ def _make_llm(args: argparse.Namespace) -> Any:
         async_scheduling=args.async_scheduling,
         persistent_batch=args.persistent_batch,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size != 1:
+        print("error: serve runs its engine core in a process of its own, which cannot start "
+              "tensor-parallel workers yet; use `generate -tp N`, or serve with -tp 1",
+              file=sys.stderr)
+        return 2
     try:
         from mini_vllm.engine.async_llm import AsyncLLM
         from mini_vllm.entrypoints.openai.api_server import run_server
