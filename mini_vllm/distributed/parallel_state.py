@@ -39,9 +39,9 @@ class TensorParallelGroup:
     """This process's place in the tensor-parallel group, and the group's collectives.
 
     ``peers``: instead of a ``torch.distributed`` group, a callable ``peers(op, rank, tensor)``
-    that answers each collective of this rank (``op``: ``"all_reduce"`` or ``"all_gather"``)
-    with its result: one rank run alone, its peers simulated. Tests split a model that way, one
-    rank after another, with no process or network (lab 04-05's do).
+    that answers each collective of this rank (``op``: ``"all_reduce"``, or ``"all_gather"``
+    with ``dim=`` too) with its result: one rank run alone, its peers simulated. Tests split a
+    model that way, one rank after another, with no process or network (lab 04-05's do).
 
     Invariant: every rank calls the same collectives in the same order with tensors of the same
     shape (each rank runs the same model code on the same batch); a rank that skips one leaves
@@ -57,9 +57,11 @@ class TensorParallelGroup:
         self.rank, self.world_size, self.group, self.peers = rank, world_size, group, peers
         self.stats = CommStats()
 
-    def _collective(self, op: str, x: torch.Tensor, run) -> torch.Tensor:
+    def _collective(self, op: str, x: torch.Tensor, run, **kw) -> torch.Tensor:
         # Simulated peers (one rank run alone): they answer with the collective's result.
-        return self.peers(op, self.rank, x.detach().clone()) if self.peers is not None else run(x)
+        if self.peers is None:
+            return run(x)
+        return self.peers(op, self.rank, x.detach().clone(), **kw)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the ranks (a new tensor; ``x`` is unchanged).
@@ -94,7 +96,7 @@ class TensorParallelGroup:
 
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += x.numel() * x.element_size()
-        return self._collective("all_gather", x, run)
+        return self._collective("all_gather", x, run, dim=dim)
 
 
 _TP = TensorParallelGroup()

@@ -181,7 +181,7 @@ def test_each_rank_alone_against_simulated_peers(which, tp):
     for rank in range(tp):
         answers = iter(truth)
 
-        def peers(op, r, tensor, answers=answers):
+        def peers(op, r, tensor, answers=answers, dim=None):
             want, value = next(answers)
             assert op == want, f"rank {r}: collective {len(seen[r])} is {op}, expected {want}"
             seen[r].append(tensor)

@@ -88,7 +88,10 @@ class ColumnParallelLinear(Linear):
         """Task 2. A layer holding rows ``start:end`` of ``full``'s weight (and of its bias,
         when it has one), as parameters of their own (``_parameter``: a shard must not be a
         view of the whole weight, or the whole weight stays alive): its forward (the
-        inherited one) computes those output features from the whole input.
+        inherited one) computes those output features from the whole input, and its
+        ``in_features`` / ``out_features`` are the shard's. A layer whose weight holds GGUF
+        blocks (``getattr(full, "weight_format", None)`` set) is a ``ValueError`` whose message
+        says the weights must be unquantized.
         """
         raise NotImplementedError(
             "lab 04-05, task 2: implement ColumnParallelLinear.from_full "
@@ -104,7 +107,9 @@ class RowParallelLinear(Linear):
     def from_full(cls, full: nn.Linear, start: int, end: int,
                   tp: TensorParallelGroup) -> RowParallelLinear:
         """Task 2. A layer holding columns ``start:end`` of ``full``'s weight (its own copy),
-        the whole bias (when ``full`` has one), and ``tp``, the group it reduces over.
+        the whole bias (when ``full`` has one), and ``tp``, the group it reduces over; its
+        ``in_features`` / ``out_features`` are the shard's. Quantized weights: as
+        :meth:`ColumnParallelLinear.from_full`.
         """
         raise NotImplementedError(
             "lab 04-05, task 2: implement RowParallelLinear.from_full "

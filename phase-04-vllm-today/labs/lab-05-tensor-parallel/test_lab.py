@@ -50,7 +50,7 @@ class Peers:
         self.answers = list(answers)
         self.sent: list[tuple[str, torch.Tensor]] = []
 
-    def __call__(self, op, rank, tensor):
+    def __call__(self, op, rank, tensor, dim=None):
         if len(self.sent) >= len(self.answers):
             raise AssertionError(f"rank {rank} made more collectives than the split needs "
                                  f"({len(self.answers)})")
@@ -59,6 +59,9 @@ class Peers:
         if op != want:
             raise AssertionError(f"rank {rank}: collective {len(self.sent)} is {op}, expected "
                                  f"{want}")
+        if op == "all_gather" and dim % tensor.dim() != tensor.dim() - 1:
+            raise AssertionError(f"rank {rank}: the logits are gathered along dimension {dim} "
+                                 "of their shape; the vocabulary is the last one")
         return value.clone()
 
 
@@ -164,7 +167,7 @@ def test_sizes_that_do_not_split_are_refused():
         lab.check_tp_size(ModelConfig(hidden_size=96, num_attention_heads=12,
                                       num_key_value_heads=6, intermediate_size=48), 4)
     for bad in (0, -2, 2.0):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
             lab.check_tp_size(TINY, bad)
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         lab.head_ranges(TINY, 3, 0)
@@ -191,6 +194,8 @@ def test_column_parallel_keeps_its_rows(bias):
     want_w = full.weight[4:8].clone()
     want_b = full.bias[4:8].clone() if bias else None
     shard = lab.ColumnParallelLinear.from_full(full, 4, 8)
+    assert (shard.in_features, shard.out_features) == (16, 4), (
+        f"a [4, 16] shard says it is [{shard.out_features}, {shard.in_features}]")
     with torch.no_grad():
         full.weight.zero_()
     x = torch.randn(3, 16)
@@ -210,11 +215,25 @@ def test_row_parallel_reduces_once_and_adds_the_bias_once(bias):
     total = torch.randn(2, 6)  # what the peers say the sum is
     tp, peers = group(1, 3, [("all_reduce", total)])
     shard = lab.RowParallelLinear.from_full(full, 4, 8, tp)
+    assert (shard.in_features, shard.out_features) == (4, 6), (
+        f"a [6, 4] shard says it is [{shard.out_features}, {shard.in_features}]")
     out = shard(x[:, 4:8])
     assert len(peers.sent) == 1, f"{len(peers.sent)} collectives; a row-parallel layer makes one"
     assert_close(peers.sent[0][1], x[:, 4:8] @ full.weight[:, 4:8].T,
                  msg="the rank's partial product (columns 4:8, no bias)")
     assert_close(out, total + (full.bias if bias else 0), msg="the reduced output")
+
+
+@pytest.mark.points(1)
+def test_quantized_weights_are_refused():
+    """A layer whose weight holds GGUF blocks cannot be cut by rows or columns of numbers."""
+    full = _full(32, 8, False, seed=6)
+    full.weight_format = "q8_0"
+    g, _ = group(0, 2)
+    with pytest.raises(ValueError, match="unquantized"):
+        lab.ColumnParallelLinear.from_full(full, 0, 4)
+    with pytest.raises(ValueError, match="unquantized"):
+        lab.RowParallelLinear.from_full(full, 0, 16, g)
 
 
 # ------------------------------------------------------------------------------------------
