@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # importer package -> packages it must not import (prefixes of module names).
 _ABOVE_THE_CORE = ("mini_vllm.engine", "mini_vllm.worker", "mini_vllm.sample",
-                   "mini_vllm.spec_decode",
+                   "mini_vllm.spec_decode", "mini_vllm.distributed", "mini_vllm.executor",
                    "mini_vllm.model_executor", "mini_vllm.entrypoints", "mini_vllm.benchmarks",
                    "mini_vllm.tokenizers", "mini_vllm.attention", "mini_vllm.csrc")
 _ROOT_MODULES = ("mini_vllm.request", "mini_vllm.sampling_params", "mini_vllm.logprobs",
@@ -46,6 +46,10 @@ LAYERS: dict[tuple[str, ...], tuple[str, ...]] = {
                              "mini_vllm.sample", "mini_vllm.model_executor",
                              "mini_vllm.entrypoints", "mini_vllm.benchmarks"),
     ("mini_vllm.engine",): ("mini_vllm.entrypoints", "mini_vllm.benchmarks"),
+    # The group is the bottom of the split: it knows no model; the executor no engine.
+    ("mini_vllm.distributed",): ("mini_vllm.",),
+    ("mini_vllm.executor",): ("mini_vllm.engine", "mini_vllm.entrypoints",
+                              "mini_vllm.benchmarks", "mini_vllm.core"),
     ("mini_vllm.entrypoints",): ("mini_vllm.benchmarks",),
     _ROOT_MODULES: ("mini_vllm.core", "mini_vllm.engine", "mini_vllm.worker", "mini_vllm.sample",
                     "mini_vllm.model_executor", "mini_vllm.entrypoints", "mini_vllm.metrics",

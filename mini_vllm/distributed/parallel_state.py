@@ -14,6 +14,7 @@ upstream: vllm/distributed/parallel_state.py:427 @ v0.33.0
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,11 @@ class CommStats:
 class TensorParallelGroup:
     """This process's place in the tensor-parallel group, and the group's collectives.
 
+    ``peers``: instead of a ``torch.distributed`` group, a callable ``peers(op, rank, tensor)``
+    that answers each collective of this rank (``op``: ``"all_reduce"``, or ``"all_gather"``
+    with ``dim=`` too) with its result: one rank run alone, its peers simulated. Tests split a
+    model that way, one rank after another, with no process or network (lab 04-05's do).
+
     Invariant: every rank calls the same collectives in the same order with tensors of the same
     shape (each rank runs the same model code on the same batch); a rank that skips one leaves
     the others waiting until the timeout given at :func:`init_tensor_parallel`.
@@ -44,11 +50,18 @@ class TensorParallelGroup:
     upstream: vllm/distributed/parallel_state.py:427 @ v0.33.0
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group=None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None, *,
+                 peers: Callable[[str, int, torch.Tensor], torch.Tensor] | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"TensorParallelGroup: rank {rank} is not in 0..{world_size - 1}")
-        self.rank, self.world_size, self.group = rank, world_size, group
+        self.rank, self.world_size, self.group, self.peers = rank, world_size, group, peers
         self.stats = CommStats()
+
+    def _collective(self, op: str, x: torch.Tensor, run, **kw) -> torch.Tensor:
+        # Simulated peers (one rank run alone): they answer with the collective's result.
+        if self.peers is None:
+            return run(x)
+        return self.peers(op, self.rank, x.detach().clone(), **kw)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the ranks (a new tensor; ``x`` is unchanged).
@@ -57,11 +70,15 @@ class TensorParallelGroup:
         """
         if self.world_size == 1:
             return x
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=self.group)
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            out = t.contiguous().clone()
+            dist.all_reduce(out, group=self.group)
+            return out
+
         self.stats.all_reduces += 1
-        self.stats.all_reduce_bytes += out.numel() * out.element_size()
-        return out
+        self.stats.all_reduce_bytes += x.numel() * x.element_size()
+        return self._collective("all_reduce", x, run)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in rank order.
@@ -70,12 +87,16 @@ class TensorParallelGroup:
         """
         if self.world_size == 1:
             return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            t = t.contiguous()
+            parts = [torch.empty_like(t) for _ in range(self.world_size)]
+            dist.all_gather(parts, t, group=self.group)
+            return torch.cat(parts, dim=dim)
+
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += x.numel() * x.element_size()
-        return torch.cat(parts, dim=dim)
+        return self._collective("all_gather", x, run, dim=dim)
 
 
 _TP = TensorParallelGroup()

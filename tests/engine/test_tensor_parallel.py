@@ -133,3 +133,66 @@ def test_smollm2_tokens_equal_at_tp_3(tp_engine):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     expected = _tokens(LLM("smollm2", num_gpu_blocks=64), params)
     assert _tokens(tp_engine(3, model="smollm2", num_gpu_blocks=64), params) == expected
+
+
+def _collectives_of_the_whole_model(model, ids, tp: int) -> list[tuple[str, torch.Tensor]]:
+    """What each collective of a split run must return, in call order, read off the whole
+    model: the embedding, each layer's o_proj and down_proj outputs (before any bias), and the
+    logits padded to ``tp`` equal shards."""
+    truth, hooks = [], []
+
+    def record(op, bias=None):
+        def hook(_module, _args, out):
+            truth.append((op, out - bias if bias is not None else out))
+        return hook
+
+    hooks.append(model.model.embed_tokens.register_forward_hook(record("all_reduce")))
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            hooks.append(proj.register_forward_hook(record("all_reduce", proj.bias)))
+    with torch.no_grad():
+        logits = model.forward_reference(ids)
+    for h in hooks:
+        h.remove()
+    vocab = logits.shape[-1]
+    padded = torch.zeros(*logits.shape[:-1], -(-vocab // tp) * tp)
+    padded[..., :vocab] = logits
+    return truth + [("all_gather", padded)]
+
+
+@pytest.mark.parametrize("which, tp", [("tiny", 2), ("tiny", 4), ("shipped", 4)])
+def test_each_rank_alone_against_simulated_peers(which, tp):
+    """One rank at a time, no process: the group's peers answer every collective with the whole
+    model's value at that point and keep the rank's contribution. The ranks' contributions add
+    up to the truth, call by call (all-gathered shards end to end; the shipped model's
+    258-token vocabulary pads to 4 x 65), in the 2 x layers + 2 calls the split needs."""
+    import copy
+
+    from mini_vllm.distributed.parallel_state import TensorParallelGroup
+    from mini_vllm.model_executor.model_loader.loader import load_default_model
+    from mini_vllm.model_executor.model_loader.tp_loader import shard_model
+
+    from .conftest import make_tiny_model
+
+    model = make_tiny_model() if which == "tiny" else load_default_model()
+    ids = torch.tensor([[3, 17, 42, 5, 63, 0, 8]])
+    truth = _collectives_of_the_whole_model(model, ids, tp)
+    seen = [[] for _ in range(tp)]
+    for rank in range(tp):
+        answers = iter(truth)
+
+        def peers(op, r, tensor, answers=answers, dim=None):
+            want, value = next(answers)
+            assert op == want, f"rank {r}: collective {len(seen[r])} is {op}, expected {want}"
+            seen[r].append(tensor)
+            return value
+
+        shard = shard_model(copy.deepcopy(model), TensorParallelGroup(rank, tp, peers=peers))
+        with torch.no_grad():
+            shard.forward_reference(ids)  # its logits are the peers' answer: the parts decide
+        assert len(seen[rank]) == len(truth) == 2 * model.config.num_hidden_layers + 2
+    for k, (op, value) in enumerate(truth):
+        parts = [seen[r][k] for r in range(tp)]
+        total = torch.cat(parts, dim=-1) if op == "all_gather" else torch.stack(parts).sum(0)
+        torch.testing.assert_close(total, value, rtol=1e-5, atol=1e-5,
+                                   msg=f"collective {k} ({op}): the ranks' parts do not add up")
