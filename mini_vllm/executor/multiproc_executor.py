@@ -9,10 +9,10 @@ ranks run the same step and meet in its collectives; each samples the same token
 gathered logits, and only the driver's output goes back to the engine.
 
 Lifetime: workers start with the engine and stop with :meth:`TensorParallelRunner.shutdown`
-(the engine's ``close``, or when the executor is collected). A worker whose driver is gone (a
-crash, a kill) sees its pipe close and exits; a rank that waits in a collective for a rank that
-died gives up after ``timeout_s``. Nothing is left behind: the rendezvous file lives in a
-temporary folder removed at shutdown.
+(the engine's ``shutdown``, or when the executor is collected). A worker whose driver is gone
+(a crash, a kill) sees it die, removes the rendezvous folder the driver could not, and exits;
+a rank that waits in a collective for a rank that died gives up after ``timeout_s``. Nothing is
+left behind: the rendezvous file lives in a temporary folder removed at shutdown.
 
 Not here (upstream has them): workers that never share the engine's process (upstream's
 driver is a worker process too, fed through a shared-memory queue), pipeline parallelism, and
@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -52,16 +53,23 @@ def _worker_main(rank: int, tp_size: int, init_method: str, model, runner_cls: t
         runner = runner_cls(shard_model(model, group), **runner_kwargs)
         del model
         conn.send(("ready", None))
+        # The driver's death, seen directly: a forked worker also holds the driver's end of its
+        # own pipe, so that pipe never reports end-of-file.
+        driver = mp.parent_process()
         while True:
+            if conn not in wait([conn, driver.sentinel]):
+                break  # the driver is gone
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                return  # the driver is gone
+                break  # the driver is gone
             if message is None:
                 return
             rng_state, scheduler_output = message
             torch.set_rng_state(rng_state)
             runner.execute_model(scheduler_output)
+        # A driver that died could not remove the rendezvous folder: the last one out does.
+        shutil.rmtree(os.path.dirname(init_method.removeprefix("file://")), ignore_errors=True)
     except BaseException as exc:  # noqa: BLE001 (reported to the driver, then the worker ends)
         try:
             conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
@@ -91,8 +99,8 @@ class TensorParallelRunner:
                  **runner_kwargs: Any) -> None:
         check_tp_size(model.config, tp_size)
         if get_tp_group().world_size > 1:
-            raise RuntimeError("a tensor-parallel engine already runs in this process; close it "
-                               "(LLM.close()) before starting another")
+            raise RuntimeError("a tensor-parallel engine already runs in this process; shut it "
+                               "down (llm.engine.shutdown()) before starting another")
         if mp.current_process().daemon:
             raise RuntimeError("tensor parallelism starts worker processes, which a daemon "
                                "process cannot (the server's engine-core process is one); run "

@@ -14,7 +14,6 @@ import importlib.util
 import multiprocessing as mp
 import os
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,10 @@ from mini_vllm.sampling_params import SamplingParams
 PROMPTS = ["To be, or not", "ROMEO:\nWhat light", "First Citizen:\nBefore we proceed any further"]
 
 
-def _leftovers() -> list[str]:
-    folders = [p.name for p in Path(tempfile.gettempdir()).glob("mini_vllm-tp-*")]
-    return [p.name for p in mp.active_children()] + folders
+def _leftovers(folders=()) -> list[str]:
+    """This process's child processes, and those of ``folders`` (this test's engines'
+    rendezvous folders) that still exist: other tests may run engines beside this one."""
+    return [p.name for p in mp.active_children()] + [f for f in folders if Path(f).exists()]
 
 
 @pytest.fixture
@@ -41,13 +41,14 @@ def tp_engine():
 
     def make(tp: int, **kwargs) -> LLM:
         llm = LLM(tensor_parallel_size=tp, **kwargs)
-        made.append(llm)
+        made.append((llm, llm.engine.model_runner._folder))
         return llm
 
     yield make
-    for llm in made:
+    for llm, _ in made:
         llm.engine.shutdown()
-    assert not _leftovers(), f"left behind after shutdown: {_leftovers()}"
+    folders = [folder for _, folder in made]
+    assert not _leftovers(folders), f"left behind after shutdown: {_leftovers(folders)}"
     assert get_tp_group().world_size == 1, "the driver still belongs to a group"
 
 
@@ -109,7 +110,7 @@ def test_sizes_that_do_not_split_are_refused_before_anything_starts():
         LLM(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="use one of"):
         check_tp_size(ModelConfig(num_attention_heads=4, num_key_value_heads=4), 3)
-    assert not _leftovers()
+    assert not mp.active_children(), "a refused size started a process"
 
 
 def test_a_dead_worker_is_reported_and_cleaned_up(tp_engine):
@@ -196,3 +197,39 @@ def test_each_rank_alone_against_simulated_peers(which, tp):
         total = torch.cat(parts, dim=-1) if op == "all_gather" else torch.stack(parts).sum(0)
         torch.testing.assert_close(total, value, rtol=1e-5, atol=1e-5,
                                    msg=f"collective {k} ({op}): the ranks' parts do not add up")
+
+
+def test_workers_exit_when_the_driver_is_killed(tmp_path):
+    """The engine's process killed outright (no shutdown, no finalizer): its worker notices
+    and exits instead of waiting forever on a pipe whose other end it holds itself (a forked
+    worker inherits it), and removes the rendezvous folder the driver left."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import multiprocessing as mp, time\n"
+        "from mini_vllm.entrypoints.llm import LLM\n"
+        "llm = LLM(tensor_parallel_size=2)\n"
+        "print(llm.engine.model_runner._folder,\n"
+        "      *[p.pid for p in mp.active_children()], flush=True)\n"
+        "time.sleep(120)\n")
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        folder, worker = driver.stdout.readline().split()
+        worker = int(worker)
+    finally:
+        driver.kill()
+        driver.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail(f"worker {worker} outlived its killed driver by 20 s")
+    assert not Path(folder).exists(), f"the rendezvous folder {folder} outlived both processes"
