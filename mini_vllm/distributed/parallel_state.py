@@ -51,17 +51,11 @@ class TensorParallelGroup:
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, group=None, *,
-                 peers: Callable[[str, int, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 peers: Callable[..., torch.Tensor] | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"TensorParallelGroup: rank {rank} is not in 0..{world_size - 1}")
         self.rank, self.world_size, self.group, self.peers = rank, world_size, group, peers
         self.stats = CommStats()
-
-    def _collective(self, op: str, x: torch.Tensor, run, **kw) -> torch.Tensor:
-        # Simulated peers (one rank run alone): they answer with the collective's result.
-        if self.peers is None:
-            return run(x)
-        return self.peers(op, self.rank, x.detach().clone(), **kw)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the ranks (a new tensor; ``x`` is unchanged).
@@ -70,15 +64,13 @@ class TensorParallelGroup:
         """
         if self.world_size == 1:
             return x
-
-        def run(t: torch.Tensor) -> torch.Tensor:
-            out = t.contiguous().clone()
-            dist.all_reduce(out, group=self.group)
-            return out
-
         self.stats.all_reduces += 1
         self.stats.all_reduce_bytes += x.numel() * x.element_size()
-        return self._collective("all_reduce", x, run)
+        if self.peers is not None:
+            return self.peers("all_reduce", self.rank, x.detach().clone())
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in rank order.
@@ -87,16 +79,14 @@ class TensorParallelGroup:
         """
         if self.world_size == 1:
             return x
-
-        def run(t: torch.Tensor) -> torch.Tensor:
-            t = t.contiguous()
-            parts = [torch.empty_like(t) for _ in range(self.world_size)]
-            dist.all_gather(parts, t, group=self.group)
-            return torch.cat(parts, dim=dim)
-
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += x.numel() * x.element_size()
-        return self._collective("all_gather", x, run, dim=dim)
+        if self.peers is not None:
+            return self.peers("all_gather", self.rank, x.detach().clone(), dim=dim)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
 
 
 _TP = TensorParallelGroup()
