@@ -111,6 +111,10 @@ class AsyncLLMBase:
         self._dead: BaseException | None = None
         if multiprocessing is None:
             multiprocessing = _multiprocessing_default()
+        if multiprocessing and llm.config.tensor_parallel_size > 1:
+            raise ValueError("AsyncLLM: an engine core in a process of its own cannot start "
+                             "tensor-parallel workers yet; pass multiprocessing=False (the core "
+                             "on a thread of this process) or use tensor_parallel_size=1")
         self.multiprocessing = multiprocessing
         self.core_client: EngineCoreClient = (
             AsyncMPClient(llm, step_timeout_s=step_timeout_s, setup=core_setup)

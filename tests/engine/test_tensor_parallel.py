@@ -233,3 +233,30 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path):
         os.kill(worker, signal.SIGKILL)
         pytest.fail(f"worker {worker} outlived its killed driver by 20 s")
     assert not Path(folder).exists(), f"the rendezvous folder {folder} outlived both processes"
+
+
+def test_async_llm_runs_a_tensor_parallel_core_in_process_only(tp_engine):
+    """AsyncLLM with the core in a process of its own refuses tp > 1 with a sentence (that
+    process is a daemon, which cannot start workers); with the core on a thread of this
+    process it streams tp 1's tokens."""
+    import asyncio
+
+    from mini_vllm.engine.async_llm import AsyncLLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = _tokens(LLM(), params)[0]
+    llm = tp_engine(2)
+    with pytest.raises(ValueError, match="multiprocessing=False"):
+        AsyncLLM(llm, multiprocessing=True)
+    engine = AsyncLLM(llm, multiprocessing=False)
+
+    async def stream() -> list[int]:
+        got = []
+        async for out in engine.generate(PROMPTS[0], params, request_id="tp"):
+            got += list(out.outputs[0].token_ids)
+        return got
+
+    try:
+        assert asyncio.run(stream()) == expected, "tp=2 behind AsyncLLM: tokens differ from tp=1"
+    finally:
+        engine.shutdown()
