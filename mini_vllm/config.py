@@ -23,8 +23,9 @@ from mini_vllm.attention.fp8 import (
 if TYPE_CHECKING:
     from mini_vllm.model_executor.models.llama import LlamaForCausalLM
 
-__all__ = ["ATTENTION_BACKENDS", "KV_RESERVATIONS", "PREEMPTION_MODES", "RESERVATION_POLICIES",
-           "EngineConfig", "SchedulerConfig", "kv_block_bytes"]
+__all__ = ["ATTENTION_BACKENDS", "KV_RESERVATIONS", "KV_ROLES", "KV_TRANSPORTS", "PREEMPTION_MODES",
+           "RESERVATION_POLICIES", "EngineConfig", "KVTransferConfig", "SchedulerConfig",
+           "kv_block_bytes"]
 
 PREEMPTION_MODES = ("recompute", "swap")
 # The contiguous-reservation baselines (mini_vllm.core.sched.reservation computes their sizes).
@@ -32,6 +33,8 @@ RESERVATION_POLICIES = ("max", "pow2", "oracle")
 # What SchedulerConfig.kv_reservation accepts: paging, or one of the reservation policies.
 KV_RESERVATIONS = ("paged", *RESERVATION_POLICIES)
 ATTENTION_BACKENDS = ("paged", "triton")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_TRANSPORTS = ("shm", "tcp")
 
 
 @dataclass
@@ -216,6 +219,49 @@ class SpeculativeConfig:
 
 
 @dataclass
+class KVTransferConfig:
+    """How an engine shares prompt KV with other engines through a KV connector (lab 04-06;
+    :mod:`mini_vllm.distributed.kv_transfer`).
+
+    * ``kv_role``: ``"kv_producer"`` (a prefill engine: saves the full blocks of every prompt it
+      computes), ``"kv_consumer"`` (a decode engine: loads the longest run of a prompt's blocks
+      the store holds instead of computing them) or ``"kv_both"``.
+    * ``kv_transport``: ``"shm"`` (one shared-memory segment per block, named
+      ``{kv_store}_{block hash}``; ``kv_store`` is the name prefix) or ``"tcp"`` (the producer
+      serves its blocks on ``kv_store`` = ``"host:port"``, the consumer pulls them).
+    * ``kv_buffer_blocks``: how many blocks the producer keeps (the oldest go first).
+
+    upstream: vllm/config/kv_transfer.py:57 @ v0.33.0
+    """
+
+    kv_role: str
+    kv_transport: str = "shm"
+    kv_store: str = "mini_vllm_kv"
+    kv_buffer_blocks: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"KVTransferConfig: kv_role must be one of {KV_ROLES}, got "
+                             f"{self.kv_role!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"KVTransferConfig: kv_transport must be one of {KV_TRANSPORTS}, "
+                             f"got {self.kv_transport!r}")
+        store = self.kv_store
+        if self.kv_transport == "tcp":
+            host, _, port = str(store).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"KVTransferConfig: with kv_transport='tcp', kv_store is the "
+                                 f"producer's 'host:port', got {store!r}")
+        elif not (isinstance(store, str) and 0 < len(store) <= 64
+                  and store.replace("_", "").isalnum() and store.isascii()):
+            raise ValueError(f"KVTransferConfig: with kv_transport='shm', kv_store is a name "
+                             f"prefix of letters, digits and '_' (64 at most), got {store!r}")
+        n = self.kv_buffer_blocks
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"KVTransferConfig: kv_buffer_blocks must be an int >= 1, got {n!r}")
+
+
+@dataclass
 class EngineConfig:
     """The engine's knobs. Give the KV cache either ``num_gpu_blocks`` or ``kv_cache_memory``
     (bytes; the number of blocks is what fits); with neither, 512 blocks.
@@ -257,6 +303,9 @@ class EngineConfig:
       (:mod:`mini_vllm.executor.multiproc_executor`; 1, the default, is one process). Each rank
       holds ``1/tp`` of the KV heads of the same number of blocks. Not with speculation, async
       scheduling or the persistent batch; the model must split (its heads and MLP evenly).
+    * ``kv_transfer_config``: a :class:`KVTransferConfig` (or its fields as a dict): share prompt
+      KV with other engines (a prefill engine and a decode engine, lab 04-06). Not with
+      tensor parallelism, speculation, async scheduling or the persistent batch.
 
     upstream: vllm/engine/arg_utils.py:285 @ v0.11.0
     """
@@ -282,8 +331,20 @@ class EngineConfig:
     persistent_batch: bool = False
     attention_backend: str = "paged"
     tensor_parallel_size: int = 1
+    kv_transfer_config: KVTransferConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_transfer_config, dict):
+            self.kv_transfer_config = KVTransferConfig(**self.kv_transfer_config)
+        if not isinstance(self.kv_transfer_config, (KVTransferConfig, type(None))):
+            raise TypeError("EngineConfig: kv_transfer_config must be a KVTransferConfig, a dict "
+                            f"of its fields or None, got {self.kv_transfer_config!r}")
+        if self.kv_transfer_config is not None and (
+                self.tensor_parallel_size != 1 or self.speculative_config is not None
+                or self.async_scheduling or self.persistent_batch):
+            raise ValueError("EngineConfig: kv_transfer_config runs with the default engine "
+                             "only; leave tensor_parallel_size at 1 and speculative_config, "
+                             "async_scheduling and persistent_batch unset with it")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"EngineConfig: tensor_parallel_size must be an int >= 1, got {tp!r}")

@@ -116,12 +116,15 @@ class AsyncLLMBase:
                              "tensor-parallel workers yet; pass multiprocessing=False (the core "
                              "on a thread of this process) or use tensor_parallel_size=1")
         self.multiprocessing = multiprocessing
+        if multiprocessing:
+            # Released before the core starts: the core builds its own, and this one may hold
+            # what only one engine can (a KV store's port, lab 04-06).
+            llm.engine.shutdown()
+            llm.engine = None
         self.core_client: EngineCoreClient = (
             AsyncMPClient(llm, step_timeout_s=step_timeout_s, setup=core_setup)
             if multiprocessing
             else InprocClient(llm))
-        if multiprocessing:
-            llm.engine = None  # and its KV cache: the core process has its own
 
     @classmethod
     def from_engine_args(cls, model: Any = None, *, model_name: str = "mini_vllm",

@@ -22,12 +22,14 @@ upstream: vllm/v1/engine/core.py
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from mini_vllm.config import SchedulerConfig, SpeculativeConfig
+from mini_vllm.config import KVTransferConfig, SchedulerConfig, SpeculativeConfig
+from mini_vllm.core import kv_cache_utils
 from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
 from mini_vllm.core.sched.async_scheduler import AsyncScheduler
 from mini_vllm.core.sched.output import SchedulerOutput
@@ -82,6 +84,7 @@ class EngineCoreBase:
         persistent_batch: bool = False,
         attention_backend: str = "paged",
         tensor_parallel_size: int = 1,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         if async_scheduling is not None and not isinstance(async_scheduling, bool):
             raise TypeError(f"EngineCore: async_scheduling must be None, True or False, got "
@@ -137,6 +140,8 @@ class EngineCoreBase:
                                                      **runner_kwargs)
         else:
             self.model_runner = runner_cls(model, **runner_kwargs)
+        if kv_transfer_config is not None:
+            self._connect_kv(kv_transfer_config, scheduler_config.block_size)
         self.block_hasher = get_request_block_hasher(scheduler_config.block_size, sha256)
         self.eos_token_id = eos_token_id
         self.prefix_cache_queries = 0
@@ -144,6 +149,24 @@ class EngineCoreBase:
         self.peak_blocks_in_use = 0
         self.peak_blocks_in_step = 0
         self.num_block_steps = 0
+
+    def _connect_kv(self, config: KVTransferConfig, block_size: int) -> None:
+        """Give the scheduler and the runner their halves of a KV connector (lab 04-06)."""
+        from mini_vllm.distributed.kv_transfer import BlockStoreConnector, KVConnectorRole
+        from mini_vllm.worker.kv_connector_model_runner_mixin import KVConnectorRunner
+
+        if self.async_scheduling or self.use_spec_decode:
+            raise ValueError("EngineCore: a KV connector runs with the default engine only "
+                             "(no async scheduling or speculation)")
+        if os.getenv("PYTHONHASHSEED") is None:
+            # Engines that share blocks must name them alike: the chain's seed is the fixed one
+            # upstream uses today, not v0.11.0's random bytes of each process.
+            kv_cache_utils.NONE_HASH = sha256(kv_cache_utils.TODAY_NONE_HASH_SEED)
+        connector = BlockStoreConnector(KVConnectorRole.SCHEDULER, config, block_size)
+        connector.bind_kv_cache_manager(self.scheduler.kv_cache_manager)
+        self.scheduler.connector = connector
+        self.model_runner = KVConnectorRunner(
+            self.model_runner, BlockStoreConnector(KVConnectorRole.WORKER, config, block_size))
 
     def add_request(self, request: Request) -> None:
         """Queue a request (made with :meth:`make_request`) for scheduling.
@@ -220,9 +243,10 @@ class EngineCoreBase:
         upstream: vllm/v1/engine/core.py:834 @ v0.33.0
         """
         self.drain_batch_queue()
-        stop = getattr(self.model_runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        for part in (self.model_runner, getattr(self.scheduler, "connector", None)):
+            stop = getattr(part, "shutdown", None)
+            if stop is not None:
+                stop()
 
     def _record_stats(self) -> None:
         """After a step: fold the prefix-cache counters in and track the peak block usage."""

@@ -283,6 +283,10 @@ def run_engine_core(make_llm: Callable[[], Any], input_address: str, output_addr
         sender.send(EngineCoreOutputs(
             timestamp=time.monotonic(), fatal=True,
             error=f"the engine core's loop died: {type(exc).__name__}: {exc}"))
+    try:
+        proc.engine_core.shutdown()  # what the engine started: workers, a KV store
+    except Exception:  # noqa: BLE001 - the process ends either way; say why, then go
+        traceback.print_exc()
     stop.set()
     in_thread.join(timeout=5)
     beat_thread.join(timeout=5)

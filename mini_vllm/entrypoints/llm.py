@@ -139,7 +139,8 @@ class LLM:
             use_cuda_ops=c.use_cuda_ops, kv_cache_dtype=c.kv_cache_dtype, kv_scales=c.kv_scales,
             enforce_eager=c.enforce_eager, speculative_config=c.speculative_config,
             draft_model=self.draft_model, async_scheduling=c.async_scheduling,
-            persistent_batch=c.persistent_batch, attention_backend=c.attention_backend)
+            persistent_batch=c.persistent_batch, attention_backend=c.attention_backend,
+            kv_transfer_config=c.kv_transfer_config)
 
     # ------------------------------------------------------------------ the public calls
 

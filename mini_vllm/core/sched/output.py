@@ -27,7 +27,7 @@ upstream: vllm/v1/core/sched/output.py:122 @ v0.11.0
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
 
@@ -133,6 +133,8 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled for checking, by request; they are the
     # last len(drafts) of the request's num_scheduled_tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # What a KV connector's worker side moves in this step (lab 04-06); None without one.
+    kv_connector_metadata: Any = None
 
     @property
     def scheduled_req_ids(self) -> list[str]:
