@@ -51,6 +51,9 @@ ENGINE_MODULES = (
     "mini_vllm.engine.serial_utils",
     "mini_vllm.engine.core_proc",
     "mini_vllm.engine.core_client",
+    # lab 04-06's: the connector, looked up where the engine connects it
+    "mini_vllm.distributed.kv_transfer",
+    "mini_vllm.worker.kv_connector_model_runner_mixin",
 )
 GPU_ONLY_LABS = ("02-06",)
 # Lab 02-07's pieces: the engine calls them only with its Triton attention backend, and only

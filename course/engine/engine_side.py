@@ -152,10 +152,14 @@ class Engines:
     # --- the requests ---------------------------------------------------------------------------
 
     def forget(self) -> dict:
-        """A new case: stop every server, drop every engine."""
+        """A new case: stop every server, drop every engine (shut down: a KV connector's store
+        leaves no segment behind)."""
         for server, _ in self.servers:
             if server is not None:
                 server.stop()
+        for llm in self.llms:
+            if getattr(llm, "_engine", None) is not None:
+                llm._engine.shutdown()
         self.llms, self.recorders, self.cpu_free, self.servers = [], [], [], []
         return {}
 

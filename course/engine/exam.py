@@ -32,6 +32,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import random
 import signal
 import threading
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 
 from mini_vllm.attention.fp8 import is_fp8
+from mini_vllm.distributed.kv_transfer import remove_shm_segments
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights
 from mini_vllm.sample.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
@@ -1034,6 +1036,42 @@ def case_triton_attention(exam: Exam) -> None:
     expect(run.stats.prefix_cache_hits > 0, "a prefix hit on the shared blocks")
 
 
+def case_disaggregated_prefill(exam: Exam) -> None:
+    """Lab 04-06's connector in a prefill engine and a decode engine sharing a store in shared
+    memory: the prefill engine (chunked prefill under a 24-token budget) saves each prompt block
+    in the step that fills it, and the decode engine loads the leading run of each prompt's
+    block-hash chain into blocks of its own pool, which already hold another prompt's blocks
+    (one prompt loads its third block past a two-block prefix hit). Every completion of the
+    decode engine is the no-cache oracle's, and it computes only each prompt's last block: every
+    full block before it is loaded or a prefix hit. Then prompts the store does not hold reuse
+    the blocks those loads filled, and must not see them loaded again."""
+    rng = random.Random(47)
+    shared = _prompts(rng, [16])[0]
+    prompts = [shared + _prompts(rng, [13])[0], *_prompts(rng, [21, 3, 8, 30]),
+               shared + _prompts(rng, [13])[0]]  # its hit: 2 blocks here, its 3rd loaded
+    store = {"kv_transport": "shm", "kv_store": f"exam_kv_{os.getpid()}_{rng.randrange(1 << 30)}"}
+    try:
+        producer = exam.llm(block_size=8, num_gpu_blocks=64, max_num_batched_tokens=24,
+                            kv_transfer_config={"kv_role": "kv_producer", **store})
+        consumer = exam.llm(block_size=8, num_gpu_blocks=36,
+                            kv_transfer_config={"kv_role": "kv_consumer", **store})
+        exam.generate(consumer, _prompts(rng, [20]), GREEDY)  # its pool is not the producer's
+        exam.generate(producer, prompts, SamplingParams(temperature=0.0, max_tokens=1))
+        run = exam.generate(consumer, prompts, GREEDY)
+        # Then prompts the store does not hold, in blocks the loads above used: no load again.
+        exam.generate(consumer, _prompts(rng, [20, 22, 19, 30, 25]), GREEDY)
+    finally:  # the engines' stores go now: the engine process may be killed after the case
+        try:
+            exam.call("forget")
+        except Exception:  # noqa: BLE001, S110 - a dead engine process: the sweep below
+            pass
+        remove_shm_segments(store["kv_store"])
+    expected = [(len(p) - 1) // 8 * 8 for p in prompts]
+    got = [out.metrics.get("num_cached_tokens") for out in run.outputs]
+    expect(got == expected, f"the decode engine loading every full prompt block but the last "
+           f"(tokens not computed per prompt {expected}; got {got})")
+
+
 # Prompt lookup with every proposal checked (the adaptive policy's choices depend on timing, and
 # the exam compares every step with the reference engine's).
 NGRAM_ALWAYS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -1543,6 +1581,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("engine-core-process", case_engine_core_process),
         Case("async-scheduling", case_async_scheduling),
         Case("persistent-batch", case_persistent_batch),
+        Case("disaggregated-prefill", case_disaggregated_prefill),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)

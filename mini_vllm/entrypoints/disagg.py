@@ -39,7 +39,10 @@ __all__ = ["DisaggregatedLLM", "free_tcp_port"]
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the producer binds it a moment later)."""
+    """A port nobody listens on right now (the producer binds it a moment later).
+
+    upstream: none (upstream's examples pass fixed ports on the command line)
+    """
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

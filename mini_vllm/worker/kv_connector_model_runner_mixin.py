@@ -7,45 +7,64 @@ attention backend); after the forward pass the saves complete. A step with loads
 layer by layer (not as the CPU's one compiled decode call, which has no place for the hooks).
 
 upstream: vllm/v1/worker/kv_connector_model_runner_mixin.py:23 @ v0.33.0 (the step's hooks; the
-layer's are vllm/model_executor/layers/attention/kv_transfer_utils.py)
+layer's are vllm/model_executor/layers/attention/kv_transfer_utils.py:15 @ v0.33.0)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConnectorAttention", "KVConnectorRunner", "layer_name"]
+__all__ = ["ConnectorAttention", "ConnectorAttentionBase", "KVConnectorRunner", "layer_name"]
 
 
 def layer_name(index: int) -> str:
-    """The name a connector knows layer ``index``'s cache by."""
+    """The name a connector knows layer ``index``'s cache by.
+
+    upstream: none (upstream's layer names are the attention modules' prefixes, as this one)
+    """
     return f"model.layers.{index}.self_attn"
 
 
-class ConnectorAttention:
-    """An attention backend that calls the connector's per-layer hooks around ``inner``'s
-    call: ``wait_for_layer_load`` first (the layer may read loaded blocks), ``save_kv_layer``
-    after (``inner`` writes the step's K/V into the cache before it attends).
+class ConnectorAttentionBase:
+    """An attention backend around ``inner`` (the runner's), with ``connector`` (its worker
+    side) and :meth:`layer_of` (the model hands the backend a layer's caches, not its index);
+    every attribute but the call is ``inner``'s. :class:`ConnectorAttention` adds the call.
 
-    upstream: vllm/model_executor/layers/attention/kv_transfer_utils.py:40 @ v0.33.0
+    upstream: vllm/model_executor/layers/attention/kv_transfer_utils.py:15 @ v0.33.0
     """
 
     def __init__(self, inner: Any, connector: Any,
                  kv_caches: list[tuple[Any, Any]]) -> None:
         self.inner = inner
         self.connector = connector
-        # The model hands the backend caches, not indices: find the layer by its key cache.
         self._names = {k.data_ptr(): layer_name(i) for i, (k, _) in enumerate(kv_caches)}
 
+    def layer_of(self, key_cache: Any) -> str:
+        """The name of the layer whose key cache is ``key_cache``."""
+        return self._names[key_cache.data_ptr()]
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+
+class ConnectorAttention(ConnectorAttentionBase):
+    """Attention with the connector's per-layer hooks around it (lab 04-06, task 4).
+
+    upstream: vllm/model_executor/layers/attention/kv_transfer_utils.py:15 @ v0.33.0
+    """
+
     def __call__(self, query, key, value, key_cache, value_cache, meta, scale):
-        name = self._names[key_cache.data_ptr()]
+        """``inner``'s attention for this layer, after ``wait_for_layer_load`` (the layer may
+        read blocks loaded in this step) and before ``save_kv_layer`` (``inner`` writes the
+        step's K/V into the cache first: a block saved earlier would hold stale K/V).
+
+        upstream: vllm/model_executor/layers/attention/kv_transfer_utils.py:15 @ v0.33.0
+        """
+        name = self.layer_of(key_cache)
         self.connector.wait_for_layer_load(name)
         out = self.inner(query, key, value, key_cache, value_cache, meta, scale)
         self.connector.save_kv_layer(name, (key_cache, value_cache), meta)
         return out
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.inner, attr)
 
 
 class KVConnectorRunner:

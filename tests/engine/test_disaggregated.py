@@ -117,7 +117,7 @@ def test_saving_a_layer_before_it_wrote_its_cache_is_caught(reference, monkeypat
     """The planted bug of lab 04-06: the blocks go out before the prefill wrote them."""
 
     def save_first(self, query, key, value, key_cache, value_cache, meta, scale):
-        name = self._names[key_cache.data_ptr()]
+        name = self.layer_of(key_cache)
         self.connector.wait_for_layer_load(name)
         self.connector.save_kv_layer(name, (key_cache, value_cache), meta)
         return self.inner(query, key, value, key_cache, value_cache, meta, scale)

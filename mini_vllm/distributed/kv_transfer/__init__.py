@@ -17,10 +17,14 @@ from mini_vllm.distributed.kv_transfer.base import (
 )
 from mini_vllm.distributed.kv_transfer.block_connector import (
     BlockStoreConnector,
+    BlockStoreConnectorBase,
     BlockStoreConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
 )
 from mini_vllm.distributed.kv_transfer.block_store import (
     KVBlockStore,
+    MemoryBlockStore,
     SharedMemoryBlockStore,
     TcpBlockStore,
     remove_shm_segments,
@@ -28,11 +32,15 @@ from mini_vllm.distributed.kv_transfer.block_store import (
 
 __all__ = [
     "BlockStoreConnector",
+    "BlockStoreConnectorBase",
     "BlockStoreConnectorMetadata",
     "KVBlockStore",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
+    "LoadSpec",
+    "MemoryBlockStore",
+    "SaveSpec",
     "SharedMemoryBlockStore",
     "TcpBlockStore",
     "remove_shm_segments",

@@ -34,7 +34,8 @@ from multiprocessing.shared_memory import SharedMemory
 
 import zmq
 
-__all__ = ["KVBlockStore", "SharedMemoryBlockStore", "TcpBlockStore", "remove_shm_segments"]
+__all__ = ["KVBlockStore", "MemoryBlockStore", "SharedMemoryBlockStore", "TcpBlockStore",
+           "remove_shm_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,36 @@ class KVBlockStore(ABC):
         """Release the store (a producer removes what it put). Safe to call twice."""
 
 
+class MemoryBlockStore(KVBlockStore):
+    """Blocks in this process's memory: for engines that share a process (``kv_both``, tests).
+
+    upstream: none (see the module docstring)
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self.blobs: dict[bytes, bytes] = {}  # oldest first
+
+    def put(self, key: bytes, blob: memoryview | bytes) -> None:
+        if key in self.blobs:
+            self.blobs[key] = self.blobs.pop(key)  # now the newest
+            return
+        self.blobs[key] = bytes(blob)
+        while len(self.blobs) > self.capacity:
+            del self.blobs[next(iter(self.blobs))]
+
+    def fetch_prefix(self, keys: list[bytes]) -> list[bytes]:
+        out = []
+        for key in keys:
+            if key not in self.blobs:
+                break
+            out.append(self.blobs[key])
+        return out
+
+    def close(self) -> None:
+        self.blobs.clear()
+
+
 def _segment(prefix: str, key: bytes) -> str:
     return f"{prefix}_{key.hex()[:48]}"
 
@@ -78,7 +109,10 @@ def _attach(name: str, create: bool = False, size: int = 0) -> SharedMemory:
 
 def remove_shm_segments(prefix: str) -> int:
     """Unlink every segment named ``{prefix}_...`` (after a producer died without closing its
-    store); returns how many. Linux only (elsewhere there is no folder to list: 0)."""
+    store); returns how many. Linux only (elsewhere there is no folder to list: 0).
+
+    upstream: none (see the module docstring)
+    """
     if not os.path.isdir(_SHM_DIR):
         return 0
     removed = 0
