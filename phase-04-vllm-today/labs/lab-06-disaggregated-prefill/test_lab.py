@@ -248,7 +248,7 @@ def test_only_the_requests_a_producer_remembers_are_saved():
     conn.bind_kv_cache_manager(manager)
     conn.update_state_after_alloc(kept, manager.allocate_slots(kept, 8), 0)
     manager.allocate_slots(other, 8)
-    meta = read(conn.build_connector_meta(step_output({"kept": 8, "other": 8})))
+    meta = read(conn.build_connector_meta(step_output({"other": 8, "kept": 8})))
     saved = [s.request_id for s in meta.saves]
     assert saved == ["kept"], (
         f"only the request update_state_after_alloc remembered is saved; got {saved}")
@@ -364,8 +364,10 @@ class Attention:
 
     def __init__(self):
         self.seen_block_2: list[torch.Tensor] = []
+        self.seen_meta: list[object] = []
 
     def __call__(self, query, key, value, key_cache, value_cache, meta, scale):
+        self.seen_meta.append(meta)
         key_cache[5] = key
         value_cache[5] = value
         self.seen_block_2.append(key_cache[2].clone())
@@ -387,10 +389,13 @@ def test_attention_reads_loaded_blocks_and_the_save_holds_what_it_wrote():
     query = torch.randn(3, 4)
     new_k = torch.randn(HEADS, HEAD // X, BS, X)
     new_v = torch.randn(HEADS, HEAD, BS)
-    outs = [attention(query, new_k + layer, new_v + layer, kv[layer][0], kv[layer][1], None, 0.5)
+    step = {"step": 7}  # the step's attention metadata, as the runner hands it over
+    outs = [attention(query, new_k + layer, new_v + layer, kv[layer][0], kv[layer][1], step, 0.5)
             for layer in range(LAYERS)]
     for out in outs:
         assert torch.equal(torch.as_tensor(out), query * 0.5), "the layer returns inner's result"
+    assert inner.seen_meta == [step] * LAYERS, (
+        f"inner gets the step's metadata as it came; got {inner.seen_meta}")
     whole = as_blocks(loaded)
     for layer in range(LAYERS):
         assert torch.equal(inner.seen_block_2[layer].flatten(), whole[layer, 0]), (
