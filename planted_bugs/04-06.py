@@ -33,7 +33,8 @@ BUGS = [
         description="the load goes to the blocks at the request's first positions, ignoring the "
         "local hit: the blobs overwrite the engine's own cached blocks",
         file=CONNECTOR,
-        find="            self._loads.append(LoadSpec(request.request_id, block_ids[first:first + n],",
+        find="            self._loads.append(LoadSpec(request.request_id, "
+        "block_ids[first:first + n],",
         replace="            self._loads.append(LoadSpec(request.request_id, block_ids[:n],",
     ),
     PlantedBug(
@@ -41,7 +42,8 @@ BUGS = [
         description="the hit may cover the block of the prompt's last token, so no token is "
         "left to compute and sample from",
         file=CONNECTOR,
-        find="        last = (request.num_tokens - 1) // bs  # the last token is always computed here\n",
+        find="        last = (request.num_tokens - 1) // bs  "
+        "# the last token is always computed here\n",
         replace="        last = request.num_tokens // bs\n",
     ),
     PlantedBug(
@@ -58,7 +60,8 @@ BUGS = [
         "saved before its last token was computed",
         file=CONNECTOR,
         find="            lo, hi = start // bs, min(end // bs, len(request.block_hashes))\n",
-        replace="            lo, hi = start // bs, min((end + bs - 1) // bs, len(request.block_hashes))\n",
+        replace="            lo, hi = start // bs, min((end + bs - 1) // bs, "
+        "len(request.block_hashes))\n",
     ),
     PlantedBug(
         name="saves-past-the-prompt",
@@ -75,7 +78,8 @@ BUGS = [
         file=CONNECTOR,
         find="        meta = BlockStoreConnectorMetadata(loads=self._loads, saves=saves)\n"
         "        self._loads = []\n",
-        replace="        meta = BlockStoreConnectorMetadata(loads=list(self._loads), saves=saves)\n",
+        replace="        meta = BlockStoreConnectorMetadata(loads=list(self._loads), "
+        "saves=saves)\n",
     ),
     PlantedBug(
         name="layer-loaded-into-layer-0",

@@ -54,6 +54,8 @@ ENGINE_MODULES = (
     # lab 04-06's: the connector, looked up where the engine connects it
     "mini_vllm.distributed.kv_transfer",
     "mini_vllm.worker.kv_connector_model_runner_mixin",
+    # lab 04-07's: the router, where RoutedEngines and the exam's engines route
+    "mini_vllm.entrypoints.router",
 )
 GPU_ONLY_LABS = ("02-06",)
 # Lab 02-07's pieces: the engine calls them only with its Triton attention backend, and only

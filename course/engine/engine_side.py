@@ -270,10 +270,27 @@ class Engines:
             stopping.stop()
         return {}
 
+    def route(self, engines: int, block_size: int, num_blocks: int, threshold: int,
+              events: list) -> dict:
+        """Lab 04-07's router (the composed one) on a stream of events: ``["route", prompt]``
+        routes a request, ``["finish", k]`` ends the ``k``-th routed one. The engine chosen for
+        each routed request, in order."""
+        from mini_vllm.entrypoints import router
+
+        policy = router.PrefixRouter(engines, block_size=block_size, num_blocks=num_blocks,
+                                     balance_abs_threshold=threshold)
+        chosen: list[int] = []
+        for kind, value in events:
+            if kind == "route":
+                chosen.append(int(policy.route([int(t) for t in value])))
+            else:
+                policy.finished(chosen[int(value)])
+        return {"chosen": chosen}
+
     # --- answering ------------------------------------------------------------------------------
 
     REQUESTS = ("forget", "new", "generate", "beam_search", "serve", "generation_tokens",
-                "wait_idle", "kill_core", "stop_server")
+                "wait_idle", "kill_core", "stop_server", "route")
 
     def answer(self, request: dict) -> dict:
         """One request (``op``, ``args``, ``seconds`` left for it) answered as data: ``{"ok":

@@ -47,6 +47,7 @@ import torch
 
 from mini_vllm.attention.fp8 import is_fp8
 from mini_vllm.distributed.kv_transfer import remove_shm_segments
+from mini_vllm.entrypoints.router import PrefixRouter as ReferenceRouter
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig, init_weights
 from mini_vllm.sample.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
@@ -1072,6 +1073,49 @@ def case_disaggregated_prefill(exam: Exam) -> None:
            f"(tokens not computed per prompt {expected}; got {got})")
 
 
+def case_cache_aware_routing(exam: Exam) -> None:
+    """Lab 04-07's router over two engines of blocks of 8: chat sessions on three system prompts
+    built from a few repeated blocks (equal blocks under different prefixes are no match), each
+    turn's prompt extending the last, with requests ending between routes so that the load
+    threshold of 1 acts, and a picture of each cache bounded at 8 blocks. Every request goes to
+    the engine the policy names, and each engine's requests, run on it in that order, give the
+    oracle's tokens and hit its prefix cache."""
+    rng = random.Random(7)
+    pieces = _prompts(rng, [8, 8, 8, 8])  # few blocks, repeated under different prefixes
+    systems = [rng.choice(pieces) + rng.choice(pieces) for _ in range(3)]
+    sessions = [[rng.choice(systems) + rng.choice(pieces)] for _ in range(12)]
+    events, prompts = [], []
+    for turn in range(4):
+        for session in sessions:
+            if turn:
+                session.append(session[-1] + rng.choice(pieces) + _prompts(rng, [3])[0])
+            prompts.append(session[-1])
+            events.append(["route", session[-1]])
+            if len(prompts) > 2 and rng.random() < 0.6:
+                events.append(["finish", len(prompts) - 3])
+    knobs = {"engines": 2, "block_size": 8, "num_blocks": 8, "threshold": 1}
+    chosen = exam.call("route", events=events, **knobs)["chosen"]
+    policy = ReferenceRouter(2, block_size=8, num_blocks=8, balance_abs_threshold=1)
+    want = []
+    for kind, value in events:
+        if kind == "route":
+            want.append(policy.route(value))
+        else:
+            policy.finished(want[value])
+    for i, (got, expected) in enumerate(zip(chosen, want, strict=False)):
+        if got != expected:
+            raise ExamFailure(f"request {i} (a {len(prompts[i])}-token prompt) was routed to "
+                              f"engine {got}; the policy sends it to engine {expected} (the "
+                              f"first {i} requests went where it says)")
+    expect(len(chosen) == len(want), f"a choice for every request ({len(chosen)} of {len(want)})")
+    expect(len(set(want)) == 2, "requests on both engines")
+    for engine in (0, 1):
+        llm = exam.llm(block_size=8, num_gpu_blocks=96)
+        mine = [p for p, e in zip(prompts, want, strict=True) if e == engine]
+        run = exam.generate(llm, mine, SamplingParams(temperature=0.0, max_tokens=4))
+        expect(run.stats.prefix_cache_hits > 0, f"prefix hits on engine {engine}")
+
+
 # Prompt lookup with every proposal checked (the adaptive policy's choices depend on timing, and
 # the exam compares every step with the reference engine's).
 NGRAM_ALWAYS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -1582,6 +1626,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("async-scheduling", case_async_scheduling),
         Case("persistent-batch", case_persistent_batch),
         Case("disaggregated-prefill", case_disaggregated_prefill),
+        Case("cache-aware-routing", case_cache_aware_routing),
     ]
     named += [Case(f"block-size-{b}", _block_size_case(b)) for b in (1, 2, 8, 16, 32)]
     rng = random.Random(SWEEP_SEED)

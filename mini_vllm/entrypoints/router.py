@@ -26,37 +26,40 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from types import SimpleNamespace
 from typing import Any
 
-from mini_vllm.core.kv_cache_utils import BlockHash, get_request_block_hasher, sha256
+from mini_vllm.core.kv_cache_utils import BlockHash, hash_block_tokens, sha256
 from mini_vllm.engine.async_llm import AsyncLLM
 from mini_vllm.entrypoints.llm import LLM
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.sampling_params import SamplingParams
 
-__all__ = ["PrefixRouter", "RoundRobinRouter", "RoutedEngines", "prompt_block_hashes"]
+__all__ = ["PrefixRouter", "PrefixRouterBase", "RoundRobinRouter", "RoutedEngines", "RouterBase",
+           "prompt_block_hashes"]
 
 
 def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """The chained hashes of the prompt's full blocks, as the engine's prefix cache names them
-    (no LoRA, no cache salt). Hash ``i`` covers tokens ``[0, (i + 1) * block_size)``.
+    (no LoRA, no cache salt): block ``i``'s hash is ``hash_block_tokens(sha256, hash of block
+    i - 1, its tokens)``, block 0's parent is ``None`` (``NONE_HASH``), so hash ``i`` names tokens
+    ``[0, (i + 1) * block_size)``. A partial last block has no hash (lab 04-07, task 1).
 
-    upstream: none (course-only; the engine hashes a Request with the same hasher)
+    upstream: none (course-only; the engine hashes a Request with the same chain,
+    get_request_block_hasher in vllm/v1/core/kv_cache_utils.py)
     """
-    request = SimpleNamespace(all_token_ids=list(prompt_token_ids), block_hashes=[],
-                              num_tokens=len(prompt_token_ids), lora_request=None,
-                              cache_salt=None)
-    return get_request_block_hasher(block_size, sha256)(request)
+    hashes: list[BlockHash] = []
+    parent = None
+    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(sha256, parent, prompt_token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
 
 
-class RoundRobinRouter:
-    """Engine ``0, 1, ..., n - 1, 0, ...`` whatever the prompt: the baseline.
-
-    ``route(prompt_token_ids)`` picks an engine and counts the request as outstanding there;
-    ``finished(engine_index)`` is called once per routed request when it ends.
+class RouterBase:
+    """What every router keeps: ``loads``, the outstanding requests of each engine. A router's
+    ``route(prompt_token_ids)`` picks an engine and counts the request there; ``finished``
+    is called once per routed request when it ends.
 
     upstream: none (course-only; see the module docstring)
     """
@@ -65,6 +68,22 @@ class RoundRobinRouter:
         if num_engines < 1:
             raise ValueError(f"router: need at least one engine, got {num_engines}")
         self.loads = [0] * num_engines  # outstanding requests per engine
+
+    def finished(self, engine_index: int) -> None:
+        """One request routed to ``engine_index`` ended (finished, failed or abandoned)."""
+        if self.loads[engine_index] <= 0:
+            raise ValueError(f"router: engine {engine_index} has no outstanding request")
+        self.loads[engine_index] -= 1
+
+
+class RoundRobinRouter(RouterBase):
+    """Engine ``0, 1, ..., n - 1, 0, ...`` whatever the prompt: the baseline.
+
+    upstream: none (course-only; see the module docstring)
+    """
+
+    def __init__(self, num_engines: int) -> None:
+        super().__init__(num_engines)
         self._next = itertools.cycle(range(num_engines))
 
     def route(self, prompt_token_ids: Sequence[int]) -> int:
@@ -72,21 +91,15 @@ class RoundRobinRouter:
         self.loads[index] += 1
         return index
 
-    def finished(self, engine_index: int) -> None:
-        if self.loads[engine_index] <= 0:
-            raise ValueError(f"router: engine {engine_index} has no outstanding request")
-        self.loads[engine_index] -= 1
 
-
-class PrefixRouter(RoundRobinRouter):
-    """Route to the engine whose cache (as the router saw it fill) holds the longest leading run
-    of the prompt's block hashes; ties, and prompts nobody holds, go to the least-loaded engine
-    (then the one holding fewest blocks, so new prefixes spread out).
-
-    ``num_blocks``: each engine's usable KV blocks, the bound of its LRU of hashes.
-    ``balance_abs_threshold``: when the best-matching engine has more than this many outstanding
-    requests beyond the least-loaded one, the least-loaded one takes the request (one hot prefix
-    must not pile every request onto one engine; as SGLang's router's knob of that name).
+class PrefixRouterBase(RouterBase):
+    """The state of a cache-aware router: ``caches[e]``, the block hashes the router believes
+    engine ``e`` holds (a dict of hash -> None, in order: least recently routed first),
+    bounded by ``num_blocks``, each engine's usable KV blocks; ``block_size``; and
+    ``balance_abs_threshold``: when the best-matching engine has more than this many
+    outstanding requests beyond the least-loaded one, the least-loaded one takes the request
+    (one hot prefix must not pile every request onto one engine; SGLang's router's knob of that
+    name).
 
     upstream: none (course-only; see the module docstring)
     """
@@ -94,23 +107,56 @@ class PrefixRouter(RoundRobinRouter):
     def __init__(self, num_engines: int, *, block_size: int, num_blocks: int,
                  balance_abs_threshold: int = 8) -> None:
         super().__init__(num_engines)
-        if num_blocks < 1 or balance_abs_threshold < 0:
-            raise ValueError(f"PrefixRouter: need num_blocks >= 1 and balance_abs_threshold >= 0,"
-                             f" got {num_blocks} and {balance_abs_threshold}")
+        if block_size < 1 or num_blocks < 1 or balance_abs_threshold < 0:
+            raise ValueError(f"PrefixRouter: need block_size >= 1, num_blocks >= 1 and "
+                             f"balance_abs_threshold >= 0, got {block_size}, {num_blocks} and "
+                             f"{balance_abs_threshold}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.balance_abs_threshold = balance_abs_threshold
-        # Per engine: block hash -> None, least recently routed first.
-        self.caches: list[OrderedDict[BlockHash, None]] = [OrderedDict()
-                                                           for _ in range(num_engines)]
+        self.caches: list[dict[BlockHash, None]] = [{} for _ in range(num_engines)]
+
+
+class PrefixRouter(PrefixRouterBase):
+    """Route to the engine whose cache (as the router saw it fill) holds the longest leading run
+    of the prompt's block hashes; ties, and prompts nobody holds, go to the least-loaded engine
+    (then the one holding fewest blocks, so new prefixes spread out). Lab 04-07's tasks.
+
+    upstream: none (course-only; see the module docstring)
+    """
 
     def matched_blocks(self, engine_index: int, hashes: Sequence[BlockHash]) -> int:
         """How many of ``hashes``, from the first, the engine's cache holds. Only a leading run
-        counts: a hit on block ``i`` alone is useless, as the engine's lookup stops at a miss."""
+        counts: a hit on block ``i`` alone is useless, as the engine's lookup stops at a miss.
+
+        upstream: none (course-only; the engine's own lookup is find_longest_cache_hit)
+        """
         cache = self.caches[engine_index]
         return next((i for i, h in enumerate(hashes) if h not in cache), len(hashes))
 
+    def remember(self, engine_index: int, hashes: Sequence[BlockHash]) -> None:
+        """Mark ``hashes`` as the engine's most recent blocks, evicting the least recent ones
+        past ``num_blocks``. The tail goes in first so the head is the freshest: the engine
+        frees a request's blocks tail first too, so a shared prefix outlives the suffixes that
+        hang off it.
+
+        upstream: none (course-only; see the module docstring)
+        """
+        cache = self.caches[engine_index]
+        for h in reversed(hashes):
+            cache.pop(h, None)
+            cache[h] = None  # a dict keeps insertion order: this is now the most recent
+        while len(cache) > self.num_blocks:
+            del cache[next(iter(cache))]  # the least recent
+
     def route(self, prompt_token_ids: Sequence[int]) -> int:
+        """The engine for this prompt (see the class docstring): the longest leading match,
+        unless nobody matches or the best is more than ``balance_abs_threshold`` requests
+        busier than the least loaded; the chosen engine remembers the prompt's hashes and
+        counts the request.
+
+        upstream: none (course-only; see the module docstring)
+        """
         hashes = prompt_block_hashes(prompt_token_ids, self.block_size)
         engines = range(len(self.loads))
         matched = [self.matched_blocks(e, hashes) for e in engines]
@@ -118,20 +164,9 @@ class PrefixRouter(RoundRobinRouter):
         best = max(engines, key=lambda e: (matched[e], -self.loads[e], -len(self.caches[e]), -e))
         too_busy = self.loads[best] - self.loads[least] > self.balance_abs_threshold
         index = least if matched[best] == 0 or too_busy else best
-        self._remember(index, hashes)
+        self.remember(index, hashes)
         self.loads[index] += 1
         return index
-
-    def _remember(self, engine_index: int, hashes: Sequence[BlockHash]) -> None:
-        """Mark ``hashes`` as the engine's most recent blocks, evicting the least recent ones.
-        The tail goes in first so the head is the freshest: the engine frees a request's blocks
-        tail first too, so a shared prefix outlives the suffixes that hang off it."""
-        cache = self.caches[engine_index]
-        for h in reversed(hashes):
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > self.num_blocks:
-            cache.popitem(last=False)
 
 
 class RoutedEngines:
@@ -166,7 +201,7 @@ class RoutedEngines:
             self.shutdown()
             raise
         sched = self.engines[0].llm._scheduler_config
-        self.router: RoundRobinRouter = (
+        self.router: RouterBase = (
             PrefixRouter(dp_size, block_size=sched.block_size, num_blocks=sched.num_gpu_blocks - 1,
                          balance_abs_threshold=balance_abs_threshold)
             if policy == "prefix" else RoundRobinRouter(dp_size))
