@@ -7,6 +7,9 @@ float rounding, and "the engine picks exactly the reference's tokens" is a fair 
 
 from __future__ import annotations
 
+import glob
+import multiprocessing as mp
+import os
 import random
 
 import pytest
@@ -70,3 +73,23 @@ def prompts() -> list[list[int]]:
 def reference_outputs(tiny_model, prompts) -> list[list[int]]:
     """Greedy continuations by full recomputation, no cache: the oracle."""
     return [greedy_reference(tiny_model, p, MAX_TOKENS) for p in prompts]
+
+
+# The tests that start processes of their own (tensor-parallel workers, engine cores of a
+# disaggregated pair or of routed engines) or shared-memory stores.
+_LEAVE_NOTHING = ("test_tensor_parallel", "test_disaggregated", "test_router")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind(request):
+    """After each test of the modules above: no child process of this worker still runs, and no
+    KV-store segment named for this worker (DisaggregatedLLM's default prefix holds its pid) is
+    left in /dev/shm."""
+    yield
+    if request.module.__name__.rpartition(".")[2] not in _LEAVE_NOTHING:
+        return
+    children = [p.name for p in mp.active_children()]
+    segments = glob.glob(f"/dev/shm/mini_vllm_kv_{os.getpid()}_*")
+    assert not children and not segments, (
+        f"left behind by this test: processes {children}, shared-memory segments {segments}")
+
