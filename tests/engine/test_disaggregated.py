@@ -5,8 +5,8 @@ The pair's tokens equal one engine's (greedy), and the decode engine computed on
 last partial block (its output says how many prompt tokens it did not compute). In one process,
 two ``LLM``s show the connector's contract: blocks land in the consumer's own block ids, and a
 connector that saves a layer's blocks before the layer wrote them is caught by the same check.
-Nothing outlives the pair: no process, no shared-memory segment, also after the prefill engine's
-process is killed.
+Nothing outlives the pair: no process, no shared-memory segment, also after Ctrl-C or after the
+prefill engine's process is killed.
 """
 
 from __future__ import annotations
@@ -142,6 +142,16 @@ def test_a_killed_prefill_engine_leaves_no_segment_or_process():
         pair.prefill.core_client.process.join(timeout=10)
     finally:
         pair.shutdown()
+    assert _segments(pair.kv_store) == []
+    assert mp.active_children() == []
+
+
+def test_ctrl_c_inside_the_pair_leaves_no_segment_or_process():
+    with pytest.raises(KeyboardInterrupt):
+        with DisaggregatedLLM(kv_transport="shm", num_gpu_blocks=64) as pair:
+            asyncio.run(_run(pair, PROMPTS[:2]))
+            assert _segments(pair.kv_store), "the prefill engine saved nothing"
+            raise KeyboardInterrupt
     assert _segments(pair.kv_store) == []
     assert mp.active_children() == []
 
