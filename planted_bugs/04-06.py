@@ -68,8 +68,8 @@ BUGS = [
         description="decode steps save the blocks their output tokens fill too, under hashes "
         "the producer's prompt never named",
         file=CONNECTOR,
-        find="            end = min(start + num_new, request.num_prompt_tokens)\n",
-        replace="            end = start + num_new\n",
+        find="            end = min(request.num_computed_tokens, request.num_prompt_tokens)\n",
+        replace="            end = request.num_computed_tokens\n",
     ),
     PlantedBug(
         name="loads-planned-twice",

@@ -34,6 +34,7 @@ from mini_vllm.core.kv_cache_utils import get_request_block_hasher, sha256
 from mini_vllm.core.sched.async_scheduler import AsyncScheduler
 from mini_vllm.core.sched.output import SchedulerOutput
 from mini_vllm.core.sched.scheduler import Scheduler
+from mini_vllm.engine.kv_connector import KVConnectorScheduling
 from mini_vllm.model_executor.models.llama import LlamaForCausalLM
 from mini_vllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from mini_vllm.request import Request
@@ -140,6 +141,7 @@ class EngineCoreBase:
                                                      **runner_kwargs)
         else:
             self.model_runner = runner_cls(model, **runner_kwargs)
+        self.kv_connector: KVConnectorScheduling | None = None  # lab 04-06's, see _connect_kv
         if kv_transfer_config is not None:
             self._connect_kv(kv_transfer_config, scheduler_config.block_size)
         self.block_hasher = get_request_block_hasher(scheduler_config.block_size, sha256)
@@ -162,9 +164,8 @@ class EngineCoreBase:
             # Engines that share blocks must name them alike: the chain's seed is the fixed one
             # upstream uses today, not v0.11.0's random bytes of each process.
             kv_cache_utils.NONE_HASH = sha256(kv_cache_utils.TODAY_NONE_HASH_SEED)
-        connector = BlockStoreConnector(KVConnectorRole.SCHEDULER, config, block_size)
-        connector.bind_kv_cache_manager(self.scheduler.kv_cache_manager)
-        self.scheduler.connector = connector
+        self.kv_connector = KVConnectorScheduling(
+            self.scheduler, BlockStoreConnector(KVConnectorRole.SCHEDULER, config, block_size))
         self.model_runner = KVConnectorRunner(
             self.model_runner, BlockStoreConnector(KVConnectorRole.WORKER, config, block_size))
 
@@ -243,7 +244,7 @@ class EngineCoreBase:
         upstream: vllm/v1/engine/core.py:834 @ v0.33.0
         """
         self.drain_batch_queue()
-        for part in (self.model_runner, getattr(self.scheduler, "connector", None)):
+        for part in (self.model_runner, self.kv_connector):
             stop = getattr(part, "shutdown", None)
             if stop is not None:
                 stop()
@@ -303,7 +304,11 @@ class EngineCore(EngineCoreBase):
         """
         if not self.scheduler.has_unfinished_requests():
             return []
+        if self.kv_connector is not None:
+            self.kv_connector.before_schedule()
         scheduler_output = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.after_schedule(scheduler_output)
         self._record_blocks_in_step()
         model_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)

@@ -91,6 +91,9 @@ class KVConnectorRunner:
             if meta is not None and meta.has_work:
                 self.runner.fused_decode = None  # this step's layers must call the hooks
             output = self.runner.execute_model(scheduler_output)
+            if not scheduler_output.total_num_scheduled_tokens:  # no layer ran: load anyway
+                for i in range(len(self.runner.kv_caches)):
+                    self.connector.wait_for_layer_load(layer_name(i))
             self.connector.wait_for_save()
             return output
         finally:

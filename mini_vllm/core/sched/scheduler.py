@@ -160,9 +160,6 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.stats = SchedulerStats()
         self.spec_decoding_stats = SpecDecodingStats()
-        # A KV connector's scheduler side (lab 04-06), set by the engine: tokens it can load
-        # count as computed on admission, and each step's output carries what it must move.
-        self.connector = None
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -239,9 +236,6 @@ class Scheduler:
 
         upstream: vllm/v1/core/sched/scheduler.py:1147 @ v0.11.0
         """
-        if self.connector is not None:
-            self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(
-                request.request_id)[0])
         self.kv_cache_manager.free(request)
         if self.swap_space is not None:
             self.swap_space.free(request.request_id)
@@ -483,24 +477,16 @@ class Scheduler:
             new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(
                 request
             )
-            num_external = 0  # tokens past the hit that the connector loads instead
-            if self.connector is not None:
-                num_external, _ = self.connector.get_num_new_matched_tokens(
-                    request, num_computed_tokens)
-            num_new_tokens = request.num_tokens - num_computed_tokens - num_external
+            num_new_tokens = request.num_tokens - num_computed_tokens
             threshold = self.scheduler_config.long_prefill_token_threshold
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, step.token_budget)
             new_blocks = self._allocate_on_admission(
-                request, num_new_tokens + num_external, num_computed_tokens, new_computed_blocks
+                request, num_new_tokens, num_computed_tokens, new_computed_blocks
             )
             if new_blocks is None:
                 break  # FCFS: nobody behind it may overtake it
-            num_computed_tokens += num_external
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, self.kv_cache_manager.get_blocks(request.request_id), num_external)
             self.waiting.popleft()
             self.running.append(request)
             if request.status == RequestStatus.WAITING:
@@ -565,7 +551,7 @@ class Scheduler:
                     self.running[0], len(self.running)
                 )
             ]
-        output = SchedulerOutput(
+        return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=dict(step.num_scheduled_tokens),
@@ -577,9 +563,6 @@ class Scheduler:
             blocks_to_swap_in=step.blocks_to_swap_in,
             scheduled_spec_decode_tokens=self._take_spec_tokens(step),
         )
-        if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
-        return output
 
     def _take_spec_tokens(self, step: _Step) -> dict[str, list[int]]:
         """The draft tokens each scheduled request checks in this step: as many of its

@@ -3,12 +3,14 @@ with the world outside the engine (another engine, a store), in upstream's v1 sh
 
 A connector comes in two halves, one per role, each built once per engine:
 
-* the **scheduler side** decides. When a request is admitted,
+* the **scheduler side** decides. For a request waiting for admission,
   :meth:`~KVConnectorBase_V1.get_num_new_matched_tokens` says how many tokens past the local
-  prefix-cache hit it can supply; the scheduler allocates blocks for them too and reports them
-  with :meth:`~KVConnectorBase_V1.update_state_after_alloc`, then counts them as computed.
-  Each step, :meth:`~KVConnectorBase_V1.build_connector_meta` packs what the worker must move
-  (loads into which blocks, saves from which) into the scheduler's output.
+  prefix-cache hit it can supply; blocks are allocated for them and reported with
+  :meth:`~KVConnectorBase_V1.update_state_after_alloc`, and the scheduler counts them as
+  computed. Each step, :meth:`~KVConnectorBase_V1.build_connector_meta` packs what the worker
+  must move (loads into which blocks, saves from which) into the scheduler's output. (Upstream's
+  scheduler makes these calls in its admission loop; mini_vllm's engine makes them around
+  ``schedule()``: :mod:`mini_vllm.engine.kv_connector`.)
 * the **worker side** moves. Around the step's forward pass: ``bind_connector_metadata``,
   :meth:`~KVConnectorBase_V1.start_load_kv` before it; inside it, per attention layer,
   :meth:`~KVConnectorBase_V1.wait_for_layer_load` before the layer reads its cache and

@@ -247,9 +247,9 @@ class BlockStoreConnector(BlockStoreConnectorBase):
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        """``request`` was admitted with ``blocks`` (all of its blocks, this engine's ids):
-        plan the load of its ``num_external_tokens`` into the blocks after the local hit; a
-        producer remembers the request to save its prompt's blocks.
+        """``blocks`` are ``request``'s blocks (this engine's ids: its local hit, then those
+        taken for the load): plan the load of its ``num_external_tokens`` into the blocks after
+        the local hit; a producer remembers the request to save its prompt's blocks.
 
         upstream: vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py:301 @ v0.33.0
         """
@@ -264,7 +264,8 @@ class BlockStoreConnector(BlockStoreConnectorBase):
 
     def build_connector_meta(self, scheduler_output: Any) -> BlockStoreConnectorMetadata:
         """The step's loads (planned since the last step) and saves: every prompt block that
-        this step's tokens fill, for each request a producer remembers.
+        this step's tokens fill, for each request a producer remembers (called once the step is
+        planned: ``num_computed_tokens`` already counts the step's tokens).
 
         upstream: vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py:312 @ v0.33.0
         """
@@ -274,9 +275,9 @@ class BlockStoreConnector(BlockStoreConnectorBase):
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            # num_computed_tokens is not advanced yet: this step computes [start, start+num_new).
-            start = request.num_computed_tokens
-            end = min(start + num_new, request.num_prompt_tokens)
+            # The scheduler has advanced num_computed_tokens: this step computed [start, end).
+            start = request.num_computed_tokens - num_new
+            end = min(request.num_computed_tokens, request.num_prompt_tokens)
             lo, hi = start // bs, min(end // bs, len(request.block_hashes))
             if hi > lo:
                 block_ids = self.kv_cache_manager.get_block_ids(request_id)[0]

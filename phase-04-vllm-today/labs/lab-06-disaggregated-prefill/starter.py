@@ -72,9 +72,9 @@ class BlockStoreConnector(BlockStoreConnectorBase):
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        """Task 2. ``request`` was admitted: ``blocks`` (a ``KVCacheBlocks``) are all of its
-        blocks in *this* engine's pool, and ``num_external_tokens`` (what task 1 returned, or 0)
-        are to be loaded.
+        """Task 2. ``blocks`` (a ``KVCacheBlocks``) are ``request``'s blocks in *this* engine's
+        pool: its local hit, then the blocks taken for what task 1 offered; and
+        ``num_external_tokens`` (what task 1 returned, or 0) are to be loaded into them.
 
         Take the request's entry out of ``self._fetched`` (absent: nothing fetched). With
         ``num_external_tokens > 0``, append to ``self._loads`` one ``LoadSpec(request_id,
@@ -92,9 +92,10 @@ class BlockStoreConnector(BlockStoreConnectorBase):
         ``LoadSpec`` s planned since the last step (``self._loads``, then emptied); ``saves``
         hold, for each request of ``scheduler_output.num_scheduled_tokens`` that
         ``self._requests`` holds, one ``SaveSpec(request_id, block_ids, keys)`` for the prompt
-        blocks this step fills. This step computes tokens ``[request.num_computed_tokens,
-        + num scheduled)`` (``num_computed_tokens`` is not advanced yet); a block is filled when
-        its last token is among them and it lies within the prompt. ``block_ids`` are the
+        blocks this step fills. The step is planned already, so ``request.num_computed_tokens``
+        counts its tokens: it computes tokens ``[num_computed_tokens - num scheduled,
+        num_computed_tokens)``; a block is filled when its last token is among them and it lies
+        within the prompt. ``block_ids`` are the
         request's own (``self.kv_cache_manager.get_block_ids(request_id)[0]``), ``keys`` their
         ``request.block_hashes``. No ``SaveSpec`` for a request that fills no prompt block.
         """

@@ -231,7 +231,7 @@ def test_saves_are_the_prompt_blocks_each_step_fills():
     for num_computed, num_new in [(0, 6), (6, 6), (12, 2), (15, 1)]:
         if num_computed == 15:  # two tokens generated: block 3 is full, and hashed
             req.append_output_token_ids([7, 8])
-        req.num_computed_tokens = num_computed
+        req.num_computed_tokens = num_computed + num_new  # the step is planned: advanced
         meta = read(conn.build_connector_meta(step_output({"r": num_new})))
         plan.append([(s.request_id, list(s.block_ids), list(s.keys)) for s in meta.saves])
         assert list(meta.loads) == [], f"a producer loads nothing; got {meta.loads}"
