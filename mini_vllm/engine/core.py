@@ -304,11 +304,7 @@ class EngineCore(EngineCoreBase):
         """
         if not self.scheduler.has_unfinished_requests():
             return []
-        if self.kv_connector is not None:
-            self.kv_connector.before_schedule()
         scheduler_output = self.scheduler.schedule()
-        if self.kv_connector is not None:
-            self.kv_connector.after_schedule(scheduler_output)
         self._record_blocks_in_step()
         model_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)

@@ -1,8 +1,8 @@
 """A KV connector's scheduler side, driven around the scheduler (lab 04-06).
 
 Upstream's scheduler calls the connector from inside its admission loop. Here the engine calls
-it around ``schedule()`` instead, so that any scheduler (lab 03-01's own included) works with it
-unchanged:
+it around ``schedule()`` instead (it wraps the scheduler's ``schedule``), so that any scheduler
+and any engine step (labs 03-01 and 03-04, a student's own included) work with it unchanged:
 
 1. **Before** ``schedule()``: for each waiting request not looked up yet, the connector says how
    many tokens past the local prefix-cache hit it can supply
@@ -53,6 +53,16 @@ class KVConnectorScheduling:
         self.connector = connector
         connector.bind_kv_cache_manager(scheduler.kv_cache_manager)
         self._looked_up: set[str] = set()
+        # Around this scheduler's own schedule(), whoever calls it (lab 03-04's step included).
+        plain = scheduler.schedule
+
+        def schedule() -> Any:
+            self.before_schedule()
+            scheduler_output = plain()
+            self.after_schedule(scheduler_output)
+            return scheduler_output
+
+        scheduler.schedule = schedule
 
     def _local_hit(self, request: Any) -> list:
         """The cached blocks of the request's leading run of hashes (the lookup admission makes,
