@@ -361,6 +361,36 @@ def test_the_process_limit_holds_and_nothing_outlives_the_run(session, mechanism
             f"process {entry.name} outlived the run")
 
 
+LOOPBACK = """\
+import socket
+own = socket.create_server(("127.0.0.1", 0))
+talk = socket.create_connection(own.getsockname(), timeout=5)
+peer, _ = own.accept()
+talk.sendall(b"ping")
+heard = peer.recv(4).decode()
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=5).close()
+    host = "reached"
+except OSError as exc:
+    host = type(exc).__name__
+send(kind="loopback", heard=heard, host=host)
+"""
+
+
+@pytest.mark.parametrize("level", ["namespaces", "namespaces+nobody"])
+def test_a_session_talks_to_itself_over_loopback_but_not_to_the_host(session, level):
+    """The session's network namespace has its own loopback, up (torch.distributed's gloo needs
+    one, lab 04-05): its processes connect to each other over 127.0.0.1, and a server listening
+    on the host's 127.0.0.1 is out of reach."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as host:
+        run, _ = session(isolation(level), LOOPBACK, str(host.getsockname()[1]))
+    seen = the(run, "loopback")
+    assert seen["heard"] == "ping", run.log_tail
+    assert seen["host"] == "ConnectionRefusedError", seen
+
+
 def test_the_session_cgroup_is_removed():
     probed = sandbox.probe()
     if not probed.memory.startswith("cgroup"):

@@ -51,6 +51,8 @@ ENGINE_MODULES = (
     "mini_vllm.engine.serial_utils",
     "mini_vllm.engine.core_proc",
     "mini_vllm.engine.core_client",
+    # lab 04-05's: the size check and the cut, where the executor starts each rank
+    "mini_vllm.executor.multiproc_executor",
     # lab 04-06's: the connector, looked up where the engine connects it
     "mini_vllm.distributed.kv_transfer",
     "mini_vllm.worker.kv_connector_model_runner_mixin",

@@ -10,16 +10,16 @@ the engine's counters, the steps :class:`StepRecorder` saw. The exam compares th
 oracle and with the reference engine; nothing the engine process sends is run, imported or
 unpickled by the worker, and nothing it writes anywhere is a result.
 
-:class:`Engines` is what answers, in the engine process; :class:`LocalEngines` answers the same
-requests in the worker itself, for the reference engine (nothing composed), each answer passed
-through JSON as it would cross the socket.
+:class:`Engines` is what answers, in the engine process. The reference engine answers from an
+engine process too (nothing composed), so that the worker itself never runs an engine: an engine
+may leave threads behind (torch.distributed's gloo), and a process forked from one that has them
+may hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import signal
 import socket
@@ -31,8 +31,8 @@ import torch
 
 from course.engine.exam import (
     GRACE_S,
+    MODELS,
     TINY,
-    TINY_FP8,
     CaseTimeout,
     EngineDied,
     IdTokenizer,
@@ -142,7 +142,7 @@ class Engines:
 
     def __init__(self, labs: tuple[str, ...] = (), gpu: bool = False) -> None:
         self.labs, self.gpu = tuple(labs), gpu  # composed here, and in a core process it starts
-        self.models: dict[bool, object] = {}
+        self.models: dict[str, object] = {}
         self.llms: list = []
         self.recorders: list[StepRecorder] = []
         self.cpu_free: list[int] = []
@@ -173,8 +173,11 @@ class Engines:
         lookahead = int(config.pop("lookahead", 0))
         if config.get("kv_scales") is not None:
             config["kv_scales"] = [tuple(s) for s in config["kv_scales"]]
-        llm = LLM(self._model(is_fp8(config.get("kv_cache_dtype", "auto"))),
-                  tokenizer=tokenizer, **config)
+        model = config.pop("model", None) or (
+            "fp8" if is_fp8(config.get("kv_cache_dtype", "auto")) else "tiny")
+        if model not in MODELS:
+            raise ValueError(f"no exam model named {model!r} (one of {sorted(MODELS)})")
+        llm = LLM(self._model(model), tokenizer=tokenizer, **config)
         swap = llm.engine.scheduler.swap_space
         runner = llm.engine.model_runner
         with torch.no_grad():
@@ -322,19 +325,19 @@ class Engines:
             if op == "generate":
                 self.current = None
 
-    def _model(self, fp8: bool):
-        """The exam model, or for an fp8 cache its twin with head size 16 (TINY_FP8), with the
-        hook that counts NaN rows in the running step's record."""
-        if fp8 not in self.models:
-            model = tiny_model(config=TINY_FP8 if fp8 else TINY)
+    def _model(self, name: str):
+        """Exam model ``name`` (a key of MODELS: "fp8" is TINY's twin with head size 16 for an
+        fp8 cache), with the hook that counts NaN rows in the running step's record."""
+        if name not in self.models:
+            model = tiny_model(config=MODELS[name])
 
             def hook(module, args, output) -> None:
                 if self.current and torch.is_tensor(output):
                     self.current[-1]["nan"] += int(torch.isnan(output).any(dim=-1).sum())
 
             model.register_forward_hook(hook)
-            self.models[fp8] = model
-        return self.models[fp8]
+            self.models[name] = model
+        return self.models[name]
 
 
 def _numbers(stats) -> dict:
@@ -369,22 +372,6 @@ def _reserve_lookahead(llm, lookahead: int) -> None:
 
 
 # --- the worker's handles -----------------------------------------------------------------------
-
-
-class LocalEngines:
-    """The reference engine's requests, answered in this process (nothing is composed here),
-    each request and answer passed through JSON as they would cross the socket."""
-
-    def __init__(self) -> None:
-        self.engines = Engines()
-
-    def call(self, op: str, args: dict, seconds: float | None) -> dict:
-        # No alarm of its own: the case's own time limit (run_case) covers the call.
-        request = json.loads(json.dumps({"op": op, "args": args}))
-        return json.loads(json.dumps(self.engines.answer(request)))
-
-    def stop(self) -> None:
-        self.engines.forget()
 
 
 class EngineProcess:

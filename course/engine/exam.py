@@ -52,6 +52,7 @@ from mini_vllm.model_executor.models.llama import LlamaForCausalLM, ModelConfig,
 from mini_vllm.sample.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 
+EOS = 63  # the exam tokenizer's end-of-sequence id
 TINY = ModelConfig(
     vocab_size=64,
     hidden_size=32,
@@ -64,7 +65,12 @@ TINY = ModelConfig(
 # The fp8 case's twin of TINY: head size 16, because an fp8 cache packs 16 one-byte elements into
 # each 16-byte vector of its key layout (x = 16), which a head of 8 cannot fill.
 TINY_FP8 = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128)
-EOS = 63  # the exam tokenizer's end-of-sequence id
+# The tensor-parallel case's model: a vocabulary of 65 ids, which 2 and 4 ranks do not split
+# evenly (their shards are padded), tied embeddings (the head shares the embedding's shard), and
+# biases on every projection (a row-parallel layer adds its bias once, after the all-reduce).
+TINY_TP = dataclasses.replace(TINY, vocab_size=65, tie_word_embeddings=True,
+                              attention_bias=True, o_proj_bias=True, mlp_bias=True)
+MODELS = {"tiny": TINY, "fp8": TINY_FP8, "tp": TINY_TP}
 # Lab 02-07's case needs Triton, which installs on Linux only (where graders run).
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 SWEEP_SEED = 20261122  # the graded sweep's configurations are fixed by this seed
@@ -72,10 +78,16 @@ GRADED_SWEEP = 8  # configurations of the randomized sweep in a graded exam
 
 
 def tiny_model(seed: int = 1, config: ModelConfig = TINY) -> LlamaForCausalLM:
-    """The exam's model: random weights with a large scale, so that logits are well separated."""
+    """The exam's model: random weights with a large scale, so that logits are well separated;
+    biases (where the config has them) random too, so that each one counts."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     init_weights(model, seed=seed, std=0.5)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     return model.eval().requires_grad_(False)
 
 
@@ -271,6 +283,7 @@ class Engine:
     kv_scales: tuple[tuple[float, float], ...] | None  # an fp8 cache's scales, as configured
     kv_cache_dtype: str  # the dtype the engine reports for its cache
     attention: str = "paged"  # the attention kernel the engine reports ("paged" or "triton")
+    model: str = "tiny"  # the exam model it runs (a key of MODELS)
 
 
 @dataclass
@@ -437,8 +450,7 @@ class Exam:
 
     def __init__(self, engines, reference_stats: dict[str, list[dict]] | None = None) -> None:
         self.engines = engines
-        self.model = tiny_model()
-        self._fp8_model: LlamaForCausalLM | None = None
+        self.models: dict[str, LlamaForCausalLM] = {"tiny": tiny_model()}
         self._oracle: dict[tuple, Completion] = {}
         self.reference_stats = reference_stats
         self.case = ""
@@ -469,26 +481,30 @@ class Exam:
 
     def export(self) -> dict:
         """The oracle's completions, as JSON (so another process need not recompute them)."""
-        return {"oracle": [[list(k[0]), k[1], k[2], k[3] and [list(s) for s in k[3]],
+        return {"oracle": [[list(k[0]), k[1], k[2], k[3] and [list(s) for s in k[3]], k[4],
                             v.token_ids, v.finish_reason]
                            for k, v in self._oracle.items()]}
 
     def preload(self, data: dict) -> None:
-        for prompt, params, max_model_len, scales, tokens, reason in data.get("oracle", []):
+        for prompt, params, max_model_len, scales, model, tokens, reason in data.get("oracle",
+                                                                                      []):
             key = (tuple(prompt), params, max_model_len,
-                   tuple(tuple(s) for s in scales) if scales else None)
+                   tuple(tuple(s) for s in scales) if scales else None, model)
             self._oracle[key] = Completion(tokens, reason)
 
     def llm(self, **config) -> Engine:
         """An engine built with ``config`` (``LLM``'s keyword arguments; ``tokenizer`` "ids"
-        or "split", ``lookahead`` slots every allocation reserves) in the engine process."""
+        or "split", ``lookahead`` slots every allocation reserves, ``model`` one of MODELS: by
+        default "fp8" for an fp8 cache, else "tiny") in the engine process."""
         config.setdefault("max_model_len", TINY.max_position_embeddings)
         scales = None
         if is_fp8(config.get("kv_cache_dtype", "auto")):
             scales = tuple(tuple(float(x) for x in pair) for pair in config["kv_scales"])
+        config.setdefault("model", "fp8" if scales else "tiny")
         made = self.call("new", config=config)
         return Engine(int(made["engine"]), config["max_model_len"], scales,
-                      str(made["kv_cache_dtype"]), str(made.get("attention", "paged")))
+                      str(made["kv_cache_dtype"]), str(made.get("attention", "paged")),
+                      config["model"])
 
     def serve(self, llm: Engine, multiprocessing: bool = False,
               step_timeout_s: float = 60.0) -> Served:
@@ -501,20 +517,22 @@ class Exam:
                          step_timeout_s=step_timeout_s)
         return Served(self, int(made["server"]), str(made["uds"]))
 
-    def model_for(self, fp8: bool) -> LlamaForCausalLM:
-        """The oracle's model, or for an fp8 cache its twin with head size 16 (TINY_FP8)."""
-        if not fp8:
-            return self.model
-        if self._fp8_model is None:
-            self._fp8_model = tiny_model(config=TINY_FP8)
-        return self._fp8_model
+    def model_for(self, name: str) -> LlamaForCausalLM:
+        """The oracle's copy of exam model ``name`` (a key of MODELS)."""
+        if name not in self.models:
+            self.models[name] = tiny_model(config=MODELS[name])
+        return self.models[name]
 
     def expected(self, prompt: Sequence[int], params: SamplingParams, max_model_len: int,
-                 kv_scales: tuple[tuple[float, float], ...] | None = None):
-        key = (tuple(prompt), repr(params), max_model_len, kv_scales)
+                 kv_scales: tuple[tuple[float, float], ...] | None = None,
+                 model: str | None = None):
+        """The no-cache oracle's completion on exam model ``model`` (by default "fp8" with
+        ``kv_scales``, else "tiny")."""
+        model = model or ("fp8" if kv_scales else "tiny")
+        key = (tuple(prompt), repr(params), max_model_len, kv_scales, model)
         if key not in self._oracle:
             self._oracle[key] = reference_completion(
-                self.model_for(kv_scales is not None), prompt, params, eos_token_id=EOS,
+                self.model_for(model), prompt, params, eos_token_id=EOS,
                 max_model_len=max_model_len,
                 kv_scales=kv_scales,
             )
@@ -611,7 +629,8 @@ class Exam:
                     child = SamplingParams(**{**p.__dict__, "n": 1})
                     if p.seed is not None:
                         child.seed = p.seed + j
-                want = self.expected(prompt, child, llm.max_model_len, llm.kv_scales)
+                want = self.expected(prompt, child, llm.max_model_len, llm.kv_scales,
+                                     llm.model)
                 try:
                     _compare(i if p.n == 1 else f"{i}.{j}", prompt, comp, want)
                 except ExamFailure as exc:
@@ -922,7 +941,8 @@ def case_beam_search(exam: Exam) -> None:
                           f"({type(exc).__name__}: {exc})") from None
     if len(outputs) != len(prompts):
         raise ExamFailure(f"beam search: {len(outputs)} outputs for {len(prompts)} prompts")
-    wanted = brute_force_beam_search(lambda seqs: last_logprobs(exam.model, seqs), prompts,
+    model = exam.model_for("tiny")
+    wanted = brute_force_beam_search(lambda seqs: last_logprobs(model, seqs), prompts,
                                      width, max_tokens, EOS)
     for i, (out, want, prompt) in enumerate(zip(outputs, wanted, prompts)):
         beams = [tokens[len(prompt):] for tokens, _ in out]
@@ -1071,6 +1091,40 @@ def case_disaggregated_prefill(exam: Exam) -> None:
     got = [out.metrics.get("num_cached_tokens") for out in run.outputs]
     expect(got == expected, f"the decode engine loading every full prompt block but the last "
            f"(tokens not computed per prompt {expected}; got {got})")
+
+
+def _refusal(exam: Exam, **config) -> str:
+    """How the engine process refused to build an engine of ``config`` ("" if it built one)."""
+    try:
+        exam.llm(**config)
+    except EngineError as exc:
+        if exc.not_implemented:
+            raise
+        return f"{exc.kind}: {exc}"
+    return ""
+
+
+def case_tensor_parallel(exam: Exam) -> None:
+    """Lab 04-05's split at tp 2 (each rank two query heads, one KV head) and tp 4 (each KV
+    head kept by two ranks) on TINY_TP (a vocabulary of 65 ids, padded on each split; tied
+    embeddings; a bias on every projection), the ranks in processes of their own: greedy
+    completions beside chunked prefill and a seeded sample, each the no-cache oracle's, with a
+    prompt that holds the last ids of the vocabulary. tp 3 is refused before anything starts,
+    naming the sizes that split the model."""
+    rng = random.Random(45)
+    last = TINY_TP.vocab_size - 1  # the id past EOS: the one a floor division leaves to no rank
+    prompts = [*_prompts(rng, [5, 19, 11]), [last, EOS - 1, last, 7, EOS - 2, last, 3]]
+    params = [GREEDY] * 3 + [SamplingParams(temperature=1.0, seed=4, max_tokens=12)]
+    refused = _refusal(exam, model="tp", tensor_parallel_size=3, block_size=4)
+    expect(refused.startswith("ValueError") and "tensor_parallel_size=3" in refused
+           and "[1, 2, 4]" in refused,
+           f"tp 3 refused with a ValueError naming tensor_parallel_size=3 and the sizes "
+           f"[1, 2, 4] (got {refused or 'an engine'!r})")
+    for tp in (2, 4):
+        llm = exam.llm(model="tp", tensor_parallel_size=tp, block_size=4, num_gpu_blocks=48,
+                       max_num_batched_tokens=16)
+        exam.generate(llm, prompts, params)
+        exam.call("forget")  # its worker processes stop before the next size starts its own
 
 
 def case_cache_aware_routing(exam: Exam) -> None:
@@ -1593,6 +1647,9 @@ def _sweep_case(seed: int) -> Callable[[Exam], None]:
 class Case:
     name: str
     run: Callable[[Exam], None]
+    # The engine process is replaced after the case: its engines leave threads behind
+    # (torch.distributed's gloo), and a process forked from one that has them may hang.
+    fresh_process: bool = False
 
     @property
     def what(self) -> str:
@@ -1625,6 +1682,7 @@ def cases(sweep: int = GRADED_SWEEP) -> list[Case]:
         Case("engine-core-process", case_engine_core_process),
         Case("async-scheduling", case_async_scheduling),
         Case("persistent-batch", case_persistent_batch),
+        Case("tensor-parallel", case_tensor_parallel, fresh_process=True),
         Case("disaggregated-prefill", case_disaggregated_prefill),
         Case("cache-aware-routing", case_cache_aware_routing),
     ]

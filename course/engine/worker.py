@@ -1,12 +1,13 @@
 """The worker process of ``python -m course engine``: build engines, run them, report as JSON.
 
 Composition patches the process it runs in (:mod:`course.engine.compose`). The worker imports torch,
-mini_vllm and the exam once, and, for each engine it must run (the student's composition, then
-one lab at a time while bisecting), forks a process that composes it: every engine gets a clean
-process without paying for the imports again. For the exam, that process is an engine process
-(:mod:`course.engine.engine_side`) that answers the exam's requests with data, and the worker,
-which never composes anything, runs the cases and decides every verdict; the reference engine's
-statistics and the oracle's completions are computed here, before anything is composed.
+mini_vllm and the exam once, and, for each engine it must run (the reference's, the student's
+composition, then one lab at a time while bisecting), forks a process that composes it: every
+engine gets a clean process without paying for the imports again. For the exam, that process is
+an engine process (:mod:`course.engine.engine_side`) that answers the exam's requests with data,
+and the worker, which never composes anything nor runs an engine, runs the cases and decides
+every verdict; the reference engine's statistics (from an engine process that composes nothing)
+and the oracle's completions come first.
 
 The parent passes a JSON job on the command line; the worker writes one JSON object per line to
 the pipe ``job["out_fd"]`` as the work goes, so a case that hangs or kills the process leaves
@@ -137,25 +138,46 @@ def _select_cases(job: dict):
     return sorted(all_cases, key=lambda c: c.name != first)
 
 
+def _run_case(process, exam, case, timeout_s: float):
+    """``case`` on the engine ``process`` (started again first if the last case ended it); the
+    process is stopped after a case that ran out of time (interrupted anywhere) or that asks
+    for a fresh one (Case.fresh_process)."""
+    from course.engine.exam import CaseResult, CaseTimeout, run_case
+
+    if not process.alive:
+        process.restart()
+    try:
+        result = run_case(case, exam, timeout_s)
+    except CaseTimeout:  # the alarm fired as run_case was putting it away
+        result = CaseResult(case.name, "timeout", "did not finish in time")
+    if result.outcome == "timeout" or case.fresh_process:
+        process.stop()
+    return result
+
+
 def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
-    """(statistics per case, the oracle's completions) of the reference engine, computed here
-    before anything is composed, or read from ``job["reference"]``. With ``out``, every case's
-    result is reported (the exam of the reference itself)."""
-    from course.engine.engine_side import LocalEngines
-    from course.engine.exam import Exam, cases, run_case
+    """(statistics per case, the oracle's completions) of the reference engine, run in an
+    engine process that composes nothing, or read from ``job["reference"]``. With ``out``,
+    every case's result is reported (the exam of the reference itself)."""
+    from course.engine.engine_side import EngineProcess
+    from course.engine.exam import Exam, cases
 
     path = Path(job["reference"]) if job.get("reference") else None
     if path is not None and path.is_file() and out is None:
         data = json.loads(path.read_text(encoding="utf-8"))
         if all(c.name in data["stats"] for c in chosen):
             return data["stats"], data
-    engines = LocalEngines()
-    exam = Exam(engines)
+    process = EngineProcess([], gpu=job.get("gpu", False))
+    if process.composition_error is not None:
+        raise RuntimeError(f"the reference engine does not compose: {process.composition_error}")
+    if out is not None:
+        _emit(out, {"type": "composition", "rows": process.rows})
+    exam = Exam(process)
     stats = {}
     todo = cases(job["sweep"]) if path is not None else chosen  # a shared file holds them all
     try:
         for case in todo:
-            result = run_case(case, exam, job["timeout"])
+            result = _run_case(process, exam, case, job["timeout"])
             if out is not None:
                 _emit(out, {"type": "case", **result.as_dict()})
             elif result.outcome != "passed":
@@ -163,7 +185,7 @@ def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
                                    f"{result.message}")
             stats[case.name] = exam.recorded
     finally:
-        engines.stop()
+        process.stop()
     data = {"stats": stats, **exam.export()}
     if path is not None:
         tmp = path.with_suffix(".tmp")
@@ -173,13 +195,10 @@ def _reference_data(job: dict, chosen, out=None) -> tuple[dict, dict]:
 
 
 def run_exam(job: dict, out) -> None:
-    from course.engine.compose import compose
-
     chosen = _select_cases(job)
     labs = job["labs"]
     if not labs and job.get("reference"):
-        # The reference engine itself, in this process (nothing is composed), saving its data.
-        _emit(out, {"type": "composition", "rows": compose([]).lab_rows()})
+        # The reference engine itself (nothing is composed), saving its data.
         _reference_data(job, chosen, out)
         return
     stats, oracle = _reference_data(job, chosen) if labs else (None, {})
@@ -187,7 +206,7 @@ def run_exam(job: dict, out) -> None:
     def exam_of(student: list[str], names: set[str], fail_fast: bool, emit) -> None:
         """The cases ``names`` on an engine of ``student``'s pieces, judged here."""
         from course.engine.engine_side import EngineProcess
-        from course.engine.exam import CaseResult, CaseTimeout, EngineDied, Exam, run_case
+        from course.engine.exam import EngineDied, Exam
 
         try:
             process = EngineProcess(student, gpu=job.get("gpu", False))
@@ -215,13 +234,8 @@ def run_exam(job: dict, out) -> None:
                         emit({"type": "error", "message": process.composition_error,
                               "composition": False})
                         return
-                try:
-                    result = run_case(case, exam, job["timeout"])
-                except CaseTimeout:  # the alarm fired as run_case was putting it away
-                    result = CaseResult(case.name, "timeout", "did not finish in time")
+                result = _run_case(process, exam, case, job["timeout"])
                 emit({"type": "case", **result.as_dict()})
-                if result.outcome == "timeout":
-                    process.stop()  # interrupted anywhere: the next case gets a fresh one
                 if fail_fast and result.outcome != "passed":
                     break
         finally:

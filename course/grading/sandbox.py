@@ -155,6 +155,16 @@ def _works(cmd: list[str]) -> bool:
 
 
 _NS = ["--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child", "--mount-proc"]
+# The new network namespace's loopback interface is down; brought up (SIOCGIFFLAGS, then
+# SIOCSIFFLAGS with IFF_UP) so that a session's processes can talk to each other over
+# 127.0.0.1, as torch.distributed's gloo must (lab 04-05). It reaches only that namespace.
+LOOPBACK_UP = (
+    "import fcntl, socket, struct\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "ifreq = lambda flags: struct.pack('16sh22x', b'lo', flags)\n"
+    "flags = struct.unpack('16sh22x', fcntl.ioctl(s, 0x8913, ifreq(0)))[1]\n"
+    "fcntl.ioctl(s, 0x8914, ifreq(flags | 1))\n"
+)
 
 
 @cache
@@ -371,9 +381,9 @@ def _minimal(paths: list[Path]) -> list[Path]:
 def mount_script(ws: Workspace, iso: Isolation, limits: Limits, keep: list[Path],
                  readonly: list[Path], hide: list[Path], cwd: Path) -> str:
     """The shell script that PID 1 of the new namespaces runs (as root there) before the
-    session: private /tmp and /dev/shm, the workspace carried over read-only with its own
-    home, tmp and out, `readonly` bound read-only, `hide` hidden. It ends by running "$@"
-    (without exec: the namespace's init stays a shell, which reaps)."""
+    session: the loopback interface up, private /tmp and /dev/shm, the workspace carried over
+    read-only with its own home, tmp and out, `readonly` bound read-only, `hide` hidden. It
+    ends by running "$@" (without exec: the namespace's init stays a shell, which reaps)."""
     q = shlex.quote
     tmp = Path(os.path.realpath("/tmp"))
     shm = Path("/dev/shm")
@@ -394,6 +404,7 @@ def mount_script(ws: Workspace, iso: Isolation, limits: Limits, keep: list[Path]
         'hide() { if [ -L "$1" ]; then :; elif [ -d "$1" ]; then '
         'mnt -t tmpfs -o ro,nosuid,nodev,noexec,size=4k,mode=0 course-hidden "$1"; '
         'elif [ -e "$1" ]; then mnt --bind /dev/null "$1"; fi; }',
+        f"{q(python())} -c {q(LOOPBACK_UP)} || fail 'could not bring the loopback interface up'",
     ]
     # 1. The new /tmp is first mounted on the workspace's tmp folder (somewhere we know exists
     #    and is not hidden), filled with binds of what must survive, then moved over /tmp.

@@ -23,6 +23,7 @@ upstream: vllm/v1/executor/multiproc_executor.py:125 @ v0.33.0
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import shutil
@@ -122,7 +123,9 @@ class TensorParallelRunner:
                 self._conns.append(parent)
                 self._procs.append(proc)
             group = init_tensor_parallel(0, tp_size, init_method, timeout_s=timeout_s)
-            self.runner = runner_cls(shard_model(model, group), **runner_kwargs)
+            # A copy: the cut is in place, and the caller's model must stay whole (LLM builds
+            # its engine again from it; the workers got theirs when they were forked).
+            self.runner = runner_cls(shard_model(copy.deepcopy(model), group), **runner_kwargs)
             for rank, conn in enumerate(self._conns, 1):
                 self._expect_ready(rank, conn)
         except BaseException:

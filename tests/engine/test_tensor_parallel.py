@@ -44,6 +44,7 @@ def tp_engine():
         made.append((llm, llm.engine.model_runner._folder))
         return llm
 
+    make.adopt = lambda llm: made.append((llm, llm.engine.model_runner._folder))
     yield make
     for llm, _ in made:
         llm.engine.shutdown()
@@ -65,6 +66,21 @@ def test_tokens_equal_at_tp_1_2_and_4(tp_engine):
         llm = tp_engine(tp, max_num_batched_tokens=16)
         assert _tokens(llm, params) == expected, f"tp={tp}: greedy tokens differ from tp=1"
         llm.engine.shutdown()
+
+
+def test_the_callers_model_stays_whole(tp_engine):
+    """Rank 0 cuts a copy: ``llm.model`` keeps every head, and an engine built again from it
+    (as ``LLM.engine`` does after ``AsyncLLM`` released one) gives the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm = tp_engine(2)
+    whole = llm.model.model.layers[0].self_attn.q_proj.weight.shape
+    first = _tokens(llm, params)
+    assert llm.model.model.layers[0].self_attn.q_proj.weight.shape == whole
+    assert llm.model.model.layers[0].self_attn.num_heads == llm.model.config.num_attention_heads
+    llm.engine.shutdown()
+    llm.engine = None
+    assert _tokens(llm, params) == first
+    tp_engine.adopt(llm)
 
 
 def test_sampled_tokens_equal_at_tp_2(tp_engine):
